@@ -177,6 +177,13 @@ def _validate_faults_and_dist(config):
     _bad("dist.local_device_ids", ids, "must be '' or comma-separated device ids like '0,1'")
   _check_int(config, "dist.init_timeout", 1)
   _check_int(config, "dist.fsdp", 1)
+  n_cpu = _check_int(config, "dist.cpu_devices", 0)
+  if n_cpu > 1:
+    split = _get(config, "optim.batch_split")
+    for field, b in (("data.batch", _get(config, "data.batch") // max(1, split)),
+                     ("data.eval_batch", _get(config, "data.eval_batch"))):
+      if b % n_cpu:
+        _bad("dist.cpu_devices", n_cpu, f"must divide the per-step batch of config.{field} ({b})")
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

@@ -187,6 +187,8 @@ BAD = [
     ("train.eval_batches", -1, "config.train.eval_batches=-1"),
     ("train.max_to_keep", 0, "config.train.max_to_keep=0"),
     ("train.init_from", "", "config.train.init_from"),
+    ("dist.cpu_devices", -1, "config.dist.cpu_devices=-1"),
+    ("dist.cpu_devices", 3, "must divide the per-step batch"),
 ]
 
 

@@ -209,6 +209,55 @@ def test_fsdp_mesh_equals_data_parallel(tmp_path):
 
 
 @pytest.mark.slow
+def test_choose_cpu_devices():
+  from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
+  assert dist_lib.choose_cpu_devices(0, 2, (16, 8)) == 2
+  assert dist_lib.choose_cpu_devices(0, 16, (64, 8)) == 8  # the most that divide every batch
+  assert dist_lib.choose_cpu_devices(0, 6, (12, 6)) == 6
+  assert dist_lib.choose_cpu_devices(0, 4, (6, 3)) == 3
+  assert dist_lib.choose_cpu_devices(0, 8, (7, 8)) == 1
+  assert dist_lib.choose_cpu_devices(4, 2, (16, 8)) == 4  # an explicit request stands
+
+
+def test_setup_cpu_devices_decisions():
+  from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
+  cfg = config_for("/tmp/unused")
+  n, why = dist_lib.setup_cpu_devices(cfg, {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+  assert n is None and "XLA_FLAGS" in why
+  n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cuda"})
+  assert n is None and "accelerator" in why
+  n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": "h:1"})
+  assert n is None and "multi-process" in why
+  cfg.dist.cpu_devices = 1
+  assert dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})[0] is None
+  cfg.dist.cpu_devices = 2  # this process's backend is running: its devices are kept
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.devices()
+  n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})
+  assert n is None and "already" in why and jax.device_count() == 8
+
+
+def test_cpu_devices_split_trains_as_one_device(tmp_path):
+  """config.dist.cpu_devices=2 in a fresh process (no XLA_FLAGS) gives 2 devices, and the same
+  losses as the 8-device run in this process."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from span_lm.train import loop  # pylint: disable=g-import-not-at-top
+  split = tmp_path / "split"
+  env = worker_env(1)
+  del env["XLA_FLAGS"]
+  ov = dict(TINY, workdir=str(split), **{"dist.cpu_devices": 2, "train.full_eval_at_end": False})
+  p = subprocess.run(worker_command(ov), cwd=REPO, env=env, capture_output=True, text=True,
+                     timeout=150)
+  assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+  assert "CPU host split into 2 devices" in p.stdout
+  assert json.loads(p.stdout.split("RESULT ")[-1])["devices"] == 2
+  one = tmp_path / "one"
+  loop.train(config_for(one, {"train.full_eval_at_end": False}))
+  a, b = _train_losses(split), _train_losses(one)
+  assert sorted(a) == sorted(b) == list(range(1, 7))
+  np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
+
+
 def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
   """The preemption sync point: the signalled process and its peer checkpoint the same step."""
   workdir = tmp_path / "run"
@@ -255,5 +304,7 @@ if __name__ == "__main__":  # a worker: train the config given as JSON overrides
   overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[1]).items()}
   cfg = config_lib.load_config(overrides.pop("config", "configs/tiny.py:smoke"), overrides)
   out = loop.train(cfg)
+  import jax  # pylint: disable=g-import-not-at-top
   print("RESULT " + json.dumps({"step": out["step"], "preempted": out["preempted"],
-                                "skipped": out["skipped"]}), flush=True)
+                                "skipped": out["skipped"], "devices": jax.device_count()}),
+        flush=True)

@@ -94,6 +94,70 @@ def init_kwargs(dist, env: Mapping[str, str] | None = None) -> dict:
   return kw
 
 
+def choose_cpu_devices(requested: int, cores: int, batches: tuple[int, ...]) -> int:
+  """Devices to split a CPU host into: `requested`, or (0) the most, up to the core count, that
+  divide every per-step batch."""
+  if requested:
+    return requested
+  for n in range(max(1, cores), 0, -1):
+    if all(b % n == 0 for b in batches):
+      return n
+  return 1
+
+
+def accelerator_plugins() -> list[str]:
+  """Installed PJRT plugins JAX would load (CUDA, ROCm, TPU), found without starting a backend."""
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pkgutil  # pylint: disable=g-import-not-at-top
+  names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
+  try:
+    import jax_plugins  # pylint: disable=g-import-not-at-top
+    names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+  except ImportError:
+    pass
+  if importlib.util.find_spec("libtpu") is not None:
+    names.append("libtpu")
+  return names
+
+
+def _cpu_only(env: Mapping[str, str]) -> bool:
+  platforms = env.get("JAX_PLATFORMS", "")
+  if platforms:
+    return platforms.split(",")[0].strip() == "cpu"
+  return not accelerator_plugins()
+
+
+def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+  """Splits a CPU host into config.dist.cpu_devices JAX devices (0: auto) for data parallelism.
+
+  Why: XLA:CPU runs most of one device's operations (everything but large matmuls) on one thread,
+  and the banded attention and layer norms are such operations; with one device per core the
+  halves of the batch run side by side (bench/cpu_devices.py; docs/benchmarks.md). Must run
+  before the backend starts; a user's --xla_force_host_platform_device_count is left alone.
+  Returns (devices set or None, why).
+  """
+  env = os.environ if env is None else env
+  requested = int(config.dist.cpu_devices)
+  if "xla_force_host_platform_device_count" in env.get("XLA_FLAGS", ""):
+    return None, "XLA_FLAGS sets --xla_force_host_platform_device_count"
+  if requested == 1:
+    return None, "config.dist.cpu_devices=1"
+  if requested == 0:
+    if not _cpu_only(env):
+      return None, "an accelerator platform is available"
+    if decide(config.dist, env)[0]:
+      return None, "multi-process run (set config.dist.cpu_devices explicitly)"
+  split = max(1, int(config.optim.batch_split))
+  n = choose_cpu_devices(requested, len(os.sched_getaffinity(0)),
+                         (config.data.batch // split, config.data.eval_batch))
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:  # the backend already started (a notebook, a test): keep its devices
+    return None, "the JAX backend was already initialised"
+  return n, f"config.dist.cpu_devices={requested}" if requested else "auto: one per core"
+
+
 def initialize(config) -> bool:
   """Starts the distributed runtime if config/env ask for it; returns whether it is running.
 

@@ -59,7 +59,10 @@ class Run:
   def __init__(self, config, *, need_workdir: bool = True, num_devices: int | None = None):
     """num_devices: build the mesh over the first N devices (default: all of them)."""
     config_lib.validate(config)
+    n_cpu, why = dist_lib.setup_cpu_devices(config)  # before any backend use, as initialize
     dist_lib.initialize(config)  # before any backend use; a no-op for a lone process
+    if n_cpu:
+      _echo(f"CPU host split into {n_cpu} devices for data parallelism ({why})")
     self.config = config
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.train.compilation_cache:
