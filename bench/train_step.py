@@ -1,0 +1,167 @@
+"""The full training step (reference Adagrad, clipping, donated state) on the issue-8 shapes, as
+achieved GFLOP/s against this machine's measured matmul peak and against the reference's time.
+
+Shapes: 4 layers, D=256, 4 heads, FF 1024, block 128, batch 16, adaptive S=1024, vocab 205 (enwik8).
+Cases:
+  short   learned spans within 64 tokens (span + ramp), as after ~1000 steps of configs/tiny.py;
+          reference: 0.37 s/step
+  fixed   fixed span S=1024; reference: 1.24 s/step
+Each (case, devices) runs in its own process: `--devices N` splits the CPU host into N JAX devices
+(config.dist.cpu_devices) and shards the batch over them, as `python main.py` does by default.
+FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instructions XLA compiles).
+
+  python bench/train_step.py                                # short + fixed, 1 and 2 devices
+  python bench/train_step.py --cases short --devices 2 --reps 20
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REFERENCE_S = {"short": 0.37, "fixed": 1.24}
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def matmul_peak(n: int = 2048, reps: int = 20) -> float:
+  """GFLOP/s of a large jitted float32 a @ b on the whole host (one device, every core)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  a = jnp.ones((n, n), jnp.float32)
+  f = jax.jit(lambda a, b: a @ b)
+  f(a, a).block_until_ready()
+  best = float("inf")
+  for _ in range(3):
+    t = time.perf_counter()
+    for _ in range(reps):
+      f(a, a).block_until_ready()
+    best = min(best, (time.perf_counter() - t) / reps)
+  return 2 * n**3 / best / 1e9
+
+
+def worker(spec: dict) -> dict:
+  import jax  # pylint: disable=g-import-not-at-top
+  if spec["devices"] > 1:
+    jax.config.update("jax_num_cpu_devices", spec["devices"])
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from span_lm.model import spans as spans_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  from configs import base  # pylint: disable=g-import-not-at-top
+
+  a = spec["args"]
+  case = spec["case"]
+  cfg = ModelConfig(vocab_size=205, d_model=a["d_model"], n_layers=a["layers"],
+                    n_heads=a["heads"], d_ff=a["d_ff"], span=a["span"],
+                    span_mode="fixed" if case == "fixed" else "adaptive", ramp=32,
+                    dtype=a["dtype"])
+  optim = base.get_base_config().optim
+  optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
+  tx, _ = optimizer_lib.make_optimizer(optim)
+  mesh = sharding_lib.make_mesh()
+  batch, block = a["batch"], a["block"]
+
+  # The plan first (from span ratios), then the state at that plan.
+  full = spans_lib.full_plan(cfg)
+  state = steps_lib.init_state(cfg, tx, full, 1, 1, 0)
+  params = state["params"]
+  if case == "short":
+    z = (a["short_span"] - cfg.ramp) / cfg.span
+    for i in range(cfg.n_layers):
+      params[f"layers_{i}"]["attn"]["span_ratio"] = np.full(cfg.n_heads, z, np.float32)
+  plan = spans_lib.plan_from_params(cfg, params)
+  spans_lib.check_plan(cfg, params, plan)
+  rng = np.random.default_rng(0)
+  state = {"step": state["step"], "params": params, "opt_state": tx.init(params),
+           "rng": state["rng"],
+           "caches": tuple(np.asarray(rng.standard_normal(c.shape), np.float32)
+                           for c in spans_lib.init_caches(cfg, plan, batch)),
+           "eval_caches": spans_lib.init_caches(cfg, plan, jax.device_count())}
+  st_sh = sharding_lib.state_shardings(jax.eval_shape(lambda: state), mesh,
+                                       sharding_lib.default_state_rule)
+  state = jax.device_put(state, st_sh)
+  b_sh = NamedSharding(mesh, P(sharding_lib.DATA_AXIS, None))
+  compiler = steps_lib.StepCompiler(cfg, tx, mesh, lambda st: st_sh, b_sh,
+                                    sharding_lib.replicated(mesh), log=lambda _: None)
+  host = steps_lib.host_batch(rng.integers(0, 205, (batch, block)),
+                              rng.integers(0, 205, (batch, block)), False)
+  dev = {"x": jax.device_put(host["x"], b_sh), "y": jax.device_put(host["y"], b_sh),
+         "reset": jax.device_put(host["reset"], sharding_lib.replicated(mesh))}
+  t0 = time.perf_counter()
+  step = compiler.train(plan, state, dev)
+  compile_s = time.perf_counter() - t0
+  for _ in range(3):
+    state, metrics = step(state, dev)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(a["reps"]):
+    t = time.perf_counter()
+    state, metrics = step(state, dev)
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - t)
+  sec = float(np.median(times))
+  fl = flops_lib.train_step_flops(cfg, plan, batch, block)
+  return {"case": case, "devices": jax.device_count(), "seconds": sec, "min_seconds": min(times),
+          "compile_seconds": compile_s, "flops": fl, "gflops_per_s": fl / sec / 1e9,
+          "tokens_per_s": batch * block / sec, "plan": plan.describe()}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--cases", nargs="+", default=["short", "fixed"], choices=sorted(REFERENCE_S))
+  p.add_argument("--devices", type=int, nargs="+", default=[1, 2])
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--d_model", type=int, default=256)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--d_ff", type=int, default=1024)
+  p.add_argument("--span", type=int, default=1024)
+  p.add_argument("--block", type=int, default=128)
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--short_span", type=int, default=64, help="span + ramp of the short heads")
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--json", default=None)
+  p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args()
+  if args.worker:
+    print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
+    return
+
+  peak = matmul_peak()
+  print(f"float32 matmul peak (2048^3, whole host): {peak:.1f} GFLOP/s")
+  print("| case | devices | s/step | tokens/s | GFLOP/step | GFLOP/s | of peak | vs reference "
+        "tokens/s | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  rows = []
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  for case in args.cases:
+    for n in args.devices:
+      spec = {"case": case, "devices": n, "args": vars(args)}
+      out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
+                            json.dumps(spec)], env=env, capture_output=True, text=True, cwd=REPO)
+      if out.returncode:
+        raise SystemExit(out.stdout[-2000:] + out.stderr[-4000:])
+      r = json.loads(out.stdout.split("RESULT ")[-1])
+      r["peak_gflops_per_s"] = peak
+      r["vs_reference"] = REFERENCE_S[case] / r["seconds"]
+      rows.append(r)
+      print(f"| {case} | {r['devices']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
+            f"{r['flops'] / 1e9:.1f} | {r['gflops_per_s']:.0f} | "
+            f"{r['gflops_per_s'] / peak:.0%} | {r['vs_reference']:.2f}x | "
+            f"{r['compile_seconds']:.1f} |", flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"args": vars(args), "peak_gflops_per_s": peak, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
