@@ -66,6 +66,7 @@ SHRINKING = {
     "model.span_init": 0.9,
     "model.span_loss": 0.05,
     "model.plan_shrink_patience": 3,
+    "model.plan_growth": 1.0,  # no headroom: the shrink is to the tight 48-token window
     "optim.lr": 0.1,
     "optim.grad_clip": 0.0,
 }

@@ -43,6 +43,7 @@ class ModelConfig:
   plan_granularity: int = 64
   plan_margin: int = 64
   plan_shrink_patience: int = 1000
+  plan_growth: float = 1.25
   head_grouping: bool = True
   attn_chunk: int = 0
   adapt_io: bool = False  # adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)
@@ -98,6 +99,8 @@ class ModelConfig:
       bad("plan_margin", "must be >= 0")
     if self.plan_shrink_patience < 0:
       bad("plan_shrink_patience", "must be >= 0")
+    if not 1.0 <= self.plan_growth <= 4.0:
+      bad("plan_growth", "must be in [1, 4]")
     if self.attn_chunk < 0:
       bad("attn_chunk", "must be >= 0 (0: automatic)")
     # Hashable (the config is a jit static argument) whatever sequence the config held.

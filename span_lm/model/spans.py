@@ -128,12 +128,15 @@ def layer_plan_from_windows(cfg: ModelConfig, windows: Sequence[int]) -> LayerPl
   return LayerPlan(cache_len=cache_len, groups=groups)
 
 
-def plan_from_ratios(cfg: ModelConfig, ratios: Sequence[np.ndarray]) -> SpanPlan:
+def plan_from_ratios(cfg: ModelConfig, ratios: Sequence[np.ndarray], growth: float = 1.0) -> SpanPlan:
+  """The tightest plan for these spans; growth > 1 leaves that much headroom per head."""
   if cfg.span_mode != "adaptive":
     return full_plan(cfg)
   layers = []
   for z in ratios:
     need = needed_tokens(cfg, z)
+    if growth > 1.0:
+      need = np.ceil(need * growth).astype(np.int64)
     windows = [_round_up(int(n), cfg.plan_granularity, cfg.span) for n in need]
     layers.append(layer_plan_from_windows(cfg, windows))
   return SpanPlan(layers=tuple(layers))
@@ -141,7 +144,8 @@ def plan_from_ratios(cfg: ModelConfig, ratios: Sequence[np.ndarray]) -> SpanPlan
 
 def initial_plan(cfg: ModelConfig) -> SpanPlan:
   """The plan for freshly initialised span parameters (z' = span_init everywhere)."""
-  return plan_from_ratios(cfg, [np.full(cfg.n_heads, cfg.span_init, np.float32)] * cfg.n_layers)
+  return plan_from_ratios(cfg, [np.full(cfg.n_heads, cfg.span_init, np.float32)] * cfg.n_layers,
+                          cfg.plan_growth)
 
 
 def plan_from_params(cfg: ModelConfig, params) -> SpanPlan:
@@ -195,61 +199,75 @@ def resize_caches(caches, cfg: ModelConfig, plan: SpanPlan | None):
 
 
 class SpanPlanner:
-  """Host-side keeper of the plan during training.
+  """Host-side keeper of the plan during training; every change is a recompilation.
 
-  Growth is immediate (the next step never runs with a window shorter than a span needs);
-  shrinking is lazy: a smaller plan is adopted only after it has been enough for
-  `cfg.plan_shrink_patience` consecutive steps, so that recompilations stay rare.
+  Growth is immediate (the next step never runs with a window shorter than a span needs) and
+  leaves headroom: every head's window is re-fitted to `cfg.plan_growth` x its need (never below
+  its current window), so a steadily growing span recompiles geometrically rarely and heads that
+  grow together share one change. Shrinking is lazy and noise-proof: once per
+  `cfg.plan_shrink_patience` steps the planner takes the largest need each head had over that
+  window, adds the same headroom, and shrinks only if that saves at least `MIN_SHRINK_GAIN` of
+  the attention keys. So there is at most one shrink per patience window and the shrunk plan still
+  covers the spans' recent fluctuation. bench/plan_changes.py counts changes on long runs.
   """
+  MIN_SHRINK_GAIN = 0.1
 
   def __init__(self, cfg: ModelConfig, plan: SpanPlan | None = None):
     self.cfg = cfg
     self.plan = plan or initial_plan(cfg)
     self.changes = 0
     self._shrink_since: int | None = None
+    self._max_need: list[np.ndarray] | None = None  # per layer, over the current window
 
-  def _covers(self, plan: SpanPlan, ratios) -> bool:
-    for lp, z in zip(plan.layers, ratios):
-      w = lp.head_windows(self.cfg.n_heads)
-      if np.any(np.asarray(w) < needed_tokens(self.cfg, z)):
-        return False
-    return True
+  def _windows(self, plan: SpanPlan) -> list[np.ndarray]:
+    return [np.asarray(lp.head_windows(self.cfg.n_heads)) for lp in plan.layers]
+
+  def _roomy(self, need: np.ndarray) -> list[int]:
+    cfg = self.cfg
+    need = np.ceil(need * cfg.plan_growth).astype(np.int64) if cfg.plan_growth > 1 else need
+    return [_round_up(int(n), cfg.plan_granularity, cfg.span) for n in need]
+
+  def _replan(self, windows: Sequence[np.ndarray]) -> SpanPlan:
+    return SpanPlan(tuple(layer_plan_from_windows(self.cfg, w) for w in windows))
 
   def update(self, ratios: Sequence[np.ndarray] | None, step: int) -> bool:
     """Takes the post-update z' of every layer; returns True when the plan changed."""
     if self.cfg.span_mode != "adaptive" or ratios is None:
       return False
-    tight = plan_from_ratios(self.cfg, ratios)
-    if tight == self.plan:
-      self._shrink_since = None
-      return False
-    if not self._covers(self.plan, ratios):
-      # Grow now; keep the current windows where they are larger, so growth never shrinks.
-      layers = []
-      for old, new in zip(self.plan.layers, tight.layers):
-        w = np.maximum(old.head_windows(self.cfg.n_heads), new.head_windows(self.cfg.n_heads))
-        layers.append(layer_plan_from_windows(self.cfg, w))
-      self.plan = SpanPlan(tuple(layers))
-      self._shrink_since = None
+    need = [needed_tokens(self.cfg, z) for z in ratios]
+    current = self._windows(self.plan)
+    if any(np.any(w < n) for w, n in zip(current, need)):  # grow now, with headroom
+      self.plan = self._replan([np.maximum(w, self._roomy(n)) for w, n in zip(current, need)])
+      self._shrink_since = self._max_need = None
       self.changes += 1
       return True
     if self._shrink_since is None:
-      self._shrink_since = step
-    if step - self._shrink_since >= self.cfg.plan_shrink_patience:
-      self.plan = tight
-      self._shrink_since = None
+      self._shrink_since, self._max_need = step, need
+      return False
+    self._max_need = [np.maximum(a, n) for a, n in zip(self._max_need, need)]
+    if step - self._shrink_since < self.cfg.plan_shrink_patience:
+      return False
+    target = self._replan([np.minimum(w, self._roomy(m)) for w, m in zip(current, self._max_need)])
+    self._shrink_since = self._max_need = None
+    if target.attention_keys() <= (1 - self.MIN_SHRINK_GAIN) * self.plan.attention_keys():
+      self.plan = target
       self.changes += 1
       return True
     return False
 
   def state_dict(self) -> dict[str, Any]:
     return {"plan": plan_to_json(self.plan), "changes": self.changes,
-            "shrink_since": self._shrink_since}
+            "shrink_since": self._shrink_since,
+            "max_need": None if self._max_need is None else [m.tolist() for m in self._max_need]}
 
   def load_state_dict(self, d: dict[str, Any]) -> None:
     self.plan = plan_from_json(d["plan"])
     self.changes = int(d.get("changes", 0))
     self._shrink_since = d.get("shrink_since")
+    m = d.get("max_need")
+    self._max_need = None if m is None else [np.asarray(x, np.int64) for x in m]
+    if self._shrink_since is not None and self._max_need is None:  # an older checkpoint
+      self._shrink_since = None
 
 
 def plan_to_json(plan: SpanPlan) -> list:
