@@ -47,8 +47,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   m.plan_margin = 64  # extra window kept beyond the learned span (reference: 64)
   m.plan_shrink_patience = 1000  # steps a smaller plan must persist before shrinking
   # Headroom of a plan: windows cover plan_growth x the needed tokens (then rounded up to the
-  # granularity), so a span that keeps growing recompiles every ~25 % of growth, not every 64 tokens.
-  m.plan_growth = 1.25
+  # granularity), so a span that keeps growing recompiles every ~50 % of growth, not every 64 tokens.
+  m.plan_growth = 1.5
   m.head_grouping = True  # group heads by span bucket (False: per-layer max, as the reference)
   m.attn_chunk = 0  # query chunk for banded attention; 0: automatic
   m.adapt_io = False  # adaptive input + adaptive softmax (reference --adapt-io)

@@ -4,6 +4,8 @@ reference_numpy.py is written from the equations in reference_semantics.md, not 
 code; the equality tests below are what ties span_lm to the reference semantics. Everything runs
 on CPU with tiny shapes.
 """
+import dataclasses
+import json
 import numpy as np
 import pytest
 
@@ -639,3 +641,65 @@ def test_dynamic_span_extremes():
 def test_bad_config_raises(kw, field):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):
     make_cfg(**kw)
+
+
+# ----------------------------------------------------------------------------------- span planner
+
+
+def _planner_walk(cfg, z, start=0, planner=None):
+  """Feeds z' (steps, layers, heads) to a planner; checks every plan covers its step's spans."""
+  planner = planner or spans.SpanPlanner(cfg)
+  changes = []
+  for i in range(start, z.shape[0]):
+    if planner.update(list(z[i]), i + 1):
+      changes.append(i + 1)
+    for lp, zl in zip(planner.plan.layers, z[i]):
+      assert np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= spans.needed_tokens(cfg, zl)), i
+  return planner, changes
+
+
+def _noisy_growth(cfg, steps, seed=0):
+  rng = np.random.default_rng(seed)
+  z_end = rng.uniform(0, 0.5, (cfg.n_layers, cfg.n_heads)) * cfg.span
+  t = np.arange(1, steps + 1)[:, None, None]
+  walk = np.cumsum(rng.standard_normal((steps, cfg.n_layers, cfg.n_heads)) * 2, axis=0)
+  walk -= np.linspace(0, 1, steps)[:, None, None] * walk[-1]  # a bridge: bounded noise
+  z = z_end * (1 - np.exp(-t / rng.uniform(500, 3000, z_end.shape))) + walk
+  return (np.clip(z, 0, cfg.span) / cfg.span).astype(np.float32)
+
+
+def test_planner_always_covers_and_headroom_cuts_changes():
+  base = ModelConfig(vocab_size=8, d_model=16, n_layers=3, n_heads=4, d_ff=16, span=1024, ramp=16,
+                     plan_shrink_patience=300)
+  z = _noisy_growth(base, 4000)
+  _, tight = _planner_walk(dataclasses.replace(base, plan_growth=1.0), z)
+  _, roomy = _planner_walk(dataclasses.replace(base, plan_growth=1.5), z)
+  assert len(roomy) < len(tight) / 2, (len(roomy), len(tight))
+  assert tight and roomy
+
+
+def test_planner_shrinks_once_per_window_to_recent_need():
+  cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, d_ff=16, span=1024, ramp=16,
+                    plan_shrink_patience=10, plan_growth=1.5)
+  planner = spans.SpanPlanner(cfg)
+  big = np.array([[0.5, 0.0]], np.float32)
+  assert planner.update(list(big), 1)  # growth is immediate
+  assert planner.plan.layers[0].head_windows(2)[0] >= 512
+  small = np.array([[100 / 1024, 0.0]], np.float32)
+  changed = [s for s in range(2, 40) if planner.update(list(small), s)]
+  assert len(changed) == 1 and changed[0] == 12  # the window 2..12, then one shrink
+  w0 = planner.plan.layers[0].head_windows(2)[0]
+  assert 116 <= w0 <= 192  # need 116 (ceil(z) + R) with 1.5x headroom, on the 64-grid
+
+
+def test_planner_state_round_trip_mid_window():
+  cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=2, n_heads=4, d_ff=16, span=512, ramp=16,
+                    plan_shrink_patience=50)
+  z = _noisy_growth(cfg, 1200, seed=3)
+  a, changes_a = _planner_walk(cfg, z)
+  b, changes_b = _planner_walk(cfg, z[:600])
+  restored = spans.SpanPlanner(cfg)
+  restored.load_state_dict(json.loads(json.dumps(b.state_dict())))
+  c, changes_c = _planner_walk(cfg, z, start=600, planner=restored)
+  assert changes_b + changes_c == changes_a
+  assert c.plan == a.plan and c.state_dict() == a.state_dict()

@@ -43,7 +43,7 @@ class ModelConfig:
   plan_granularity: int = 64
   plan_margin: int = 64
   plan_shrink_patience: int = 1000
-  plan_growth: float = 1.25
+  plan_growth: float = 1.5
   head_grouping: bool = True
   attn_chunk: int = 0
   adapt_io: bool = False  # adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)

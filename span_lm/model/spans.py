@@ -210,7 +210,7 @@ class SpanPlanner:
   the attention keys. So there is at most one shrink per patience window and the shrunk plan still
   covers the spans' recent fluctuation. bench/plan_changes.py counts changes on long runs.
   """
-  MIN_SHRINK_GAIN = 0.1
+  MIN_SHRINK_GAIN = 0.25
 
   def __init__(self, cfg: ModelConfig, plan: SpanPlan | None = None):
     self.cfg = cfg
@@ -218,13 +218,16 @@ class SpanPlanner:
     self.changes = 0
     self._shrink_since: int | None = None
     self._max_need: list[np.ndarray] | None = None  # per layer, over the current window
+    self._last_growth: int | None = None
+    self._burst = 0  # growths in a row, each within plan_shrink_patience steps of the last
 
   def _windows(self, plan: SpanPlan) -> list[np.ndarray]:
     return [np.asarray(lp.head_windows(self.cfg.n_heads)) for lp in plan.layers]
 
-  def _roomy(self, need: np.ndarray) -> list[int]:
+  def _roomy(self, need: np.ndarray, growth: float | None = None) -> list[int]:
     cfg = self.cfg
-    need = np.ceil(need * cfg.plan_growth).astype(np.int64) if cfg.plan_growth > 1 else need
+    growth = cfg.plan_growth if growth is None else growth
+    need = np.ceil(need * growth).astype(np.int64) if growth > 1 else need
     return [_round_up(int(n), cfg.plan_granularity, cfg.span) for n in need]
 
   def _replan(self, windows: Sequence[np.ndarray]) -> SpanPlan:
@@ -237,7 +240,13 @@ class SpanPlanner:
     need = [needed_tokens(self.cfg, z) for z in ratios]
     current = self._windows(self.plan)
     if any(np.any(w < n) for w, n in zip(current, need)):  # grow now, with headroom
-      self.plan = self._replan([np.maximum(w, self._roomy(n)) for w, n in zip(current, need)])
+      # A growth soon after the last one (spans on the move, as early in training) doubles the
+      # headroom for this change: a burst of per-head growths becomes a few changes.
+      quick = self._last_growth is not None and step - self._last_growth < self.cfg.plan_shrink_patience
+      self._burst = self._burst + 1 if quick else 0
+      room = self.cfg.plan_growth * (2.0 ** min(self._burst, 2))
+      self.plan = self._replan([np.maximum(w, self._roomy(n, room)) for w, n in zip(current, need)])
+      self._last_growth = step
       self._shrink_since = self._max_need = None
       self.changes += 1
       return True
@@ -258,7 +267,8 @@ class SpanPlanner:
   def state_dict(self) -> dict[str, Any]:
     return {"plan": plan_to_json(self.plan), "changes": self.changes,
             "shrink_since": self._shrink_since,
-            "max_need": None if self._max_need is None else [m.tolist() for m in self._max_need]}
+            "max_need": None if self._max_need is None else [m.tolist() for m in self._max_need],
+            "last_growth": self._last_growth, "burst": self._burst}
 
   def load_state_dict(self, d: dict[str, Any]) -> None:
     self.plan = plan_from_json(d["plan"])
@@ -268,6 +278,8 @@ class SpanPlanner:
     self._max_need = None if m is None else [np.asarray(x, np.int64) for x in m]
     if self._shrink_since is not None and self._max_need is None:  # an older checkpoint
       self._shrink_since = None
+    self._last_growth = d.get("last_growth")
+    self._burst = int(d.get("burst", 0))
 
 
 def plan_to_json(plan: SpanPlan) -> list:
