@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from span_lm.model import precision
 from span_lm.model import spans as spans_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.spans import LayerPlan
@@ -105,10 +106,9 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, mask=None,
   k_win = key_windows(k_BxGxTxD, w, c)  # B G n (W+C) Dh
   v_win = key_windows(v_BxGxTxD, w, c)
 
-  cont = jnp.einsum("bgncd,bgnkd->bgnck", q, k_win, preferred_element_type=jnp.float32)
+  cont = precision.einsum("bgncd,bgnkd->bgnck", q, k_win, jnp.float32)
   cont = unskew(cont, w)  # B G n C W
-  pos = jnp.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype),
-                   preferred_element_type=jnp.float32)
+  pos = precision.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
   scores = cont + pos
   if mask is not None:  # (1 or B, G, 1 or M, W) -> 5-D without materialising a broadcast
     mb = mask.shape[0]
@@ -117,8 +117,7 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, mask=None,
 
   if pers_k_GxDxN is not None:
     n_pers = pers_k_GxDxN.shape[-1]
-    pers = jnp.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype),
-                      preferred_element_type=jnp.float32)
+    pers = precision.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype), jnp.float32)
     logits = jnp.concatenate([scores, pers], axis=-1) / math.sqrt(dh)
     probs = jax.nn.softmax(logits, axis=-1)
     if mask is not None:
@@ -137,11 +136,10 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, mask=None,
 
   dropped = dropout(probs) if dropout is not None else probs
   dropped = dropped.astype(v_BxGxTxD.dtype)
-  out = jnp.einsum("bgnck,bgnkd->bgncd", skew(dropped[..., :w]), v_win,
-                   preferred_element_type=jnp.float32)
+  out = precision.einsum("bgnck,bgnkd->bgncd", skew(dropped[..., :w]), v_win, jnp.float32)
   if pers_k_GxDxN is not None:
-    out = out + jnp.einsum("bgncp,gpd->bgncd", dropped[..., w:], pers_v_GxNxD.astype(dropped.dtype),
-                           preferred_element_type=jnp.float32)
+    out = out + precision.einsum("bgncp,gpd->bgncd", dropped[..., w:],
+                                 pers_v_GxNxD.astype(dropped.dtype), jnp.float32)
   return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
 
 
@@ -174,7 +172,7 @@ class SeqAttention(nn.Module):
     b, m, d = h_BxMxD.shape
     nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span
     dense = lambda name: nn.Dense(d, use_bias=False, kernel_init=torch_linear_init(), dtype=dt,
-                                  name=name)
+                                  dot_general=precision.dense_dot_general, name=name)
     w_max = max(w for _, w in self.plan.groups)
     cache_len = cache_BxLxD.shape[1]
     if cache_len < w_max:
@@ -235,7 +233,8 @@ class SeqAttention(nn.Module):
       # backward pass then computes no input gradient for it (one matmul over the concatenation
       # would compute it and throw it away).
       w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)
-      kv = jnp.concatenate([jnp.dot(cache[:, cache_len - w:], w_kv), jnp.dot(h_in, w_kv)], axis=1)
+      kv = jnp.concatenate([precision.dot(cache[:, cache_len - w:], w_kv),
+                            precision.dot(h_in, w_kv)], axis=1)
       kv = kv.reshape(b, w + m, 2, g, dh).transpose(2, 0, 3, 1, 4)  # 2 B G T Dh
       mask = None
       dist_W = jnp.arange(w, 0, -1, dtype=jnp.float32)  # column s -> distance w - s

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm.model import adaptive_io
+from span_lm.model import precision
 from span_lm.model import spans as spans_lib
 from span_lm.model.attention import SeqAttention, torch_bias_init, torch_linear_init
 from span_lm.model.config import ModelConfig
@@ -43,10 +44,10 @@ class FeedForward(nn.Module):
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     y = nn.Dense(cfg.d_ff, kernel_init=torch_linear_init(), bias_init=torch_bias_init(cfg.d_model),
-                 dtype=dt, name="fc1")(h)
+                 dtype=dt, dot_general=precision.dense_dot_general, name="fc1")(h)
     y = nn.Dropout(cfg.dropout)(nn.relu(y), deterministic=not train)
     return nn.Dense(cfg.d_model, kernel_init=torch_linear_init(), bias_init=torch_bias_init(cfg.d_ff),
-                    dtype=dt, name="fc2")(y)
+                    dtype=dt, dot_general=precision.dense_dot_general, name="fc2")(y)
 
 
 class SeqLayer(nn.Module):
@@ -110,7 +111,7 @@ class SpanTransformer(nn.Module):
     else:
       logits = nn.Dense(cfg.vocab_size, kernel_init=torch_linear_init(),
                         bias_init=torch_bias_init(cfg.d_model), dtype=jnp.dtype(cfg.dtype),
-                        name="out_emb")(h)
+                        dot_general=precision.dense_dot_general, name="out_emb")(h)
       logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
     out_aux = {

@@ -1,0 +1,101 @@
+"""Mixed-precision matmuls (span_lm/model/precision.py): bf16 x bf16 -> f32 in both passes."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from span_lm.model import precision, spans
+from span_lm.model.config import ModelConfig
+from span_lm.model.transformer import SpanTransformer
+
+SPECS = [("bgncd,bgnkd->bgnck", (2, 3, 2, 4, 8), (2, 3, 2, 6, 8)),
+         ("bgnck,bgnkd->bgncd", (2, 3, 2, 4, 6), (2, 3, 2, 6, 8)),
+         ("bgncd,dw->bgncw", (2, 3, 2, 4, 8), (8, 5)),
+         ("mk,kn->mn", (7, 8), (8, 9))]
+
+
+def _dots(jaxpr):
+  """(lhs dtype, rhs dtype) of every dot_general in a jaxpr, nested ones included."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      out.append((str(eqn.invars[0].aval.dtype), str(eqn.invars[1].aval.dtype)))
+    for p in eqn.params.values():
+      inner = getattr(p, "jaxpr", None)
+      if inner is not None and hasattr(inner, "eqns"):
+        out.extend(_dots(inner))
+      elif hasattr(p, "eqns"):
+        out.extend(_dots(p))
+  return out
+
+
+@pytest.mark.parametrize("spec, sa, sb", SPECS)
+def test_float32_is_plain_einsum(spec, sa, sb):
+  ka, kb = jax.random.split(jax.random.key(0))
+  a, b = jax.random.normal(ka, sa), jax.random.normal(kb, sb)
+  f = lambda a, b: jnp.sum(jnp.sin(precision.einsum(spec, a, b)))
+  g = lambda a, b: jnp.sum(jnp.sin(jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)))
+  np.testing.assert_array_equal(precision.einsum(spec, a, b), jnp.einsum(spec, a, b))
+  for x, y in zip(jax.grad(f, (0, 1))(a, b), jax.grad(g, (0, 1))(a, b)):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec, sa, sb", SPECS)
+def test_bf16_forward_and_backward_are_bf16_dots_close_to_float32(spec, sa, sb):
+  ka, kb = jax.random.split(jax.random.key(1))
+  a32, b32 = jax.random.normal(ka, sa), jax.random.normal(kb, sb)
+  a, b = a32.astype(jnp.bfloat16), b32.astype(jnp.bfloat16)
+  y = precision.einsum(spec, a, b, jnp.float32)
+  assert y.dtype == jnp.float32
+  # Accumulated in float32: equal to the float32 product of the rounded operands.
+  np.testing.assert_allclose(y, jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32)),
+                             rtol=1e-5, atol=1e-5)
+  loss = lambda a, b: jnp.sum(jnp.sin(precision.einsum(spec, a, b, jnp.float32)))
+  grads = jax.grad(loss, (0, 1))(a, b)
+  ref = jax.grad(lambda a, b: jnp.sum(jnp.sin(jnp.einsum(spec, a, b))), (0, 1))(
+      a.astype(jnp.float32), b.astype(jnp.float32))
+  for g, r, x in zip(grads, ref, (a, b)):
+    assert g.dtype == x.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(g, np.float32), r, rtol=3e-2, atol=3e-2)
+  dots = _dots(jax.make_jaxpr(jax.grad(loss, (0, 1)))(a, b).jaxpr)
+  assert len(dots) == 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
+
+
+def test_self_summed_index_is_refused():
+  a = jnp.ones((2, 3), jnp.bfloat16)
+  with pytest.raises(ValueError, match="summed on its own"):
+    precision.einsum("ij,jk->k", a, jnp.ones((3, 4), jnp.bfloat16))
+  with pytest.raises(ValueError, match="dtypes differ"):
+    precision.einsum("ij,jk->ik", a, jnp.ones((3, 4), jnp.float32))
+
+
+def test_dense_dot_general_matches_dense():
+  x = jax.random.normal(jax.random.key(2), (2, 5, 8))
+  plain, ours = nn.Dense(6), nn.Dense(6, dot_general=precision.dense_dot_general)
+  params = plain.init(jax.random.key(3), x)
+  np.testing.assert_allclose(ours.apply(params, x), plain.apply(params, x), rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="unsupported"):
+    precision.dense_dot_general(x.astype(jnp.bfloat16), jnp.ones((2, 6), jnp.bfloat16),
+                                (((0,), (0,)), ((), ())))
+  low = nn.Dense(6, dtype=jnp.bfloat16, dot_general=precision.dense_dot_general)
+  np.testing.assert_allclose(low.apply(params, x).astype(np.float32), plain.apply(params, x),
+                             rtol=3e-2, atol=3e-2)
+
+
+def test_bf16_model_step_has_no_float32_matmul():
+  """Every matmul of a bf16 model's forward and backward is bf16 x bf16 (the CPU fast path)."""
+  cfg = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=16, ramp=4,
+                    span_init=0.5, dtype="bfloat16")
+  model = SpanTransformer(cfg, spans.full_plan(cfg))
+  x = jnp.zeros((2, 8), jnp.int32)
+  caches = spans.init_caches(cfg, None, 2)
+  params = model.init(jax.random.key(0), x, caches)["params"]
+
+  def loss(p):
+    logp, _, aux = model.apply({"params": p}, x, caches)
+    return -jnp.mean(logp[..., 0]) + aux["span_loss"]
+
+  dots = _dots(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+  assert len(dots) >= 3 * (2 * 7 + 1)  # per layer q, kv (cache + block), QK, pos, AV, out, fc1, fc2
+  assert all(d == ("bfloat16", "bfloat16") for d in dots), [d for d in dots if d[0] != "bfloat16"]
