@@ -116,6 +116,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   # Persistent XLA compilation cache: restarts and span-plan changes seen before do not recompile
   # from scratch. Empty string: off.
   t.compilation_cache = "~/.cache/span_lm/xla"
+  t.compilation_cache_min_secs = 1.0  # only compilations slower than this are written to it
   # A non-finite loss or gradient: the update is never applied (checked inside the jitted step).
   # stop: end the run with an error, the last checkpoint untouched; skip: drop that update, count
   # it (metrics 'skipped') and go on.

@@ -147,6 +147,7 @@ def _validate_optim(config):
 
 def _validate_train(config):
   _check_int(config, "train.steps", 0)
+  _check_number(config, "train.compilation_cache_min_secs", 0.0, strict=False)
   for name in ("log_every", "eval_every", "checkpoint_every"):
     _check_int(config, f"train.{name}", 1)
   _check_int(config, "train.eval_batches", 0)

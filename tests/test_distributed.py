@@ -258,6 +258,23 @@ def test_cpu_devices_split_trains_as_one_device(tmp_path):
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
 
 
+def test_restart_reads_the_persistent_compilation_cache(tmp_path):
+  """A second process (a restart) loads its steps from train.compilation_cache instead of
+  compiling them again."""
+  cache = tmp_path / "xla"
+  ov = {"train.compilation_cache": str(cache), "train.compilation_cache_min_secs": 0.0,
+        "train.full_eval_at_end": False, "train.steps": 2, "train.eval_every": 2,
+        "train.checkpoint_every": 2}
+  hits = []
+  for run in ("first", "restart"):
+    p = subprocess.run(worker_command(dict(TINY, workdir=str(tmp_path / run), **ov)), cwd=REPO,
+                       env=worker_env(2), capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    hits.append(json.loads(p.stdout.split("RESULT ")[-1])["cache_hits"])
+  assert any(f.name.startswith("jit_train_step") for f in cache.iterdir())
+  assert hits[0] == 0 and hits[1] >= 2, hits  # the train and eval steps at least
+
+
 def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
   """The preemption sync point: the signalled process and its peer checkpoint the same step."""
   workdir = tmp_path / "run"
@@ -299,6 +316,15 @@ def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
 
 if __name__ == "__main__":  # a worker: train the config given as JSON overrides
   sys.path.insert(0, str(REPO))
+  from jax import monitoring  # pylint: disable=g-import-not-at-top
+  CACHE_HITS = [0]
+
+  def _count(event, **kw):
+    del kw
+    if event == "/jax/compilation_cache/cache_hits":
+      CACHE_HITS[0] += 1
+
+  monitoring.register_event_listener(_count)
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import loop  # pylint: disable=g-import-not-at-top
   overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[1]).items()}
@@ -306,5 +332,6 @@ if __name__ == "__main__":  # a worker: train the config given as JSON overrides
   out = loop.train(cfg)
   import jax  # pylint: disable=g-import-not-at-top
   print("RESULT " + json.dumps({"step": out["step"], "preempted": out["preempted"],
-                                "skipped": out["skipped"], "devices": jax.device_count()}),
+                                "skipped": out["skipped"], "devices": jax.device_count(),
+                                "cache_hits": CACHE_HITS[0]}),
         flush=True)

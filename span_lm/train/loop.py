@@ -68,7 +68,8 @@ class Run:
     if config.train.compilation_cache:
       cache_dir = os.path.expanduser(config.train.compilation_cache)
       jax.config.update("jax_compilation_cache_dir", cache_dir)
-      jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+      jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                        float(config.train.compilation_cache_min_secs))
     self.workdir = config.workdir
     if need_workdir and not self.workdir:
       raise ValueError("config.workdir is required: pass --config.workdir=DIR")
