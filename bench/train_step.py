@@ -12,6 +12,11 @@ FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instru
 
   python bench/train_step.py                                # short + fixed, 1 and 2 devices
   python bench/train_step.py --cases short --devices 2 --reps 20
+  python bench/train_step.py --config configs/enwik8.py --devices 1 --dtype bfloat16 --batch 8
+      # a paper config's model, block and optimizer (GPU: MFU against the bf16 matmul peak)
+
+The peak is a 4096^3 (CPU: 2048^3) jitted matmul on the default device in --dtype with float32
+accumulation, measured in the same run; "of peak" is the step's achieved FLOP rate over it (MFU).
 """
 import argparse
 import json
@@ -24,12 +29,14 @@ REFERENCE_S = {"short": 0.37, "fixed": 1.24}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def matmul_peak(n: int = 2048, reps: int = 20) -> float:
-  """GFLOP/s of a large jitted float32 a @ b on the whole host (one device, every core)."""
+def matmul_peak(dtype: str = "float32", reps: int = 20) -> float:
+  """GFLOP/s of a large jitted a @ b (float32 accumulation) on the default device; on CPU the
+  whole host (one device, every core)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  a = jnp.ones((n, n), jnp.float32)
-  f = jax.jit(lambda a, b: a @ b)
+  n = 2048 if jax.default_backend() == "cpu" else 8192
+  a = jnp.ones((n, n), dtype)
+  f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
   f(a, a).block_until_ready()
   best = float("inf")
   for _ in range(3):
@@ -42,7 +49,7 @@ def matmul_peak(n: int = 2048, reps: int = 20) -> float:
 
 def worker(spec: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
-  if spec["devices"] > 1:
+  if spec["devices"] > 1:  # CPU: split the host (an accelerator's devices are what they are)
     jax.config.update("jax_num_cpu_devices", spec["devices"])
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
@@ -56,15 +63,24 @@ def worker(spec: dict) -> dict:
 
   a = spec["args"]
   case = spec["case"]
-  cfg = ModelConfig(vocab_size=205, d_model=a["d_model"], n_layers=a["layers"],
-                    n_heads=a["heads"], d_ff=a["d_ff"], span=a["span"],
-                    span_mode="fixed" if case == "fixed" else "adaptive", ramp=32,
-                    dtype=a["dtype"])
-  optim = base.get_base_config().optim
-  optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
+  mode = "fixed" if case == "fixed" else "adaptive"
+  if a["config"]:  # a run config's model, block, batch and optimizer
+    from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
+    run = config_lib.load_config(a["config"])
+    fields = dict(run.model.to_dict(), span_mode=mode, dtype=a["dtype"])
+    fields["vocab_size"] = fields.get("vocab_size") or 205
+    cfg = ModelConfig(**fields)
+    optim = run.optim
+    batch, block = a["batch"] or run.data.batch, run.data.block
+  else:
+    cfg = ModelConfig(vocab_size=205, d_model=a["d_model"], n_layers=a["layers"],
+                      n_heads=a["heads"], d_ff=a["d_ff"], span=a["span"], span_mode=mode,
+                      ramp=32, dtype=a["dtype"])
+    optim = base.get_base_config().optim
+    optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
+    batch, block = a["batch"] or 16, a["block"]
   tx, _ = optimizer_lib.make_optimizer(optim)
   mesh = sharding_lib.make_mesh()
-  batch, block = a["batch"], a["block"]
 
   # The plan first (from span ratios), then the state at that plan.
   full = spans_lib.full_plan(cfg)
@@ -106,7 +122,10 @@ def worker(spec: dict) -> dict:
     times.append(time.perf_counter() - t)
   sec = float(np.median(times))
   fl = flops_lib.train_step_flops(cfg, plan, batch, block)
-  return {"case": case, "devices": jax.device_count(), "seconds": sec, "min_seconds": min(times),
+  stats = jax.devices()[0].memory_stats() or {}
+  return {"case": case, "devices": jax.device_count(), "device": jax.devices()[0].device_kind,
+          "seconds": sec, "min_seconds": min(times),
+          "peak_bytes": stats.get("peak_bytes_in_use"), "batch": batch, "block": block,
           "compile_seconds": compile_s, "flops": fl, "gflops_per_s": fl / sec / 1e9,
           "tokens_per_s": batch * block / sec, "plan": plan.describe()}
 
@@ -122,7 +141,8 @@ def main():
   p.add_argument("--d_ff", type=int, default=1024)
   p.add_argument("--span", type=int, default=1024)
   p.add_argument("--block", type=int, default=128)
-  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--batch", type=int, default=0, help="0: 16, or the --config's data.batch")
+  p.add_argument("--config", default="", help="take model/block/batch/optimizer from a run config")
   p.add_argument("--short_span", type=int, default=64, help="span + ramp of the short heads")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--reps", type=int, default=10)
@@ -133,15 +153,14 @@ def main():
     print("RESULT " + json.dumps(worker(json.loads(args.worker))), flush=True)
     return
 
-  peak = matmul_peak()
-  print(f"float32 matmul peak (2048^3, whole host): {peak:.1f} GFLOP/s")
+  peak = matmul_peak(args.dtype)
+  print(f"{args.dtype} matmul peak (f32 accumulation, default device): {peak:.1f} GFLOP/s")
   print("| case | devices | s/step | tokens/s | GFLOP/step | GFLOP/s | of peak | vs reference "
         "tokens/s | compile s |")
   print("|---|---|---|---|---|---|---|---|---|")
   rows = []
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   for case in args.cases:
     for n in args.devices:
@@ -152,11 +171,15 @@ def main():
         raise SystemExit(out.stdout[-2000:] + out.stderr[-4000:])
       r = json.loads(out.stdout.split("RESULT ")[-1])
       r["peak_gflops_per_s"] = peak
-      r["vs_reference"] = REFERENCE_S[case] / r["seconds"]
+      # The reference's times are for the default shapes on the 2-core CPU only.
+      r["vs_reference"] = None if args.config else REFERENCE_S[case] / r["seconds"]
+      vs = "-" if r["vs_reference"] is None else f"{r['vs_reference']:.2f}x"
       rows.append(r)
+      if r["peak_bytes"]:
+        print(f"  ({r['device']}: peak memory {r['peak_bytes'] / 2**30:.2f} GiB)")
       print(f"| {case} | {r['devices']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{r['flops'] / 1e9:.1f} | {r['gflops_per_s']:.0f} | "
-            f"{r['gflops_per_s'] / peak:.0%} | {r['vs_reference']:.2f}x | "
+            f"{r['gflops_per_s'] / peak:.0%} | {vs} | "
             f"{r['compile_seconds']:.1f} |", flush=True)
   if args.json:
     with open(args.json, "w") as f:

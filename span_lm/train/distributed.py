@@ -149,7 +149,8 @@ def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int
     if decide(config.dist, env)[0]:
       return None, "multi-process run (set config.dist.cpu_devices explicitly)"
   split = max(1, int(config.optim.batch_split))
-  n = choose_cpu_devices(requested, len(os.sched_getaffinity(0)),
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  n = choose_cpu_devices(requested, cores or 1,
                          (config.data.batch // split, config.data.eval_batch))
   try:
     jax.config.update("jax_num_cpu_devices", n)
