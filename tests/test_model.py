@@ -703,3 +703,42 @@ def test_planner_state_round_trip_mid_window():
   c, changes_c = _planner_walk(cfg, z, start=600, planner=restored)
   assert changes_b + changes_c == changes_a
   assert c.plan == a.plan and c.state_dict() == a.state_dict()
+
+
+# ----------------------------------------------------------------------------------- kv caches
+
+
+@pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
+                                         ("adaptive", 3)])
+def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
+  """Streaming blocks with projected key/value caches gives the hidden-state caches' output
+  (head groups with non-contiguous heads included); training refuses kv caches."""
+  cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=32, ramp=4, plan_granularity=8,
+                 plan_margin=0)
+  rng = np.random.default_rng(50)
+  params64 = ref.random_params(cfg, rng)
+  plan = None
+  if mode == "adaptive":
+    params64["layers_0"]["attn"]["span_ratio"] = np.array([0.05, 0.3, 0.1, 0.6])
+    params64["layers_1"]["attn"]["span_ratio"] = np.array([0.2, 0.02, 0.45, 0.1])
+    plan = spans.SpanPlan(layers=(
+        spans.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
+        spans.LayerPlan(cache_len=24, groups=(((1, 3), 8), ((0,), 16), ((2,), 24)))))
+  params = to_jax(params64)
+  spans.check_plan(cfg, params, plan or spans.full_plan(cfg))
+  tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 40)), jnp.int32)
+  hidden_model = SpanTransformer(cfg, plan)
+  kv_model = SpanTransformer(cfg, plan, kv_cache=True)
+  hc = spans.init_caches(cfg, plan, B)
+  kc = spans.init_caches(cfg, plan, B, kv=True)
+  assert kc[0].shape[-1] == 2 * cfg.d_model
+  bounds = [0, 8, 16, 17, 25, 40]  # blocks of 8, 8, 1, 8, 15 tokens
+  for a, b in zip(bounds[:-1], bounds[1:]):
+    lh, hc, _ = hidden_model.apply({"params": params}, tokens[:, a:b], hc)
+    lk, kc, _ = kv_model.apply({"params": params}, tokens[:, a:b], kc)
+    np.testing.assert_allclose(np.asarray(lk), np.asarray(lh), rtol=1e-5, atol=1e-5,
+                               err_msg=f"block {a}:{b}")
+  with pytest.raises(ValueError, match="inference"):
+    kv_model.apply({"params": params}, tokens[:, :8], kc, train=True)
+  with pytest.raises(ValueError, match="kv_cache=True"):
+    kv_model.apply({"params": params}, tokens[:, :8], hc)

@@ -162,6 +162,9 @@ def test_greedy_sampling_equals_argmax_of_full_forward(mode, ratios, n):
   out, argmax = greedy_matches_forward(cfg, params, plan, np.asarray([3, 5, 7, 1, 2]), n)
   assert out.shape == (n,)
   np.testing.assert_array_equal(out, argmax)
+  hidden = sample.generate(cfg, params, plan, np.asarray([3, 5, 7, 1, 2]), n, temperature=0.0,
+                           kv_cache=False)
+  np.testing.assert_array_equal(hidden, out)
 
 
 def test_sampling_top_k_temperature_seed():

@@ -164,6 +164,7 @@ class SeqAttention(nn.Module):
   """
   cfg: ModelConfig
   plan: LayerPlan
+  kv_cache: bool = False  # inference: the cache holds projected [keys | values] (B, L, 2D)
 
   @nn.compact
   def __call__(self, h_BxMxD, cache_BxLxD, key_pe_DxS, train: bool):
@@ -184,6 +185,9 @@ class SeqAttention(nn.Module):
     cache = cache_BxLxD.astype(dt)
 
     aux = {}
+    if self.kv_cache:  # the block's keys and values for every head, for the next cache
+      kv_blk_BxMx2D = precision.dot(h_in, jnp.concatenate([k_kernel, v_kernel], axis=1))
+      aux["kv"] = kv_blk_BxMx2D
     z_H = z_BxMxH = None
     if cfg.span_mode == "adaptive":
       ratio = self.param("span_ratio", nn.initializers.constant(cfg.span_init), (nh,))
@@ -232,9 +236,20 @@ class SeqAttention(nn.Module):
       # Cache rows and block rows as two matmuls: the cache is a constant of the step, so the
       # backward pass then computes no input gradient for it (one matmul over the concatenation
       # would compute it and throw it away).
-      w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)
-      kv = jnp.concatenate([precision.dot(cache[:, cache_len - w:], w_kv),
-                            precision.dot(h_in, w_kv)], axis=1)
+      if self.kv_cache:  # cached keys/values were projected with these same (frozen) weights
+        both = jnp.concatenate([cache[:, cache_len - w:], kv_blk_BxMx2D], axis=1)  # B T 2D
+        if len(head_ids) == nh:
+          kv = both
+        elif contiguous:
+          lo, hi = head_ids[0] * dh, (head_ids[-1] + 1) * dh
+          kv = jnp.concatenate([both[..., lo:hi], both[..., d + lo:d + hi]], axis=-1)
+        else:
+          cols_kv = jnp.asarray([c for c in range(2 * d) if (c % d) // dh in head_ids])
+          kv = jnp.take(both, cols_kv, axis=2)  # [k | v] of this group's heads
+      else:
+        w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)
+        kv = jnp.concatenate([precision.dot(cache[:, cache_len - w:], w_kv),
+                              precision.dot(h_in, w_kv)], axis=1)
       kv = kv.reshape(b, w + m, 2, g, dh).transpose(2, 0, 3, 1, 4)  # 2 B G T Dh
       mask = None
       dist_W = jnp.arange(w, 0, -1, dtype=jnp.float32)  # column s -> distance w - s

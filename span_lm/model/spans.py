@@ -179,9 +179,12 @@ def check_plan(cfg: ModelConfig, params, plan: SpanPlan) -> None:
       raise ValueError(f"span plan layer {i}: cache_len {lp.cache_len} < window {max(windows)}")
 
 
-def init_caches(cfg: ModelConfig, plan: SpanPlan | None, batch: int, dtype=jnp.float32):
+def init_caches(cfg: ModelConfig, plan: SpanPlan | None, batch: int, dtype=jnp.float32,
+                kv: bool = False):
+  """Zero caches per layer: (B, L, D) hidden states, or (B, L, 2D) keys|values with kv=True."""
   plan = plan or full_plan(cfg)
-  return tuple(jnp.zeros((batch, lp.cache_len, cfg.d_model), dtype) for lp in plan.layers)
+  width = 2 * cfg.d_model if kv else cfg.d_model
+  return tuple(jnp.zeros((batch, lp.cache_len, width), dtype) for lp in plan.layers)
 
 
 def resize_caches(caches, cfg: ModelConfig, plan: SpanPlan | None):

@@ -54,11 +54,13 @@ class SeqLayer(nn.Module):
   """h = LN1(h + attn(h, cache)); out = LN2(h + ff(h)) (no ff/LN2 with persistent memory)."""
   cfg: ModelConfig
   plan: LayerPlan
+  kv_cache: bool = False
 
   @nn.compact
   def __call__(self, h, cache, key_pe, train: bool):
     cfg = self.cfg
-    attn_out, aux = SeqAttention(cfg, self.plan, name="attn")(h, cache, key_pe, train)
+    attn_out, aux = SeqAttention(cfg, self.plan, self.kv_cache, name="attn")(h, cache, key_pe,
+                                                                            train)
     h = nn.LayerNorm(epsilon=1e-5, name="norm1")(h + attn_out)
     if cfg.pers_mem == 0:
       h = nn.LayerNorm(epsilon=1e-5, name="norm2")(h + FeedForward(cfg, name="ff")(h, train))
@@ -69,17 +71,25 @@ class SpanTransformer(nn.Module):
   """apply(tokens_BxM, caches, train) -> (logprobs_BxMxV, new_caches, aux).
 
   `caches` holds, per layer, the layer *inputs* of previous blocks, (B, L_l, D) with L_l fixed by
-  the plan (spans.init_caches / spans.resize_caches). `aux` has the span loss (to be added to the
+  the plan (spans.init_caches / spans.resize_caches). With kv_cache=True (inference only) it holds
+  their projected keys and values instead, (B, L_l, 2D) (spans.init_caches(..., kv=True)): the
+  same numbers, since the weights do not change, without re-projecting L_l states per block
+  (training must re-project: the reference's keys of cached states use the current weights and
+  pass gradients to them). `aux` has the span loss (to be added to the
   training loss only), per-layer span_avg / span_max in tokens, span_z (n_layers, H) for adaptive
   spans and dyn_spans (per layer (B, M, H)) for dynamic spans.
   """
   cfg: ModelConfig
   plan: SpanPlan | None = None
+  kv_cache: bool = False
 
   @nn.compact
   def __call__(self, tokens_BxM, caches, train: bool = False):
     cfg = self.cfg
     plan = self.plan or spans_lib.full_plan(cfg)
+    if self.kv_cache and train:
+      raise ValueError("kv_cache=True is for inference: training re-projects the cached states "
+                       "with the current weights, as the reference does")
     if len(caches) != cfg.n_layers:
       raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers")
     tables = None
@@ -96,13 +106,18 @@ class SpanTransformer(nn.Module):
       layer_cls = nn.remat(SeqLayer, static_argnums=(4,),
                            policy=getattr(jax.checkpoint_policies, cfg.remat_policy))
     new_caches, auxes = [], []
+    width = 2 * cfg.d_model if self.kv_cache else cfg.d_model
     for i, (cache, lp) in enumerate(zip(caches, plan.layers)):
-      if cache.shape[1] != lp.cache_len:
-        raise ValueError(f"layer {i}: cache holds {cache.shape[1]} states, the plan wants "
-                         f"{lp.cache_len}; fit it with spans.resize_caches")
-      both = jnp.concatenate([cache, h.astype(cache.dtype)], axis=1)
+      if cache.shape[1] != lp.cache_len or cache.shape[2] != width:
+        raise ValueError(f"layer {i}: cache of shape {cache.shape[1:]}, the plan wants "
+                         f"({lp.cache_len}, {width}); fit it with spans.resize_caches "
+                         f"(kv_cache={self.kv_cache})")
+      h_in = h
+      h, aux = layer_cls(cfg, lp, self.kv_cache, name=f"layers_{i}")(
+          h, cache.astype(h.dtype), key_pe, train)
+      new = aux.pop("kv") if self.kv_cache else h_in
+      both = jnp.concatenate([cache, new.astype(cache.dtype)], axis=1)
       new_caches.append(jax.lax.stop_gradient(both[:, both.shape[1] - lp.cache_len:]))
-      h, aux = layer_cls(cfg, lp, name=f"layers_{i}")(h, cache.astype(h.dtype), key_pe, train)
       auxes.append(aux)
     h = nn.Dropout(cfg.emb_dropout)(h, deterministic=not train)
     if cfg.adapt_io:

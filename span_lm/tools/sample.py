@@ -1,10 +1,11 @@
 """Sampling with the hidden-state cache: the prompt in one block, then one token per step.
 
 Every step runs the same SpanTransformer on a block of M = 1 token with the caches the previous
-step returned, so the past is never recomputed through the layers (each step still projects the
-keys and values of the cached states its windows see: the cache holds hidden states, not keys;
-span_lm.tools.flops counts it). The plan is the tightest exact plan for the parameters (fixed and
-dynamic spans: the full span), with caches shaped by it; the whole generation is one jitted scan.
+step returned, so the past is never recomputed through the layers. The caches hold projected keys
+and values (kv_cache=True: exact at inference, the weights are fixed), so a step projects only
+its own token, not the W cached states each window sees. The plan is the tightest exact plan for
+the parameters (fixed and dynamic spans: the full span), with caches shaped by it; the whole
+generation is one jitted scan.
 
 Library: `generate(cfg, params, plan, prompt_ids, length, temperature=, top_k=, seed=)`.
 CLI: `python main.py --config=... --config.workdir=RUN --config.mode=sample
@@ -39,10 +40,11 @@ def pick(logp_BxV, key, temperature, top_k, greedy: bool):
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "plan", "length", "greedy"))
-def _generate(params, prompt_BxP, key, temperature, top_k, *, cfg, plan, length, greedy):
-  model = SpanTransformer(cfg, plan)
-  caches = spans_lib.init_caches(cfg, plan, prompt_BxP.shape[0])
+@functools.partial(jax.jit, static_argnames=("cfg", "plan", "length", "greedy", "kv_cache"))
+def _generate(params, prompt_BxP, key, temperature, top_k, *, cfg, plan, length, greedy,
+              kv_cache=True):
+  model = SpanTransformer(cfg, plan, kv_cache=kv_cache)
+  caches = spans_lib.init_caches(cfg, plan, prompt_BxP.shape[0], kv=kv_cache)
   logp, caches, _ = model.apply({"params": params}, prompt_BxP, caches, train=False)
 
   def step(carry, key):
@@ -69,10 +71,12 @@ def check_args(length, temperature, top_k, vocab_size: int) -> None:
 
 
 def generate(cfg: ModelConfig, params, plan: SpanPlan | None, prompt_ids, length: int, *,
-             temperature: float = 1.0, top_k: int = 0, seed: int = 0) -> np.ndarray:
+             temperature: float = 1.0, top_k: int = 0, seed: int = 0,
+             kv_cache: bool = True) -> np.ndarray:
   """`length` new token ids after `prompt_ids` (1-D, at least one token; or (B, P) for B streams).
 
   The prompt starts from zero caches, as a stream does in training and evaluation.
+  kv_cache=False caches hidden states and re-projects them every token (as training does).
   """
   plan = plan or spans_lib.full_plan(cfg)
   check_args(length, temperature, top_k, cfg.vocab_size)
@@ -84,7 +88,7 @@ def generate(cfg: ModelConfig, params, plan: SpanPlan | None, prompt_ids, length
   spans_lib.check_plan(cfg, params, plan)
   toks = _generate(params, jnp.asarray(prompt), jax.random.key(seed),
                    jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), cfg=cfg, plan=plan,
-                   length=length, greedy=temperature == 0)
+                   length=length, greedy=temperature == 0, kv_cache=kv_cache)
   toks = np.asarray(toks)
   return toks[0] if squeeze else toks
 

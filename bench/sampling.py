@@ -1,0 +1,60 @@
+"""Sampling speed: key/value caches against hidden-state caches (re-projected every token).
+
+One jitted scan of `length` tokens after a 1-token prompt (span_lm.tools.sample.generate), random
+weights, B streams; fixed span S (every window sees S cached states) or adaptive spans of
+`--span_tokens` tokens. Median of `--reps` runs after a compile-and-warm-up run.
+
+  python bench/sampling.py --span 1024 --length 256
+"""
+import argparse
+import time
+
+import jax
+import numpy as np
+
+from span_lm.model import spans as spans_lib
+from span_lm.model.config import ModelConfig
+from span_lm.model.transformer import SpanTransformer
+from span_lm.tools import sample
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--layers", type=int, default=4)
+  p.add_argument("--d_model", type=int, default=256)
+  p.add_argument("--heads", type=int, default=4)
+  p.add_argument("--d_ff", type=int, default=1024)
+  p.add_argument("--span", type=int, nargs="+", default=[1024, 4096])
+  p.add_argument("--length", type=int, default=256)
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--reps", type=int, default=3)
+  args = p.parse_args()
+  print(f"device: {jax.devices()[0].device_kind}; {args.layers} layers, D={args.d_model}, "
+        f"{args.length} tokens x {args.batch} streams, fixed span\n")
+  print("| S | hidden-state caches: tokens/s | key/value caches: tokens/s | speed-up |")
+  print("|---|---|---|---|")
+  for s in args.span:
+    cfg = ModelConfig(vocab_size=205, d_model=args.d_model, n_layers=args.layers,
+                      n_heads=args.heads, d_ff=args.d_ff, span=s, span_mode="fixed")
+    plan = spans_lib.full_plan(cfg)
+    params = SpanTransformer(cfg, plan).init(
+        jax.random.key(0), np.zeros((1, 1), np.int32), spans_lib.init_caches(cfg, plan, 1))["params"]
+    prompt = np.zeros((args.batch, 1), np.int32)
+    rate = {}
+    for kv in (False, True):
+      run = lambda: sample.generate(cfg, params, plan, prompt, args.length, temperature=1.0,
+                                    kv_cache=kv)
+      run()
+      times = []
+      for _ in range(args.reps):
+        t = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t)
+      rate[kv] = args.length * args.batch / float(np.median(times))
+    print(f"| {s} | {rate[False]:.0f} | {rate[True]:.0f} | {rate[True] / rate[False]:.1f}x |",
+          flush=True)
+
+
+if __name__ == "__main__":
+  main()
