@@ -372,3 +372,24 @@ def test_main_trains_and_evaluates(enwik8_head, tmp_path):
   out = main("--config.mode=eval")
   assert "eval step 4 valid: bpc" in out and "eval step 4 test: bpc" in out
   assert sorted(_lines(tmp_path, "eval_test")) == [4]
+
+
+def test_full_evaluation_with_kv_caches_equals_hidden_state_caches(run_a):
+  """The full evaluation caches projected keys/values (no re-projection of cached states per
+  block); it scores exactly what hidden-state caches score."""
+  config, _ = run_a
+  run = loop.Run(config)
+  try:
+    state, meta = run.restore()
+    plan = spans.plan_from_json(meta["planner"]["plan"])
+    res = {}
+    for kv in (True, False):
+      res[kv], caches = loop.evaluate_stream(run, state["params"], plan, run.splits.valid,
+                                             config.data.eval_batch, kv_cache=kv)
+      assert caches[0].shape[-1] == (2 if kv else 1) * run.model_cfg.d_model
+    kinds = [c["kind"] for c in run.compiler.compilations]
+  finally:
+    run.ckpt.close()
+  assert res[True]["tokens"] == res[False]["tokens"] > 0
+  np.testing.assert_allclose(res[True]["bpc"], res[False]["bpc"], rtol=1e-6)
+  assert "eval_kv" in kinds and "eval" in kinds

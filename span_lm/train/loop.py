@@ -197,14 +197,23 @@ def _fit_caches(run: Run, state, plan):
 
 
 def evaluate_stream(run: Run, params, plan, split: np.ndarray, batch: int, *, caches=None,
-                    batcher=None, n_blocks: int | None = None, drop_last: bool = False):
-  """Scores blocks of a split with carried caches; returns (bpc-ready dict, caches)."""
+                    batcher=None, n_blocks: int | None = None, drop_last: bool = False,
+                    kv_cache: bool | None = None):
+  """Scores blocks of a split with carried caches; returns (bpc-ready dict, caches).
+
+  kv_cache (None: whenever the caches start fresh, for the span Transformer): cache projected
+  keys/values instead of hidden states, so a block does not re-project the cached states (the
+  same numbers: the weights are fixed here). Caches passed in are hidden states (the periodic
+  validation's, kept in the training state).
+  """
   cfg, d = run.model_cfg, run.config.data
+  if kv_cache is None:
+    kv_cache = caches is None and cfg.arch == "span"
   if run.fsdp > 1:  # the eval step takes replicated parameters: gather them once
     params = jax.device_put(params, run.replicated)
   if caches is None:
     caches = tuple(jax.device_put(c, run.cache_sharding)
-                   for c in spans_lib.init_caches(cfg, plan, batch))
+                   for c in spans_lib.init_caches(cfg, plan, batch, kv=kv_cache))
   total = count = 0.0
   pending = []
   if batcher is not None:  # periodic validation: a stream iterator like training
@@ -220,7 +229,7 @@ def evaluate_stream(run: Run, params, plan, split: np.ndarray, batch: int, *, ca
     if "w" not in hb:
       hb["w"] = np.ones_like(hb["x"], np.float32)
     dev = run.put_batch(hb)
-    fn = run.compiler.eval(plan, params, caches, dev)
+    fn = run.compiler.eval(plan, params, caches, dev, kv_cache=kv_cache)
     out, caches = fn(params, caches, dev)
     pending.append(out)
     if len(pending) > MAX_IN_FLIGHT:

@@ -147,9 +147,11 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
   return new_state, metrics
 
 
-def eval_step(params, caches, batch: dict[str, jax.Array], *, cfg: ModelConfig, plan: SpanPlan):
-  """Scores one block with carried caches: (nll_sum, count, new_caches, span stats)."""
-  model = build_model(cfg, plan)
+def eval_step(params, caches, batch: dict[str, jax.Array], *, cfg: ModelConfig, plan: SpanPlan,
+              kv_cache: bool = False):
+  """Scores one block with carried caches: (nll_sum, count, new_caches, span stats).
+  kv_cache: the caches hold projected keys/values (spans.init_caches(..., kv=True))."""
+  model = build_model(cfg, plan, kv_cache=kv_cache)
   logp, new_caches, aux = model.apply({"params": params}, batch["x"], caches, train=False)
   total, count = nll(logp, batch["y"], batch.get("w"))
   return ({"nll_sum": total, "count": count, "span_avg": aux["span_avg"]},
@@ -196,12 +198,13 @@ class StepCompiler:
     return self._compile("train", plan, fn, (state, batch), (st_sh, b_sh),
                          (st_sh, self._replicated), (0,))
 
-  def eval(self, plan: SpanPlan, params, caches, batch):
-    fn = functools.partial(eval_step, cfg=self.cfg, plan=plan)
+  def eval(self, plan: SpanPlan, params, caches, batch, kv_cache: bool = False):
+    fn = functools.partial(eval_step, cfg=self.cfg, plan=plan, kv_cache=kv_cache)
     p_sh = jax.tree.map(lambda _: self._replicated, params)
     c_sh = tuple(self._batch_sharding for _ in caches)
     b_sh = {k: (self._replicated if k == "reset" else self._batch_sharding) for k in batch}
-    return self._compile("eval", plan, fn, (params, caches, batch), (p_sh, c_sh, b_sh),
+    return self._compile("eval_kv" if kv_cache else "eval", plan, fn, (params, caches, batch),
+                         (p_sh, c_sh, b_sh),
                          (self._replicated, c_sh), (1,))
 
 
