@@ -5,6 +5,9 @@ weights, B streams; fixed span S (every window sees S cached states) or adaptive
 `--span_tokens` tokens. Median of `--reps` runs after a compile-and-warm-up run.
 
   python bench/sampling.py --span 1024 --length 256
+
+Also times one evaluation block (--eval_batch x --block tokens, caches full), the unit of the full
+evaluation, which caches keys/values too.
 """
 import argparse
 import time
@@ -29,6 +32,8 @@ def main():
   p.add_argument("--length", type=int, default=256)
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--reps", type=int, default=3)
+  p.add_argument("--eval_batch", type=int, default=8)
+  p.add_argument("--block", type=int, default=128)
   args = p.parse_args()
   print(f"device: {jax.devices()[0].device_kind}; {args.layers} layers, D={args.d_model}, "
         f"{args.length} tokens x {args.batch} streams, fixed span\n")
@@ -54,6 +59,21 @@ def main():
       rate[kv] = args.length * args.batch / float(np.median(times))
     print(f"| {s} | {rate[False]:.0f} | {rate[True]:.0f} | {rate[True] / rate[False]:.1f}x |",
           flush=True)
+    x = np.zeros((args.eval_batch, args.block), np.int32)
+    block_s = {}
+    for kv in (False, True):
+      model = SpanTransformer(cfg, plan, kv_cache=kv)
+      f = jax.jit(lambda p, x, c, model=model: model.apply({"params": p}, x, c)[:2])
+      caches = spans_lib.init_caches(cfg, plan, args.eval_batch, kv=kv)
+      jax.block_until_ready(f(params, x, caches))
+      times = []
+      for _ in range(args.reps + 2):
+        t = time.perf_counter()
+        jax.block_until_ready(f(params, x, caches))
+        times.append(time.perf_counter() - t)
+      block_s[kv] = float(np.median(times))
+    print(f"|   | evaluation block {args.eval_batch} x {args.block}: {block_s[False] * 1e3:.0f} ms | "
+          f"{block_s[True] * 1e3:.0f} ms | {block_s[False] / block_s[True]:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":
