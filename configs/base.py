@@ -136,8 +136,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   # parameters and optimizer state are split (logical axis 'embed'); batches use every device.
   ds.fsdp = 1
   # CPU hosts: split the host into this many JAX devices and train data-parallel over them (XLA:CPU
-  # runs most of one device's work on one thread). 0: auto (one per core, reduced to divide the
-  # batches; only when no accelerator plugin is installed); 1: off. XLA_FLAGS'
+  # runs most of one device's work on one thread). 0: auto (one per core, at most 8, reduced to
+  # divide the batches; only when no accelerator plugin is installed); 1: off. XLA_FLAGS'
   # --xla_force_host_platform_device_count, when set, wins.
   ds.cpu_devices = 0
 

@@ -213,6 +213,7 @@ def test_choose_cpu_devices():
   from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
   assert dist_lib.choose_cpu_devices(0, 2, (16, 8)) == 2
   assert dist_lib.choose_cpu_devices(0, 16, (64, 8)) == 8  # the most that divide every batch
+  assert dist_lib.choose_cpu_devices(0, 64, (64, 64)) == dist_lib.AUTO_MAX_CPU_DEVICES
   assert dist_lib.choose_cpu_devices(0, 6, (12, 6)) == 6
   assert dist_lib.choose_cpu_devices(0, 4, (6, 3)) == 3
   assert dist_lib.choose_cpu_devices(0, 8, (7, 8)) == 1

@@ -94,12 +94,15 @@ def init_kwargs(dist, env: Mapping[str, str] | None = None) -> dict:
   return kw
 
 
+AUTO_MAX_CPU_DEVICES = 8  # measured on 2 cores only; more devices mean a wider all-reduce
+
+
 def choose_cpu_devices(requested: int, cores: int, batches: tuple[int, ...]) -> int:
-  """Devices to split a CPU host into: `requested`, or (0) the most, up to the core count, that
-  divide every per-step batch."""
+  """Devices to split a CPU host into: `requested`, or (0) the most, up to the core count (at
+  most AUTO_MAX_CPU_DEVICES), that divide every per-step batch."""
   if requested:
     return requested
-  for n in range(max(1, cores), 0, -1):
+  for n in range(max(1, min(cores, AUTO_MAX_CPU_DEVICES)), 0, -1):
     if all(b % n == 0 for b in batches):
       return n
   return 1
