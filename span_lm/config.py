@@ -180,11 +180,16 @@ def _validate_faults_and_dist(config):
   _check_int(config, "dist.fsdp", 1)
   n_cpu = _check_int(config, "dist.cpu_devices", 0)
   if n_cpu > 1:
-    split = _get(config, "optim.batch_split")
-    for field, b in (("data.batch", _get(config, "data.batch") // max(1, split)),
-                     ("data.eval_batch", _get(config, "data.eval_batch"))):
+    for field, b in per_step_batches(config).items():
       if b % n_cpu:
         _bad("dist.cpu_devices", n_cpu, f"must divide the per-step batch of config.{field} ({b})")
+
+
+def per_step_batches(config) -> dict[str, int]:
+  """Streams per compiled train step (batch / batch_split) and per eval step: what a device
+  count must divide."""
+  return {"data.batch": config.data.batch // config.optim.batch_split,
+          "data.eval_batch": config.data.eval_batch}
 
 
 def validate(config: ml_collections.ConfigDict) -> None:

@@ -231,21 +231,17 @@ class SeqAttention(nn.Module):
       g = len(head_ids)
       cols = [c for hid in head_ids for c in range(hid * dh, (hid + 1) * dh)]
       cols = jnp.asarray(cols) if not contiguous else None
-      pick = ((lambda kern: jax.lax.slice_in_dim(kern, head_ids[0] * dh, (head_ids[-1] + 1) * dh, axis=1))
-              if contiguous else (lambda kern: jnp.take(kern, cols, axis=1)))
+      # This group's heads' columns (of a kernel, or of cached [keys | values] halves).
+      pick = ((lambda a, ax=1: jax.lax.slice_in_dim(a, head_ids[0] * dh, (head_ids[-1] + 1) * dh,
+                                                    axis=ax))
+              if contiguous else (lambda a, ax=1: jnp.take(a, cols, axis=ax)))
       # Cache rows and block rows as two matmuls: the cache is a constant of the step, so the
       # backward pass then computes no input gradient for it (one matmul over the concatenation
       # would compute it and throw it away).
       if self.kv_cache:  # cached keys/values were projected with these same (frozen) weights
         both = jnp.concatenate([cache[:, cache_len - w:], kv_blk_BxMx2D], axis=1)  # B T 2D
-        if len(head_ids) == nh:
-          kv = both
-        elif contiguous:
-          lo, hi = head_ids[0] * dh, (head_ids[-1] + 1) * dh
-          kv = jnp.concatenate([both[..., lo:hi], both[..., d + lo:d + hi]], axis=-1)
-        else:
-          cols_kv = jnp.asarray([c for c in range(2 * d) if (c % d) // dh in head_ids])
-          kv = jnp.take(both, cols_kv, axis=2)  # [k | v] of this group's heads
+        kv = both if g == nh else jnp.concatenate(
+            [pick(both[..., :d], 2), pick(both[..., d:], 2)], axis=-1)  # [k | v] of the group
       else:
         w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)
         kv = jnp.concatenate([precision.dot(cache[:, cache_len - w:], w_kv),

@@ -128,18 +128,20 @@ def layer_plan_from_windows(cfg: ModelConfig, windows: Sequence[int]) -> LayerPl
   return LayerPlan(cache_len=cache_len, groups=groups)
 
 
+def windows_for(cfg: ModelConfig, need: np.ndarray, growth: float = 1.0) -> list[int]:
+  """Head windows for needed tokens: growth x need, rounded up to the granularity, capped at S."""
+  if growth > 1.0:
+    need = np.ceil(np.asarray(need) * growth).astype(np.int64)
+  return [_round_up(int(n), cfg.plan_granularity, cfg.span) for n in need]
+
+
 def plan_from_ratios(cfg: ModelConfig, ratios: Sequence[np.ndarray], growth: float = 1.0) -> SpanPlan:
   """The tightest plan for these spans; growth > 1 leaves that much headroom per head."""
   if cfg.span_mode != "adaptive":
     return full_plan(cfg)
-  layers = []
-  for z in ratios:
-    need = needed_tokens(cfg, z)
-    if growth > 1.0:
-      need = np.ceil(need * growth).astype(np.int64)
-    windows = [_round_up(int(n), cfg.plan_granularity, cfg.span) for n in need]
-    layers.append(layer_plan_from_windows(cfg, windows))
-  return SpanPlan(layers=tuple(layers))
+  return SpanPlan(layers=tuple(
+      layer_plan_from_windows(cfg, windows_for(cfg, needed_tokens(cfg, z), growth))
+      for z in ratios))
 
 
 def initial_plan(cfg: ModelConfig) -> SpanPlan:
@@ -227,12 +229,6 @@ class SpanPlanner:
   def _windows(self, plan: SpanPlan) -> list[np.ndarray]:
     return [np.asarray(lp.head_windows(self.cfg.n_heads)) for lp in plan.layers]
 
-  def _roomy(self, need: np.ndarray, growth: float | None = None) -> list[int]:
-    cfg = self.cfg
-    growth = cfg.plan_growth if growth is None else growth
-    need = np.ceil(need * growth).astype(np.int64) if growth > 1 else need
-    return [_round_up(int(n), cfg.plan_granularity, cfg.span) for n in need]
-
   def _replan(self, windows: Sequence[np.ndarray]) -> SpanPlan:
     return SpanPlan(tuple(layer_plan_from_windows(self.cfg, w) for w in windows))
 
@@ -248,7 +244,8 @@ class SpanPlanner:
       quick = self._last_growth is not None and step - self._last_growth < self.cfg.plan_shrink_patience
       self._burst = self._burst + 1 if quick else 0
       room = self.cfg.plan_growth * (2.0 ** min(self._burst, 2))
-      self.plan = self._replan([np.maximum(w, self._roomy(n, room)) for w, n in zip(current, need)])
+      self.plan = self._replan([np.maximum(w, windows_for(self.cfg, n, room))
+                                for w, n in zip(current, need)])
       self._last_growth = step
       self._shrink_since = self._max_need = None
       self.changes += 1
@@ -259,7 +256,8 @@ class SpanPlanner:
     self._max_need = [np.maximum(a, n) for a, n in zip(self._max_need, need)]
     if step - self._shrink_since < self.cfg.plan_shrink_patience:
       return False
-    target = self._replan([np.minimum(w, self._roomy(m)) for w, m in zip(current, self._max_need)])
+    target = self._replan([np.minimum(w, windows_for(self.cfg, m, self.cfg.plan_growth))
+                           for w, m in zip(current, self._max_need)])
     self._shrink_since = self._max_need = None
     if target.attention_keys() <= (1 - self.MIN_SHRINK_GAIN) * self.plan.attention_keys():
       self.plan = target

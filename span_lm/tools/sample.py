@@ -1,4 +1,4 @@
-"""Sampling with the hidden-state cache: the prompt in one block, then one token per step.
+"""Sampling with key/value caches: the prompt in one block, then one token per step.
 
 Every step runs the same SpanTransformer on a block of M = 1 token with the caches the previous
 step returned, so the past is never recomputed through the layers. The caches hold projected keys

@@ -28,6 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from span_lm import config as config_lib
 from span_lm.train import sharding as sharding_lib
 
 log = logging.getLogger("span_lm")
@@ -136,7 +137,7 @@ def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int
 
   Why: XLA:CPU runs most of one device's operations (everything but large matmuls) on one thread,
   and the banded attention and layer norms are such operations; with one device per core the
-  halves of the batch run side by side (bench/cpu_devices.py; docs/benchmarks.md). Must run
+  halves of the batch run side by side (bench/train_step.py; docs/benchmarks.md). Must run
   before the backend starts; a user's --xla_force_host_platform_device_count is left alone.
   Returns (devices set or None, why).
   """
@@ -151,10 +152,9 @@ def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int
       return None, "an accelerator platform is available"
     if decide(config.dist, env)[0]:
       return None, "multi-process run (set config.dist.cpu_devices explicitly)"
-  split = max(1, int(config.optim.batch_split))
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   n = choose_cpu_devices(requested, cores or 1,
-                         (config.data.batch // split, config.data.eval_batch))
+                         tuple(config_lib.per_step_batches(config).values()))
   try:
     jax.config.update("jax_num_cpu_devices", n)
   except RuntimeError:  # the backend already started (a notebook, a test): keep its devices
