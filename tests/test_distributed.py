@@ -78,6 +78,43 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _start_pair(tmp_path, workdir, extra: dict | None = None) -> list:
+  """Two worker processes (4 fake devices each) meeting at a localhost coordinator."""
+  port = _free_port()
+  procs = []
+  for pid in range(2):
+    ov = dict(TINY, workdir=str(workdir), **{"dist.coordinator": f"localhost:{port}",
+                                             "dist.num_processes": 2, "dist.process_id": pid,
+                                             "dist.init_timeout": 60}, **(extra or {}))
+    log = open(tmp_path / f"worker{pid}.log", "w")
+    procs.append((subprocess.Popen(worker_command(ov), cwd=REPO, env=worker_env(4), stdout=log,
+                                   stderr=subprocess.STDOUT), log))
+  return procs
+
+
+def _stop_pair(procs) -> None:
+  for p, log in procs:
+    if p.poll() is None:
+      p.kill()
+    log.close()
+
+
+def _pair_logs(tmp_path, procs) -> list[str]:
+  """Each worker's output, after checking that it exited cleanly."""
+  logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+  for (p, _), text in zip(procs, logs):
+    assert p.returncode == 0, text[-3000:]
+  return logs
+
+
+def _run_worker(overrides: dict, env: dict) -> tuple[str, dict]:
+  """One worker process to the end: (its stdout, its RESULT line)."""
+  p = subprocess.run(worker_command(overrides), cwd=REPO, env=env, capture_output=True, text=True,
+                     timeout=150, check=False)
+  assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+  return p.stdout, json.loads(p.stdout.split("RESULT ")[-1])
+
+
 def _train_losses(workdir):
   from span_lm.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   return {r["step"]: r["loss"] for r in read_metrics(str(workdir)) if r["split"] == "train"}
@@ -126,26 +163,13 @@ def test_two_processes_equal_one(tmp_path):
 
   t0 = time.perf_counter()
   two = tmp_path / "two"
-  port = _free_port()
-  procs = []
-  for pid in range(2):
-    ov = dict(TINY, workdir=str(two), **{"dist.coordinator": f"localhost:{port}",
-                                         "dist.num_processes": 2, "dist.process_id": pid,
-                                         "dist.init_timeout": 60})
-    log = open(tmp_path / f"worker{pid}.log", "w")
-    procs.append((subprocess.Popen(worker_command(ov), cwd=REPO, env=worker_env(4), stdout=log,
-                                   stderr=subprocess.STDOUT), log))
+  procs = _start_pair(tmp_path, two)
   try:
     for p, _ in procs:
       p.wait(timeout=150)
   finally:
-    for p, log in procs:
-      if p.poll() is None:
-        p.kill()
-      log.close()
-  logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
-  for (p, _), text in zip(procs, logs):
-    assert p.returncode == 0, text[-3000:]
+    _stop_pair(procs)
+  logs = _pair_logs(tmp_path, procs)
   assert "distributed: 2 processes, 8 devices (4 per process" in logs[0]
   assert "| loss" in logs[0] and "| loss" not in logs[1]  # only process 0 prints progress
   t_two = time.perf_counter() - t0
@@ -247,11 +271,9 @@ def test_cpu_devices_split_trains_as_one_device(tmp_path):
   env = worker_env(1)
   del env["XLA_FLAGS"]
   ov = dict(TINY, workdir=str(split), **{"dist.cpu_devices": 2, "train.full_eval_at_end": False})
-  p = subprocess.run(worker_command(ov), cwd=REPO, env=env, capture_output=True, text=True,
-                     timeout=150)
-  assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-  assert "CPU host split into 2 devices" in p.stdout
-  assert json.loads(p.stdout.split("RESULT ")[-1])["devices"] == 2
+  stdout, result = _run_worker(ov, env)
+  assert "CPU host split into 2 devices" in stdout
+  assert result["devices"] == 2
   one = tmp_path / "one"
   loop.train(config_for(one, {"train.full_eval_at_end": False}))
   a, b = _train_losses(split), _train_losses(one)
@@ -268,10 +290,8 @@ def test_restart_reads_the_persistent_compilation_cache(tmp_path):
         "train.checkpoint_every": 2}
   hits = []
   for run in ("first", "restart"):
-    p = subprocess.run(worker_command(dict(TINY, workdir=str(tmp_path / run), **ov)), cwd=REPO,
-                       env=worker_env(2), capture_output=True, text=True, timeout=150)
-    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
-    hits.append(json.loads(p.stdout.split("RESULT ")[-1])["cache_hits"])
+    _, result = _run_worker(dict(TINY, workdir=str(tmp_path / run), **ov), worker_env(2))
+    hits.append(result["cache_hits"])
   assert any(f.name.startswith("jit_train_step") for f in cache.iterdir())
   assert hits[0] == 0 and hits[1] >= 2, hits  # the train and eval steps at least
 
@@ -279,16 +299,9 @@ def test_restart_reads_the_persistent_compilation_cache(tmp_path):
 def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
   """The preemption sync point: the signalled process and its peer checkpoint the same step."""
   workdir = tmp_path / "run"
-  port = _free_port()
-  procs = []
-  for pid in range(2):
-    ov = dict(TINY, workdir=str(workdir), **{
-        "dist.coordinator": f"localhost:{port}", "dist.num_processes": 2, "dist.process_id": pid,
-        "dist.init_timeout": 60, "train.steps": 100_000, "train.checkpoint_every": 100_000,
-        "train.eval_every": 100_000, "train.full_eval_at_end": False})
-    log = open(tmp_path / f"worker{pid}.log", "w")
-    procs.append((subprocess.Popen(worker_command(ov), cwd=REPO, env=worker_env(4), stdout=log,
-                                   stderr=subprocess.STDOUT), log))
+  procs = _start_pair(tmp_path, workdir, {
+      "train.steps": 100_000, "train.checkpoint_every": 100_000, "train.eval_every": 100_000,
+      "train.full_eval_at_end": False})
   try:
     deadline = time.time() + 120
     while time.time() < deadline and all(p.poll() is None for p, _ in procs):
@@ -299,15 +312,8 @@ def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
     for p, _ in procs:
       p.wait(timeout=90)
   finally:
-    for p, log in procs:
-      if p.poll() is None:
-        p.kill()
-      log.close()
-  logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
-  results = []
-  for (p, _), text in zip(procs, logs):
-    assert p.returncode == 0, text[-3000:]
-    results.append(json.loads(text.split("RESULT ")[-1]))
+    _stop_pair(procs)
+  results = [json.loads(text.split("RESULT ")[-1]) for text in _pair_logs(tmp_path, procs)]
   assert results[0]["preempted"] and results[1]["preempted"]
   assert results[0]["step"] == results[1]["step"] >= 3
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
