@@ -1,0 +1,292 @@
+"""Fused banded attention with per-head spans as runtime values (Pallas; Triton on GPUs).
+
+The maths of `attention.banded_attention` for one group of heads (relative positions, soft span
+mask, renormalisation), as a flash-attention style kernel: scores are formed one (query block,
+key block) tile at a time and never stored. Each query block visits only the key blocks that hold
+a non-zero mask value for one of its rows, and the spans come in as an array, so a span that
+changes changes the work done, not the compiled program.
+
+Tiles: keys are the last T = W + M positions (window + block); the query at block row i sits at
+key index W + i and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor(z_i) + R + 1)
+(every distance with a non-zero mask, plus the clamp's boundary, where jnp.clip's gradient is
+1/2). The relative-position term q_i . pe[:, W - d] is Toeplitz in a tile: one matmul gives
+G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
+read pos[r, c] = G[r, bq - r + c] through a per-program scratch buffer (Triton has no register
+shuffle for it). The backward pass reads ds back the other way for the position gradient.
+
+Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the plain path sums
+eps e^l over all W distances; the two agree to ~eps relative (1e-8).
+
+Not covered (the model refuses these with attn_impl='pallas'): persistent memory, dropout on the
+attention weights. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
+"""
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+NEG = -1e30
+
+
+def _dot(a, b, trans_a=False, trans_b=False):
+  """f32-accumulating matmul; exact f32 (no TF32) for f32 operands."""
+  if trans_a:
+    a = a.T
+  if trans_b:
+    b = b.T
+  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
+
+
+def _barrier(interpret):
+  if not interpret:  # threads of the program exchange values through the scratch buffer
+    plt.debug_barrier()
+
+
+def _row_windows(z_ref, *, w, ramp, has_mask, bq):
+  """Distances each row visits: every non-zero mask value and the clamp's lower boundary."""
+  if not has_mask:
+    return jnp.full((bq,), w, jnp.int32)
+  z = z_ref[...].astype(jnp.float32)
+  return jnp.clip(jnp.floor(z).astype(jnp.int32) + (ramp + 1), 1, w)
+
+
+def _key_blocks(win, i0, *, w, bk):
+  """[first, last + 1) key blocks with a visited key for some row of the query block."""
+  lo = lax.div(w + i0 - jnp.max(win), bk)
+  hi = lax.div(w + i0, bk) + 1
+  return lo, hi
+
+
+def _tile(q, k, pe_ref, scr_ref, t0, i0, win, *, w, bq, bk, scale, interpret):
+  """Scaled logits of one tile, its distances and which entries are visited."""
+  cont = _dot(q, k, trans_b=True)  # bq x bk
+  pe = pe_ref[:, pl.ds(t0 - i0, bq + bk)]  # padded pe: distances base + bq ... base - bk + 1
+  scr_ref[...] = _dot(q, pe)  # G: bq x (bq + bk)
+  _barrier(interpret)
+  r = jnp.arange(bq)[:, None]
+  c = jnp.arange(bk)[None, :]
+  pos = scr_ref[r, bq - r + c]
+  _barrier(interpret)
+  dist = (w + i0 - t0) + r - c
+  visited = (dist >= 1) & (dist <= win[:, None])
+  logits = jnp.where(visited, (cont + pos) * scale, NEG)
+  return logits, dist, visited
+
+
+def _mask_value(z, dist, ramp):
+  return jnp.clip((ramp + z[:, None] - (dist - 1)) / ramp, 0.0, 1.0)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, o_ref, mx_ref, den_ref, scr_ref, *,
+                w, ramp, has_mask, bq, bk, eps, interpret):
+  i0 = pl.program_id(2) * bq
+  q = q_ref[...]
+  dh = q.shape[-1]
+  scale = 1.0 / math.sqrt(dh)
+  win = _row_windows(z_ref, w=w, ramp=ramp, has_mask=has_mask, bq=bq)
+  z = z_ref[...].astype(jnp.float32) if has_mask else None
+  lo, hi = _key_blocks(win, i0, w=w, bk=bk)
+
+  def body(kb, carry):
+    acc, mx, z_all, z_mask = carry
+    t0 = kb * bk
+    k = k_ref[pl.ds(t0, bk), :]
+    v = v_ref[pl.ds(t0, bk), :]
+    logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
+                                  scale=scale, interpret=interpret)
+    mx_new = jnp.maximum(mx, jnp.max(logits, axis=1))
+    corr = jnp.exp(mx - mx_new)
+    p = jnp.where(visited, jnp.exp(logits - mx_new[:, None]), 0.0)
+    pm = p * _mask_value(z, dist, ramp) if has_mask else p
+    acc = acc * corr[:, None] + _dot(pm.astype(v.dtype), v)
+    return acc, mx_new, z_all * corr + jnp.sum(p, axis=1), z_mask * corr + jnp.sum(pm, axis=1)
+
+  init = (jnp.zeros((bq, dh), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
+          jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32))
+  acc, mx, z_all, z_mask = lax.fori_loop(lo, hi, body, init)
+  den = z_mask + eps * z_all if has_mask else z_all
+  o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
+  mx_ref[...] = mx
+  den_ref[...] = den
+
+
+def _bwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, g_ref, mx_ref, den_ref, delta_ref,
+                dk_in, dv_in, dpe_in,
+                dq_ref, dz_ref, scr_ref, dk_ref, dv_ref, dpe_ref, *,
+                w, ramp, has_mask, bq, bk, eps, interpret):
+  del dk_in, dv_in, dpe_in  # zeros, aliased to dk_ref, dv_ref, dpe_ref (accumulated atomically)
+  i0 = pl.program_id(2) * bq
+  q = q_ref[...]
+  g = g_ref[...]
+  dh = q.shape[-1]
+  scale = 1.0 / math.sqrt(dh)
+  win = _row_windows(z_ref, w=w, ramp=ramp, has_mask=has_mask, bq=bq)
+  z = z_ref[...].astype(jnp.float32) if has_mask else None
+  mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
+  lo, hi = _key_blocks(win, i0, w=w, bk=bk)
+  r = jnp.arange(bq)[:, None]
+  j = jnp.arange(bq + bk)[None, :]
+
+  def body(kb, carry):
+    dq, dz = carry
+    t0 = kb * bk
+    k = k_ref[pl.ds(t0, bk), :]
+    v = v_ref[pl.ds(t0, bk), :]
+    logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
+                                  scale=scale, interpret=interpret)
+    p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
+    gv = _dot(g, v, trans_b=True) - delta[:, None]
+    if has_mask:
+      u = (ramp + z[:, None] - (dist - 1)) / ramp
+      a = p * jnp.clip(u, 0.0, 1.0)
+      dl = a * gv - eps * p * delta[:, None]
+      # d clip(u)/du as jnp.clip differentiates: 1 inside, 1/2 on a boundary, 0 outside.
+      du = jnp.where((u > 0) & (u < 1), 1.0, jnp.where((u == 0) | (u == 1), 0.5, 0.0))
+      dz = dz + jnp.sum(p * gv * du, axis=1) / ramp
+    else:
+      a = p
+      dl = a * gv
+    ds = dl * scale
+    dq = dq + _dot(ds.astype(k.dtype), k)
+    plt.atomic_add(dk_ref, (pl.ds(t0, bk), slice(None)), _dot(ds.astype(q.dtype), q, trans_a=True))
+    plt.atomic_add(dv_ref, (pl.ds(t0, bk), slice(None)), _dot(a.astype(g.dtype), g, trans_a=True))
+    # Position term: dG[r, j] = ds[r, j - bq + r], the inverse of the forward's skewed read.
+    scr_ref[:, pl.ds(0, bk)] = ds
+    _barrier(interpret)
+    cc = j - bq + r
+    dg = jnp.where((cc >= 0) & (cc < bk), scr_ref[r, jnp.clip(cc, 0, bk - 1)], 0.0)
+    _barrier(interpret)
+    pe = pe_ref[:, pl.ds(t0 - i0, bq + bk)]
+    dq = dq + _dot(dg.astype(pe.dtype), pe, trans_b=True)
+    plt.atomic_add(dpe_ref, (slice(None), pl.ds(t0 - i0, bq + bk)),
+                   _dot(q, dg.astype(q.dtype), trans_a=True))
+    return dq, dz
+
+  dq, dz = lax.fori_loop(lo, hi, body, (jnp.zeros((bq, dh), jnp.float32),
+                                        jnp.zeros((bq,), jnp.float32)))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dz_ref[...] = dz
+
+
+def _specs(b, h, m, t, dh, wp, bq):
+  row = pl.BlockSpec((None, None, bq, dh), lambda i, hh, qi: (i, hh, qi, 0))
+  keys = pl.BlockSpec((None, None, t, dh), lambda i, hh, qi: (i, hh, 0, 0))
+  stat = pl.BlockSpec((None, None, bq), lambda i, hh, qi: (i, hh, qi))
+  pe = pl.BlockSpec((dh, wp), lambda i, hh, qi: (0, 0))
+  scr = pl.BlockSpec((None, None, None, bq, 2 * bq), lambda i, hh, qi: (i, hh, qi, 0, 0))
+  return row, keys, stat, pe, scr
+
+
+def _check(q, k, pe, block):
+  b, h, m, dh = q.shape
+  w = pe.shape[-1]
+  if k.shape != (b, h, w + m, dh):
+    raise ValueError(f"fused attention: keys {k.shape} for queries {q.shape} and window {w}")
+  if m % block or w % block:
+    raise ValueError(f"fused attention: block {m} and window {w} must be multiples of {block}")
+  if dh < 16 or dh & (dh - 1):
+    raise ValueError(f"fused attention: head size {dh} must be a power of two >= 16")
+
+
+def _padded_pe(pe_DxW, block):
+  """Zero columns on both sides, so every tile's bq + bk distances are one in-bounds slice."""
+  return jnp.pad(pe_DxW, ((0, 0), (block, block)))
+
+
+def _forward(q, k, v, pe, z, *, ramp, eps, block, interpret, num_warps, num_stages):
+  _check(q, k, pe, block)
+  b, h, m, dh = q.shape
+  w = pe.shape[-1]
+  has_mask = z is not None
+  z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
+  row, keys, stat, pe_spec, scr = _specs(b, h, m, w + m, dh, w + 2 * block, block)
+  kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
+                             bk=block, eps=eps, interpret=interpret)
+  out, mx, den, _ = pl.pallas_call(
+      kernel, grid=(b, h, m // block),
+      in_specs=[row, keys, keys, pe_spec, stat],
+      out_specs=[row, stat, stat, scr],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, h, m), jnp.float32),
+                 jax.ShapeDtypeStruct((b, h, m), jnp.float32),
+                 jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32)],
+      interpret=interpret, name="span_attention_fwd",
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+  )(q, k, v, _padded_pe(pe, block), z_in)
+  return out, mx, den
+
+
+def _backward(q, k, v, pe, z, out, mx, den, g, *, ramp, eps, block, interpret, num_warps,
+              num_stages):
+  b, h, m, dh = q.shape
+  w = pe.shape[-1]
+  t = w + m
+  has_mask = z is not None
+  z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
+  delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+  row, keys, stat, pe_spec, scr = _specs(b, h, m, t, dh, w + 2 * block, block)
+  kernel = functools.partial(_bwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
+                             bk=block, eps=eps, interpret=interpret)
+  zeros_k = jnp.zeros((b, h, t, dh), jnp.float32)
+  zeros_pe = jnp.zeros((dh, w + 2 * block), jnp.float32)
+  dq, dz, _, dk, dv, dpe = pl.pallas_call(
+      kernel, grid=(b, h, m // block),
+      in_specs=[row, keys, keys, pe_spec, stat, row, stat, stat, stat, keys, keys, pe_spec],
+      out_specs=[row, stat, scr, keys, keys, pe_spec],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((b, h, m), jnp.float32),
+                 jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32),
+                 jax.ShapeDtypeStruct(zeros_k.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(zeros_k.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(zeros_pe.shape, jnp.float32)],
+      input_output_aliases={9: 3, 10: 4, 11: 5},
+      interpret=interpret, name="span_attention_bwd",
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+  )(q, k, v, _padded_pe(pe, block), z_in, g, mx, den, delta, zeros_k, zeros_k, zeros_pe)
+  dpe = dpe[:, block:block + w].astype(pe.dtype)
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), dpe, (dz if has_mask else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
+def _span_attention(q, k, v, pe, z, ramp, eps, block, interpret, num_warps, num_stages):
+  out, _, _ = _forward(q, k, v, pe, z, ramp=ramp, eps=eps, block=block, interpret=interpret,
+                       num_warps=num_warps, num_stages=num_stages)
+  return out
+
+
+def _span_attention_fwd(q, k, v, pe, z, ramp, eps, block, interpret, num_warps, num_stages):
+  out, mx, den = _forward(q, k, v, pe, z, ramp=ramp, eps=eps, block=block, interpret=interpret,
+                          num_warps=num_warps, num_stages=num_stages)
+  return out, (q, k, v, pe, z, out, mx, den)
+
+
+def _span_attention_bwd(ramp, eps, block, interpret, num_warps, num_stages, res, g):
+  q, k, v, pe, z, out, mx, den = res
+  return _backward(q, k, v, pe, z, out, mx, den, g, ramp=ramp, eps=eps, block=block,
+                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+
+
+_span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
+
+
+def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *, ramp: int = 32,
+                   eps: float = 1e-8, block: int = 64, interpret: bool = False,
+                   num_warps: int = 4, num_stages: int = 2):
+  """Banded attention over the W distances before each query, spans given at run time.
+
+  Args:
+    q_BxHxMxD: queries. k/v_BxHxTxD: keys/values of the last T = W + M positions.
+    key_pe_DxW: relative position embeddings, column W - d for distance d.
+    z_BxHxM: span in tokens per query row (broadcast an adaptive span (H,) to it), or None for a
+      fixed span (no mask). Differentiable.
+    ramp: R of the soft mask. block: query and key tile (divides M and W).
+  Returns:
+    (B, H, M, Dh) in the dtype of q.
+  """
+  return _span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, ramp, eps,
+                         block, interpret, num_warps, num_stages)
