@@ -221,7 +221,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if isinstance(seed, bool) or not isinstance(seed, int):
     _bad("seed", seed, "must be an integer")
   vocab = _get(config, "model.vocab_size")
-  ModelConfig.from_config(_get(config, "model"), vocab_size=None if vocab else 1)
+  model = ModelConfig.from_config(_get(config, "model"), vocab_size=None if vocab else 1)
+  block = _get(config, "data.block")
+  if model.attn_impl != "xla" and isinstance(block, int) and block % model.attn_block:
+    _bad("data.block", block,
+         f"must be a multiple of model.attn_block={model.attn_block} with the fused kernel")
   _validate_data(config)
   _validate_optim(config)
   _validate_train(config)

@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from span_lm.model import fused_attention
 from span_lm.model import precision
 from span_lm.model import spans as spans_lib
 from span_lm.model.config import ModelConfig
@@ -219,6 +220,10 @@ class SeqAttention(nn.Module):
     drop = nn.Dropout(cfg.dropout)
     dropout = (lambda p: drop(p, deterministic=False)) if (train and cfg.dropout > 0) else None
 
+    if cfg.attn_impl != "xla":
+      out = self._fused(q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH)
+      return dense("proj_out")(out), aux
+
     outs, order = [], []
     for head_ids, w in self.plan.groups:
       idx = jnp.asarray(head_ids)
@@ -270,3 +275,27 @@ class SeqAttention(nn.Module):
       out = jnp.take(out, jnp.asarray(inv), axis=1)
     out = out.transpose(0, 2, 1, 3).reshape(b, m, d)
     return dense("proj_out")(out), aux
+
+  def _fused(self, q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH):
+    """All heads in one fused-kernel call over the layer's largest window; spans at run time.
+    Returns the heads' outputs as (B, M, D), before the output projection."""
+    cfg = self.cfg
+    b, m, d = h_in.shape
+    nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span
+    w = max(w for _, w in self.plan.groups)
+    if self.kv_cache:
+      kv = jnp.concatenate([cache[:, cache.shape[1] - w:], aux["kv"]], axis=1)
+    else:
+      w_kv = jnp.concatenate([k_kernel, v_kernel], axis=1)
+      kv = jnp.concatenate([precision.dot(cache[:, cache.shape[1] - w:], w_kv),
+                            precision.dot(h_in, w_kv)], axis=1)
+    kv = kv.reshape(b, w + m, 2, nh, dh).transpose(2, 0, 3, 1, 4)  # 2 B H T Dh
+    z = None
+    if z_H is not None:
+      z = jnp.broadcast_to(z_H[None, :, None], (b, nh, m))
+    elif z_BxMxH is not None:
+      z = z_BxMxH.transpose(0, 2, 1)
+    out = fused_attention.span_attention(
+        q, kv[0], kv[1], key_pe_DxS[:, s - w:].astype(q.dtype), z, ramp=cfg.ramp,
+        block=cfg.attn_block, interpret=cfg.attn_impl == "pallas_interpret")
+    return out.astype(jnp.dtype(cfg.dtype)).transpose(0, 2, 1, 3).reshape(b, m, d)

@@ -9,6 +9,7 @@ from typing import Any
 
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLS = ("xla", "pallas", "pallas_interpret")
 REMAT = ("none", "layer")
 ARCHS = ("span", "sparse")  # span_lm/model/transformer.py | span_lm/model/sparse_transformer.py
 SPARSE_PATTERNS = ("fixed", "strided", "local", "dense")  # span_lm/model/sparse.py
@@ -46,6 +47,11 @@ class ModelConfig:
   plan_growth: float = 1.5
   head_grouping: bool = True
   attn_chunk: int = 0
+  # xla: banded jnp attention (portable; the numerical reference). pallas: the fused kernel of
+  # fused_attention.py (GPUs, Triton), spans as runtime values; pallas_interpret: the same kernel
+  # interpreted on CPU (tests, debugging; slow).
+  attn_impl: str = "xla"
+  attn_block: int = 64  # pallas: query/key tile; divides the block length and the plan windows
   adapt_io: bool = False  # adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)
   adapt_io_cutoffs: tuple[int, ...] = (20000, 40000, 200000)
   adapt_io_div: int = 4
@@ -103,6 +109,10 @@ class ModelConfig:
       bad("plan_growth", "must be in [1, 4]")
     if self.attn_chunk < 0:
       bad("attn_chunk", "must be >= 0 (0: automatic)")
+    if self.attn_impl not in ATTN_IMPLS:
+      bad("attn_impl", f"choose one of {ATTN_IMPLS}")
+    if self.attn_impl != "xla":
+      self._check_fused(bad)
     # Hashable (the config is a jit static argument) whatever sequence the config held.
     object.__setattr__(self, "adapt_io_cutoffs", tuple(self.adapt_io_cutoffs))
     object.__setattr__(self, "sparse_data_shape", tuple(self.sparse_data_shape))
@@ -120,6 +130,23 @@ class ModelConfig:
         bad("adapt_io_div", "must be a positive integer")
       if self.d_model // self.adapt_io_div ** len(cuts) < 1:
         bad("adapt_io_div", f"leaves the last cluster of d_model={self.d_model} with no dimension")
+
+  def _check_fused(self, bad):
+    b = self.attn_block
+    if not isinstance(b, int) or b < 16 or b & (b - 1):
+      bad("attn_block", "must be a power of two >= 16")
+    if self.arch != "span":
+      bad("attn_impl", "the fused kernel is for arch='span' (the sparse model has its own)")
+    if self.pers_mem:
+      bad("attn_impl", "the fused kernel has no persistent memory: use attn_impl='xla'")
+    if self.dropout:
+      bad("attn_impl", "the fused kernel has no attention dropout: set dropout=0 or use 'xla'")
+    hd = self.d_model // self.n_heads
+    if hd < 16 or hd & (hd - 1):
+      bad("attn_impl", f"the fused kernel needs a power-of-two head size >= 16, not {hd}")
+    for f in ("span", "plan_granularity"):
+      if getattr(self, f) % b:
+        bad(f, f"must be a multiple of attn_block={b} with attn_impl={self.attn_impl!r}")
 
   def _check_sparse(self, bad):
     if self.span_mode != "fixed":

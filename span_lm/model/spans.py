@@ -113,9 +113,13 @@ def _round_up(n: int, g: int, cap: int) -> int:
 
 
 def layer_plan_from_windows(cfg: ModelConfig, windows: Sequence[int]) -> LayerPlan:
-  """Groups heads by window (or one group at the max window without head grouping)."""
+  """Groups heads by window (or one group at the max window without head grouping).
+
+  The fused kernel (attn_impl != 'xla') takes one group: it skips each head's unused key blocks
+  at run time, so only the layer's largest window is a compile-time shape.
+  """
   windows = [int(w) for w in windows]
-  if not cfg.head_grouping:
+  if not cfg.head_grouping or cfg.attn_impl != "xla":
     windows = [max(windows)] * len(windows)
   by_w: dict[int, list[int]] = {}
   for h, w in enumerate(windows):

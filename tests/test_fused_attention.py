@@ -1,0 +1,195 @@
+"""The fused Pallas kernel (span_lm/model/fused_attention.py) against the plain banded path.
+
+Runs the kernels in interpret mode on CPU, and lowers them for CUDA (Triton) without a GPU so a
+construct Triton cannot express fails here rather than on the first GPU run.
+"""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from span_lm import config as config_lib
+from span_lm.model import attention
+from span_lm.model import fused_attention as fa
+from span_lm.model import spans
+from span_lm.model.config import ModelConfig
+from span_lm.model.transformer import SpanTransformer
+
+B, H, M, D, W, R, BLOCK = 2, 2, 32, 16, 48, 8, 16
+
+
+def _inputs(seed=0, dtype=jnp.float32, w=W, m=M):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(ks[0], (B, H, m, D), dtype)
+  k = jax.random.normal(ks[1], (B, H, w + m, D), dtype)
+  v = jax.random.normal(ks[2], (B, H, w + m, D), dtype)
+  pe = jax.random.normal(ks[3], (D, w), dtype)
+  return q, k, v, pe, ks[4]
+
+
+def _plain(q, k, v, pe, z):
+  w = pe.shape[-1]
+  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
+  mask = None if z is None else spans.soft_mask(z[..., None], dist[None, None, None, :], R)
+  return attention.banded_attention(q, k, v, pe, mask=mask)[0]
+
+
+def _fused(q, k, v, pe, z):
+  return fa.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK, interpret=True)
+
+
+def _spans(kind, key):
+  if kind == "fixed":
+    return None
+  if kind == "adaptive":  # one span per head, broadcast over the rows, as the model passes it
+    z_H = jnp.array([3.3, 27.5])
+    return jnp.broadcast_to(z_H[None, :, None], (B, H, M))
+  if kind == "dynamic":
+    return jax.random.uniform(key, (B, H, M), minval=0.0, maxval=45.0)
+  if kind == "integer":  # z = 0 and whole numbers: the clamp's boundaries, where its gradient is 1/2
+    return jnp.broadcast_to(jnp.array([0.0, 16.0])[None, :, None], (B, H, M))
+  if kind == "beyond":  # spans past the window: every key visited, the mask is 1 everywhere
+    return jnp.full((B, H, M), 100.0)
+  raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["fixed", "adaptive", "dynamic", "integer", "beyond"])
+def test_matches_banded_attention_values_and_gradients(kind):
+  q, k, v, pe, key = _inputs()
+  z = _spans(kind, key)
+  np.testing.assert_allclose(_fused(q, k, v, pe, z), _plain(q, k, v, pe, z), atol=1e-5, rtol=1e-5)
+  ct = jax.random.normal(jax.random.PRNGKey(9), (B, H, M, D))
+  argnums = (0, 1, 2, 3) if z is None else (0, 1, 2, 3, 4)
+  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), argnums=argnums)(q, k, v, pe, z)
+           for f in (_fused, _plain)]
+  for name, got, want in zip("q k v pe z".split(), *grads):
+    assert float(jnp.max(jnp.abs(want))) > 0 or name == "z", name
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_bfloat16_inputs_follow_float32():
+  q, k, v, pe, key = _inputs()
+  z = _spans("dynamic", key)
+  lo = [x.astype(jnp.bfloat16) for x in (q, k, v, pe)]
+  want = _plain(*[x.astype(jnp.float32) for x in lo], z)
+  got = _fused(*lo, z)
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
+
+
+def test_key_blocks_outside_every_span_are_never_read():
+  """NaN keys and values beyond all spans leave outputs and gradients finite and unchanged; the
+  same NaNs one block later (inside a span) reach the output, so the test can fail."""
+  w = 64
+  q, k, v, pe, _ = _inputs(w=w)
+  z = jnp.full((B, H, M), 2.0)  # rows see d <= floor(2) + R + 1 = 11 distances
+  clean = _fused(q, k, v, pe, z)
+  # The first query block (rows 0..15) starts at key w - 11 = 53, in block 3: keys < 48 unused.
+  poisoned_k, poisoned_v = k.at[:, :, :48].set(jnp.nan), v.at[:, :, :48].set(jnp.nan)
+  out = _fused(q, poisoned_k, poisoned_v, pe, z)
+  np.testing.assert_array_equal(out, clean)
+  g = jax.grad(lambda q, k, v: jnp.sum(_fused(q, k, v, pe, z)), argnums=(0, 1, 2))(
+      q, poisoned_k, poisoned_v)
+  assert all(bool(jnp.all(jnp.isfinite(x[:, :, 48:] if x.shape[2] > M else x))) for x in g)
+  # A visited block's values enter a matmul (0 x NaN = NaN), even where their weights are 0.
+  reached = _fused(q, k, v.at[:, :, :49].set(jnp.nan), pe, z)
+  assert bool(jnp.any(jnp.isnan(reached)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_lower_to_triton_for_cuda(dtype):
+  b, h, m, d, w = 2, 4, 128, 64, 256
+  q = jnp.ones((b, h, m, d), dtype)
+  k = jnp.ones((b, h, w + m, d), dtype)
+  pe = jnp.ones((d, w), dtype)
+  z = jnp.ones((b, h, m), jnp.float32)
+  loss = lambda q, k, v, pe, z: jnp.sum(fa.span_attention(q, k, v, pe, z).astype(jnp.float32))
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  text = step.trace(q, k, k, pe, z).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("xla.gpu.triton") == 2  # forward and backward kernels
+  assert "span_attention_fwd" in text and "span_attention_bwd" in text
+
+
+def test_rejects_shapes_the_kernel_cannot_tile():
+  q, k, v, pe, _ = _inputs()
+  with pytest.raises(ValueError, match="multiples of 64"):
+    fa.span_attention(q, k, v, pe, None, block=64, interpret=True)
+  with pytest.raises(ValueError, match="keys"):
+    fa.span_attention(q, k[:, :, 1:], v, pe, None, block=BLOCK, interpret=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# In the model: attn_impl='pallas_interpret' against attn_impl='xla' with the same parameters.
+
+
+def _cfg(**kw):
+  base = dict(vocab_size=13, d_model=32, n_layers=2, n_heads=2, d_ff=24, span=32,
+              span_mode="adaptive", ramp=4, span_loss=0.1, plan_granularity=16, plan_margin=0,
+              attn_block=16)
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "adaptive", "dynamic"])
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_model_fused_equals_xla(mode, kv_cache):
+  xla = _cfg(span_mode=mode)
+  fused = _cfg(span_mode=mode, attn_impl="pallas_interpret")
+  rng = np.random.default_rng(3)
+  m = 16
+  tokens = jnp.asarray(rng.integers(xla.vocab_size, size=(B, m)), jnp.int32)
+  plan = None
+  if mode == "adaptive":  # two head groups of different windows in the xla plan
+    plan = spans.SpanPlan(layers=(spans.LayerPlan(32, (((0,), 16), ((1,), 32))),) * 2)
+  params = SpanTransformer(xla, plan=plan).init(
+      jax.random.key(0), tokens, spans.init_caches(xla, plan, B), train=False)["params"]
+  if mode == "adaptive":
+    for i, ratio in enumerate(([0.2, 0.75], [0.05, 0.5])):  # z + R: 10.4, 28; 5.6, 20
+      params[f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(ratio)
+  caches = spans.init_caches(xla, plan, B, kv=kv_cache)
+  caches = tuple(jnp.asarray(rng.normal(size=c.shape), jnp.float32) for c in caches)
+
+  def run(cfg):
+    model = SpanTransformer(cfg, plan=plan, kv_cache=kv_cache)
+
+    def loss(p):
+      logp, new_caches, aux = model.apply({"params": p}, tokens, caches, train=False)
+      return -jnp.mean(logp[..., 0]) + sum(jnp.sum(c) for c in new_caches) * 1e-3, logp
+
+    (value, logp), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return logp, grads
+
+  (logp_x, grads_x), (logp_f, grads_f) = run(xla), run(fused)
+  np.testing.assert_allclose(logp_f, logp_x, atol=2e-5, rtol=1e-5)
+  flat_x = jax.tree_util.tree_leaves_with_path(grads_x)
+  flat_f = jax.tree.leaves(grads_f)
+  for (path, gx), gf in zip(flat_x, flat_f):
+    np.testing.assert_allclose(gf, gx, atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
+
+
+def test_fused_plan_is_one_group_at_the_largest_window():
+  cfg = _cfg(attn_impl="pallas")
+  lp = spans.layer_plan_from_windows(cfg, [16, 32])
+  assert lp.groups == (((0, 1), 32),)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(pers_mem=4), "attn_impl"),
+    (dict(dropout=0.1), "attn_impl"),
+    (dict(attn_block=24), "attn_block"),
+    (dict(n_heads=4), "attn_impl"),  # head size 8
+    (dict(plan_granularity=8), "plan_granularity"),
+    (dict(attn_impl="triton"), "attn_impl"),
+])
+def test_bad_fused_configs_raise(kw, field):
+  with pytest.raises(ValueError, match=f"config.model.{field}"):
+    _cfg(attn_impl=kw.pop("attn_impl", "pallas"), **kw)
+
+
+def test_run_config_checks_block_length_against_the_tile():
+  config = config_lib.load_config("configs/tiny.py", {
+      "model.attn_impl": "pallas", "model.attn_block": 64, "data.block": 96,
+      "workdir": "/tmp/unused"})
+  with pytest.raises(ValueError, match="config.data.block"):
+    config_lib.validate(config)
