@@ -68,6 +68,43 @@ def test_matches_banded_attention_values_and_gradients(kind):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+def test_dropout_matches_plain_path_with_the_same_keep_mask():
+  """The kernel's hashed keep mask, given to the plain path as its dropout, gives the same
+  outputs and gradients; and it keeps 1 - rate of the weights."""
+  rate, seed = 0.3, jnp.uint32(1234567)
+  q, k, v, pe, key = _inputs()
+  z = _spans("dynamic", key)
+
+  def band_dropout(p):  # (B, H, n, C, W) bands: column s of row i is key i + s
+    c = p.shape[3]
+    rows = jnp.arange(M).reshape(1, 1, M // c, c, 1)
+    bh = (jnp.arange(B)[:, None] * H + jnp.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
+    return p * fa.dropout_scale(seed, bh, rows, rows + jnp.arange(W).reshape(1, 1, 1, 1, W),
+                                n_rows=M, n_keys=W + M, rate=rate)
+
+  def plain(q, k, v, pe, z):
+    dist = jnp.arange(W, 0, -1, dtype=jnp.float32)[None, None, None, :]
+    mask = spans.soft_mask(z[..., None], dist, R)
+    return attention.banded_attention(q, k, v, pe, mask=mask, dropout=band_dropout)[0]
+
+  def fused(q, k, v, pe, z):
+    return fa.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK, interpret=True,
+                             dropout_rate=rate, dropout_seed=seed)
+
+  got, want = fused(q, k, v, pe, z), plain(q, k, v, pe, z)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  assert float(jnp.max(jnp.abs(got - _fused(q, k, v, pe, z)))) > 0.1  # dropout did something
+  ct = jax.random.normal(jax.random.PRNGKey(9), (B, H, M, D))
+  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3, 4))(q, k, v, pe, z)
+           for f in (fused, plain)]
+  for name, g_f, g_p in zip("q k v pe z".split(), *grads):
+    np.testing.assert_allclose(g_f, g_p, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
+  keep = fa.dropout_scale(seed, jnp.arange(8)[:, None, None], jnp.arange(128)[None, :, None],
+                          jnp.arange(256)[None, None, :], n_rows=128, n_keys=256, rate=rate)
+  assert abs(float(jnp.mean(keep > 0)) - (1 - rate)) < 0.01
+  np.testing.assert_allclose(float(jnp.max(keep)), 1 / (1 - rate), rtol=1e-6)
+
+
 def test_bfloat16_inputs_follow_float32():
   q, k, v, pe, key = _inputs()
   z = _spans("dynamic", key)
@@ -168,6 +205,26 @@ def test_model_fused_equals_xla(mode, kv_cache):
     np.testing.assert_allclose(gf, gx, atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 
 
+def test_model_fused_dropout_trains_and_is_reproducible():
+  cfg = _cfg(attn_impl="pallas_interpret", dropout=0.5)
+  m = 16
+  tokens = jnp.asarray(np.random.default_rng(0).integers(cfg.vocab_size, size=(B, m)), jnp.int32)
+  model = SpanTransformer(cfg)
+  caches = spans.init_caches(cfg, None, B)
+  params = model.init(jax.random.key(0), tokens, caches, train=False)["params"]
+
+  def loss(p, rng, train):
+    logp = model.apply({"params": p}, tokens, caches, train=train, rngs={"dropout": rng})[0]
+    return -jnp.mean(logp[..., 0])
+
+  a = loss(params, jax.random.key(1), True)
+  assert float(a) == float(loss(params, jax.random.key(1), True))
+  assert float(a) != float(loss(params, jax.random.key(2), True))
+  assert float(a) != float(loss(params, jax.random.key(1), False))
+  grads = jax.grad(loss)(params, jax.random.key(1), True)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
 def test_fused_plan_is_one_group_at_the_largest_window():
   cfg = _cfg(attn_impl="pallas")
   lp = spans.layer_plan_from_windows(cfg, [16, 32])
@@ -176,7 +233,6 @@ def test_fused_plan_is_one_group_at_the_largest_window():
 
 @pytest.mark.parametrize("kw,field", [
     (dict(pers_mem=4), "attn_impl"),
-    (dict(dropout=0.1), "attn_impl"),
     (dict(attn_block=24), "attn_block"),
     (dict(n_heads=4), "attn_impl"),  # head size 8
     (dict(plan_granularity=8), "plan_granularity"),

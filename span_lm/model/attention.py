@@ -221,7 +221,10 @@ class SeqAttention(nn.Module):
     dropout = (lambda p: drop(p, deterministic=False)) if (train and cfg.dropout > 0) else None
 
     if cfg.attn_impl != "xla":
-      out = self._fused(q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH)
+      seed = None
+      if dropout is not None:  # the kernel hashes its own keep mask from this
+        seed = jax.random.bits(self.make_rng("dropout"), (), jnp.uint32)
+      out = self._fused(q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed)
       return dense("proj_out")(out), aux
 
     outs, order = [], []
@@ -276,7 +279,7 @@ class SeqAttention(nn.Module):
     out = out.transpose(0, 2, 1, 3).reshape(b, m, d)
     return dense("proj_out")(out), aux
 
-  def _fused(self, q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH):
+  def _fused(self, q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed):
     """All heads in one fused-kernel call over the layer's largest window; spans at run time.
     Returns the heads' outputs as (B, M, D), before the output projection."""
     cfg = self.cfg
@@ -297,5 +300,6 @@ class SeqAttention(nn.Module):
       z = z_BxMxH.transpose(0, 2, 1)
     out = fused_attention.span_attention(
         q, kv[0], kv[1], key_pe_DxS[:, s - w:].astype(q.dtype), z, ramp=cfg.ramp,
-        block=cfg.attn_block, interpret=cfg.attn_impl == "pallas_interpret")
+        block=cfg.attn_block, dropout_rate=cfg.dropout if seed is not None else 0.0,
+        dropout_seed=seed, interpret=cfg.attn_impl == "pallas_interpret")
     return out.astype(jnp.dtype(cfg.dtype)).transpose(0, 2, 1, 3).reshape(b, m, d)

@@ -139,8 +139,6 @@ class ModelConfig:
       bad("attn_impl", "the fused kernel is for arch='span' (the sparse model has its own)")
     if self.pers_mem:
       bad("attn_impl", "the fused kernel has no persistent memory: use attn_impl='xla'")
-    if self.dropout:
-      bad("attn_impl", "the fused kernel has no attention dropout: set dropout=0 or use 'xla'")
     hd = self.d_model // self.n_heads
     if hd < 16 or hd & (hd - 1):
       bad("attn_impl", f"the fused kernel needs a power-of-two head size >= 16, not {hd}")

@@ -17,14 +17,16 @@ shuffle for it). The backward pass reads ds back the other way for the position 
 Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the plain path sums
 eps e^l over all W distances; the two agree to ~eps relative (1e-8).
 
-Not covered (the model refuses these with attn_impl='pallas'): persistent memory, dropout on the
-attention weights. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
+Dropout on the attention weights draws its keep mask from a hash of (seed, head, row, key), so the
+backward pass regenerates it instead of storing it. Not covered (the model refuses it with
+attn_impl='pallas'): persistent memory. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
 """
 import functools
 import math
 
 import jax
 from jax import lax
+import numpy as np
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -40,6 +42,26 @@ def _dot(a, b, trans_a=False, trans_b=False):
     b = b.T
   prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
   return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
+
+
+def _fmix32(x):
+  """murmur3's finaliser: a cheap uint32 bijection with good avalanche."""
+  x = x ^ lax.shift_right_logical(x, jnp.uint32(16))
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ lax.shift_right_logical(x, jnp.uint32(13))
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ lax.shift_right_logical(x, jnp.uint32(16))
+
+
+def dropout_scale(seed, bh, row, key, *, n_rows, n_keys, rate):
+  """keep / (1 - rate) for attention weight (b * H + h, row, key), a pure function of its
+  coordinates and the seed, so the backward pass regenerates the forward's mask without storing
+  it. bh, row and key broadcast; also what the tests give the plain path."""
+  u = lambda x: lax.convert_element_type(x, jnp.uint32)
+  counter = (u(bh) * jnp.uint32(n_rows) + u(row)) * jnp.uint32(n_keys) + u(key)
+  bits = _fmix32(_fmix32(counter) ^ u(seed))
+  keep = lax.shift_right_logical(bits, jnp.uint32(8)) < jnp.uint32(round((1.0 - rate) * (1 << 24)))
+  return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(jnp.float32)
 
 
 def _barrier(interpret):
@@ -78,13 +100,21 @@ def _tile(q, k, pe_ref, scr_ref, t0, i0, win, *, w, bq, bk, scale, interpret):
   return logits, dist, visited
 
 
+def _tile_dropout(seed, bh, t0, i0, *, bq, bk, n_rows, n_keys, rate):
+  rows = i0 + jnp.arange(bq)[:, None]
+  keys = t0 + jnp.arange(bk)[None, :]
+  return dropout_scale(seed, bh, rows, keys, n_rows=n_rows, n_keys=n_keys, rate=rate)
+
+
 def _mask_value(z, dist, ramp):
   return jnp.clip((ramp + z[:, None] - (dist - 1)) / ramp, 0.0, 1.0)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, o_ref, mx_ref, den_ref, scr_ref, *,
-                w, ramp, has_mask, bq, bk, eps, interpret):
+def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, o_ref, mx_ref, den_ref, scr_ref, *,
+                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows):
   i0 = pl.program_id(2) * bq
+  bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
+  seed = seed_ref[0]
   q = q_ref[...]
   dh = q.shape[-1]
   scale = 1.0 / math.sqrt(dh)
@@ -103,7 +133,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, o_ref, mx_ref, den_ref, scr_
     corr = jnp.exp(mx - mx_new)
     p = jnp.where(visited, jnp.exp(logits - mx_new[:, None]), 0.0)
     pm = p * _mask_value(z, dist, ramp) if has_mask else p
-    acc = acc * corr[:, None] + _dot(pm.astype(v.dtype), v)
+    kept = pm
+    if rate:
+      kept = pm * _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
+                                n_keys=w + n_rows, rate=rate)
+    acc = acc * corr[:, None] + _dot(kept.astype(v.dtype), v)
     return acc, mx_new, z_all * corr + jnp.sum(p, axis=1), z_mask * corr + jnp.sum(pm, axis=1)
 
   init = (jnp.zeros((bq, dh), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
@@ -115,12 +149,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, o_ref, mx_ref, den_ref, scr_
   den_ref[...] = den
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, g_ref, mx_ref, den_ref, delta_ref,
+def _bwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den_ref, delta_ref,
                 dk_in, dv_in, dpe_in,
                 dq_ref, dz_ref, scr_ref, dk_ref, dv_ref, dpe_ref, *,
-                w, ramp, has_mask, bq, bk, eps, interpret):
+                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows):
   del dk_in, dv_in, dpe_in  # zeros, aliased to dk_ref, dv_ref, dpe_ref (accumulated atomically)
   i0 = pl.program_id(2) * bq
+  bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
+  seed = seed_ref[0]
   q = q_ref[...]
   g = g_ref[...]
   dh = q.shape[-1]
@@ -140,7 +176,13 @@ def _bwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, g_ref, mx_ref, den_ref, delt
     logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
                                   scale=scale, interpret=interpret)
     p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
-    gv = _dot(g, v, trans_b=True) - delta[:, None]
+    gv = _dot(g, v, trans_b=True)
+    keep = None
+    if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
+      keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
+                           n_keys=w + n_rows, rate=rate)
+      gv = gv * keep
+    gv = gv - delta[:, None]
     if has_mask:
       u = (ramp + z[:, None] - (dist - 1)) / ramp
       a = p * jnp.clip(u, 0.0, 1.0)
@@ -154,7 +196,9 @@ def _bwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, g_ref, mx_ref, den_ref, delt
     ds = dl * scale
     dq = dq + _dot(ds.astype(k.dtype), k)
     plt.atomic_add(dk_ref, (pl.ds(t0, bk), slice(None)), _dot(ds.astype(q.dtype), q, trans_a=True))
-    plt.atomic_add(dv_ref, (pl.ds(t0, bk), slice(None)), _dot(a.astype(g.dtype), g, trans_a=True))
+    kept = a if keep is None else a * keep
+    plt.atomic_add(dv_ref, (pl.ds(t0, bk), slice(None)),
+                   _dot(kept.astype(g.dtype), g, trans_a=True))
     # Position term: dG[r, j] = ds[r, j - bq + r], the inverse of the forward's skewed read.
     scr_ref[:, pl.ds(0, bk)] = ds
     _barrier(interpret)
@@ -179,7 +223,8 @@ def _specs(b, h, m, t, dh, wp, bq):
   stat = pl.BlockSpec((None, None, bq), lambda i, hh, qi: (i, hh, qi))
   pe = pl.BlockSpec((dh, wp), lambda i, hh, qi: (0, 0))
   scr = pl.BlockSpec((None, None, None, bq, 2 * bq), lambda i, hh, qi: (i, hh, qi, 0, 0))
-  return row, keys, stat, pe, scr
+  seed = pl.BlockSpec((1,), lambda i, hh, qi: (0,))
+  return row, keys, stat, pe, scr, seed
 
 
 def _check(q, k, pe, block):
@@ -198,18 +243,19 @@ def _padded_pe(pe_DxW, block):
   return jnp.pad(pe_DxW, ((0, 0), (block, block)))
 
 
-def _forward(q, k, v, pe, z, *, ramp, eps, block, interpret, num_warps, num_stages):
+def _forward(q, k, v, pe, z, seed, *, ramp, eps, block, interpret, num_warps, num_stages, rate):
   _check(q, k, pe, block)
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
-  row, keys, stat, pe_spec, scr = _specs(b, h, m, w + m, dh, w + 2 * block, block)
+  row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, w + m, dh, w + 2 * block, block)
   kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
-                             bk=block, eps=eps, interpret=interpret)
+                             bk=block, eps=eps, interpret=interpret, rate=rate, n_heads=h,
+                             n_rows=m)
   out, mx, den, _ = pl.pallas_call(
       kernel, grid=(b, h, m // block),
-      in_specs=[row, keys, keys, pe_spec, stat],
+      in_specs=[row, keys, keys, pe_spec, stat, seed_spec],
       out_specs=[row, stat, stat, scr],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
@@ -217,26 +263,28 @@ def _forward(q, k, v, pe, z, *, ramp, eps, block, interpret, num_warps, num_stag
                  jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32)],
       interpret=interpret, name="span_attention_fwd",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-  )(q, k, v, _padded_pe(pe, block), z_in)
+  )(q, k, v, _padded_pe(pe, block), z_in, seed)
   return out, mx, den
 
 
-def _backward(q, k, v, pe, z, out, mx, den, g, *, ramp, eps, block, interpret, num_warps,
-              num_stages):
+def _backward(q, k, v, pe, z, seed, out, mx, den, g, *, ramp, eps, block, interpret, num_warps,
+              num_stages, rate):
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   t = w + m
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
   delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
-  row, keys, stat, pe_spec, scr = _specs(b, h, m, t, dh, w + 2 * block, block)
+  row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, t, dh, w + 2 * block, block)
   kernel = functools.partial(_bwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
-                             bk=block, eps=eps, interpret=interpret)
+                             bk=block, eps=eps, interpret=interpret, rate=rate, n_heads=h,
+                             n_rows=m)
   zeros_k = jnp.zeros((b, h, t, dh), jnp.float32)
   zeros_pe = jnp.zeros((dh, w + 2 * block), jnp.float32)
   dq, dz, _, dk, dv, dpe = pl.pallas_call(
       kernel, grid=(b, h, m // block),
-      in_specs=[row, keys, keys, pe_spec, stat, row, stat, stat, stat, keys, keys, pe_spec],
+      in_specs=[row, keys, keys, pe_spec, stat, seed_spec, row, stat, stat, stat, keys, keys,
+                pe_spec],
       out_specs=[row, stat, scr, keys, keys, pe_spec],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
@@ -244,39 +292,40 @@ def _backward(q, k, v, pe, z, out, mx, den, g, *, ramp, eps, block, interpret, n
                  jax.ShapeDtypeStruct(zeros_k.shape, jnp.float32),
                  jax.ShapeDtypeStruct(zeros_k.shape, jnp.float32),
                  jax.ShapeDtypeStruct(zeros_pe.shape, jnp.float32)],
-      input_output_aliases={9: 3, 10: 4, 11: 5},
+      input_output_aliases={10: 3, 11: 4, 12: 5},
       interpret=interpret, name="span_attention_bwd",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-  )(q, k, v, _padded_pe(pe, block), z_in, g, mx, den, delta, zeros_k, zeros_k, zeros_pe)
+  )(q, k, v, _padded_pe(pe, block), z_in, seed, g, mx, den, delta, zeros_k, zeros_k, zeros_pe)
   dpe = dpe[:, block:block + w].astype(pe.dtype)
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype), dpe, (dz if has_mask else None)
+  dseed = np.zeros(seed.shape, jax.dtypes.float0)
+  return dq, dk.astype(k.dtype), dv.astype(v.dtype), dpe, (dz if has_mask else None), dseed
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10))
-def _span_attention(q, k, v, pe, z, ramp, eps, block, interpret, num_warps, num_stages):
-  out, _, _ = _forward(q, k, v, pe, z, ramp=ramp, eps=eps, block=block, interpret=interpret,
-                       num_warps=num_warps, num_stages=num_stages)
-  return out
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
+def _span_attention(q, k, v, pe, z, seed, ramp, eps, block, interpret, num_warps, num_stages,
+                    rate):
+  return _forward(q, k, v, pe, z, seed, ramp=ramp, eps=eps, block=block, interpret=interpret,
+                  num_warps=num_warps, num_stages=num_stages, rate=rate)[0]
 
 
-def _span_attention_fwd(q, k, v, pe, z, ramp, eps, block, interpret, num_warps, num_stages):
-  out, mx, den = _forward(q, k, v, pe, z, ramp=ramp, eps=eps, block=block, interpret=interpret,
-                          num_warps=num_warps, num_stages=num_stages)
-  return out, (q, k, v, pe, z, out, mx, den)
+def _span_attention_fwd(q, k, v, pe, z, seed, *static):
+  out, mx, den = _forward(q, k, v, pe, z, seed, **dict(zip(_STATIC, static)))
+  return out, (q, k, v, pe, z, seed, out, mx, den)
 
 
-def _span_attention_bwd(ramp, eps, block, interpret, num_warps, num_stages, res, g):
-  q, k, v, pe, z, out, mx, den = res
-  return _backward(q, k, v, pe, z, out, mx, den, g, ramp=ramp, eps=eps, block=block,
-                   interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+def _span_attention_bwd(*args):
+  *static, res, g = args
+  return _backward(*res, g, **dict(zip(_STATIC, static)))
 
 
+_STATIC = ("ramp", "eps", "block", "interpret", "num_warps", "num_stages", "rate")
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
 
 
 def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *, ramp: int = 32,
-                   eps: float = 1e-8, block: int = 64, interpret: bool = False,
-                   num_warps: int = 4, num_stages: int = 2):
+                   eps: float = 1e-8, block: int = 64, dropout_rate: float = 0.0,
+                   dropout_seed=None, interpret: bool = False, num_warps: int = 4,
+                   num_stages: int = 2):
   """Banded attention over the W distances before each query, spans given at run time.
 
   Args:
@@ -285,8 +334,14 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
     z_BxHxM: span in tokens per query row (broadcast an adaptive span (H,) to it), or None for a
       fixed span (no mask). Differentiable.
     ramp: R of the soft mask. block: query and key tile (divides M and W).
+    dropout_rate, dropout_seed: dropout on the attention weights (after the mask), the keep
+      mask drawn by `dropout_scale` from a uint32 seed; a rate of 0 compiles no dropout.
   Returns:
     (B, H, M, Dh) in the dtype of q.
   """
-  return _span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, ramp, eps,
-                         block, interpret, num_warps, num_stages)
+  if dropout_rate and dropout_seed is None:
+    raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
+  seed = jnp.zeros((1,), jnp.uint32) if dropout_seed is None else (
+      jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
+  return _span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed, ramp, eps,
+                         block, interpret, num_warps, num_stages, float(dropout_rate))
