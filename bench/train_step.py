@@ -14,6 +14,7 @@ FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instru
   python bench/train_step.py --cases short --devices 2 --reps 20
   python bench/train_step.py --config configs/enwik8.py --devices 1 --dtype bfloat16 --batch 8
       # a paper config's model, block and optimizer (GPU: MFU against the bf16 matmul peak)
+  ... --attn_impl pallas     # the same with the fused kernel (span_lm/model/fused_attention.py)
 
 The peak is a 4096^3 (CPU: 2048^3) jitted matmul on the default device in --dtype with float32
 accumulation, measured in the same run; "of peak" is the step's achieved FLOP rate over it (MFU).
@@ -67,7 +68,8 @@ def worker(spec: dict) -> dict:
   if a["config"]:  # a run config's model, block, batch and optimizer
     from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
     run = config_lib.load_config(a["config"])
-    fields = dict(run.model.to_dict(), span_mode=mode, dtype=a["dtype"])
+    fields = dict(run.model.to_dict(), span_mode=mode, dtype=a["dtype"],
+                  attn_impl=a["attn_impl"])
     fields["vocab_size"] = fields.get("vocab_size") or 205
     cfg = ModelConfig(**fields)
     optim = run.optim
@@ -75,7 +77,7 @@ def worker(spec: dict) -> dict:
   else:
     cfg = ModelConfig(vocab_size=205, d_model=a["d_model"], n_layers=a["layers"],
                       n_heads=a["heads"], d_ff=a["d_ff"], span=a["span"], span_mode=mode,
-                      ramp=32, dtype=a["dtype"])
+                      ramp=32, dtype=a["dtype"], attn_impl=a["attn_impl"])
     optim = base.get_base_config().optim
     optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
     batch, block = a["batch"] or 16, a["block"]
@@ -145,6 +147,8 @@ def main():
   p.add_argument("--config", default="", help="take model/block/batch/optimizer from a run config")
   p.add_argument("--short_span", type=int, default=64, help="span + ramp of the short heads")
   p.add_argument("--dtype", default="float32")
+  p.add_argument("--attn_impl", default="xla", choices=["xla", "pallas", "pallas_interpret"],
+                 help="pallas: the fused kernel (GPU), spans at run time")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--json", default=None)
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
