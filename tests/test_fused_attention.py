@@ -143,7 +143,12 @@ def test_kernels_lower_to_triton_for_cuda(dtype):
   z = jnp.ones((b, h, m), jnp.float32)
   loss = lambda q, k, v, pe, z: jnp.sum(fa.span_attention(q, k, v, pe, z).astype(jnp.float32))
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
-  text = step.trace(q, k, k, pe, z).lower(lowering_platforms=("cuda",)).as_text()
+  # jax >= 0.11 asks which GPU it lowers for when there is none: an abstract H100.
+  from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
+  h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="cuda")
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                abstract_device=h100)):
+    text = step.trace(q, k, k, pe, z).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("xla.gpu.triton") == 2  # forward and backward kernels
   assert "span_attention_fwd" in text and "span_attention_bwd" in text
 
