@@ -84,6 +84,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   d.file_vocab = "reference"  # local file: reference (newline -> <eos>, first-appearance ids) | bytes
   d.vocab_order = "auto"  # auto (frequency for wikitext103, else first appearance) | first | frequency
   d.block = 256  # M
+  d.align = 1  # records of this many tokens: streams and restart offsets keep to their boundaries
   d.batch = 64  # B
   d.eval_batch = 8  # streams for the full evaluation
   d.synthetic_distance = 64  # D for the synthetic source

@@ -53,6 +53,7 @@ VARIANTS = {"dense": _dense, "fixed": _fixed, "smoke": _smoke}
 def get_config(arg=None):
   c = base.get_base_config()
   c.data.dataset = "cifar10"
+  c.data.align = 3072  # one image: every block is one whole image, restarts included
   c.data.data_dir = "data_cache/cifar10"
   sparse_model(c, 3072)
   c.model.n_layers = 128

@@ -88,7 +88,10 @@ def _validate_data(config):
   _check_choice(config, "data.dataset", DATASETS)
   _check_choice(config, "data.file_vocab", ("reference", "bytes"))
   _check_choice(config, "data.vocab_order", ("auto", "first", "frequency"))
-  _check_int(config, "data.block", 1)
+  block = _check_int(config, "data.block", 1)
+  align = _check_int(config, "data.align", 1)
+  if block % align:
+    _bad("data.align", align, f"must divide config.data.block={block} (blocks stay on records)")
   batch = _check_int(config, "data.batch", 1)
   _check_int(config, "data.eval_batch", 1)
   split = _check_int(config, "optim.batch_split", 1)

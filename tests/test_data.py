@@ -249,6 +249,28 @@ def test_streams_and_blocks_follow_the_reference():
   assert [r for _, r in expected[:6]] == [False] * 5 + [True]
 
 
+@pytest.mark.parametrize("align,block", [(8, 8), (4, 8)])
+def test_aligned_walk_keeps_blocks_on_records(align, block):
+  """Records of `align` tokens (CIFAR images): every training block and every evaluation block
+  starts on a record boundary, across restarts, while align=1 draws unaligned offsets."""
+  n_records, batch = 40, 3
+  data = np.tile(np.arange(align), n_records)  # token = position within its record
+  streams = batching.as_streams(data, batch, align)
+  assert streams.shape[1] % align == 0 and np.all(streams[:, 0] == 0)
+  it = batching.StreamIterator(data, batch=batch, block=block, seed=4, align=align)
+  starts = [next(it).x[:, 0] for _ in range(200)]
+  assert it.state.restarts >= 10
+  assert all(np.all(x == 0) for x in starts)
+  assert it.state == batching.state_at_step(200, streams.shape[1], block, 4, align)
+  for blk in batching.eval_blocks(data, batch, block, align=align):
+    assert np.all(blk.x[:, 0] == 0)
+  assert batching.eval_token_count(len(data), batch, block, align=align) == sum(
+      blk.n_tokens for blk in batching.eval_blocks(data, batch, block, align=align))
+  offsets = {batching.restart_offset(4, r, block, 500, align) for r in range(100)}
+  assert offsets == set(range(0, block, align))  # every aligned offset, only those
+  assert len({batching.restart_offset(4, r, block, 500) for r in range(100)}) > block // align
+
+
 def test_restart_offset_deterministic_and_resumable():
   data = np.random.default_rng(0).integers(0, 50, 5_000)
   a = batching.StreamIterator(data, batch=8, block=16, seed=11)

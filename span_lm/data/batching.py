@@ -7,6 +7,10 @@ offset in [0, M) and zeroes the caches, so the NEXT block starts with zero cache
 offset comes from `default_rng((seed, restarts))`, so the whole walk is a pure function of the
 state `{pos, restarts}`, which a checkpoint stores as JSON.
 
+`align` (config.data.align) keeps blocks on record boundaries for data made of fixed-size records
+(CIFAR-10 images of 3072 bytes): streams are cut to a multiple of it and restart offsets are
+multiples of it. align=1 is the reference's walk.
+
 Full evaluation walks a split once from pos 0 with the caches carried. By default it scores
 every target: the last, shorter block is padded to M with a 0/1 weight array (one shape, one
 compilation). `drop_last=True` is the reference's loop, which skips that tail.
@@ -18,9 +22,10 @@ from typing import Iterator, NamedTuple
 import numpy as np
 
 
-def as_streams(data: np.ndarray, batch: int) -> np.ndarray:
-  """(B, n//B) view of a 1-D split: B contiguous streams, the remainder dropped."""
-  n = len(data) // batch
+def as_streams(data: np.ndarray, batch: int, align: int = 1) -> np.ndarray:
+  """(B, n//B) view of a 1-D split: B contiguous streams, the remainder dropped (each stream a
+  multiple of `align` tokens long, so that every stream starts on a record boundary)."""
+  n = len(data) // batch // align * align
   if n < 2:
     raise ValueError(f"a split of {len(data):,} tokens cannot make {batch} streams of >= 2 tokens")
   return np.asarray(data)[:n * batch].reshape(batch, n)
@@ -48,20 +53,22 @@ class StreamState:
     return cls(pos=int(d["pos"]), restarts=int(d["restarts"]))
 
 
-def restart_offset(seed: int, restarts: int, block: int, stream_len: int) -> int:
-  """The offset of restart number `restarts` (0-based): uniform in [0, M), from (seed, restarts).
+def restart_offset(seed: int, restarts: int, block: int, stream_len: int, align: int = 1) -> int:
+  """The offset of restart number `restarts` (0-based): uniform in [0, M), from (seed, restarts);
+  with align > 1, uniform over the multiples of align there (always 0 when align = M).
 
   Streams shorter than 2M (where the reference could read past the end) draw from [0, L - M).
   """
   rng = np.random.default_rng((seed % 2**63, restarts))  # SeedSequence wants non-negative
-  return int(rng.integers(min(block, stream_len - block)))
+  choices = max(1, -(-min(block, stream_len - block) // align))
+  return align * int(rng.integers(choices))
 
 
-def advance(state: StreamState, stream_len: int, block: int, seed: int):
+def advance(state: StreamState, stream_len: int, block: int, seed: int, align: int = 1):
   """(next state, reset) after reading the block at state.pos; reset: zero caches now."""
   pos = state.pos + block
   if pos >= stream_len - block:
-    return StreamState(restart_offset(seed, state.restarts, block, stream_len),
+    return StreamState(restart_offset(seed, state.restarts, block, stream_len, align),
                        state.restarts + 1), True
   return StreamState(pos, state.restarts), False
 
@@ -83,9 +90,9 @@ class StreamIterator:
 
   def __init__(self, data: np.ndarray, batch: int, block: int, seed: int,
                state: StreamState | dict | None = None, process_index: int = 0,
-               process_count: int = 1):
-    self.block, self.seed = block, seed
-    streams = as_streams(data, batch)
+               process_count: int = 1, align: int = 1):
+    self.block, self.seed, self.align = block, seed, align
+    streams = as_streams(data, batch, align)
     self.stream_len = streams.shape[1]
     if self.stream_len < block + 1:
       raise ValueError(f"streams of {self.stream_len:,} tokens are shorter than one block of "
@@ -112,15 +119,15 @@ class StreamIterator:
     pos, m = self._state.pos, self.block
     x = self.streams[:, pos:pos + m].astype(np.int32)
     y = self.streams[:, pos + 1:pos + m + 1].astype(np.int32)
-    self._state, reset = advance(self._state, self.stream_len, m, self.seed)
+    self._state, reset = advance(self._state, self.stream_len, m, self.seed, self.align)
     return Batch(x, y, reset)
 
 
-def state_at_step(step: int, stream_len: int, block: int, seed: int) -> StreamState:
+def state_at_step(step: int, stream_len: int, block: int, seed: int, align: int = 1) -> StreamState:
   """The state after `step` blocks from a fresh walk, without reading any data."""
   state = StreamState()
   for _ in range(step):
-    state, _ = advance(state, stream_len, block, seed)
+    state, _ = advance(state, stream_len, block, seed, align)
   return state
 
 
@@ -157,9 +164,10 @@ def eval_positions(stream_len: int, block: int, drop_last: bool = False):
 
 
 def eval_blocks(data: np.ndarray, batch: int, block: int, drop_last: bool = False,
-                process_index: int = 0, process_count: int = 1) -> Iterator[EvalBatch]:
+                process_index: int = 0, process_count: int = 1,
+                align: int = 1) -> Iterator[EvalBatch]:
   """The full evaluation walk (start with zero caches, carry them across blocks)."""
-  streams = as_streams(data, batch)
+  streams = as_streams(data, batch, align)
   stream_len = streams.shape[1]
   streams = streams[process_slice(batch, process_index, process_count)]
   for pos, m in eval_positions(stream_len, block, drop_last):
@@ -172,7 +180,8 @@ def eval_blocks(data: np.ndarray, batch: int, block: int, drop_last: bool = Fals
     yield EvalBatch(x, y, weights, m * streams.shape[0])
 
 
-def eval_token_count(n: int, batch: int, block: int, drop_last: bool = False) -> int:
+def eval_token_count(n: int, batch: int, block: int, drop_last: bool = False,
+                     align: int = 1) -> int:
   """Targets scored by a full evaluation of n tokens over all `batch` streams."""
-  stream_len = n // batch
+  stream_len = n // batch // align * align
   return batch * sum(m for _, m in eval_positions(stream_len, block, drop_last))

@@ -180,7 +180,8 @@ class Run:
     """This process's share of the B training-style streams of a split."""
     return batching.StreamIterator(split, batch, self.config.data.block, seed=seed,
                                    process_index=self.process_index,
-                                   process_count=self.process_count)
+                                   process_count=self.process_count,
+                                   align=self.config.data.align)
 
 
 def dataclass_dict(dc) -> dict:
@@ -222,7 +223,7 @@ def evaluate_stream(run: Run, params, plan, split: np.ndarray, batch: int, *, ca
   else:
     blocks = batching.eval_blocks(split, batch, d.block, drop_last=drop_last,
                                   process_index=run.process_index,
-                                  process_count=run.process_count)
+                                  process_count=run.process_count, align=d.align)
     make = lambda blk: steps_lib.host_batch(blk.x, blk.y, False, blk.weights)
   for blk in blocks:
     hb = make(blk)
