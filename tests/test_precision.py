@@ -99,3 +99,25 @@ def test_bf16_model_step_has_no_float32_matmul():
   dots = _dots(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
   assert len(dots) >= 3 * (2 * 7 + 1)  # per layer q, kv (cache + block), QK, pos, AV, out, fc1, fc2
   assert all(d == ("bfloat16", "bfloat16") for d in dots), [d for d in dots if d[0] != "bfloat16"]
+
+
+def test_precision_dense_is_nn_dense_and_sums_its_bias_gradient_in_float32():
+  """precision.Dense has nn.Dense's parameters and float32 results; in bf16 its bias gradient is
+  a float32 sum (nn.Dense(dtype=bf16) accumulates it in bf16: visibly off over many tokens)."""
+  x = jax.random.normal(jax.random.key(2), (4, 512, 8))
+  plain = nn.Dense(6, bias_init=nn.initializers.normal(1.0))
+  ours = precision.Dense(6, nn.initializers.lecun_normal(), nn.initializers.normal(1.0))
+  params = plain.init(jax.random.key(3), x)
+  assert jax.tree.map(jnp.shape, ours.init(jax.random.key(3), x)) == jax.tree.map(jnp.shape, params)
+  np.testing.assert_array_equal(ours.apply(params, x), plain.apply(params, x))
+  g = jax.random.normal(jax.random.key(4), (4, 512, 6)) + 3.0  # a large mean: bf16 sums drift
+  exact = np.asarray(g, np.float64).sum((0, 1))
+
+  def bias_grad(module, dtype):
+    m = module.clone(dtype=dtype)
+    f = lambda p: jnp.sum(m.apply(p, x).astype(jnp.float32) * g)
+    return np.asarray(jax.grad(f)(params)["params"]["bias"], np.float64)
+
+  ours_err = np.max(np.abs(bias_grad(ours, jnp.bfloat16) - exact) / np.abs(exact))
+  plain_err = np.max(np.abs(bias_grad(plain, jnp.bfloat16) - exact) / np.abs(exact))
+  assert ours_err < 5e-3 < plain_err, (ours_err, plain_err)

@@ -43,11 +43,11 @@ class FeedForward(nn.Module):
   def __call__(self, h, train: bool):
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
-    y = nn.Dense(cfg.d_ff, kernel_init=torch_linear_init(), bias_init=torch_bias_init(cfg.d_model),
-                 dtype=dt, dot_general=precision.dense_dot_general, name="fc1")(h)
+    y = precision.Dense(cfg.d_ff, torch_linear_init(), torch_bias_init(cfg.d_model), dt,
+                        name="fc1")(h)
     y = nn.Dropout(cfg.dropout)(nn.relu(y), deterministic=not train)
-    return nn.Dense(cfg.d_model, kernel_init=torch_linear_init(), bias_init=torch_bias_init(cfg.d_ff),
-                    dtype=dt, dot_general=precision.dense_dot_general, name="fc2")(y)
+    return precision.Dense(cfg.d_model, torch_linear_init(), torch_bias_init(cfg.d_ff), dt,
+                           name="fc2")(y)
 
 
 class SeqLayer(nn.Module):
@@ -124,9 +124,8 @@ class SpanTransformer(nn.Module):
       logp = adaptive_io.AdaptiveLogSoftmax(cfg, name="out_emb")(
           h, tables if cfg.adapt_io_tied else None)
     else:
-      logits = nn.Dense(cfg.vocab_size, kernel_init=torch_linear_init(),
-                        bias_init=torch_bias_init(cfg.d_model), dtype=jnp.dtype(cfg.dtype),
-                        dot_general=precision.dense_dot_general, name="out_emb")(h)
+      logits = precision.Dense(cfg.vocab_size, torch_linear_init(), torch_bias_init(cfg.d_model),
+                               cfg.dtype, name="out_emb")(h)
       logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
     out_aux = {
