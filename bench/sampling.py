@@ -1,4 +1,5 @@
-"""Sampling speed: key/value caches against hidden-state caches (re-projected every token).
+"""Sampling speed: hidden-state caches (re-projected every token), key/value caches shifted by one
+token per step, and key/value ring caches (one slot written per step; the default).
 
 One jitted scan of `length` tokens after a 1-token prompt (span_lm.tools.sample.generate), random
 weights, B streams; fixed span S (every window sees S cached states) or adaptive spans of
@@ -37,8 +38,9 @@ def main():
   args = p.parse_args()
   print(f"device: {jax.devices()[0].device_kind}; {args.layers} layers, D={args.d_model}, "
         f"{args.length} tokens x {args.batch} streams, fixed span\n")
-  print("| S | hidden-state caches: tokens/s | key/value caches: tokens/s | speed-up |")
-  print("|---|---|---|---|")
+  print("| S | hidden-state caches: tokens/s | key/value caches, shifted | key/value ring caches "
+        "| ring vs shifted | ring vs hidden |")
+  print("|---|---|---|---|---|---|")
   for s in args.span:
     cfg = ModelConfig(vocab_size=205, d_model=args.d_model, n_layers=args.layers,
                       n_heads=args.heads, d_ff=args.d_ff, span=s, span_mode="fixed")
@@ -47,17 +49,19 @@ def main():
         jax.random.key(0), np.zeros((1, 1), np.int32), spans_lib.init_caches(cfg, plan, 1))["params"]
     prompt = np.zeros((args.batch, 1), np.int32)
     rate = {}
-    for kv in (False, True):
-      run = lambda: sample.generate(cfg, params, plan, prompt, args.length, temperature=1.0,
-                                    kv_cache=kv)
+    for kind in ("hidden", "shifted", "ring"):
+      run = lambda kind=kind: sample.generate(cfg, params, plan, prompt, args.length,
+                                              temperature=1.0, kv_cache=kind != "hidden",
+                                              ring=kind == "ring")
       run()
       times = []
       for _ in range(args.reps):
         t = time.perf_counter()
         run()
         times.append(time.perf_counter() - t)
-      rate[kv] = args.length * args.batch / float(np.median(times))
-    print(f"| {s} | {rate[False]:.0f} | {rate[True]:.0f} | {rate[True] / rate[False]:.1f}x |",
+      rate[kind] = args.length * args.batch / float(np.median(times))
+    print(f"| {s} | {rate['hidden']:.0f} | {rate['shifted']:.0f} | {rate['ring']:.0f} | "
+          f"{rate['ring'] / rate['shifted']:.1f}x | {rate['ring'] / rate['hidden']:.1f}x |",
           flush=True)
     x = np.zeros((args.eval_batch, args.block), np.int32)
     block_s = {}
@@ -73,7 +77,8 @@ def main():
         times.append(time.perf_counter() - t)
       block_s[kv] = float(np.median(times))
     print(f"|   | evaluation block {args.eval_batch} x {args.block}: {block_s[False] * 1e3:.0f} ms | "
-          f"{block_s[True] * 1e3:.0f} ms | {block_s[False] / block_s[True]:.2f}x |", flush=True)
+          f"{block_s[True] * 1e3:.0f} ms (key/value caches) | | | {block_s[False] / block_s[True]:.2f}x |",
+          flush=True)
 
 
 if __name__ == "__main__":

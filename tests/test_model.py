@@ -742,3 +742,41 @@ def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
     kv_model.apply({"params": params}, tokens[:, :8], kc, train=True)
   with pytest.raises(ValueError, match="kv_cache=True"):
     kv_model.apply({"params": params}, tokens[:, :8], hc)
+
+
+@pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
+                                         ("adaptive", 3), ("fixed", 3)])
+def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
+  """One token at a time over ring caches (one slot written per token) gives the shifted
+  key/value caches' log-probabilities, past a full turn of the ring; and the final rings are
+  the shifted caches rolled (head groups with non-contiguous heads included)."""
+  cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=32, ramp=4, plan_granularity=8,
+                 plan_margin=0)
+  rng = np.random.default_rng(51)
+  params64 = ref.random_params(cfg, rng)
+  plan = None
+  if mode == "adaptive":
+    params64["layers_0"]["attn"]["span_ratio"] = np.array([0.05, 0.3, 0.1, 0.6])
+    params64["layers_1"]["attn"]["span_ratio"] = np.array([0.2, 0.02, 0.45, 0.1])
+    plan = spans.SpanPlan(layers=(
+        spans.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
+        spans.LayerPlan(cache_len=24, groups=(((1, 3), 8), ((0,), 16), ((2,), 24)))))
+  params = to_jax(params64)
+  model = SpanTransformer(cfg, plan, kv_cache=True)
+  tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 75)), jnp.int32)
+  prompt = 5
+  _, shifted, _ = model.apply({"params": params}, tokens[:, :prompt],
+                              spans.init_caches(cfg, plan, B, kv=True))
+  ring = spans.to_ring(shifted, prompt, cfg.n_heads)
+  step = jax.jit(lambda p, t, c, pos: model.apply({"params": p}, t, c, ring_pos=pos))
+  plain = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c))
+  for pos in range(prompt, tokens.shape[1]):  # 70 tokens: past two turns of a 32-slot ring
+    tok = tokens[:, pos:pos + 1]
+    want, shifted, _ = plain(params, tok, shifted)
+    got, ring, _ = step(params, tok, ring, jnp.int32(pos))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
+                               err_msg=f"token {pos}")
+  for r, s_ in zip(spans.from_ring(ring, tokens.shape[1]), shifted):  # (deeper layers' keys
+    np.testing.assert_allclose(np.asarray(r), np.asarray(s_), rtol=1e-5, atol=1e-5)  # round)
+  with pytest.raises(ValueError, match="one token"):
+    model.apply({"params": params}, tokens[:, :2], ring, ring_pos=jnp.int32(3))

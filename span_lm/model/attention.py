@@ -168,7 +168,10 @@ class SeqAttention(nn.Module):
   kv_cache: bool = False  # inference: the cache holds projected [keys | values] (B, L, 2D)
 
   @nn.compact
-  def __call__(self, h_BxMxD, cache_BxLxD, key_pe_DxS, train: bool):
+  def __call__(self, h_BxMxD, cache_BxLxD, key_pe_DxS, train: bool, ring_pos=None):
+    """ring_pos (kv_cache, one token): the cache is a ring of projected keys|values, slot j
+    holding the token at the position congruent to j mod L, and ring_pos is this token's
+    position; nothing is copied per token (see `_ring`)."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     b, m, d = h_BxMxD.shape
@@ -176,14 +179,14 @@ class SeqAttention(nn.Module):
     dense = lambda name: nn.Dense(d, use_bias=False, kernel_init=torch_linear_init(), dtype=dt,
                                   dot_general=precision.dense_dot_general, name=name)
     w_max = max(w for _, w in self.plan.groups)
-    cache_len = cache_BxLxD.shape[1]
+    cache_len = cache_BxLxD[0].shape[2] if ring_pos is not None else cache_BxLxD.shape[1]
     if cache_len < w_max:
       raise ValueError(f"cache of {cache_len} states is shorter than the window {w_max}")
     q = dense("proj_query")(h_BxMxD).reshape(b, m, nh, dh).transpose(0, 2, 1, 3)  # B H M Dh
     k_kernel = _DenseKernel(d, name="proj_key")().astype(dt)
     v_kernel = _DenseKernel(d, name="proj_val")().astype(dt)
     h_in = h_BxMxD.astype(dt)
-    cache = cache_BxLxD.astype(dt)
+    cache = cache_BxLxD if ring_pos is not None else cache_BxLxD.astype(dt)
 
     aux = {}
     if self.kv_cache:  # the block's keys and values for every head, for the next cache
@@ -219,6 +222,12 @@ class SeqAttention(nn.Module):
 
     drop = nn.Dropout(cfg.dropout)
     dropout = (lambda p: drop(p, deterministic=False)) if (train and cfg.dropout > 0) else None
+
+    if ring_pos is not None:
+      if not self.kv_cache or m != 1:
+        raise ValueError("ring caches are for decoding one token at a time with kv_cache=True")
+      out = self._ring(q, cache, key_pe_DxS, ring_pos, z_H, z_BxMxH, pers_k, pers_v)
+      return dense("proj_out")(out), aux
 
     if cfg.attn_impl != "xla":
       seed = None
@@ -278,6 +287,49 @@ class SeqAttention(nn.Module):
       out = jnp.take(out, jnp.asarray(inv), axis=1)
     out = out.transpose(0, 2, 1, 3).reshape(b, m, d)
     return dense("proj_out")(out), aux
+
+  def _ring(self, q, ring, key_pe_DxS, pos, z_H, z_BxMxH, pers_k, pers_v,
+            eps: float = 1e-8):
+    """One query per stream over a ring cache ((keys, values), each head-major (B, H, L, Dh)):
+    slot j holds the token at distance d_j = ((pos - j - 1) mod L) + 1, so keys are used where
+    they lie and the position term is gathered by distance. Equal to banded attention over each
+    head's plan window (keys with d_j > W get zero weight); returns (B, 1, D) before the output
+    projection."""
+    cfg = self.cfg
+    k_BxHxLxD, v_BxHxLxD = ring
+    b, l = k_BxHxLxD.shape[0], k_BxHxLxD.shape[2]
+    nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span
+    q_BxHxD = q[:, :, 0]
+    dist_L = (pos - 1 - jnp.arange(l)) % l + 1  # slot -> distance in [1, L]
+    win_H = jnp.asarray(self.plan.head_windows(nh))
+    valid_HxL = dist_L[None, :] <= win_H[:, None]
+    cont = precision.einsum("bhd,bhld->bhl", q_BxHxD, k_BxHxLxD, jnp.float32)
+    qpe = precision.einsum("bhd,ds->bhs", q_BxHxD, key_pe_DxS.astype(q.dtype), jnp.float32)
+    pos_BxHxL = jnp.take(qpe, jnp.clip(s - dist_L, 0, s - 1), axis=2)
+    logits = jnp.where(valid_HxL[None], (cont + pos_BxHxL) / math.sqrt(dh), -jnp.inf)
+    mask = None
+    dist_f = dist_L.astype(jnp.float32)[None, None, :]
+    if z_H is not None:
+      mask = spans_lib.soft_mask(z_H[None, :, None], dist_f, cfg.ramp)
+    elif z_BxMxH is not None:
+      mask = spans_lib.soft_mask(z_BxMxH[:, 0, :, None], dist_f, cfg.ramp)
+    if pers_k is not None:
+      pers = precision.einsum("bhd,hdp->bhp", q_BxHxD, pers_k.astype(q.dtype), jnp.float32)
+      probs = jax.nn.softmax(jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1), axis=-1)
+      p_L, p_N = probs[..., :l], probs[..., l:]
+    else:
+      p_L, p_N = jax.nn.softmax(logits, axis=-1), None
+    if mask is not None:
+      p_L = p_L * mask
+      den = jnp.sum(p_L, axis=-1, keepdims=True) + (
+          0.0 if p_N is None else jnp.sum(p_N, axis=-1, keepdims=True)) + eps
+      p_L = p_L / den
+      p_N = None if p_N is None else p_N / den
+    dt = v_BxHxLxD.dtype
+    out = precision.einsum("bhl,bhld->bhd", p_L.astype(dt), v_BxHxLxD, jnp.float32)
+    if p_N is not None:
+      out = out + precision.einsum("bhp,hpd->bhd", p_N.astype(dt), pers_v.astype(dt), jnp.float32)
+    return out.astype(jnp.dtype(cfg.dtype)).reshape(b, 1, nh * dh)
 
   def _fused(self, q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed):
     """All heads in one fused-kernel call over the layer's largest window; spans at run time.

@@ -185,6 +185,30 @@ def check_plan(cfg: ModelConfig, params, plan: SpanPlan) -> None:
       raise ValueError(f"span plan layer {i}: cache_len {lp.cache_len} < window {max(windows)}")
 
 
+def to_ring(caches, pos, n_heads: int):
+  """Key/value caches in stream order ((B, L, 2D), oldest state first, as a block leaves them)
+  as rings for decoding (SpanTransformer(..., ring_pos=)): per layer (keys, values), each
+  (B, H, L, Dh), head-major so that a query reads them where they lie, and after `pos` tokens
+  slot j holds the token whose position is congruent to j mod L. pos may be traced."""
+  out = []
+  for c in caches:
+    b, l, d2 = c.shape
+    kv = c.reshape(b, l, 2, n_heads, d2 // (2 * n_heads)).transpose(2, 0, 3, 1, 4)
+    kv = jnp.roll(kv, jnp.asarray(pos) % l, axis=3)
+    out.append((kv[0], kv[1]))
+  return tuple(out)
+
+
+def from_ring(rings, pos):
+  """The inverse of to_ring: rings after `pos` tokens -> (B, L, 2D) caches in stream order."""
+  out = []
+  for k, v in rings:
+    b, h, l, dh = k.shape
+    kv = jnp.roll(jnp.stack([k, v]), -(jnp.asarray(pos) % l), axis=3)
+    out.append(kv.transpose(1, 3, 0, 2, 4).reshape(b, l, 2 * h * dh))
+  return tuple(out)
+
+
 def init_caches(cfg: ModelConfig, plan: SpanPlan | None, batch: int, dtype=jnp.float32,
                 kv: bool = False):
   """Zero caches per layer: (B, L, D) hidden states, or (B, L, 2D) keys|values with kv=True."""

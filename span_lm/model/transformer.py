@@ -57,10 +57,10 @@ class SeqLayer(nn.Module):
   kv_cache: bool = False
 
   @nn.compact
-  def __call__(self, h, cache, key_pe, train: bool):
+  def __call__(self, h, cache, key_pe, train: bool, ring_pos=None):
     cfg = self.cfg
     attn_out, aux = SeqAttention(cfg, self.plan, self.kv_cache, name="attn")(h, cache, key_pe,
-                                                                            train)
+                                                                            train, ring_pos)
     h = nn.LayerNorm(epsilon=1e-5, name="norm1")(h + attn_out)
     if cfg.pers_mem == 0:
       h = nn.LayerNorm(epsilon=1e-5, name="norm2")(h + FeedForward(cfg, name="ff")(h, train))
@@ -84,7 +84,10 @@ class SpanTransformer(nn.Module):
   kv_cache: bool = False
 
   @nn.compact
-  def __call__(self, tokens_BxM, caches, train: bool = False):
+  def __call__(self, tokens_BxM, caches, train: bool = False, ring_pos=None):
+    """ring_pos: decoding one token with kv_cache=True over ring caches (spans.to_ring): the
+    token's position in its stream; each layer's cache gets its keys|values in slot
+    ring_pos mod L instead of being shifted (nothing else is copied)."""
     cfg = self.cfg
     plan = self.plan or spans_lib.full_plan(cfg)
     if self.kv_cache and train:
@@ -108,16 +111,31 @@ class SpanTransformer(nn.Module):
     new_caches, auxes = [], []
     width = 2 * cfg.d_model if self.kv_cache else cfg.d_model
     for i, (cache, lp) in enumerate(zip(caches, plan.layers)):
-      if cache.shape[1] != lp.cache_len or cache.shape[2] != width:
+      if ring_pos is not None:
+        want = (tokens_BxM.shape[0], cfg.n_heads, lp.cache_len, cfg.head_dim)
+        got = [tuple(getattr(x, "shape", ())) for x in cache] if isinstance(cache, tuple) else [
+            tuple(cache.shape)]
+        if got != [want, want]:
+          raise ValueError(f"layer {i}: ring cache of shapes {got}, the plan wants keys and "
+                           f"values of {want} (spans.to_ring)")
+      elif cache.shape[1] != lp.cache_len or cache.shape[2] != width:
         raise ValueError(f"layer {i}: cache of shape {cache.shape[1:]}, the plan wants "
                          f"({lp.cache_len}, {width}); fit it with spans.resize_caches "
                          f"(kv_cache={self.kv_cache})")
       h_in = h
       h, aux = layer_cls(cfg, lp, self.kv_cache, name=f"layers_{i}")(
-          h, cache.astype(h.dtype), key_pe, train)
+          h, cache if ring_pos is not None else cache.astype(h.dtype), key_pe, train, ring_pos)
       new = aux.pop("kv") if self.kv_cache else h_in
-      both = jnp.concatenate([cache, new.astype(cache.dtype)], axis=1)
-      new_caches.append(jax.lax.stop_gradient(both[:, both.shape[1] - lp.cache_len:]))
+      if ring_pos is not None:  # this token's keys|values into its slot, head-major
+        slot = jnp.asarray(ring_pos, jnp.int32) % lp.cache_len
+        zero = jnp.zeros((), jnp.int32)
+        new = new.reshape(new.shape[0], 1, 2, cfg.n_heads, cfg.head_dim).transpose(2, 0, 3, 1, 4)
+        new_caches.append(tuple(
+            jax.lax.dynamic_update_slice(r, n.astype(r.dtype), (zero, zero, slot, zero))
+            for r, n in zip(cache, new)))
+      else:
+        both = jnp.concatenate([cache, new.astype(cache.dtype)], axis=1)
+        new_caches.append(jax.lax.stop_gradient(both[:, both.shape[1] - lp.cache_len:]))
       auxes.append(aux)
     h = nn.Dropout(cfg.emb_dropout)(h, deterministic=not train)
     if cfg.adapt_io:

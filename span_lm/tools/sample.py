@@ -3,7 +3,8 @@
 Every step runs the same SpanTransformer on a block of M = 1 token with the caches the previous
 step returned, so the past is never recomputed through the layers. The caches hold projected keys
 and values (kv_cache=True: exact at inference, the weights are fixed), so a step projects only
-its own token, not the W cached states each window sees. The plan is the tightest exact plan for
+its own token, not the W cached states each window sees; after the prompt they are rings
+(spans.to_ring), so a step writes one slot per layer instead of shifting every cache. The plan is the tightest exact plan for
 the parameters (fixed and dynamic spans: the full span), with caches shaped by it; the whole
 generation is one jitted scan.
 
@@ -12,6 +13,7 @@ CLI: `python main.py --config=... --config.workdir=RUN --config.mode=sample
 --config.sample.prompt='The ' --config.sample.length=200 --config.sample.temperature=0.8
 --config.sample.top_k=20 --config.sample.seed=0` (temperature 0: greedy).
 """
+import dataclasses
 import functools
 
 import jax
@@ -40,20 +42,28 @@ def pick(logp_BxV, key, temperature, top_k, greedy: bool):
   return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "plan", "length", "greedy", "kv_cache"))
+@functools.partial(jax.jit, static_argnames=("cfg", "plan", "length", "greedy", "kv_cache",
+                                             "ring"))
 def _generate(params, prompt_BxP, key, temperature, top_k, *, cfg, plan, length, greedy,
-              kv_cache=True):
+              kv_cache=True, ring=True):
   model = SpanTransformer(cfg, plan, kv_cache=kv_cache)
   caches = spans_lib.init_caches(cfg, plan, prompt_BxP.shape[0], kv=kv_cache)
   logp, caches, _ = model.apply({"params": params}, prompt_BxP, caches, train=False)
+  n_prompt = prompt_BxP.shape[1]
+  ring = kv_cache and ring
+  if ring:  # one slot written per token, instead of every cache shifted by one
+    caches = spans_lib.to_ring(caches, n_prompt, cfg.n_heads)
 
-  def step(carry, key):
+  def step(carry, xs):
     caches, logp_BxV = carry
+    key, pos = xs
     tok = pick(logp_BxV, key, temperature, top_k, greedy)
-    logp, caches, _ = model.apply({"params": params}, tok[:, None], caches, train=False)
+    logp, caches, _ = model.apply({"params": params}, tok[:, None], caches, train=False,
+                                  ring_pos=pos if ring else None)
     return (caches, logp[:, -1]), tok
 
-  _, toks = jax.lax.scan(step, (caches, logp[:, -1]), jax.random.split(key, length))
+  positions = n_prompt + jnp.arange(length, dtype=jnp.int32)
+  _, toks = jax.lax.scan(step, (caches, logp[:, -1]), (jax.random.split(key, length), positions))
   return toks.T  # B x length
 
 
@@ -72,14 +82,18 @@ def check_args(length, temperature, top_k, vocab_size: int) -> None:
 
 def generate(cfg: ModelConfig, params, plan: SpanPlan | None, prompt_ids, length: int, *,
              temperature: float = 1.0, top_k: int = 0, seed: int = 0,
-             kv_cache: bool = True) -> np.ndarray:
+             kv_cache: bool = True, ring: bool = True) -> np.ndarray:
   """`length` new token ids after `prompt_ids` (1-D, at least one token; or (B, P) for B streams).
 
   The prompt starts from zero caches, as a stream does in training and evaluation.
-  kv_cache=False caches hidden states and re-projects them every token (as training does).
+  kv_cache=False caches hidden states and re-projects them every token (as training does);
+  ring=False shifts the key/value caches by one token per step instead of writing one ring slot
+  (the same tokens; kept for benchmarks and tests).
   """
   plan = plan or spans_lib.full_plan(cfg)
   check_args(length, temperature, top_k, cfg.vocab_size)
+  if cfg.attn_impl != "xla":  # the fused kernel tiles blocks of 64: one token is a block of 1
+    cfg = dataclasses.replace(cfg, attn_impl="xla")
   prompt = np.asarray(prompt_ids, np.int32)
   squeeze = prompt.ndim == 1
   prompt = prompt[None] if squeeze else prompt
@@ -88,7 +102,7 @@ def generate(cfg: ModelConfig, params, plan: SpanPlan | None, prompt_ids, length
   spans_lib.check_plan(cfg, params, plan)
   toks = _generate(params, jnp.asarray(prompt), jax.random.key(seed),
                    jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), cfg=cfg, plan=plan,
-                   length=length, greedy=temperature == 0, kv_cache=kv_cache)
+                   length=length, greedy=temperature == 0, kv_cache=kv_cache, ring=ring)
   toks = np.asarray(toks)
   return toks[0] if squeeze else toks
 
