@@ -13,6 +13,8 @@ key index W + i and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor
 G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
 read pos[r, c] = G[r, bq - r + c] through a per-program scratch buffer (Triton has no register
 shuffle for it). The backward pass reads ds back the other way for the position gradient.
+Backward as FlashAttention-2: a kernel per query block (dq, the span gradient, d pe by atomic
+adds) and one per key block (dk, dv: deterministic).
 
 Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the plain path sums
 eps e^l over all W distances; the two agree to ~eps relative (1e-8).
@@ -149,18 +151,46 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, o_ref, mx_ref, den
   den_ref[...] = den
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den_ref, delta_ref,
-                dk_in, dv_in, dpe_in,
-                dq_ref, dz_ref, scr_ref, dk_ref, dv_ref, dpe_ref, *,
-                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows):
-  del dk_in, dv_in, dpe_in  # zeros, aliased to dk_ref, dv_ref, dpe_ref (accumulated atomically)
+def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, seed, bh, *,
+                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_rows):
+  """Recomputes one tile and returns (ds: d logits before scaling, times the scale; the
+  weights as applied to the values; the tile's span gradient per row)."""
+  logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
+                                scale=1.0 / math.sqrt(q.shape[-1]), interpret=interpret)
+  p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
+  gv = _dot(g, v, trans_b=True)
+  keep = None
+  if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
+    keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows, n_keys=w + n_rows,
+                         rate=rate)
+    gv = gv * keep
+  gv = gv - delta[:, None]
+  dz = None
+  if has_mask:
+    u = (ramp + z[:, None] - (dist - 1)) / ramp
+    a = p * jnp.clip(u, 0.0, 1.0)
+    dl = a * gv - eps * p * delta[:, None]
+    # d clip(u)/du as jnp.clip differentiates: 1 inside, 1/2 on a boundary, 0 outside.
+    du = jnp.where((u > 0) & (u < 1), 1.0, jnp.where((u == 0) | (u == 1), 0.5, 0.0))
+    dz = jnp.sum(p * gv * du, axis=1) / ramp
+  else:
+    a = p
+    dl = a * gv
+  kept = a if keep is None else a * keep
+  return dl * (1.0 / math.sqrt(q.shape[-1])), kept, dz
+
+
+def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den_ref, delta_ref,
+                  dpe_in, dq_ref, dz_ref, scr_ref, dpe_ref, *,
+                  w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows):
+  """Per query block: dq and the span gradient of its rows, and (atomically) d pe."""
+  del dpe_in  # zeros, aliased to dpe_ref
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
   q = q_ref[...]
   g = g_ref[...]
   dh = q.shape[-1]
-  scale = 1.0 / math.sqrt(dh)
   win = _row_windows(z_ref, w=w, ramp=ramp, has_mask=has_mask, bq=bq)
   z = z_ref[...].astype(jnp.float32) if has_mask else None
   mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
@@ -172,33 +202,13 @@ def _bwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den
     dq, dz = carry
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
-    v = v_ref[pl.ds(t0, bk), :]
-    logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
-                                  scale=scale, interpret=interpret)
-    p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
-    gv = _dot(g, v, trans_b=True)
-    keep = None
-    if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
-      keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
-                           n_keys=w + n_rows, rate=rate)
-      gv = gv * keep
-    gv = gv - delta[:, None]
-    if has_mask:
-      u = (ramp + z[:, None] - (dist - 1)) / ramp
-      a = p * jnp.clip(u, 0.0, 1.0)
-      dl = a * gv - eps * p * delta[:, None]
-      # d clip(u)/du as jnp.clip differentiates: 1 inside, 1/2 on a boundary, 0 outside.
-      du = jnp.where((u > 0) & (u < 1), 1.0, jnp.where((u == 0) | (u == 1), 0.5, 0.0))
-      dz = dz + jnp.sum(p * gv * du, axis=1) / ramp
-    else:
-      a = p
-      dl = a * gv
-    ds = dl * scale
+    ds, _, dz_tile = _tile_grads(
+        q, g, k, v_ref[pl.ds(t0, bk), :], pe_ref, scr_ref, t0, i0, win, z, mx, den, delta,
+        seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
+        interpret=interpret, rate=rate, n_rows=n_rows)
+    if dz_tile is not None:
+      dz = dz + dz_tile
     dq = dq + _dot(ds.astype(k.dtype), k)
-    plt.atomic_add(dk_ref, (pl.ds(t0, bk), slice(None)), _dot(ds.astype(q.dtype), q, trans_a=True))
-    kept = a if keep is None else a * keep
-    plt.atomic_add(dv_ref, (pl.ds(t0, bk), slice(None)),
-                   _dot(kept.astype(g.dtype), g, trans_a=True))
     # Position term: dG[r, j] = ds[r, j - bq + r], the inverse of the forward's skewed read.
     scr_ref[:, pl.ds(0, bk)] = ds
     _barrier(interpret)
@@ -215,6 +225,47 @@ def _bwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den
                                         jnp.zeros((bq,), jnp.float32)))
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dz_ref[...] = dz
+
+
+def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den_ref,
+                   delta_ref, wmax_ref, dk_ref, dv_ref, scr_ref, *,
+                   w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows):
+  """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
+  key and value gradients are deterministic)."""
+  t0 = pl.program_id(2) * bk
+  bh = pl.program_id(0) * n_heads + pl.program_id(1)
+  seed = seed_ref[0]
+  k = k_ref[...]
+  v = v_ref[...]
+  dh = k.shape[-1]
+  # Rows i see key t at distance w + i - t in [1, w_i], w_i <= wmax: i in
+  # [t0 - w + 1, t0 + bk - 1 - w + wmax].
+  wmax = wmax_ref[0] if has_mask else w
+  first, last = t0 - w + 1, t0 + bk - 1 - w + wmax
+  lo = lax.div(jnp.maximum(first, 0), bq)
+  hi = jnp.where(last < 0, 0, lax.div(jnp.minimum(last, n_rows - 1), bq) + 1)
+
+  def body(qb, carry):
+    dk, dv = carry
+    i0 = qb * bq
+    rows = pl.ds(i0, bq)
+    q = q_ref[rows, :]
+    g = g_ref[rows, :]
+    z = z_ref[rows].astype(jnp.float32) if has_mask else None
+    win = (jnp.clip(jnp.floor(z).astype(jnp.int32) + (ramp + 1), 1, w) if has_mask
+           else jnp.full((bq,), w, jnp.int32))
+    ds, kept, _ = _tile_grads(
+        q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx_ref[rows], den_ref[rows],
+        delta_ref[rows], seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
+        interpret=interpret, rate=rate, n_rows=n_rows)
+    dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+    dv = dv + _dot(kept.astype(g.dtype), g, trans_a=True)
+    return dk, dv
+
+  dk, dv = lax.fori_loop(lo, hi, body, (jnp.zeros((bk, dh), jnp.float32),
+                                        jnp.zeros((bk, dh), jnp.float32)))
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 def _specs(b, h, m, t, dh, wp, bq):
@@ -275,30 +326,47 @@ def _backward(q, k, v, pe, z, seed, out, mx, den, g, *, ramp, eps, block, interp
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
   delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
+  pe_pad = _padded_pe(pe, block)
   row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, t, dh, w + 2 * block, block)
-  kernel = functools.partial(_bwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
-                             bk=block, eps=eps, interpret=interpret, rate=rate, n_heads=h,
-                             n_rows=m)
-  zeros_k = jnp.zeros((b, h, t, dh), jnp.float32)
+  static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block, eps=eps,
+                interpret=interpret, rate=rate, n_heads=h, n_rows=m)
+  params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   zeros_pe = jnp.zeros((dh, w + 2 * block), jnp.float32)
-  dq, dz, _, dk, dv, dpe = pl.pallas_call(
-      kernel, grid=(b, h, m // block),
-      in_specs=[row, keys, keys, pe_spec, stat, seed_spec, row, stat, stat, stat, keys, keys,
-                pe_spec],
-      out_specs=[row, stat, scr, keys, keys, pe_spec],
+  dq, dz, _, dpe = pl.pallas_call(
+      functools.partial(_bwd_q_kernel, **static), grid=(b, h, m // block),
+      in_specs=[row, keys, keys, pe_spec, stat, seed_spec, row, stat, stat, stat, pe_spec],
+      out_specs=[row, stat, scr, pe_spec],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32),
-                 jax.ShapeDtypeStruct(zeros_k.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(zeros_k.shape, jnp.float32),
                  jax.ShapeDtypeStruct(zeros_pe.shape, jnp.float32)],
-      input_output_aliases={10: 3, 11: 4, 12: 5},
-      interpret=interpret, name="span_attention_bwd",
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-  )(q, k, v, _padded_pe(pe, block), z_in, seed, g, mx, den, delta, zeros_k, zeros_k, zeros_pe)
+      input_output_aliases={10: 3}, interpret=interpret, name="span_attention_bwd_q",
+      compiler_params=params,
+  )(q, k, v, pe_pad, z_in, seed, g, mx, den, delta, zeros_pe)
+
+  # Per key block: every row of its (b, h), and the largest row window there.
+  all_rows = pl.BlockSpec((None, None, m, dh), lambda i, hh, kb: (i, hh, 0, 0))
+  all_stat = pl.BlockSpec((None, None, m), lambda i, hh, kb: (i, hh, 0))
+  key_blk = pl.BlockSpec((None, None, block, dh), lambda i, hh, kb: (i, hh, kb, 0))
+  wmax_spec = pl.BlockSpec((None, None, 1), lambda i, hh, kb: (i, hh, 0))
+  pe_all = pl.BlockSpec((dh, w + 2 * block), lambda i, hh, kb: (0, 0))
+  scr_k = pl.BlockSpec((None, None, None, block, 2 * block), lambda i, hh, kb: (i, hh, kb, 0, 0))
+  seed_k = pl.BlockSpec((1,), lambda i, hh, kb: (0,))
+  wmax = jnp.clip(jnp.floor(jnp.max(z_in, axis=-1, keepdims=True)).astype(jnp.int32) + ramp + 1,
+                  1, w)
+  dk, dv, _ = pl.pallas_call(
+      functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block),
+      in_specs=[all_rows, key_blk, key_blk, pe_all, all_stat, seed_k, all_rows, all_stat,
+                all_stat, all_stat, wmax_spec],
+      out_specs=[key_blk, key_blk, scr_k],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype),
+                 jax.ShapeDtypeStruct((b, h, t // block, block, 2 * block), jnp.float32)],
+      interpret=interpret, name="span_attention_bwd_kv", compiler_params=params,
+  )(q, k, v, pe_pad, z_in, seed, g, mx, den, delta, wmax)
   dpe = dpe[:, block:block + w].astype(pe.dtype)
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
-  return dq, dk.astype(k.dtype), dv.astype(v.dtype), dpe, (dz if has_mask else None), dseed
+  return dq, dk, dv, dpe, (dz if has_mask else None), dseed
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
