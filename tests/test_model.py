@@ -708,14 +708,8 @@ def test_planner_state_round_trip_mid_window():
 # ----------------------------------------------------------------------------------- kv caches
 
 
-@pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
-                                         ("adaptive", 3)])
-def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
-  """Streaming blocks with projected key/value caches gives the hidden-state caches' output
-  (head groups with non-contiguous heads included); training refuses kv caches."""
-  cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=32, ramp=4, plan_granularity=8,
-                 plan_margin=0)
-  rng = np.random.default_rng(50)
+def _grouped_case(cfg, rng, mode):
+  """Random parameters and, for adaptive spans, a plan whose head groups are not contiguous."""
   params64 = ref.random_params(cfg, rng)
   plan = None
   if mode == "adaptive":
@@ -724,7 +718,18 @@ def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
     plan = spans.SpanPlan(layers=(
         spans.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
         spans.LayerPlan(cache_len=24, groups=(((1, 3), 8), ((0,), 16), ((2,), 24)))))
-  params = to_jax(params64)
+  return to_jax(params64), plan
+
+
+@pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
+                                         ("adaptive", 3)])
+def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
+  """Streaming blocks with projected key/value caches gives the hidden-state caches' output
+  (head groups with non-contiguous heads included); training refuses kv caches."""
+  cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=32, ramp=4, plan_granularity=8,
+                 plan_margin=0)
+  rng = np.random.default_rng(50)
+  params, plan = _grouped_case(cfg, rng, mode)
   spans.check_plan(cfg, params, plan or spans.full_plan(cfg))
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 40)), jnp.int32)
   hidden_model = SpanTransformer(cfg, plan)
@@ -753,15 +758,7 @@ def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
   cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=32, ramp=4, plan_granularity=8,
                  plan_margin=0)
   rng = np.random.default_rng(51)
-  params64 = ref.random_params(cfg, rng)
-  plan = None
-  if mode == "adaptive":
-    params64["layers_0"]["attn"]["span_ratio"] = np.array([0.05, 0.3, 0.1, 0.6])
-    params64["layers_1"]["attn"]["span_ratio"] = np.array([0.2, 0.02, 0.45, 0.1])
-    plan = spans.SpanPlan(layers=(
-        spans.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
-        spans.LayerPlan(cache_len=24, groups=(((1, 3), 8), ((0,), 16), ((2,), 24)))))
-  params = to_jax(params64)
+  params, plan = _grouped_case(cfg, rng, mode)
   model = SpanTransformer(cfg, plan, kv_cache=True)
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 75)), jnp.int32)
   prompt = 5
