@@ -69,9 +69,11 @@ def main():
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--span", type=int, default=8192)
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--attn_impl", default="xla", choices=["xla", "pallas"],
+                 help="pallas: the fused kernel's plans (one window per layer, spans at run time)")
   args = p.parse_args()
   base = ModelConfig(vocab_size=256, d_model=512, n_layers=args.layers, n_heads=args.heads,
-                     d_ff=2048, span=args.span, ramp=32)
+                     d_ff=2048, span=args.span, ramp=32, attn_impl=args.attn_impl)
   z = trajectories(base, args.steps, args.noise, args.seed)
   print(f"{args.steps} steps, {args.layers} layers x {args.heads} heads, S={args.span}; "
         f"granularity {base.plan_granularity}, shrink patience {base.plan_shrink_patience}")
