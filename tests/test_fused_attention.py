@@ -168,6 +168,30 @@ def test_key_and_value_gradients_are_deterministic_and_spans_bound_the_work():
   assert float(jnp.max(jnp.abs(dv1[:, :, 48:]))) > 0
 
 
+def test_runs_per_shard_under_a_mesh():
+  """Under a mesh (the trainer compiles under one) the kernel runs in a shard_map over the batch
+  axis, since XLA would otherwise gather the whole batch to every device for an opaque kernel:
+  same values and gradients, and dropout masks that differ between shards."""
+  from span_lm.train import sharding  # pylint: disable=g-import-not-at-top
+  assert fa.BATCH_AXIS == sharding.DATA_AXIS
+  q, k, v, pe, key = _inputs()
+  z = _spans("dynamic", key)
+  loss = lambda q, k, v, pe, z: jnp.sum(_fused(q, k, v, pe, z) ** 2)
+  want = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, pe, z)
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  with jax.set_mesh(sharding.make_mesh(2)):
+    assert "shard_map" in str(jax.make_jaxpr(step)(q, k, v, pe, z))
+    got = step(q, k, v, pe, z)
+    same = [jnp.broadcast_to(x[:1], x.shape) for x in (q, k, v)]  # two identical streams
+    dropped = jax.jit(lambda q, k, v: fa.span_attention(
+        q, k, v, pe, None, ramp=R, block=BLOCK, interpret=True, dropout_rate=0.5,
+        dropout_seed=jnp.uint32(7)))(*same)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+  for g_got, g_want in zip(got[1], want[1]):
+    np.testing.assert_allclose(g_got, g_want, atol=2e-5, rtol=1e-4)
+  assert float(jnp.max(jnp.abs(dropped[0] - dropped[1]))) > 0.1
+
+
 def test_rejects_shapes_the_kernel_cannot_tile():
   q, k, v, pe, _ = _inputs()
   with pytest.raises(ValueError, match="multiples of 64"):
@@ -243,6 +267,16 @@ def test_model_fused_dropout_trains_and_is_reproducible():
   assert float(a) != float(loss(params, jax.random.key(1), False))
   grads = jax.grad(loss)(params, jax.random.key(1), True)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+
+
+def test_blocks_the_kernel_cannot_tile_take_the_jnp_path():
+  """init_state builds parameters from a one-token block: that must work with attn_impl=pallas."""
+  cfg = _cfg(attn_impl="pallas")  # not interpreted: the kernel would fail on CPU if called
+  one = jnp.zeros((B, 1), jnp.int32)
+  params = SpanTransformer(cfg).init(jax.random.key(0), one, spans.init_caches(cfg, None, B))
+  logp, _, _ = SpanTransformer(cfg).apply(params, one, spans.init_caches(cfg, None, B))
+  want, _, _ = SpanTransformer(_cfg()).apply(params, one, spans.init_caches(cfg, None, B))
+  np.testing.assert_array_equal(logp, want)
 
 
 def test_fused_plan_is_one_group_at_the_largest_window():

@@ -229,7 +229,9 @@ class SeqAttention(nn.Module):
       out = self._ring(q, cache, key_pe_DxS, ring_pos, z_H, z_BxMxH, pers_k, pers_v)
       return dense("proj_out")(out), aux
 
-    if cfg.attn_impl != "xla":
+    # The kernel tiles blocks of attn_block queries; others (init's one-token block) take the
+    # jnp path, the same maths.
+    if cfg.attn_impl != "xla" and m % cfg.attn_block == 0:
       seed = None
       if dropout is not None:  # the kernel hashes its own keep mask from this
         seed = jax.random.bits(self.make_rng("dropout"), (), jnp.uint32)

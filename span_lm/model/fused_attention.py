@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 NEG = -1e30
+BATCH_AXIS = "data"  # the mesh axis of the batch (span_lm.train.sharding.DATA_AXIS)
 
 
 def _dot(a, b, trans_a=False, trans_b=False):
@@ -411,5 +412,19 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
     raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
   seed = jnp.zeros((1,), jnp.uint32) if dropout_seed is None else (
       jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
-  return _span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed, ramp, eps,
-                         block, interpret, num_warps, num_stages, float(dropout_rate))
+  static = (ramp, eps, block, interpret, num_warps, num_stages, float(dropout_rate))
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or BATCH_AXIS not in mesh.axis_names or mesh.shape[BATCH_AXIS] == 1:
+    return _span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed, *static)
+
+  # A pallas_call is opaque to XLA's partitioner, which would gather the whole batch onto every
+  # device; under a mesh (the trainer sets one) each device runs the kernel on its own streams.
+  def local(q, k, v, pe, z, seed):
+    shard = lax.convert_element_type(lax.axis_index(BATCH_AXIS), jnp.uint32)
+    seed = seed ^ (shard * jnp.uint32(0x9E3779B9))  # distinct dropout masks per shard
+    return _span_attention(q, k, v, pe, z, seed, *static)
+
+  rows, rep = jax.sharding.PartitionSpec(BATCH_AXIS), jax.sharding.PartitionSpec()
+  return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False,
+                       in_specs=(rows, rows, rows, rep, None if z_BxHxM is None else rows, rep))(
+      q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed)

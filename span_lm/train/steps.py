@@ -180,8 +180,9 @@ class StepCompiler:
     if key in self._cache:
       return self._cache[key]
     t0 = time.perf_counter()
-    compiled = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                       donate_argnums=donate).lower(*args).compile()
+    with jax.set_mesh(self.mesh):  # the fused attention kernel shards itself over it
+      compiled = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                         donate_argnums=donate).lower(*args).compile()
     secs = time.perf_counter() - t0
     self.compilations.append({"kind": kind, "seconds": secs, "plan": plan.describe()})
     self._log(f"compiled {kind} step #{len(self.compilations)} in {secs:.1f}s "
