@@ -172,8 +172,7 @@ def test_runs_per_shard_under_a_mesh():
   """Under a mesh (the trainer compiles under one) the kernel runs in a shard_map over the batch
   axis, since XLA would otherwise gather the whole batch to every device for an opaque kernel:
   same values and gradients, and dropout masks that differ between shards."""
-  from span_lm.train import sharding  # pylint: disable=g-import-not-at-top
-  assert fa.BATCH_AXIS == sharding.DATA_AXIS
+  from span_lm.train import distributed, sharding  # pylint: disable=g-import-not-at-top
   q, k, v, pe, key = _inputs()
   z = _spans("dynamic", key)
   loss = lambda q, k, v, pe, z: jnp.sum(_fused(q, k, v, pe, z) ** 2)
@@ -186,9 +185,12 @@ def test_runs_per_shard_under_a_mesh():
     dropped = jax.jit(lambda q, k, v: fa.span_attention(
         q, k, v, pe, None, ramp=R, block=BLOCK, interpret=True, dropout_rate=0.5,
         dropout_seed=jnp.uint32(7)))(*same)
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
-  for g_got, g_want in zip(got[1], want[1]):
-    np.testing.assert_allclose(g_got, g_want, atol=2e-5, rtol=1e-4)
+  with jax.set_mesh(distributed.fsdp_mesh(2, 2)):  # the FSDP mesh: batches over both axes
+    got_fsdp = step(q, k, v, pe, z)
+  for result in (got, got_fsdp):
+    np.testing.assert_allclose(result[0], want[0], rtol=1e-5)
+    for g_got, g_want in zip(result[1], want[1]):
+      np.testing.assert_allclose(g_got, g_want, atol=2e-5, rtol=1e-4)
   assert float(jnp.max(jnp.abs(dropped[0] - dropped[1]))) > 0.1
 
 
@@ -303,3 +305,12 @@ def test_run_config_checks_block_length_against_the_tile():
       "workdir": "/tmp/unused"})
   with pytest.raises(ValueError, match="config.data.block"):
     config_lib.validate(config)
+
+
+def test_pallas_without_a_gpu_is_refused_before_anything_runs(tmp_path):
+  from span_lm.train import loop  # pylint: disable=g-import-not-at-top
+  config = config_lib.load_config("configs/synthetic.py", {
+      "model.attn_impl": "pallas", "workdir": str(tmp_path / "run")})
+  with pytest.raises(ValueError, match="needs a GPU"):
+    loop.Run(config)
+  assert not (tmp_path / "run").exists()

@@ -34,7 +34,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 NEG = -1e30
-BATCH_AXIS = "data"  # the mesh axis of the batch (span_lm.train.sharding.DATA_AXIS)
 
 
 def _dot(a, b, trans_a=False, trans_b=False):
@@ -414,17 +413,20 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
       jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
   static = (ramp, eps, block, interpret, num_warps, num_stages, float(dropout_rate))
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or BATCH_AXIS not in mesh.axis_names or mesh.shape[BATCH_AXIS] == 1:
+  if mesh.empty or mesh.size == 1:
     return _span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed, *static)
 
   # A pallas_call is opaque to XLA's partitioner, which would gather the whole batch onto every
-  # device; under a mesh (the trainer sets one) each device runs the kernel on its own streams.
+  # device; under a mesh (the trainer sets one; it shards batches over all of its axes, 'data'
+  # and 'fsdp') each device runs the kernel on its own streams.
+  axes = tuple(mesh.axis_names)
+
   def local(q, k, v, pe, z, seed):
-    shard = lax.convert_element_type(lax.axis_index(BATCH_AXIS), jnp.uint32)
+    shard = lax.convert_element_type(lax.axis_index(axes), jnp.uint32)
     seed = seed ^ (shard * jnp.uint32(0x9E3779B9))  # distinct dropout masks per shard
     return _span_attention(q, k, v, pe, z, seed, *static)
 
-  rows, rep = jax.sharding.PartitionSpec(BATCH_AXIS), jax.sharding.PartitionSpec()
+  rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
   return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False,
                        in_specs=(rows, rows, rows, rep, None if z_BxHxM is None else rows, rep))(
       q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed)

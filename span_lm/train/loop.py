@@ -63,6 +63,10 @@ class Run:
     dist_lib.initialize(config)  # before any backend use; a no-op for a lone process
     if n_cpu:
       _echo(f"CPU host split into {n_cpu} devices for data parallelism ({why})")
+    if config.model.attn_impl == "pallas" and jax.default_backend() != "gpu":
+      raise ValueError(f"config.model.attn_impl='pallas' runs a Triton kernel, which needs a GPU "
+                       f"(Ampere or newer); this process has {jax.default_backend()} devices: use "
+                       f"'xla' (or 'pallas_interpret' to run the kernel interpreted)")
     self.config = config
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.train.compilation_cache:
