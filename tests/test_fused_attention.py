@@ -105,6 +105,48 @@ def test_dropout_matches_plain_path_with_the_same_keep_mask():
   np.testing.assert_allclose(float(jnp.max(keep)), 1 / (1 - rate), rtol=1e-6)
 
 
+@pytest.mark.parametrize("kind,rate", [("fixed", 0.0), ("dynamic", 0.0), ("integer", 0.3)])
+def test_persistent_memory_matches_banded_attention(kind, rate):
+  """All-attention: N persistent keys/values per head in the same softmax (mask 1), with
+  dropout on their weights too; values and gradients, persistent vectors included."""
+  n, seed = 32, jnp.uint32(99)
+  q, k, v, pe, key = _inputs()
+  z = _spans(kind, key)
+  ks = jax.random.split(jax.random.PRNGKey(5), 2)
+  pk = jax.random.normal(ks[0], (H, D, n))
+  pv = jax.random.normal(ks[1], (H, n, D))
+
+  def band_dropout(p):  # (B, H, n, C, W + N): band column s is key i + s, persistent n is W+M+n
+    c = p.shape[3]
+    rows = jnp.arange(M).reshape(1, 1, M // c, c, 1)
+    bh = (jnp.arange(B)[:, None] * H + jnp.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
+    cols = jnp.arange(W + n).reshape(1, 1, 1, 1, W + n)
+    keys = jnp.where(cols < W, rows + cols, (W + M) + (cols - W))
+    return p * fa.dropout_scale(seed, bh, rows, keys, n_rows=M, n_keys=W + M + n, rate=rate)
+
+  def plain(q, k, v, pe, z, pk, pv):
+    mask = None
+    if z is not None:
+      dist = jnp.arange(W, 0, -1, dtype=jnp.float32)[None, None, None, :]
+      mask = spans.soft_mask(z[..., None], dist, R)
+    return attention.banded_attention(q, k, v, pe, mask=mask, pers_k_GxDxN=pk, pers_v_GxNxD=pv,
+                                      dropout=band_dropout if rate else None)[0]
+
+  def fused(q, k, v, pe, z, pk, pv):
+    return fa.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK, interpret=True,
+                             pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=rate,
+                             dropout_seed=seed if rate else None)
+
+  args = (q, k, v, pe, z, pk, pv)
+  np.testing.assert_allclose(fused(*args), plain(*args), atol=1e-5, rtol=1e-5)
+  ct = jax.random.normal(jax.random.PRNGKey(9), (B, H, M, D))
+  argnums = (0, 1, 2, 3, 5, 6) if z is None else (0, 1, 2, 3, 4, 5, 6)
+  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), argnums=argnums)(*args)
+           for f in (fused, plain)]
+  for i, g_f, g_p in zip(argnums, *grads):
+    np.testing.assert_allclose(g_f, g_p, atol=3e-5, rtol=1e-4, err_msg=f"argument {i}")
+
+
 def test_bfloat16_inputs_follow_float32():
   q, k, v, pe, key = _inputs()
   z = _spans("dynamic", key)
@@ -141,7 +183,10 @@ def test_kernels_lower_to_triton_for_cuda(dtype):
   k = jnp.ones((b, h, w + m, d), dtype)
   pe = jnp.ones((d, w), dtype)
   z = jnp.ones((b, h, m), jnp.float32)
-  loss = lambda q, k, v, pe, z: jnp.sum(fa.span_attention(q, k, v, pe, z).astype(jnp.float32))
+  pk, pv = jnp.ones((h, d, 128), dtype), jnp.ones((h, 128, d), dtype)  # persistent memory
+  loss = lambda q, k, v, pe, z: jnp.sum(fa.span_attention(
+      q, k, v, pe, z, pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=0.1,
+      dropout_seed=jnp.uint32(1)).astype(jnp.float32))
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
   # jax >= 0.11 asks which GPU it lowers for when there is none: an abstract H100.
   from jax._src import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
@@ -214,11 +259,12 @@ def _cfg(**kw):
   return ModelConfig(**base)
 
 
-@pytest.mark.parametrize("mode", ["fixed", "adaptive", "dynamic"])
+@pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
+                                         ("adaptive", 16)])
 @pytest.mark.parametrize("kv_cache", [False, True])
-def test_model_fused_equals_xla(mode, kv_cache):
-  xla = _cfg(span_mode=mode)
-  fused = _cfg(span_mode=mode, attn_impl="pallas_interpret")
+def test_model_fused_equals_xla(mode, n_pers, kv_cache):
+  xla = _cfg(span_mode=mode, pers_mem=n_pers)
+  fused = _cfg(span_mode=mode, pers_mem=n_pers, attn_impl="pallas_interpret")
   rng = np.random.default_rng(3)
   m = 16
   tokens = jnp.asarray(rng.integers(xla.vocab_size, size=(B, m)), jnp.int32)
@@ -288,7 +334,7 @@ def test_fused_plan_is_one_group_at_the_largest_window():
 
 
 @pytest.mark.parametrize("kw,field", [
-    (dict(pers_mem=4), "attn_impl"),
+    (dict(pers_mem=24), "pers_mem"),  # not a multiple of the tile
     (dict(attn_block=24), "attn_block"),
     (dict(n_heads=4), "attn_impl"),  # head size 8
     (dict(plan_granularity=8), "plan_granularity"),

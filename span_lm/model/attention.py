@@ -235,7 +235,8 @@ class SeqAttention(nn.Module):
       seed = None
       if dropout is not None:  # the kernel hashes its own keep mask from this
         seed = jax.random.bits(self.make_rng("dropout"), (), jnp.uint32)
-      out = self._fused(q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed)
+      out = self._fused(q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed,
+                        pers_k, pers_v)
       return dense("proj_out")(out), aux
 
     outs, order = [], []
@@ -333,7 +334,8 @@ class SeqAttention(nn.Module):
       out = out + precision.einsum("bhp,hpd->bhd", p_N.astype(dt), pers_v.astype(dt), jnp.float32)
     return out.astype(jnp.dtype(cfg.dtype)).reshape(b, 1, nh * dh)
 
-  def _fused(self, q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed):
+  def _fused(self, q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed,
+             pers_k, pers_v):
     """All heads in one fused-kernel call over the layer's largest window; spans at run time.
     Returns the heads' outputs as (B, M, D), before the output projection."""
     cfg = self.cfg
@@ -354,6 +356,8 @@ class SeqAttention(nn.Module):
       z = z_BxMxH.transpose(0, 2, 1)
     out = fused_attention.span_attention(
         q, kv[0], kv[1], key_pe_DxS[:, s - w:].astype(q.dtype), z, ramp=cfg.ramp,
-        block=cfg.attn_block, dropout_rate=cfg.dropout if seed is not None else 0.0,
+        block=cfg.attn_block, pers_k_HxDxN=None if pers_k is None else pers_k.astype(q.dtype),
+        pers_v_HxNxD=None if pers_v is None else pers_v.astype(q.dtype),
+        dropout_rate=cfg.dropout if seed is not None else 0.0,
         dropout_seed=seed, interpret=cfg.attn_impl == "pallas_interpret")
     return out.astype(jnp.dtype(cfg.dtype)).transpose(0, 2, 1, 3).reshape(b, m, d)

@@ -137,8 +137,8 @@ class ModelConfig:
       bad("attn_block", "must be a power of two >= 16")
     if self.arch != "span":
       bad("attn_impl", "the fused kernel is for arch='span' (the sparse model has its own)")
-    if self.pers_mem:
-      bad("attn_impl", "the fused kernel has no persistent memory: use attn_impl='xla'")
+    if self.pers_mem % b:
+      bad("pers_mem", f"must be a multiple of attn_block={b} with attn_impl={self.attn_impl!r}")
     hd = self.d_model // self.n_heads
     if hd < 16 or hd & (hd - 1):
       bad("attn_impl", f"the fused kernel needs a power-of-two head size >= 16, not {hd}")

@@ -20,8 +20,8 @@ Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the 
 eps e^l over all W distances; the two agree to ~eps relative (1e-8).
 
 Dropout on the attention weights draws its keep mask from a hash of (seed, head, row, key), so the
-backward pass regenerates it instead of storing it. Not covered (the model refuses it with
-attn_impl='pallas'): persistent memory. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
+backward pass regenerates it instead of storing it. Persistent memory (all-attention layers) joins
+the softmax as extra key blocks with mask 1 and no position term. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
 """
 import functools
 import math
@@ -112,8 +112,9 @@ def _mask_value(z, dist, ramp):
   return jnp.clip((ramp + z[:, None] - (dist - 1)) / ramp, 0.0, 1.0)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, o_ref, mx_ref, den_ref, scr_ref, *,
-                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows):
+def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, o_ref, mx_ref,
+                den_ref, scr_ref, *, w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads,
+                n_rows, n_pers):
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
@@ -138,13 +139,30 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, o_ref, mx_ref, den
     kept = pm
     if rate:
       kept = pm * _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
-                                n_keys=w + n_rows, rate=rate)
+                                n_keys=w + n_rows + n_pers, rate=rate)
     acc = acc * corr[:, None] + _dot(kept.astype(v.dtype), v)
     return acc, mx_new, z_all * corr + jnp.sum(p, axis=1), z_mask * corr + jnp.sum(pm, axis=1)
 
+  def pers_body(c, carry):  # persistent keys: no position term, mask 1, in the same softmax
+    acc, mx, z_all, z_mask = carry
+    n0 = c * bk
+    logits = _dot(q, pk_ref[:, pl.ds(n0, bk)]) * scale
+    mx_new = jnp.maximum(mx, jnp.max(logits, axis=1))
+    corr = jnp.exp(mx - mx_new)
+    p = jnp.exp(logits - mx_new[:, None])
+    kept = p
+    if rate:  # persistent key n is key w + n_rows + n of the dropout hash
+      kept = p * _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
+                               n_keys=w + n_rows + n_pers, rate=rate)
+    pv = pv_ref[pl.ds(n0, bk), :]
+    acc = acc * corr[:, None] + _dot(kept.astype(pv.dtype), pv)
+    s_p = jnp.sum(p, axis=1)
+    return acc, mx_new, z_all * corr + s_p, z_mask * corr + s_p
+
   init = (jnp.zeros((bq, dh), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
           jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32))
-  acc, mx, z_all, z_mask = lax.fori_loop(lo, hi, body, init)
+  carry = lax.fori_loop(lo, hi, body, init)
+  acc, mx, z_all, z_mask = lax.fori_loop(0, n_pers // bk, pers_body, carry)
   den = z_mask + eps * z_all if has_mask else z_all
   o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
   mx_ref[...] = mx
@@ -152,7 +170,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, o_ref, mx_ref, den
 
 
 def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, seed, bh, *,
-                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_rows):
+                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_rows, n_pers):
   """Recomputes one tile and returns (ds: d logits before scaling, times the scale; the
   weights as applied to the values; the tile's span gradient per row)."""
   logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
@@ -161,8 +179,8 @@ def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, see
   gv = _dot(g, v, trans_b=True)
   keep = None
   if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
-    keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows, n_keys=w + n_rows,
-                         rate=rate)
+    keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
+                         n_keys=w + n_rows + n_pers, rate=rate)
     gv = gv * keep
   gv = gv - delta[:, None]
   dz = None
@@ -180,11 +198,13 @@ def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, see
   return dl * (1.0 / math.sqrt(q.shape[-1])), kept, dz
 
 
-def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den_ref, delta_ref,
-                  dpe_in, dq_ref, dz_ref, scr_ref, dpe_ref, *,
-                  w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows):
-  """Per query block: dq and the span gradient of its rows, and (atomically) d pe."""
-  del dpe_in  # zeros, aliased to dpe_ref
+def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, g_ref, mx_ref,
+                  den_ref, delta_ref, dpe_in, dpk_in, dpv_in, dq_ref, dz_ref, scr_ref, dpe_ref,
+                  dpk_ref, dpv_ref, *, w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads,
+                  n_rows, n_pers):
+  """Per query block: dq and the span gradient of its rows, and (atomically) d pe and the
+  persistent keys' and values' gradients."""
+  del dpe_in, dpk_in, dpv_in  # zeros, aliased to dpe_ref, dpk_ref, dpv_ref
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
@@ -205,7 +225,7 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, d
     ds, _, dz_tile = _tile_grads(
         q, g, k, v_ref[pl.ds(t0, bk), :], pe_ref, scr_ref, t0, i0, win, z, mx, den, delta,
         seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
-        interpret=interpret, rate=rate, n_rows=n_rows)
+        interpret=interpret, rate=rate, n_rows=n_rows, n_pers=n_pers)
     if dz_tile is not None:
       dz = dz + dz_tile
     dq = dq + _dot(ds.astype(k.dtype), k)
@@ -221,15 +241,37 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, d
                    _dot(q, dg.astype(q.dtype), trans_a=True))
     return dq, dz
 
+  scale = 1.0 / math.sqrt(dh)
+
+  def pers_body(c, dq):  # the persistent keys: mask 1, so no span gradient
+    n0 = c * bk
+    pk = pk_ref[:, pl.ds(n0, bk)]
+    pv = pv_ref[pl.ds(n0, bk), :]
+    p = jnp.exp(_dot(q, pk) * scale - mx[:, None]) / den[:, None]
+    gv = _dot(g, pv, trans_b=True)
+    kept = p
+    if rate:
+      keep = _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
+                           n_keys=w + n_rows + n_pers, rate=rate)
+      gv, kept = gv * keep, p * keep
+    gv = gv - delta[:, None]
+    dl = p * gv - eps * p * delta[:, None] if has_mask else p * gv
+    ds = dl * scale
+    plt.atomic_add(dpk_ref, (slice(None), pl.ds(n0, bk)), _dot(q, ds.astype(q.dtype), trans_a=True))
+    plt.atomic_add(dpv_ref, (pl.ds(n0, bk), slice(None)),
+                   _dot(kept.astype(g.dtype), g, trans_a=True))
+    return dq + _dot(ds.astype(pk.dtype), pk, trans_b=True)
+
   dq, dz = lax.fori_loop(lo, hi, body, (jnp.zeros((bq, dh), jnp.float32),
                                         jnp.zeros((bq,), jnp.float32)))
+  dq = lax.fori_loop(0, n_pers // bk, pers_body, dq)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dz_ref[...] = dz
 
 
 def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den_ref,
                    delta_ref, wmax_ref, dk_ref, dv_ref, scr_ref, *,
-                   w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows):
+                   w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows, n_pers):
   """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
   key and value gradients are deterministic)."""
   t0 = pl.program_id(2) * bk
@@ -257,7 +299,7 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, 
     ds, kept, _ = _tile_grads(
         q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx_ref[rows], den_ref[rows],
         delta_ref[rows], seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
-        interpret=interpret, rate=rate, n_rows=n_rows)
+        interpret=interpret, rate=rate, n_rows=n_rows, n_pers=n_pers)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
     dv = dv + _dot(kept.astype(g.dtype), g, trans_a=True)
     return dk, dv
@@ -294,19 +336,32 @@ def _padded_pe(pe_DxW, block):
   return jnp.pad(pe_DxW, ((0, 0), (block, block)))
 
 
-def _forward(q, k, v, pe, z, seed, *, ramp, eps, block, interpret, num_warps, num_stages, rate):
+def _pers_inputs(pk, pv, h, dh, block):
+  """(keys (H, Dh, N), values (H, N, Dh), N, their BlockSpecs); placeholders when N = 0."""
+  n = 0 if pk is None else pk.shape[-1]
+  if pk is None:
+    pk, pv = jnp.zeros((h, dh, block), jnp.float32), jnp.zeros((h, block, dh), jnp.float32)
+  width = pk.shape[-1]
+  specs = (pl.BlockSpec((None, dh, width), lambda i, hh, x: (hh, 0, 0)),
+           pl.BlockSpec((None, width, dh), lambda i, hh, x: (hh, 0, 0)))
+  return pk, pv, n, specs
+
+
+def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_warps,
+             num_stages, rate):
   _check(q, k, pe, block)
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block)
   row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, w + m, dh, w + 2 * block, block)
   kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
                              bk=block, eps=eps, interpret=interpret, rate=rate, n_heads=h,
-                             n_rows=m)
+                             n_rows=m, n_pers=n_pers)
   out, mx, den, _ = pl.pallas_call(
       kernel, grid=(b, h, m // block),
-      in_specs=[row, keys, keys, pe_spec, stat, seed_spec],
+      in_specs=[row, keys, keys, pe_spec, stat, seed_spec, *pers_specs],
       out_specs=[row, stat, stat, scr],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
@@ -314,12 +369,12 @@ def _forward(q, k, v, pe, z, seed, *, ramp, eps, block, interpret, num_warps, nu
                  jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32)],
       interpret=interpret, name="span_attention_fwd",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-  )(q, k, v, _padded_pe(pe, block), z_in, seed)
+  )(q, k, v, _padded_pe(pe, block), z_in, seed, pk_in, pv_in)
   return out, mx, den
 
 
-def _backward(q, k, v, pe, z, seed, out, mx, den, g, *, ramp, eps, block, interpret, num_warps,
-              num_stages, rate):
+def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block, interpret,
+              num_warps, num_stages, rate):
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   t = w + m
@@ -328,21 +383,26 @@ def _backward(q, k, v, pe, z, seed, out, mx, den, g, *, ramp, eps, block, interp
   delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
   pe_pad = _padded_pe(pe, block)
   row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, t, dh, w + 2 * block, block)
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block)
   static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block, eps=eps,
-                interpret=interpret, rate=rate, n_heads=h, n_rows=m)
+                interpret=interpret, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers)
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   zeros_pe = jnp.zeros((dh, w + 2 * block), jnp.float32)
-  dq, dz, _, dpe = pl.pallas_call(
+  zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
+  dq, dz, _, dpe, dpk, dpv = pl.pallas_call(
       functools.partial(_bwd_q_kernel, **static), grid=(b, h, m // block),
-      in_specs=[row, keys, keys, pe_spec, stat, seed_spec, row, stat, stat, stat, pe_spec],
-      out_specs=[row, stat, scr, pe_spec],
+      in_specs=[row, keys, keys, pe_spec, stat, seed_spec, *pers_specs, row, stat, stat, stat,
+                pe_spec, *pers_specs],
+      out_specs=[row, stat, scr, pe_spec, *pers_specs],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32),
-                 jax.ShapeDtypeStruct(zeros_pe.shape, jnp.float32)],
-      input_output_aliases={10: 3}, interpret=interpret, name="span_attention_bwd_q",
-      compiler_params=params,
-  )(q, k, v, pe_pad, z_in, seed, g, mx, den, delta, zeros_pe)
+                 jax.ShapeDtypeStruct(zeros_pe.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(zeros_pk.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)],
+      input_output_aliases={12: 3, 13: 4, 14: 5}, interpret=interpret,
+      name="span_attention_bwd_q", compiler_params=params,
+  )(q, k, v, pe_pad, z_in, seed, pk_in, pv_in, g, mx, den, delta, zeros_pe, zeros_pk, zeros_pv)
 
   # Per key block: every row of its (b, h), and the largest row window there.
   all_rows = pl.BlockSpec((None, None, m, dh), lambda i, hh, kb: (i, hh, 0, 0))
@@ -366,19 +426,21 @@ def _backward(q, k, v, pe, z, seed, out, mx, den, g, *, ramp, eps, block, interp
   )(q, k, v, pe_pad, z_in, seed, g, mx, den, delta, wmax)
   dpe = dpe[:, block:block + w].astype(pe.dtype)
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
-  return dq, dk, dv, dpe, (dz if has_mask else None), dseed
+  dpk = None if pk is None else dpk.astype(pk.dtype)
+  dpv = None if pv is None else dpv.astype(pv.dtype)
+  return dq, dk, dv, dpe, (dz if has_mask else None), dseed, dpk, dpv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
-def _span_attention(q, k, v, pe, z, seed, ramp, eps, block, interpret, num_warps, num_stages,
-                    rate):
-  return _forward(q, k, v, pe, z, seed, ramp=ramp, eps=eps, block=block, interpret=interpret,
-                  num_warps=num_warps, num_stages=num_stages, rate=rate)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
+def _span_attention(q, k, v, pe, z, seed, pk, pv, ramp, eps, block, interpret, num_warps,
+                    num_stages, rate):
+  return _forward(q, k, v, pe, z, seed, pk, pv, ramp=ramp, eps=eps, block=block,
+                  interpret=interpret, num_warps=num_warps, num_stages=num_stages, rate=rate)[0]
 
 
-def _span_attention_fwd(q, k, v, pe, z, seed, *static):
-  out, mx, den = _forward(q, k, v, pe, z, seed, **dict(zip(_STATIC, static)))
-  return out, (q, k, v, pe, z, seed, out, mx, den)
+def _span_attention_fwd(q, k, v, pe, z, seed, pk, pv, *static):
+  out, mx, den = _forward(q, k, v, pe, z, seed, pk, pv, **dict(zip(_STATIC, static)))
+  return out, (q, k, v, pe, z, seed, pk, pv, out, mx, den)
 
 
 def _span_attention_bwd(*args):
@@ -391,9 +453,9 @@ _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
 
 
 def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *, ramp: int = 32,
-                   eps: float = 1e-8, block: int = 64, dropout_rate: float = 0.0,
-                   dropout_seed=None, interpret: bool = False, num_warps: int = 4,
-                   num_stages: int = 2):
+                   pers_k_HxDxN=None, pers_v_HxNxD=None, eps: float = 1e-8, block: int = 64,
+                   dropout_rate: float = 0.0, dropout_seed=None, interpret: bool = False,
+                   num_warps: int = 4, num_stages: int = 2):
   """Banded attention over the W distances before each query, spans given at run time.
 
   Args:
@@ -401,7 +463,9 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
     key_pe_DxW: relative position embeddings, column W - d for distance d.
     z_BxHxM: span in tokens per query row (broadcast an adaptive span (H,) to it), or None for a
       fixed span (no mask). Differentiable.
-    ramp: R of the soft mask. block: query and key tile (divides M and W).
+    ramp: R of the soft mask. block: query and key tile (divides M, W and N).
+    pers_k_HxDxN, pers_v_HxNxD: persistent memory (already scaled), in the same softmax with
+      mask 1; or None.
     dropout_rate, dropout_seed: dropout on the attention weights (after the mask), the keep
       mask drawn by `dropout_scale` from a uint32 seed; a rate of 0 compiles no dropout.
   Returns:
@@ -409,24 +473,32 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   """
   if dropout_rate and dropout_seed is None:
     raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
+  if (pers_k_HxDxN is None) != (pers_v_HxNxD is None):
+    raise ValueError("fused attention: persistent keys and values come together")
+  if pers_k_HxDxN is not None and pers_k_HxDxN.shape[-1] % block:
+    raise ValueError(f"fused attention: {pers_k_HxDxN.shape[-1]} persistent vectors must be a "
+                     f"multiple of {block}")
   seed = jnp.zeros((1,), jnp.uint32) if dropout_seed is None else (
       jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
   static = (ramp, eps, block, interpret, num_warps, num_stages, float(dropout_rate))
+  args = (q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed, pers_k_HxDxN, pers_v_HxNxD)
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return _span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed, *static)
+    return _span_attention(*args, *static)
 
   # A pallas_call is opaque to XLA's partitioner, which would gather the whole batch onto every
   # device; under a mesh (the trainer sets one; it shards batches over all of its axes, 'data'
   # and 'fsdp') each device runs the kernel on its own streams.
   axes = tuple(mesh.axis_names)
 
-  def local(q, k, v, pe, z, seed):
+  def local(q, k, v, pe, z, seed, pk, pv):
     shard = lax.convert_element_type(lax.axis_index(axes), jnp.uint32)
     seed = seed ^ (shard * jnp.uint32(0x9E3779B9))  # distinct dropout masks per shard
-    return _span_attention(q, k, v, pe, z, seed, *static)
+    return _span_attention(q, k, v, pe, z, seed, pk, pv, *static)
 
   rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
+  maybe = lambda x, spec: None if x is None else spec
+  in_specs = (rows, rows, rows, rep, maybe(z_BxHxM, rows), rep, maybe(pers_k_HxDxN, rep),
+              maybe(pers_v_HxNxD, rep))
   return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False,
-                       in_specs=(rows, rows, rows, rep, None if z_BxHxM is None else rows, rep))(
-      q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed)
+                       in_specs=in_specs)(*args)
