@@ -13,25 +13,26 @@ key index W + i and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor
 G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
 read pos[r, c] = G[r, bq - r + c] through a per-program scratch buffer (Triton has no register
 shuffle for it). The backward pass reads ds back the other way for the position gradient.
-Backward as FlashAttention-2: a kernel per query block (dq, the span gradient, d pe by atomic
-adds) and one per key block (dk, dv: deterministic).
+Backward as FlashAttention-2: a kernel per query block (dq, the span gradient; d pe and the
+persistent vectors' gradients by atomic adds) and one per key block (dk, dv: deterministic).
 
 Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the plain path sums
 eps e^l over all W distances; the two agree to ~eps relative (1e-8).
 
 Dropout on the attention weights draws its keep mask from a hash of (seed, head, row, key), so the
 backward pass regenerates it instead of storing it. Persistent memory (all-attention layers) joins
-the softmax as extra key blocks with mask 1 and no position term. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
+the softmax as extra key blocks with mask 1 and no position term. Interpret mode
+(`interpret=True`) runs the same kernels on CPU for tests.
 """
 import functools
 import math
 
 import jax
 from jax import lax
-import numpy as np
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+import jax.numpy as jnp
+import numpy as np
 
 NEG = -1e30
 
