@@ -16,40 +16,20 @@ import time
 
 import pytest
 
+import synthetic_run
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# A tiny synthetic run (as tests/test_train.py): 8 streams of 80 tokens, blocks of 16; SGD keeps
-# the updates linear in the gradient, so all-reduce rounding stays at rounding size.
-TINY = {
-    "model.d_model": 32,
-    "model.n_layers": 2,
-    "model.n_heads": 2,
-    "model.d_ff": 64,
-    "model.span": 64,
-    "model.ramp": 8,
-    "model.plan_granularity": 16,
-    "model.plan_margin": 0,
-    "model.dropout": 0.1,
-    "data.dataset": "synthetic",
-    "data.path": None,
-    "data.split_bytes": (),
-    "data.split_fractions": (0.4, 0.3, 0.3),
-    "data.synthetic_length": 1600,
-    "data.synthetic_distance": 8,
-    "data.synthetic_vocab": 16,
-    "data.block": 16,
-    "data.batch": 8,
-    "data.eval_batch": 8,
+# The tiny synthetic run of tests/synthetic_run.py; SGD keeps the updates linear in the gradient,
+# so all-reduce rounding stays at rounding size.
+TINY = dict(synthetic_run.SMALL, **{
     "optim.name": "sgd",
     "optim.lr": 0.1,
-    "optim.warmup": 0,
     "train.steps": 6,
-    "train.log_every": 1,
     "train.eval_every": 3,
     "train.checkpoint_every": 3,
-    "train.tensorboard": False,
     "train.compilation_cache": "",
-}
+})
 
 
 def config_for(workdir, *overrides: dict):

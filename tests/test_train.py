@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+import synthetic_run
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
 from span_lm.model import spans
@@ -30,34 +31,12 @@ K = 6  # the resume test's checkpoint step; the run trains 2K steps
 # the walk restarts at a random offset (and zeroes the caches) after every 4th step.
 TRAIN_TOKENS, VALID_TOKENS = 640, 480
 
-TINY = {
-    "model.d_model": 32,
-    "model.n_layers": 2,
-    "model.n_heads": 2,
-    "model.d_ff": 64,
-    "model.span": 64,
+TINY = dict(synthetic_run.SMALL, **{
     "model.span_mode": "adaptive",
-    "model.ramp": 8,
-    "model.plan_granularity": 16,
-    "model.plan_margin": 0,  # cache length = the largest window: a shrink resizes the caches
-    "model.dropout": 0.1,
-    "data.dataset": "synthetic",
-    "data.path": None,
-    "data.split_bytes": (),
-    "data.split_fractions": (0.4, 0.3, 0.3),
-    "data.synthetic_length": 1600,
-    "data.synthetic_distance": 8,
-    "data.synthetic_vocab": 16,
-    "data.block": 16,
-    "data.batch": 8,
-    "data.eval_batch": 8,
-    "optim.warmup": 0,
     "train.steps": 2 * K,
-    "train.log_every": 1,
     "train.eval_every": K,
     "train.checkpoint_every": K,
-    "train.tensorboard": False,
-}
+})
 
 # Spans that shrink fast: z' starts at 0.9 (window 64), a span penalty that dominates its
 # gradient and an unclipped, high learning rate. The 48-token window suffices from step 4; with
