@@ -147,6 +147,24 @@ def test_persistent_memory_matches_banded_attention(kind, rate):
     np.testing.assert_allclose(g_f, g_p, atol=3e-5, rtol=1e-4, err_msg=f"argument {i}")
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton kernel needs a GPU "
+                    "(JAX_PLATFORMS=cuda python -m pytest tests/test_fused_attention.py -k gpu)")
+@pytest.mark.parametrize("kind", ["fixed", "adaptive", "dynamic", "integer"])
+def test_gpu_kernel_matches_banded_attention(kind):
+  """The compiled kernel (not interpreted) against the plain path, values and gradients."""
+  q, k, v, pe, key = _inputs()
+  z = _spans(kind, key)
+  compiled = lambda q, k, v, pe, z: fa.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK)
+  np.testing.assert_allclose(compiled(q, k, v, pe, z), _plain(q, k, v, pe, z), atol=1e-4,
+                             rtol=1e-4)
+  ct = jax.random.normal(jax.random.PRNGKey(9), (B, H, M, D))
+  argnums = (0, 1, 2, 3) if z is None else (0, 1, 2, 3, 4)
+  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), argnums=argnums)(q, k, v, pe, z)
+           for f in (compiled, _plain)]
+  for name, got, want in zip("q k v pe z".split(), *grads):
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-3, err_msg=f"d{name}")
+
+
 def test_bfloat16_inputs_follow_float32():
   q, k, v, pe, key = _inputs()
   z = _spans("dynamic", key)
