@@ -301,10 +301,10 @@ def test_model_fused_equals_xla(mode, n_pers, kv_cache):
     model = SpanTransformer(cfg, plan=plan, kv_cache=kv_cache)
 
     def loss(p):
-      logp, new_caches, aux = model.apply({"params": p}, tokens, caches, train=False)
+      logp, new_caches, _ = model.apply({"params": p}, tokens, caches, train=False)
       return -jnp.mean(logp[..., 0]) + sum(jnp.sum(c) for c in new_caches) * 1e-3, logp
 
-    (value, logp), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    (_, logp), grads = jax.value_and_grad(loss, has_aux=True)(params)
     return logp, grads
 
   (logp_x, grads_x), (logp_f, grads_f) = run(xla), run(fused)
@@ -378,3 +378,16 @@ def test_pallas_without_a_gpu_is_refused_before_anything_runs(tmp_path):
   with pytest.raises(ValueError, match="needs a GPU"):
     loop.Run(config)
   assert not (tmp_path / "run").exists()
+
+
+def test_sampling_with_the_fused_kernel_equals_xla():
+  """generate() with attn_impl='pallas_interpret': a prompt of one tile runs through the kernel,
+  the one-token steps through the ring path; the tokens are those of attn_impl='xla'."""
+  from span_lm.tools import sample  # pylint: disable=g-import-not-at-top
+  xla, fused = _cfg(span_mode="fixed"), _cfg(span_mode="fixed", attn_impl="pallas_interpret")
+  prompt = np.random.default_rng(4).integers(xla.vocab_size, size=16)
+  params = SpanTransformer(xla).init(jax.random.key(1), jnp.zeros((1, 16), jnp.int32),
+                                     spans.init_caches(xla, None, 1))["params"]
+  want = sample.generate(xla, params, None, prompt, 20, temperature=0.0)
+  np.testing.assert_array_equal(sample.generate(fused, params, None, prompt, 20, temperature=0.0),
+                                want)

@@ -190,8 +190,7 @@ class SeqAttention(nn.Module):
 
     aux = {}
     if self.kv_cache:  # the block's keys and values for every head, for the next cache
-      kv_blk_BxMx2D = precision.dot(h_in, jnp.concatenate([k_kernel, v_kernel], axis=1))
-      aux["kv"] = kv_blk_BxMx2D
+      aux["kv"] = precision.dot(h_in, jnp.concatenate([k_kernel, v_kernel], axis=1))  # B M 2D
     z_H = z_BxMxH = None
     if cfg.span_mode == "adaptive":
       ratio = self.param("span_ratio", nn.initializers.constant(cfg.span_init), (nh,))
@@ -235,8 +234,10 @@ class SeqAttention(nn.Module):
       seed = None
       if dropout is not None:  # the kernel hashes its own keep mask from this
         seed = jax.random.bits(self.make_rng("dropout"), (), jnp.uint32)
-      out = self._fused(q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed,
-                        pers_k, pers_v)
+      w = max(w for _, w in self.plan.groups)  # one group of every head: spans at run time
+      kv = self._group_kv(cache, h_in, k_kernel, v_kernel, aux.get("kv"), w, nh,
+                          lambda a, ax=1: a)
+      out = self._fused(q, kv, key_pe_DxS, z_H, z_BxMxH, seed, pers_k, pers_v)
       return dense("proj_out")(out), aux
 
     outs, order = [], []
@@ -255,18 +256,7 @@ class SeqAttention(nn.Module):
       pick = ((lambda a, ax=1: jax.lax.slice_in_dim(a, head_ids[0] * dh, (head_ids[-1] + 1) * dh,
                                                     axis=ax))
               if contiguous else (lambda a, ax=1: jnp.take(a, cols, axis=ax)))
-      # Cache rows and block rows as two matmuls: the cache is a constant of the step, so the
-      # backward pass then computes no input gradient for it (one matmul over the concatenation
-      # would compute it and throw it away).
-      if self.kv_cache:  # cached keys/values were projected with these same (frozen) weights
-        both = jnp.concatenate([cache[:, cache_len - w:], kv_blk_BxMx2D], axis=1)  # B T 2D
-        kv = both if g == nh else jnp.concatenate(
-            [pick(both[..., :d], 2), pick(both[..., d:], 2)], axis=-1)  # [k | v] of the group
-      else:
-        w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)
-        kv = jnp.concatenate([precision.dot(cache[:, cache_len - w:], w_kv),
-                              precision.dot(h_in, w_kv)], axis=1)
-      kv = kv.reshape(b, w + m, 2, g, dh).transpose(2, 0, 3, 1, 4)  # 2 B G T Dh
+      kv = self._group_kv(cache, h_in, k_kernel, v_kernel, aux.get("kv"), w, g, pick)
       mask = None
       dist_W = jnp.arange(w, 0, -1, dtype=jnp.float32)  # column s -> distance w - s
       if z_H is not None:
@@ -290,6 +280,25 @@ class SeqAttention(nn.Module):
       out = jnp.take(out, jnp.asarray(inv), axis=1)
     out = out.transpose(0, 2, 1, 3).reshape(b, m, d)
     return dense("proj_out")(out), aux
+
+  def _group_kv(self, cache, h_in, k_kernel, v_kernel, kv_blk_BxMx2D, w, g, pick):
+    """[keys; values] (2, B, G, W + M, Dh) of a group of g heads (`pick` takes their columns)
+    over the last w cached states and the block.
+
+    Cache rows and block rows are two matmuls: the cache is a constant of the step, so the
+    backward pass then computes no input gradient for it (one matmul over the concatenation
+    would compute it and throw it away). With kv_cache the cached keys/values were projected
+    with these same (frozen) weights."""
+    b, m, d = h_in.shape
+    if self.kv_cache:
+      both = jnp.concatenate([cache[:, cache.shape[1] - w:], kv_blk_BxMx2D], axis=1)  # B T 2D
+      kv = both if g == self.cfg.n_heads else jnp.concatenate(
+          [pick(both[..., :d], 2), pick(both[..., d:], 2)], axis=-1)  # [k | v] of the group
+    else:
+      w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)
+      kv = jnp.concatenate([precision.dot(cache[:, cache.shape[1] - w:], w_kv),
+                            precision.dot(h_in, w_kv)], axis=1)
+    return kv.reshape(b, w + m, 2, g, d // self.cfg.n_heads).transpose(2, 0, 3, 1, 4)
 
   def _ring(self, q, ring, key_pe_DxS, pos, z_H, z_BxMxH, pers_k, pers_v,
             eps: float = 1e-8):
@@ -334,21 +343,12 @@ class SeqAttention(nn.Module):
       out = out + precision.einsum("bhp,hpd->bhd", p_N.astype(dt), pers_v.astype(dt), jnp.float32)
     return out.astype(jnp.dtype(cfg.dtype)).reshape(b, 1, nh * dh)
 
-  def _fused(self, q, k_kernel, v_kernel, h_in, cache, aux, key_pe_DxS, z_H, z_BxMxH, seed,
-             pers_k, pers_v):
-    """All heads in one fused-kernel call over the layer's largest window; spans at run time.
-    Returns the heads' outputs as (B, M, D), before the output projection."""
+  def _fused(self, q, kv, key_pe_DxS, z_H, z_BxMxH, seed, pers_k, pers_v):
+    """All heads in one fused-kernel call over the window of kv (2, B, H, W + M, Dh); spans at
+    run time. Returns the heads' outputs as (B, M, D), before the output projection."""
     cfg = self.cfg
-    b, m, d = h_in.shape
-    nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span
-    w = max(w for _, w in self.plan.groups)
-    if self.kv_cache:
-      kv = jnp.concatenate([cache[:, cache.shape[1] - w:], aux["kv"]], axis=1)
-    else:
-      w_kv = jnp.concatenate([k_kernel, v_kernel], axis=1)
-      kv = jnp.concatenate([precision.dot(cache[:, cache.shape[1] - w:], w_kv),
-                            precision.dot(h_in, w_kv)], axis=1)
-    kv = kv.reshape(b, w + m, 2, nh, dh).transpose(2, 0, 3, 1, 4)  # 2 B H T Dh
+    b, nh, m, dh = q.shape
+    w, s = kv.shape[3] - m, cfg.span
     z = None
     if z_H is not None:
       z = jnp.broadcast_to(z_H[None, :, None], (b, nh, m))
@@ -360,4 +360,4 @@ class SeqAttention(nn.Module):
         pers_v_HxNxD=None if pers_v is None else pers_v.astype(q.dtype),
         dropout_rate=cfg.dropout if seed is not None else 0.0,
         dropout_seed=seed, interpret=cfg.attn_impl == "pallas_interpret")
-    return out.astype(jnp.dtype(cfg.dtype)).transpose(0, 2, 1, 3).reshape(b, m, d)
+    return out.astype(jnp.dtype(cfg.dtype)).transpose(0, 2, 1, 3).reshape(b, m, nh * dh)

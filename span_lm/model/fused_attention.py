@@ -72,11 +72,11 @@ def _barrier(interpret):
     plt.debug_barrier()
 
 
-def _row_windows(z_ref, *, w, ramp, has_mask, bq):
-  """Distances each row visits: every non-zero mask value and the clamp's lower boundary."""
-  if not has_mask:
+def _row_windows(z, *, w, ramp, bq):
+  """Distances each row visits (z: spans in tokens, or None for a fixed span): every non-zero
+  mask value and the clamp's lower boundary."""
+  if z is None:
     return jnp.full((bq,), w, jnp.int32)
-  z = z_ref[...].astype(jnp.float32)
   return jnp.clip(jnp.floor(z).astype(jnp.int32) + (ramp + 1), 1, w)
 
 
@@ -122,8 +122,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, o_
   q = q_ref[...]
   dh = q.shape[-1]
   scale = 1.0 / math.sqrt(dh)
-  win = _row_windows(z_ref, w=w, ramp=ramp, has_mask=has_mask, bq=bq)
   z = z_ref[...].astype(jnp.float32) if has_mask else None
+  win = _row_windows(z, w=w, ramp=ramp, bq=bq)
   lo, hi = _key_blocks(win, i0, w=w, bk=bk)
 
   def body(kb, carry):
@@ -212,8 +212,8 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, 
   q = q_ref[...]
   g = g_ref[...]
   dh = q.shape[-1]
-  win = _row_windows(z_ref, w=w, ramp=ramp, has_mask=has_mask, bq=bq)
   z = z_ref[...].astype(jnp.float32) if has_mask else None
+  win = _row_windows(z, w=w, ramp=ramp, bq=bq)
   mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
   lo, hi = _key_blocks(win, i0, w=w, bk=bk)
   r = jnp.arange(bq)[:, None]
@@ -295,8 +295,7 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, 
     q = q_ref[rows, :]
     g = g_ref[rows, :]
     z = z_ref[rows].astype(jnp.float32) if has_mask else None
-    win = (jnp.clip(jnp.floor(z).astype(jnp.int32) + (ramp + 1), 1, w) if has_mask
-           else jnp.full((bq,), w, jnp.int32))
+    win = _row_windows(z, w=w, ramp=ramp, bq=bq)
     ds, kept, _ = _tile_grads(
         q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx_ref[rows], den_ref[rows],
         delta_ref[rows], seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
@@ -413,8 +412,7 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
   pe_all = pl.BlockSpec((dh, w + 2 * block), lambda i, hh, kb: (0, 0))
   scr_k = pl.BlockSpec((None, None, None, block, 2 * block), lambda i, hh, kb: (i, hh, kb, 0, 0))
   seed_k = pl.BlockSpec((1,), lambda i, hh, kb: (0,))
-  wmax = jnp.clip(jnp.floor(jnp.max(z_in, axis=-1, keepdims=True)).astype(jnp.int32) + ramp + 1,
-                  1, w)
+  wmax = _row_windows(jnp.max(z_in, axis=-1, keepdims=True), w=w, ramp=ramp, bq=1)
   dk, dv, _ = pl.pallas_call(
       functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block),
       in_specs=[all_rows, key_blk, key_blk, pe_all, all_stat, seed_k, all_rows, all_stat,

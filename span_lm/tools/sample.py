@@ -13,7 +13,6 @@ CLI: `python main.py --config=... --config.workdir=RUN --config.mode=sample
 --config.sample.prompt='The ' --config.sample.length=200 --config.sample.temperature=0.8
 --config.sample.top_k=20 --config.sample.seed=0` (temperature 0: greedy).
 """
-import dataclasses
 import functools
 
 import jax
@@ -92,8 +91,6 @@ def generate(cfg: ModelConfig, params, plan: SpanPlan | None, prompt_ids, length
   """
   plan = plan or spans_lib.full_plan(cfg)
   check_args(length, temperature, top_k, cfg.vocab_size)
-  if cfg.attn_impl != "xla":  # the fused kernel tiles blocks of 64: one token is a block of 1
-    cfg = dataclasses.replace(cfg, attn_impl="xla")
   prompt = np.asarray(prompt_ids, np.int32)
   squeeze = prompt.ndim == 1
   prompt = prompt[None] if squeeze else prompt
