@@ -1,0 +1,85 @@
+"""Where a forward + backward pass of the issue-8 model spends its time, per XLA operation kind.
+
+One jitted value_and_grad of the 4-layer stack (bench/attention_span.py's cases and shapes) on
+one device, timed, then traced with jax.profiler; prints the total per fusion kind (the op name
+with its numeric suffix dropped: ynn_fusion = YNNPACK matmuls, wrapped_reduce-window, ...) and
+the most expensive single operations.
+
+  python bench/profile_step.py --case short --dtype bfloat16
+"""
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_span
+from span_lm.model import spans as spans_lib
+from span_lm.model.transformer import SpanTransformer
+from span_lm.train import steps as steps_lib
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--case", default="short", choices=["fixed", "short", "mixed", "mixed_nogroup"])
+  p.add_argument("--span", type=int, default=1024)
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--top", type=int, default=15)
+  a = p.parse_args()
+  shapes = argparse.Namespace(layers=4, d_model=256, heads=4, d_ff=1024, block=128, batch=16,
+                              short_span=64, dtype=a.dtype)
+  cfg, plan, params = attention_span.make_case(a.case, a.span, shapes)
+  model = SpanTransformer(cfg, plan)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.integers(0, 205, (16, 128)), jnp.int32)
+  y = jnp.asarray(rng.integers(0, 205, (16, 128)), jnp.int32)
+  caches = tuple(jnp.asarray(rng.standard_normal(c.shape), jnp.float32)
+                 for c in spans_lib.init_caches(cfg, plan, 16))
+
+  def loss(p):
+    logp, _, aux = model.apply({"params": p}, x, caches, train=False)
+    total, count = steps_lib.nll(logp, y)
+    return total / count + aux["span_loss"]
+
+  step = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+  jax.block_until_ready(step(params))
+  times = []
+  for _ in range(a.reps):
+    t = time.perf_counter()
+    jax.block_until_ready(step(params))
+    times.append(time.perf_counter() - t)
+  print(f"plan {plan.describe()}\nfwd+bwd median {np.median(times):.3f} s, min {min(times):.3f} s")
+
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    for _ in range(3):
+      jax.block_until_ready(step(params))
+    jax.profiler.stop_trace()
+    trace = sorted(glob.glob(f"{d}/plugins/profile/*/*.trace.json.gz"))[-1]
+    events = json.load(gzip.open(trace))["traceEvents"]
+  by_kind, by_op, count = collections.Counter(), collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and "Thunk" not in e["name"] and "$" not in e["name"]:
+      ms = e.get("dur", 0) / 3000  # microseconds over 3 runs -> ms per run
+      by_kind[re.sub(r"\.\d+$", "", e["name"])] += ms
+      count[re.sub(r"\.\d+$", "", e["name"])] += 1
+      by_op[e["name"]] += ms
+  print(f"traced operations: {sum(by_kind.values()):.1f} ms per run\n\nper kind (ms, count):")
+  for k, v in by_kind.most_common(a.top):
+    print(f"{v:8.1f}  x{count[k] // 3:4d}  {k}")
+  print("\nsingle operations (ms):")
+  for k, v in by_op.most_common(a.top):
+    print(f"{v:8.1f}  {k}")
+
+
+if __name__ == "__main__":
+  main()
