@@ -34,6 +34,7 @@ def main():
   p.add_argument("--dtype", default="float32")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
+  p.add_argument("--hlo", default="", help="write the compiled HLO here (to read what a fusion is)")
   a = p.parse_args()
   shapes = argparse.Namespace(layers=4, d_model=256, heads=4, d_ff=1024, block=128, batch=16,
                               short_span=64, dtype=a.dtype)
@@ -51,6 +52,9 @@ def main():
     return total / count + aux["span_loss"]
 
   step = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+  if a.hlo:
+    with open(a.hlo, "w") as f:
+      f.write(step.as_text())
   jax.block_until_ready(step(params))
   times = []
   for _ in range(a.reps):

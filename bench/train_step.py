@@ -20,6 +20,8 @@ The peak is a 4096^3 (CPU: 2048^3) jitted matmul on the default device in --dtyp
 accumulation, measured in the same run; "of peak" is the step's achieved FLOP rate over it (MFU).
 """
 import argparse
+import ast
+import dataclasses
 import json
 import os
 import subprocess
@@ -81,6 +83,13 @@ def worker(spec: dict) -> dict:
     optim = base.get_base_config().optim
     optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
     batch, block = a["batch"] or 16, a["block"]
+  for kv in a["set"]:
+    key, value = kv.split("=", 1)
+    try:
+      value = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      pass  # a bare string
+    cfg = dataclasses.replace(cfg, **{key: value})
   tx, _ = optimizer_lib.make_optimizer(optim)
   mesh = sharding_lib.make_mesh()
 
@@ -149,6 +158,8 @@ def main():
   p.add_argument("--dtype", default="float32")
   p.add_argument("--attn_impl", default="xla", choices=["xla", "pallas", "pallas_interpret"],
                  help="pallas: the fused kernel (GPU), spans at run time")
+  p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                 help="model config overrides, e.g. attn_chunk=128 (values as Python literals)")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--json", default=None)
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -121,3 +121,56 @@ def test_precision_dense_is_nn_dense_and_sums_its_bias_gradient_in_float32():
   ours_err = np.max(np.abs(bias_grad(ours, jnp.bfloat16) - exact) / np.abs(exact))
   plain_err = np.max(np.abs(bias_grad(plain, jnp.bfloat16) - exact) / np.abs(exact))
   assert ours_err < 5e-3 < plain_err, (ours_err, plain_err)
+
+
+# Contractions whose natural layout XLA:CPU's fast matmul kernel refuses: weight gradients
+# (token axis contracted), banded attention's key/value gradients, the position-embedding
+# gradient, batch axes not leading (persistent memory), and an output order that needs a
+# transpose.
+CONTRACT_SPECS = [("mk,mn->kn", (64, 16), (64, 24)),
+                  ("mk,mn->kn", (64, 24), (64, 16)),
+                  ("mn,kn->mk", (64, 16), (24, 16)),
+                  ("bgnck,bgncd->bgnkd", (2, 3, 2, 8, 12), (2, 3, 2, 8, 16)),
+                  ("bgncd,bgnck->bgnkd", (2, 3, 2, 8, 16), (2, 3, 2, 8, 12)),
+                  ("bgncd,bgncw->dw", (2, 3, 2, 8, 16), (2, 3, 2, 8, 10)),
+                  ("bgncp,gpd->bgncd", (2, 3, 2, 8, 8), (3, 8, 16)),
+                  ("bgncd,bgncp->gpd", (2, 3, 2, 8, 16), (2, 3, 2, 8, 8)),
+                  ("bhl,bhld->bhd", (2, 4, 16), (2, 4, 16, 8)),
+                  ("mk,kn->nm", (16, 32), (32, 24))]
+
+
+@pytest.mark.parametrize("spec, sa, sb", CONTRACT_SPECS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_contract_equals_einsum(spec, sa, sb, dtype):
+  rng = np.random.default_rng(0)
+  a = jnp.asarray(rng.standard_normal(sa), dtype)
+  b = jnp.asarray(rng.standard_normal(sb), dtype)
+  want = np.einsum(spec, np.asarray(a, np.float64), np.asarray(b, np.float64))
+  got = jax.jit(lambda a, b: precision.contract(spec, a, b))(a, b)
+  assert got.dtype == jnp.float32 and got.shape == want.shape
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+def _fast_dots(spec, sa, sb):
+  """Whether every dot XLA compiles for `contract(spec)` on bf16 runs in XLA:CPU's YNNPACK
+  kernels (no dot left at the top level, where Eigen runs it in float32)."""
+  a, b = jnp.ones(sa, jnp.bfloat16), jnp.ones(sb, jnp.bfloat16)
+  text = jax.jit(lambda a, b: precision.contract(spec, a, b)).lower(a, b).compile().as_text()
+  entry = text[text.index("ENTRY"):]
+  return "ynn_fusion" in entry and " dot(" not in entry
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's matmul kernels")
+def test_contract_sends_every_backward_dot_to_the_fast_kernel():
+  if not _fast_dots("mk,kn->mn", (256, 128), (128, 256)):
+    pytest.skip("this XLA:CPU build has no YNNPACK dots")
+  for spec, sa, sb in [("mk,mn->kn", (256, 128), (256, 192)),
+                       ("mk,mn->kn", (256, 192), (256, 128)),
+                       ("bgnck,bgncd->bgnkd", (2, 4, 2, 64, 128), (2, 4, 2, 64, 64)),
+                       ("bgncd,bgnck->bgnkd", (2, 4, 2, 64, 64), (2, 4, 2, 64, 128))]:
+    assert _fast_dots(spec, sa, sb), spec
+    # ...which plain einsum does not do: the test would pass without `contract` otherwise.
+    a, b = jnp.ones(sa, jnp.bfloat16), jnp.ones(sb, jnp.bfloat16)
+    plain = jax.jit(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32))
+    entry = plain.lower(a, b).compile().as_text().split("ENTRY")[1]
+    assert " dot(" in entry, spec

@@ -56,6 +56,8 @@ def skew(x):
 
 def choose_chunk(m: int, w: int, requested: int = 0) -> int:
   """Queries per chunk: the smallest divisor of M that is >= W (M itself when W >= M)."""
+  if requested >= m:  # also init's one-token block
+    return m
   if requested:
     if m % requested:
       raise ValueError(f"config.model.attn_chunk={requested} must divide the block length {m}")

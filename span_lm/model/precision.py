@@ -5,10 +5,13 @@ XLA:CPU (its AVX512-BF16 kernels are used for bf16 x bf16 -> f32 only: 2x the fl
 project's CPU), and autodiff of a dot with `preferred_element_type=float32` hands the backward
 dots a float32 cotangent, so two thirds of a step's FLOPs ran in float32 (mixed f32 x bf16 dots
 are upcast). These custom VJPs cast the cotangent to the operand dtype and accumulate in float32,
-so every matmul of a training step is bf16 x bf16 -> f32. Float32 operands take the plain path
-(no custom VJP, identical to jnp.einsum).
+so every matmul of a training step is bf16 x bf16 -> f32. On the CPU, `contract` also lays out
+each of these dots the way XLA:CPU's fast kernels need (the backward dots most of all). Float32
+operands take the plain path (no custom VJP, identical to jnp.einsum: on this CPU the layout
+copies cost a float32 step more than they save).
 """
 import functools
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -27,26 +30,82 @@ def _specs(spec: str) -> tuple[str, str, str]:
   return a, b, out
 
 
+def _physical(x, perm):
+  """jnp.transpose(x, perm), materialised: XLA folds a plain transpose into the dot that reads
+  it, and the folded dot is one XLA:CPU's fast (YNNPACK) kernels refuse."""
+  y = jnp.transpose(x, perm)
+  if list(perm) == sorted(perm):
+    return y
+  return jax.lax.optimization_barrier(y.reshape(-1)).reshape(y.shape)
+
+
+def contract(spec: str, a, b):
+  """jnp.einsum(spec, a, b) in float32, laid out for XLA:CPU's matmul kernels.
+
+  XLA:CPU sends a dot to YNNPACK (bf16 x bf16 -> f32 at ~2x the float32 rate, float32 at ~2x
+  Eigen's) only when the left operand is stored (batch, free, contracted) and the right one
+  (batch, contracted, free) or (batch, free, contracted); other dots (the weight gradients
+  x^T g, contracting the token axis; the key/value gradients of banded attention) go to Eigen,
+  which upcasts bf16 to float32 and runs at a third of the speed. Here the operand whose copy is
+  smallest is transposed physically first (a memory pass, far cheaper than the slow dot). Off
+  the CPU this is jnp.einsum.
+  """
+  if jax.default_backend() != "cpu":
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  sa, sb, so = _specs(spec)
+  size = dict(zip(sa, a.shape)) | dict(zip(sb, b.shape))
+  batch = [c for c in so if c in sa and c in sb]
+  summed = [c for c in sa if c in sb and c not in so]
+  if any(c not in sa and c not in sb for c in so) or not summed:
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+  def elems(s):
+    return math.prod(size[c] for c in s)
+
+  best = None
+  for (x, sx), (y, sy) in (((a, sa), (b, sb)), ((b, sb), (a, sa))):
+    fx = [c for c in so if c in sx and c not in batch]
+    fy = [c for c in so if c in sy and c not in batch]
+    lhs = batch + fx + summed
+    out = batch + fx + fy
+    for rhs in (batch + summed + fy, batch + fy + summed):
+      cost = ((list(sx) != lhs) * elems(sx) + (list(sy) != rhs) * elems(sy)
+              + (out != list(so)) * elems(out))
+      if best is None or cost < best[0]:
+        best = (cost, x, sx, lhs, y, sy, rhs, out)
+  _, x, sx, lhs, y, sy, rhs, out = best
+  x = _physical(x, [sx.index(c) for c in lhs])
+  y = _physical(y, [sy.index(c) for c in rhs])
+  nb = len(batch)
+  dims = (([lhs.index(c) for c in summed], [rhs.index(c) for c in summed]),
+          (list(range(nb)), list(range(nb))))
+  z = jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
+  if out == list(so):
+    return z
+  # A transpose of the dot's output may be folded into it too, which XLA:CPU then cannot run.
+  return _physical(jax.lax.optimization_barrier(z), [out.index(c) for c in so])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _low_einsum(spec, a, b, out_dtype):
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
+def _einsum(spec, a, b, out_dtype):
+  return contract(spec, a, b).astype(out_dtype)
 
 
-def _low_einsum_fwd(spec, a, b, out_dtype):
-  return _low_einsum(spec, a, b, out_dtype), (a, b)
+def _einsum_fwd(spec, a, b, out_dtype):
+  return _einsum(spec, a, b, out_dtype), (a, b)
 
 
-def _low_einsum_bwd(spec, out_dtype, res, g):
+def _einsum_bwd(spec, out_dtype, res, g):
   del out_dtype
   a, b = res
   sa, sb, so = _specs(spec)
   g = g.astype(a.dtype)
-  da = jnp.einsum(f"{so},{sb}->{sa}", g, b, preferred_element_type=jnp.float32)
-  db = jnp.einsum(f"{sa},{so}->{sb}", a, g, preferred_element_type=jnp.float32)
+  da = contract(f"{so},{sb}->{sa}", g, b)
+  db = contract(f"{sa},{so}->{sb}", a, g)
   return da.astype(a.dtype), db.astype(b.dtype)
 
 
-_low_einsum.defvjp(_low_einsum_fwd, _low_einsum_bwd)
+_einsum.defvjp(_einsum_fwd, _einsum_bwd)
 
 
 def einsum(spec: str, a, b, out_dtype=None):
@@ -61,7 +120,7 @@ def einsum(spec: str, a, b, out_dtype=None):
   if a.dtype not in LOW:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(out_dtype)
   _specs(spec)
-  return _low_einsum(spec, a, b, out_dtype)
+  return _einsum(spec, a, b, out_dtype)
 
 
 def dot(x, w, out_dtype=None):
