@@ -174,3 +174,22 @@ def test_contract_sends_every_backward_dot_to_the_fast_kernel():
     plain = jax.jit(lambda a, b: jnp.einsum(spec, a, b, preferred_element_type=jnp.float32))
     entry = plain.lower(a, b).compile().as_text().split("ENTRY")[1]
     assert " dot(" in entry, spec
+
+
+@pytest.mark.parametrize("w, c, m", [(4, 4, 8), (2, 4, 8), (6, 4, 8), (8, 8, 8)])
+def test_bf16_key_window_gradient_adds_overlaps_in_float32(w, c, m):
+  from span_lm.model.attention import key_windows  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  y = jnp.asarray(rng.standard_normal((2, 3, w + m, 4)), jnp.bfloat16)
+  win, vjp = jax.vjp(lambda y: key_windows(y, w, c), y)
+  g = jnp.asarray(rng.standard_normal(win.shape), jnp.bfloat16)
+  # Window j of chunk i holds key i * c + j: its gradient is the sum over the windows holding it.
+  g64 = np.asarray(g, np.float64)
+  want = np.zeros(y.shape)
+  for i in range(m // c):
+    np.testing.assert_array_equal(np.asarray(win[:, :, i]), np.asarray(y[:, :, i * c:i * c + w + c]))
+    want[:, :, i * c:i * c + w + c] += g64[:, :, i]
+  got, = vjp(g)
+  assert got.dtype == jnp.bfloat16
+  # One rounding of the exact sum (autodiff would round after each add).
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16)))
