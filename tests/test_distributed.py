@@ -235,6 +235,11 @@ def test_setup_cpu_devices_decisions():
   assert n is None and "multi-process" in why
   cfg.dist.cpu_devices = 1
   assert dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})[0] is None
+  cfg.dist.cpu_devices = 0
+  cfg.model.dtype = "bfloat16"
+  n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})
+  assert n is None and "one device for bfloat16" in why
+  cfg.model.dtype = "float32"
   cfg.dist.cpu_devices = 2  # this process's backend is running: its devices are kept
   import jax  # pylint: disable=g-import-not-at-top
   jax.devices()

@@ -96,6 +96,10 @@ def init_kwargs(dist, env: Mapping[str, str] | None = None) -> dict:
 
 
 AUTO_MAX_CPU_DEVICES = 8  # measured on 2 cores only; more devices mean a wider all-reduce
+# Models computing in these keep one CPU device: all their matmuls run in XLA:CPU's multi-threaded
+# YNNPACK kernels (model/precision.py), and on 2 cores one device measured faster than two
+# (0.26 vs 0.29 s per issue-8 step; float32 the other way round: 0.48 vs 0.39 s).
+LOW_PRECISION = ("bfloat16", "float16")
 
 
 def choose_cpu_devices(requested: int, cores: int, batches: tuple[int, ...]) -> int:
@@ -137,7 +141,8 @@ def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int
 
   Why: XLA:CPU runs most of one device's operations (everything but large matmuls) on one thread,
   and the banded attention and layer norms are such operations; with one device per core the
-  halves of the batch run side by side (bench/train_step.py; docs/benchmarks.md). Must run
+  halves of the batch run side by side (bench/train_step.py; docs/benchmarks.md). Auto keeps one
+  device for bf16/f16 models, which measured faster that way (LOW_PRECISION). Must run
   before the backend starts; a user's --xla_force_host_platform_device_count is left alone.
   Returns (devices set or None, why).
   """
@@ -152,6 +157,8 @@ def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int
       return None, "an accelerator platform is available"
     if decide(config.dist, env)[0]:
       return None, "multi-process run (set config.dist.cpu_devices explicitly)"
+    if str(config.model.get("dtype", "float32")) in LOW_PRECISION:
+      return None, f"auto: one device for {config.model.dtype} models"
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   n = choose_cpu_devices(requested, cores or 1,
                          tuple(config_lib.per_step_batches(config).values()))
