@@ -193,3 +193,28 @@ def test_bf16_key_window_gradient_adds_overlaps_in_float32(w, c, m):
   assert got.dtype == jnp.bfloat16
   # One rounding of the exact sum (autodiff would round after each add).
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(want, jnp.float32).astype(jnp.bfloat16)))
+
+
+def test_contract_under_a_mesh_never_gathers_the_batch():
+  """The trainer traces under a mesh with the batch sharded on dim 0: contract's layout copies
+  must not merge that dim with others (XLA would all-gather the batch to every device)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from span_lm.train import sharding  # pylint: disable=g-import-not-at-top
+  mesh = sharding.make_mesh(2)
+  rng = np.random.default_rng(0)
+  cases = [("bgnck,bgncd->bgnkd", (4, 2, 2, 16, 32), (4, 2, 2, 16, 16)),
+           ("mk,mn->kn", (64, 16), (64, 24)),
+           ("bgncp,gpd->bgncd", (4, 2, 2, 16, 8), (2, 8, 16))]
+  for spec, sa, sb in cases:
+    a = jnp.asarray(rng.standard_normal(sa), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal(sb), jnp.bfloat16)
+    a = jax.device_put(a, NamedSharding(mesh, P(sharding.DATA_AXIS)))
+    b_spec = P(sharding.DATA_AXIS) if spec.split(",")[1][0] == spec[0] else P()
+    b = jax.device_put(b, NamedSharding(mesh, b_spec))
+    f = jax.jit(lambda a, b: precision.contract(spec, a, b))
+    with jax.set_mesh(mesh):
+      text = f.lower(a, b).compile().as_text()
+      got = f(a, b)
+    assert "all-gather" not in text and "all-to-all" not in text, spec
+    want = np.einsum(spec, np.asarray(a, np.float64), np.asarray(b, np.float64))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)

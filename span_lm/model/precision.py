@@ -30,13 +30,15 @@ def _specs(spec: str) -> tuple[str, str, str]:
   return a, b, out
 
 
-def _physical(x, perm):
+def _physical(x, perm, keep_dim0: bool = False):
   """jnp.transpose(x, perm), materialised: XLA folds a plain transpose into the dot that reads
-  it, and the folded dot is one XLA:CPU's fast (YNNPACK) kernels refuse."""
+  it, and the folded dot is one XLA:CPU's fast (YNNPACK) kernels refuse. keep_dim0: flatten only
+  the trailing dims (a batch-sharded dim 0 stays whole on its device)."""
   y = jnp.transpose(x, perm)
   if list(perm) == sorted(perm):
     return y
-  return jax.lax.optimization_barrier(y.reshape(-1)).reshape(y.shape)
+  flat = y.reshape(y.shape[0], -1) if keep_dim0 else y.reshape(-1)
+  return jax.lax.optimization_barrier(flat).reshape(y.shape)
 
 
 def contract(spec: str, a, b):
@@ -74,8 +76,15 @@ def contract(spec: str, a, b):
       if best is None or cost < best[0]:
         best = (cost, x, sx, lhs, y, sy, rhs, out)
   _, x, sx, lhs, y, sy, rhs, out = best
-  x = _physical(x, [sx.index(c) for c in lhs])
-  y = _physical(y, [sy.index(c) for c in rhs])
+  perms = ([sx.index(c) for c in lhs], [sy.index(c) for c in rhs], [out.index(c) for c in so])
+  mesh = jax.sharding.get_abstract_mesh()
+  sharded = not mesh.empty and mesh.size > 1
+  if sharded and any(p[0] != 0 and p != sorted(p) for p in perms):
+    # Under a mesh dim 0 is the (sharded) batch: a copy that moves it would gather the batch.
+    # Float32 operands: XLA:CPU upcasts such bf16 dots anyway (and fails on some of them).
+    return jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32))
+  x = _physical(x, perms[0], sharded)
+  y = _physical(y, perms[1], sharded)
   nb = len(batch)
   dims = (([lhs.index(c) for c in summed], [rhs.index(c) for c in summed]),
           (list(range(nb)), list(range(nb))))
@@ -83,7 +92,7 @@ def contract(spec: str, a, b):
   if out == list(so):
     return z
   # A transpose of the dot's output may be folded into it too, which XLA:CPU then cannot run.
-  return _physical(jax.lax.optimization_barrier(z), [out.index(c) for c in so])
+  return _physical(jax.lax.optimization_barrier(z), perms[2], sharded)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
