@@ -58,7 +58,8 @@ def contract(spec: str, a, b):
   size = dict(zip(sa, a.shape)) | dict(zip(sb, b.shape))
   batch = [c for c in so if c in sa and c in sb]
   summed = [c for c in sa if c in sb and c not in so]
-  if any(c not in sa and c not in sb for c in so) or not summed:
+  if (any(c not in sa and c not in sb for c in so) or not summed
+      or len(set(sa)) < len(sa) or len(set(sb)) < len(sb)):
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
   def elems(s):
