@@ -239,6 +239,10 @@ def test_setup_cpu_devices_decisions():
   cfg.model.dtype = "bfloat16"
   n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})
   assert n is None and "one device for bfloat16" in why
+  assert dist_lib.keeps_one_cpu_device(cfg)
+  cfg.model.arch = "sparse"  # its matmuls are plain einsums: one device per core still
+  assert not dist_lib.keeps_one_cpu_device(cfg)
+  cfg.model.arch = "span"
   cfg.model.dtype = "float32"
   cfg.dist.cpu_devices = 2  # this process's backend is running: its devices are kept
   import jax  # pylint: disable=g-import-not-at-top

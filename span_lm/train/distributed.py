@@ -96,10 +96,16 @@ def init_kwargs(dist, env: Mapping[str, str] | None = None) -> dict:
 
 
 AUTO_MAX_CPU_DEVICES = 8  # measured on 2 cores only; more devices mean a wider all-reduce
-# Models computing in these keep one CPU device: all their matmuls run in XLA:CPU's multi-threaded
-# YNNPACK kernels (model/precision.py), and on 2 cores one device measured faster than two
+# Span models computing in these keep one CPU device: all their matmuls run in XLA:CPU's
+# multi-threaded YNNPACK kernels (model/precision.py), and on 2 cores one device measured faster than two
 # (0.26 vs 0.29 s per issue-8 step; float32 the other way round: 0.48 vs 0.39 s).
 LOW_PRECISION = ("bfloat16", "float16")
+
+
+def keeps_one_cpu_device(config) -> bool:
+  """Whether auto (dist.cpu_devices=0) keeps the host as one device: bf16/f16 span models."""
+  return (str(config.model.get("dtype", "float32")) in LOW_PRECISION
+          and config.model.get("arch", "span") == "span")
 
 
 def choose_cpu_devices(requested: int, cores: int, batches: tuple[int, ...]) -> int:
@@ -157,7 +163,7 @@ def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int
       return None, "an accelerator platform is available"
     if decide(config.dist, env)[0]:
       return None, "multi-process run (set config.dist.cpu_devices explicitly)"
-    if str(config.model.get("dtype", "float32")) in LOW_PRECISION:
+    if keeps_one_cpu_device(config):
       return None, f"auto: one device for {config.model.dtype} models"
   cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
   n = choose_cpu_devices(requested, cores or 1,
