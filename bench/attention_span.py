@@ -46,7 +46,9 @@ def make_case(case: str, s: int, args):
   return cfg, plan, params
 
 
-def time_case(cfg, plan, params, args):
+def compile_case(cfg, plan, params, args):
+  """The jitted value_and_grad of the training loss (span loss included) at `plan`, compiled;
+  returns (compiled, compile seconds)."""
   model = SpanTransformer(cfg, plan)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.batch, args.block)), jnp.int32)
@@ -62,14 +64,23 @@ def time_case(cfg, plan, params, args):
   fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
   t0 = time.perf_counter()
   compiled = fn.lower(params).compile()
-  compile_s = time.perf_counter() - t0
+  return compiled, time.perf_counter() - t0
+
+
+def time_compiled(compiled, params, reps: int) -> list[float]:
+  """Seconds per call after one warm-up call."""
   jax.block_until_ready(compiled(params))
   times = []
-  for _ in range(args.reps):
+  for _ in range(reps):
     t0 = time.perf_counter()
     jax.block_until_ready(compiled(params))
     times.append(time.perf_counter() - t0)
-  return float(np.median(times)), compile_s
+  return times
+
+
+def time_case(cfg, plan, params, args):
+  compiled, compile_s = compile_case(cfg, plan, params, args)
+  return float(np.median(time_compiled(compiled, params, args.reps))), compile_s
 
 
 def main():

@@ -14,16 +14,11 @@ import gzip
 import json
 import re
 import tempfile
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import attention_span
-from span_lm.model import spans as spans_lib
-from span_lm.model.transformer import SpanTransformer
-from span_lm.train import steps as steps_lib
 
 
 def main():
@@ -39,28 +34,11 @@ def main():
   shapes = argparse.Namespace(layers=4, d_model=256, heads=4, d_ff=1024, block=128, batch=16,
                               short_span=64, dtype=a.dtype)
   cfg, plan, params = attention_span.make_case(a.case, a.span, shapes)
-  model = SpanTransformer(cfg, plan)
-  rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.integers(0, 205, (16, 128)), jnp.int32)
-  y = jnp.asarray(rng.integers(0, 205, (16, 128)), jnp.int32)
-  caches = tuple(jnp.asarray(rng.standard_normal(c.shape), jnp.float32)
-                 for c in spans_lib.init_caches(cfg, plan, 16))
-
-  def loss(p):
-    logp, _, aux = model.apply({"params": p}, x, caches, train=False)
-    total, count = steps_lib.nll(logp, y)
-    return total / count + aux["span_loss"]
-
-  step = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+  step, _ = attention_span.compile_case(cfg, plan, params, shapes)
   if a.hlo:
     with open(a.hlo, "w") as f:
       f.write(step.as_text())
-  jax.block_until_ready(step(params))
-  times = []
-  for _ in range(a.reps):
-    t = time.perf_counter()
-    jax.block_until_ready(step(params))
-    times.append(time.perf_counter() - t)
+  times = attention_span.time_compiled(step, params, a.reps)
   print(f"plan {plan.describe()}\nfwd+bwd median {np.median(times):.3f} s, min {min(times):.3f} s")
 
   with tempfile.TemporaryDirectory() as d:

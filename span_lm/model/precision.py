@@ -50,9 +50,9 @@ def contract(spec: str, a, b):
   x^T g, contracting the token axis; the key/value gradients of banded attention) go to Eigen,
   which upcasts bf16 to float32 and runs at a third of the speed. Here the operand whose copy is
   smallest is transposed physically first (a memory pass, far cheaper than the slow dot). Off
-  the CPU this is jnp.einsum.
+  the CPU, and for float16 (which YNNPACK does not take), this is jnp.einsum.
   """
-  if jax.default_backend() != "cpu":
+  if jax.default_backend() != "cpu" or a.dtype == jnp.float16:
     return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
   sa, sb, so = _specs(spec)
   size = dict(zip(sa, a.shape)) | dict(zip(sb, b.shape))

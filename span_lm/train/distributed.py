@@ -96,15 +96,14 @@ def init_kwargs(dist, env: Mapping[str, str] | None = None) -> dict:
 
 
 AUTO_MAX_CPU_DEVICES = 8  # measured on 2 cores only; more devices mean a wider all-reduce
-# Span models computing in these keep one CPU device: all their matmuls run in XLA:CPU's
-# multi-threaded YNNPACK kernels (model/precision.py), and on 2 cores one device measured faster than two
-# (0.26 vs 0.29 s per issue-8 step; float32 the other way round: 0.48 vs 0.39 s).
-LOW_PRECISION = ("bfloat16", "float16")
 
 
 def keeps_one_cpu_device(config) -> bool:
-  """Whether auto (dist.cpu_devices=0) keeps the host as one device: bf16/f16 span models."""
-  return (str(config.model.get("dtype", "float32")) in LOW_PRECISION
+  """Whether auto (dist.cpu_devices=0) keeps the host as one device: bf16 span models, all of
+  whose matmuls run in XLA:CPU's multi-threaded YNNPACK kernels (model/precision.py); on 2 cores
+  one device measured faster than two (0.252-0.259 vs 0.309-0.376 s per issue-8 step; float32
+  the other way round: 0.481 vs 0.393 s)."""
+  return (str(config.model.get("dtype", "float32")) == "bfloat16"
           and config.model.get("arch", "span") == "span")
 
 
@@ -148,7 +147,7 @@ def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int
   Why: XLA:CPU runs most of one device's operations (everything but large matmuls) on one thread,
   and the banded attention and layer norms are such operations; with one device per core the
   halves of the batch run side by side (bench/train_step.py; docs/benchmarks.md). Auto keeps one
-  device for bf16/f16 models, which measured faster that way (LOW_PRECISION). Must run
+  device for bf16 span models, which measured faster that way (keeps_one_cpu_device). Must run
   before the backend starts; a user's --xla_force_host_platform_device_count is left alone.
   Returns (devices set or None, why).
   """
