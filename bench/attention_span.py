@@ -23,6 +23,7 @@ import numpy as np
 from span_lm.model import spans as spans_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
+from span_lm.train import host_memory
 from span_lm.train import steps as steps_lib
 
 
@@ -97,7 +98,12 @@ def main():
   p.add_argument("--dtype", default="float32")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--json", default=None)
+  p.add_argument("--system_malloc", action="store_true",
+                 help="leave glibc malloc as it is (default: as main.py on CPU hosts, "
+                      "span_lm/train/host_memory.py)")
   args = p.parse_args()
+  if not args.system_malloc:  # before the backend starts
+    host_memory.keep_freed_memory()
 
   print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
   print(f"shapes: {args.layers} layers, D={args.d_model}, {args.heads} heads, FF {args.d_ff}, "

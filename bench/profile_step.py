@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 import attention_span
+from span_lm.train import host_memory
 
 
 def main():
@@ -30,7 +31,12 @@ def main():
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
   p.add_argument("--hlo", default="", help="write the compiled HLO here (to read what a fusion is)")
+  p.add_argument("--system_malloc", action="store_true",
+                 help="leave glibc malloc as it is (default: as main.py on CPU hosts, "
+                      "span_lm/train/host_memory.py)")
   a = p.parse_args()
+  if not a.system_malloc:  # before the backend starts
+    host_memory.keep_freed_memory()
   shapes = argparse.Namespace(layers=4, d_model=256, heads=4, d_ff=1024, block=128, batch=16,
                               short_span=64, dtype=a.dtype)
   cfg, plan, params = attention_span.make_case(a.case, a.span, shapes)

@@ -51,6 +51,9 @@ def matmul_peak(dtype: str = "float32", reps: int = 20) -> float:
 
 
 def worker(spec: dict) -> dict:
+  from span_lm.train import host_memory  # pylint: disable=g-import-not-at-top
+  if not spec["args"]["system_malloc"]:  # as main.py does on CPU hosts, before the backend starts
+    host_memory.keep_freed_memory()
   import jax  # pylint: disable=g-import-not-at-top
   if spec["devices"] > 1:  # CPU: split the host (an accelerator's devices are what they are)
     jax.config.update("jax_num_cpu_devices", spec["devices"])
@@ -160,6 +163,9 @@ def main():
                  help="pallas: the fused kernel (GPU), spans at run time")
   p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                  help="model config overrides, e.g. attn_chunk=128 (values as Python literals)")
+  p.add_argument("--system_malloc", action="store_true",
+                 help="leave glibc malloc as it is (default: config.dist.cpu_keep_freed_memory, "
+                      "as main.py: span_lm/train/host_memory.py)")
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--json", default=None)
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)

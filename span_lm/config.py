@@ -182,6 +182,9 @@ def _validate_faults_and_dist(config):
   _check_int(config, "dist.init_timeout", 1)
   _check_int(config, "dist.fsdp", 1)
   n_cpu = _check_int(config, "dist.cpu_devices", 0)
+  if not isinstance(_get(config, "dist.cpu_keep_freed_memory"), bool):
+    _bad("dist.cpu_keep_freed_memory", _get(config, "dist.cpu_keep_freed_memory"),
+         "must be True or False")
   if n_cpu > 1:
     for field, b in per_step_batches(config).items():
       if b % n_cpu:

@@ -192,6 +192,7 @@ BAD = [
     ("train.init_from", "", "config.train.init_from"),
     ("dist.cpu_devices", -1, "config.dist.cpu_devices=-1"),
     ("dist.cpu_devices", 3, "must divide the per-step batch"),
+    ("dist.cpu_keep_freed_memory", None, "config.dist.cpu_keep_freed_memory=None"),
 ]
 
 

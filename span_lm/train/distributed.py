@@ -134,7 +134,10 @@ def accelerator_plugins() -> list[str]:
   return names
 
 
-def _cpu_only(env: Mapping[str, str]) -> bool:
+def cpu_only(env: Mapping[str, str] | None = None) -> bool:
+  """Whether JAX will run on the host CPU (JAX_PLATFORMS, or no accelerator plugin installed),
+  decided without starting a backend."""
+  env = os.environ if env is None else env
   platforms = env.get("JAX_PLATFORMS", "")
   if platforms:
     return platforms.split(",")[0].strip() == "cpu"
@@ -158,7 +161,7 @@ def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int
   if requested == 1:
     return None, "config.dist.cpu_devices=1"
   if requested == 0:
-    if not _cpu_only(env):
+    if not cpu_only(env):
       return None, "an accelerator platform is available"
     if decide(config.dist, env)[0]:
       return None, "multi-process run (set config.dist.cpu_devices explicitly)"

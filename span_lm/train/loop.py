@@ -29,6 +29,7 @@ from span_lm.model import spans as spans_lib
 from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import distributed as dist_lib
+from span_lm.train import host_memory
 from span_lm.train import optimizer as optimizer_lib
 from span_lm.train import sharding as sharding_lib
 from span_lm.train import steps as steps_lib
@@ -60,6 +61,9 @@ class Run:
     """num_devices: build the mesh over the first N devices (default: all of them)."""
     config_lib.validate(config)
     n_cpu, why = dist_lib.setup_cpu_devices(config)  # before any backend use, as initialize
+    if config.dist.cpu_keep_freed_memory and dist_lib.cpu_only():
+      kept, how = host_memory.keep_freed_memory()  # before the backend's threads allocate
+      log.info("host malloc: %s", how if kept else f"left as it is ({how})")
     dist_lib.initialize(config)  # before any backend use; a no-op for a lone process
     if n_cpu:
       _echo(f"CPU host split into {n_cpu} devices for data parallelism ({why})")
