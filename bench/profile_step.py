@@ -3,7 +3,10 @@
 One jitted value_and_grad of the 4-layer stack (bench/attention_span.py's cases and shapes) on
 one device, timed, then traced with jax.profiler; prints the total per fusion kind (the op name
 with its numeric suffix dropped: ynn_fusion = YNNPACK matmuls, wrapped_reduce-window, ...) and
-the most expensive single operations.
+the most expensive single operations; also the page faults and system/user CPU time per run
+(kernel time spent faulting in fresh buffers: span_lm/train/host_memory.py).
+On one core (`taskset -c 0 python bench/profile_step.py ...`) op times add up instead of
+overlapping and repeat within ~2 %: the way to compare the total work of two variants.
 
   python bench/profile_step.py --case short --dtype bfloat16
 """
@@ -13,6 +16,7 @@ import glob
 import gzip
 import json
 import re
+import resource
 import tempfile
 
 import jax
@@ -44,8 +48,14 @@ def main():
   if a.hlo:
     with open(a.hlo, "w") as f:
       f.write(step.as_text())
-  times = attention_span.time_compiled(step, params, a.reps)
+  jax.block_until_ready(step(params))  # the first run's buffers are new in any case
+  r0 = resource.getrusage(resource.RUSAGE_SELF)
+  times = attention_span.time_compiled(step, params, a.reps)  # one more warm-up, then timed
+  r1 = resource.getrusage(resource.RUSAGE_SELF)
   print(f"plan {plan.describe()}\nfwd+bwd median {np.median(times):.3f} s, min {min(times):.3f} s")
+  n = len(times) + 1  # the process's page faults and CPU time per run, from the second run on
+  print(f"per run: {(r1.ru_minflt - r0.ru_minflt) / n:,.0f} minor page faults, system time "
+        f"{(r1.ru_stime - r0.ru_stime) / n:.3f} s, user time {(r1.ru_utime - r0.ru_utime) / n:.3f} s")
 
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d)
