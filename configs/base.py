@@ -148,7 +148,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   # CPU-only runs: glibc malloc keeps freed memory for reuse (one arena, no mmap, no trim), so each
   # step reuses the last step's buffers instead of page-faulting hundreds of MiB back in (1.2-1.3x
   # faster steps on the issue-8 shapes; span_lm/train/host_memory.py). The process keeps its peak
-  # resident size. False: glibc's defaults.
+  # resident size. False: glibc's defaults (also kept when JAX already runs in the process).
   ds.cpu_keep_freed_memory = True
 
   # Inspecting a run (span_lm/tools): --config.mode=spans | flops | sample, on config.workdir.

@@ -134,6 +134,15 @@ def accelerator_plugins() -> list[str]:
   return names
 
 
+def backend_started() -> bool:
+  """Whether a JAX backend is already running in this process (a notebook, a test session)."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # a JAX without it: assume so (leave things alone)
+    return True
+
+
 def cpu_only(env: Mapping[str, str] | None = None) -> bool:
   """Whether JAX will run on the host CPU (JAX_PLATFORMS, or no accelerator plugin installed),
   decided without starting a backend."""

@@ -60,9 +60,12 @@ class Run:
   def __init__(self, config, *, need_workdir: bool = True, num_devices: int | None = None):
     """num_devices: build the mesh over the first N devices (default: all of them)."""
     config_lib.validate(config)
-    n_cpu, why = dist_lib.setup_cpu_devices(config)  # before any backend use, as initialize
-    if config.dist.cpu_keep_freed_memory and dist_lib.cpu_only():
-      kept, how = host_memory.keep_freed_memory()  # before the backend's threads allocate
+    # Before any backend use (as initialize). A process whose backend already runs (a notebook, a
+    # test session) keeps its allocator: its threads have their arenas and heaps already.
+    fresh = not dist_lib.backend_started()
+    n_cpu, why = dist_lib.setup_cpu_devices(config)
+    if config.dist.cpu_keep_freed_memory and fresh and dist_lib.cpu_only():
+      kept, how = host_memory.keep_freed_memory()
       log.info("host malloc: %s", how if kept else f"left as it is ({how})")
     dist_lib.initialize(config)  # before any backend use; a no-op for a lone process
     if n_cpu:
