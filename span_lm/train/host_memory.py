@@ -4,8 +4,9 @@ Why: XLA:CPU allocates each execution's temporaries (hundreds of MiB for a train
 malloc and frees them when the step ends. glibc serves allocations above 32 MiB with fresh mmaps
 and hands freed heap tops back to the kernel, so every step touches new pages: the fixed-span
 issue-8 step took ~190,000 minor page faults (~750 MiB zeroed by the kernel) and 0.36 s of system
-time per 0.93 s step on the 2-core CPU. With one arena, no mmap chunks and no trimming, the second
-step onwards reuses the first step's pages: no faults, 0.69 s (docs/benchmarks.md, session 5).
+time per 0.86-0.93 s step on the 2-core CPU. With one arena, no mmap chunks and no trimming, steps
+reuse the pages earlier steps faulted in (the heap still grows now and then during the first
+steps): ~0 faults per step and 0.65-0.69 s (docs/benchmarks.md, session 5).
 
 The cost: freed memory stays with the process (its resident size stays at its peak, which a
 training loop reaches again every step anyway), and all threads share one malloc arena (XLA's
