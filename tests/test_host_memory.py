@@ -10,11 +10,21 @@ from span_lm.train import host_memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Each call writes a 64 MiB temporary (a dot's output, read by a second dot).
+# Modes: keep (host_memory called directly), system (glibc defaults), run_on / run_off (what
+# main.py does: loop.Run with config.dist.cpu_keep_freed_memory True / False, in a fresh process).
+# Then each call of a jitted function writes a 64 MiB temporary (a dot's output, read by a dot).
 SCRIPT = r"""
 import json, resource, sys
 from span_lm.train import host_memory
-kept = host_memory.keep_freed_memory()[0] if sys.argv[1] == "keep" else False
+mode = sys.argv[1]
+kept = host_memory.keep_freed_memory()[0] if mode == "keep" else mode == "run_on"
+if mode.startswith("run_"):
+  import synthetic_run
+  from span_lm import config as config_lib
+  from span_lm.train import loop
+  ov = dict(synthetic_run.SMALL, workdir=sys.argv[2],
+            **{"dist.cpu_keep_freed_memory": mode == "run_on"})
+  loop.Run(config_lib.load_config("configs/tiny.py:smoke", ov))
 import jax, jax.numpy as jnp, numpy as np
 a = jnp.asarray(np.random.default_rng(0).standard_normal((8192, 8)), jnp.float32)
 b = jnp.asarray(np.random.default_rng(1).standard_normal((8, 2048)), jnp.float32)
@@ -31,12 +41,12 @@ print("RESULT " + json.dumps({"kept": kept, "faults": sorted(faults)[10],
 """
 
 
-def _run(mode):
-  env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # one device, as a CPU training run
-  out = subprocess.run([sys.executable, "-c", SCRIPT, mode], env=env, capture_output=True,
-                       text=True, timeout=300, check=True)
+def _run(mode, workdir=""):
+  path = os.pathsep.join([REPO, os.path.join(REPO, "tests"), os.environ.get("PYTHONPATH", "")])
+  env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)  # as a CPU training run
+  out = subprocess.run([sys.executable, "-c", SCRIPT, mode, workdir], env=env, capture_output=True,
+                       text=True, timeout=300, check=True, cwd=REPO)
   return json.loads(out.stdout.split("RESULT ")[-1])
 
 
@@ -50,6 +60,14 @@ def test_buffers_are_reused_not_faulted_in():
   if system["faults"] > 5000:  # this glibc faults the buffer in on every call by default
     assert kept["faults"] < system["faults"] / 20, (kept, system)
 
+
+@pytest.mark.skipif(host_memory._glibc() is None, reason="needs glibc (Linux)")  # pylint: disable=protected-access
+def test_training_run_applies_it_on_cpu_unless_configured_off(tmp_path):
+  on, off = _run("run_on", str(tmp_path / "on")), _run("run_off", str(tmp_path / "off"))
+  assert on["out"] == off["out"]
+  assert on["faults"] < 1000, on
+  if off["faults"] > 5000:
+    assert on["faults"] < off["faults"] / 20, (on, off)
 
 
 def test_backend_started_is_false_until_jax_starts():

@@ -221,7 +221,8 @@ def test_bf16_model_gradients_follow_float32(kind):
   """The whole bf16 model (every matmul through contract's layouts; key windows gathered (W > C)
   or as two strided views (W <= C)) against the same float32 model: each parameter's gradient
   points the same way and has the same size, to bf16 accuracy."""
-  fields = dict(vocab_size=23, d_model=32, n_layers=2, n_heads=2, d_ff=64, span=32, ramp=4)
+  fields = {"vocab_size": 23, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "span": 32,
+            "ramp": 4}
   if kind == "fixed":
     fields.update(span_mode="fixed")
   elif kind == "adaptive_short":  # 8-token windows, chunks of 16 queries
