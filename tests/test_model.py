@@ -590,6 +590,43 @@ def test_banded_attention_weights_match_reference(mode, n_pers, w, m, chunk):
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("c,w,dtype", [(4, 6, "float32"), (8, 8, "float32"), (8, 3, "bfloat16"),
+                                       (16, 40, "bfloat16")])
+def test_skew_unskew_values_and_transposes(c, w, dtype):
+  """skew/unskew (gather and pad forms, custom VJPs) against their definitions: skew puts band
+  column s of row r at key r + s, unskew reads it back; each one's VJP is the other, equal to
+  autodiff of a dense one-hot form."""
+  from span_lm.model import attention
+  rng = np.random.default_rng(c * 100 + w)
+  lead = (2, 3)
+  x = jnp.asarray(rng.normal(size=(*lead, c, w)), dtype)
+  sel = np.zeros((c, w, w + c), np.float32)  # sel[r, s, k] = 1 where k = r + s
+  for r in range(c):
+    sel[r, np.arange(w), r + np.arange(w)] = 1
+  dense_skew = lambda a: jnp.einsum("...rs,rsk->...rk", a.astype(jnp.float32), sel)
+  dense_unskew = lambda a: jnp.einsum("...rk,rsk->...rs", a.astype(jnp.float32), sel)
+
+  y = jax.jit(attention.skew)(x)
+  assert y.shape == (*lead, c, w + c) and y.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(dense_skew(x)))
+  big = jnp.asarray(rng.normal(size=(*lead, c, w + c)), dtype)
+  u = jax.jit(attention.unskew, static_argnums=1)(big, w)
+  np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(dense_unskew(big)))
+  np.testing.assert_array_equal(np.asarray(attention.unskew(y, w), np.float32),
+                                np.asarray(x, np.float32))
+
+  gy = jnp.asarray(rng.normal(size=y.shape), dtype)
+  gx, = jax.vjp(attention.skew, x)[1](gy)
+  np.testing.assert_array_equal(np.asarray(gx, np.float32),
+                                np.asarray(jax.vjp(dense_skew, x)[1](gy.astype(jnp.float32))[0]))
+  gu = jnp.asarray(rng.normal(size=u.shape), dtype)
+  gb, = jax.vjp(lambda a: attention.unskew(a, w), big)[1](gu)
+  assert gb.shape == big.shape
+  np.testing.assert_array_equal(
+      np.asarray(gb, np.float32),
+      np.asarray(jax.vjp(dense_unskew, big)[1](gu.astype(jnp.float32))[0]))
+
+
 # ----------------------------------------------------------------------------------------------
 # 8. Dynamic span extremes.
 

@@ -17,6 +17,7 @@ from typing import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from span_lm.model import fused_attention
 from span_lm.model import precision
@@ -39,20 +40,62 @@ def torch_bias_init(fan_in: int):
   return init
 
 
-def unskew(x, w: int):
-  """(..., C, W + C) query-by-key scores -> (..., C, W) bands (column s: distance W - s)."""
+def _unskew_pad(x, w: int):
   *lead, c, n = x.shape
   x = x.reshape(*lead, c * n)
   x = jnp.pad(x, [(0, 0)] * len(lead) + [(0, c)])
   return x.reshape(*lead, c, n + 1)[..., :w]
 
 
+def _skew_take(x):
+  # out[r, j] = x[r, j - r] on the band, 0 off it: one gather from the flattened (C * W) rows
+  # with a constant (C, W + C) index. XLA:CPU runs it ~3x faster than the reference's
+  # pad-flatten-slice form, whose fused loop divides per element (one core, (16, 4, 128, 1024)
+  # float32 -> bf16: 7.5 against 23.6 ms). Full-rank indices (take_along_axis) cost more than
+  # they save: XLA builds them at run time, (B, H, C, W + C, 4) int32.
+  *lead, c, w = x.shape
+  j_CxT = np.arange(w + c)[None, :] - np.arange(c)[:, None]
+  on_band = (j_CxT >= 0) & (j_CxT < w)
+  idx_CxT = np.arange(c)[:, None] * w + np.clip(j_CxT, 0, w - 1)
+  taken = jnp.take(x.reshape(*lead, c * w), jnp.asarray(idx_CxT, jnp.int32), axis=-1,
+                   mode="clip", indices_are_sorted=True)
+  return jnp.where(on_band, taken, jnp.zeros((), x.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def unskew(x, w: int):
+  """(..., C, W + C) query-by-key scores -> (..., C, W) bands (column s: distance W - s).
+
+  Linear, with `skew` as its transpose: autodiff of the gather would scatter-add."""
+  return _unskew_pad(x, w)
+
+
+def _unskew_fwd(x, w):
+  return _unskew_pad(x, w), None
+
+
+def _unskew_bwd(w, _, g):
+  return (_skew_take(g),)
+
+
+unskew.defvjp(_unskew_fwd, _unskew_bwd)
+
+
+@jax.custom_vjp
 def skew(x):
   """(..., C, W) bands -> (..., C, W + C) query-by-key weights, zeros off the band."""
-  *lead, c, w = x.shape
-  x = jnp.pad(x, [(0, 0)] * (len(lead) + 1) + [(0, c + 1)])
-  x = x.reshape(*lead, c * (w + c + 1))[..., : c * (w + c)]
-  return x.reshape(*lead, c, w + c)
+  return _skew_take(x)
+
+
+def _skew_fwd(x):
+  return _skew_take(x), None
+
+
+def _skew_bwd(_, g):
+  return (_unskew_pad(g, g.shape[-1] - g.shape[-2]),)
+
+
+skew.defvjp(_skew_fwd, _skew_bwd)
 
 
 def choose_chunk(m: int, w: int, requested: int = 0) -> int:
