@@ -57,27 +57,31 @@ def main():
   print(f"per run: {(r1.ru_minflt - r0.ru_minflt) / n:,.0f} minor page faults, system time "
         f"{(r1.ru_stime - r0.ru_stime) / n:.3f} s, user time {(r1.ru_utime - r0.ru_utime) / n:.3f} s")
 
+  print(trace_summary(lambda: jax.block_until_ready(step(params)), a.top))
+
+
+def trace_summary(run, top: int, runs: int = 3) -> str:
+  """Traces `runs` calls of run() with jax.profiler; the time per XLA operation kind (numeric
+  suffix dropped) and the most expensive single operations, in ms per call."""
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d)
-    for _ in range(3):
-      jax.block_until_ready(step(params))
+    for _ in range(runs):
+      run()
     jax.profiler.stop_trace()
     trace = sorted(glob.glob(f"{d}/plugins/profile/*/*.trace.json.gz"))[-1]
     events = json.load(gzip.open(trace))["traceEvents"]
   by_kind, by_op, count = collections.Counter(), collections.Counter(), collections.Counter()
   for e in events:
     if e.get("ph") == "X" and "Thunk" not in e["name"] and "$" not in e["name"]:
-      ms = e.get("dur", 0) / 3000  # microseconds over 3 runs -> ms per run
+      ms = e.get("dur", 0) / 1000 / runs  # microseconds over the runs -> ms per run
       by_kind[re.sub(r"\.\d+$", "", e["name"])] += ms
       count[re.sub(r"\.\d+$", "", e["name"])] += 1
       by_op[e["name"]] += ms
-  print(f"traced operations: {sum(by_kind.values()):.1f} ms per run\n\nper kind (ms, count):")
-  for k, v in by_kind.most_common(a.top):
-    print(f"{v:8.1f}  x{count[k] // 3:4d}  {k}")
-  print("\nsingle operations (ms):")
-  for k, v in by_op.most_common(a.top):
-    print(f"{v:8.1f}  {k}")
-
+  lines = [f"traced operations: {sum(by_kind.values()):.1f} ms per run\n\nper kind (ms, count):"]
+  lines += [f"{v:8.1f}  x{count[k] // runs:4d}  {k}" for k, v in by_kind.most_common(top)]
+  lines.append("\nsingle operations (ms):")
+  lines += [f"{v:8.1f}  {k}" for k, v in by_op.most_common(top)]
+  return "\n".join(lines)
 
 if __name__ == "__main__":
   main()

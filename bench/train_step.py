@@ -12,6 +12,8 @@ FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instru
 
   python bench/train_step.py                                # short + fixed, 1 and 2 devices
   python bench/train_step.py --cases short --devices 2 --reps 20
+  python bench/train_step.py --cases fixed --devices 1 --dtype bfloat16 --profile 20
+      # and where the step's time goes, per XLA operation (bench/profile_step.py's summary)
   python bench/train_step.py --config configs/enwik8.py --devices 1 --dtype bfloat16 --batch 8
       # a paper config's model, block and optimizer (GPU: MFU against the bf16 matmul peak)
   ... --attn_impl pallas     # the same with the fused kernel (span_lm/model/fused_attention.py)
@@ -125,6 +127,9 @@ def worker(spec: dict) -> dict:
   t0 = time.perf_counter()
   step = compiler.train(plan, state, dev)
   compile_s = time.perf_counter() - t0
+  if a["hlo"]:
+    with open(a["hlo"], "w") as f:
+      f.write(step.as_text())
   for _ in range(3):
     state, metrics = step(state, dev)
   jax.block_until_ready(state)
@@ -134,6 +139,15 @@ def worker(spec: dict) -> dict:
     state, metrics = step(state, dev)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - t)
+  if a["profile"]:  # where the step's time goes, per XLA operation (to stderr: the parent prints it)
+    import profile_step  # pylint: disable=g-import-not-at-top
+
+    def one():
+      nonlocal state
+      st, met = step(state, dev)
+      jax.block_until_ready((st, met))
+      state = st
+    print(profile_step.trace_summary(one, a["profile"]), file=sys.stderr, flush=True)
   sec = float(np.median(times))
   fl = flops_lib.train_step_flops(cfg, plan, batch, block)
   stats = jax.devices()[0].memory_stats() or {}
@@ -167,6 +181,9 @@ def main():
                  help="leave glibc malloc as it is (default: config.dist.cpu_keep_freed_memory, "
                       "as main.py: span_lm/train/host_memory.py)")
   p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--profile", type=int, default=0, metavar="TOP",
+                 help="also trace 3 steps and print the TOP operation kinds and operations")
+  p.add_argument("--hlo", default="", help="write the compiled step's HLO here (one case)")
   p.add_argument("--json", default=None)
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -191,6 +208,8 @@ def main():
       if out.returncode:
         raise SystemExit(out.stdout[-2000:] + out.stderr[-4000:])
       r = json.loads(out.stdout.split("RESULT ")[-1])
+      if args.profile:
+        print(out.stderr[out.stderr.find("traced operations"):], flush=True)
       r["peak_gflops_per_s"] = peak
       # The reference's times are for the default shapes on the 2-core CPU only.
       r["vs_reference"] = None if args.config else REFERENCE_S[case] / r["seconds"]
