@@ -590,6 +590,41 @@ def test_banded_attention_weights_match_reference(mode, n_pers, w, m, chunk):
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("w,m,chunk,dtype", [(16, 8, 0, "float32"), (16, 8, 0, "bfloat16"),
+                                             (4, 8, 0, "bfloat16"), (6, 8, 4, "float32")])
+def test_banded_attention_positions_last_equals_first(w, m, chunk, dtype):
+  """Keys and values laid out (B, G, Dh, T) give banded_attention's outputs and gradients (q, k,
+  v, position embeddings, span mask) of the (B, G, T, Dh) layout, with one chunk (its own path)
+  and with several (cut along T)."""
+  from span_lm.model import attention
+  rng = np.random.default_rng(w * 10 + m)
+  g_, dh = 2, 4
+  q = jnp.asarray(rng.normal(size=(B, g_, m, dh)), dtype)
+  k = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
+  v = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
+  pe = jnp.asarray(rng.normal(size=(dh, w)), dtype)
+  z = jnp.asarray(rng.uniform(1, w, size=(g_,)), jnp.float32)
+  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
+
+  def loss(q, k, v, pe, z, last):
+    mask = spans.soft_mask(z[None, :, None, None], dist[None, None, None, :], 3)
+    kk, vv = (k.swapaxes(2, 3), v.swapaxes(2, 3)) if last else (k, v)
+    out, _ = attention.banded_attention(q, kk, vv, pe, mask=mask, chunk=chunk, positions_last=last)
+    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+
+  tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+  (_, out0), g0 = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+      q, k, v, pe, z, False)
+  (_, out1), g1 = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+      q, k, v, pe, z, True)
+  np.testing.assert_allclose(np.asarray(out1, np.float32), np.asarray(out0, np.float32), **tol)
+  for a, b in zip(g1, g0):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert np.abs(np.asarray(b, np.float32)).max() > 0
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+  assert attention.prefer_positions_last(m, w, chunk) == (attention.choose_chunk(m, w, chunk) == m)
+
+
 @pytest.mark.parametrize("c,w,dtype", [(4, 6, "float32"), (8, 8, "float32"), (8, 3, "bfloat16"),
                                        (16, 40, "bfloat16")])
 def test_skew_unskew_values_and_transposes(c, w, dtype):
