@@ -349,7 +349,9 @@ class SeqAttention(nn.Module):
       pick = ((lambda a, ax=1: jax.lax.slice_in_dim(a, head_ids[0] * dh, (head_ids[-1] + 1) * dh,
                                                     axis=ax))
               if contiguous else (lambda a, ax=1: jnp.take(a, cols, axis=ax)))
-      last = prefer_positions_last(m, w, cfg.attn_chunk)
+      # Not for bf16 over several devices: `contract` would run the projection in float32.
+      last = prefer_positions_last(m, w, cfg.attn_chunk) and not (
+          dt in precision.LOW and precision.batch_sharded())
       kv = self._group_kv(cache, h_in, k_kernel, v_kernel, aux.get("kv"), w, g, pick, last)
       mask = None
       dist_W = jnp.arange(w, 0, -1, dtype=jnp.float32)  # column s -> distance w - s

@@ -78,8 +78,7 @@ def contract(spec: str, a, b):
         best = (cost, x, sx, lhs, y, sy, rhs, out)
   _, x, sx, lhs, y, sy, rhs, out = best
   perms = ([sx.index(c) for c in lhs], [sy.index(c) for c in rhs], [out.index(c) for c in so])
-  mesh = jax.sharding.get_abstract_mesh()
-  sharded = not mesh.empty and mesh.size > 1
+  sharded = batch_sharded()
   if sharded and any(p[0] != 0 and p != sorted(p) for p in perms):
     # Under a mesh dim 0 is the (sharded) batch: a copy that moves it would gather the batch.
     # Float32 operands: XLA:CPU upcasts such bf16 dots anyway (and fails on some of them).
@@ -94,6 +93,13 @@ def contract(spec: str, a, b):
     return z
   # A transpose of the dot's output may be folded into it too, which XLA:CPU then cannot run.
   return _physical(jax.lax.optimization_barrier(z), perms[2], sharded)
+
+
+def batch_sharded() -> bool:
+  """Traced under a mesh of several devices (the trainer's: the batch sharded on dim 0), where
+  `contract` makes no layout copy that moves dim 0 and falls back to a float32 einsum instead."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.size > 1
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
