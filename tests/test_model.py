@@ -626,9 +626,9 @@ def test_banded_attention_positions_last_equals_first(w, m, chunk, dtype):
 
 
 @pytest.mark.parametrize("c,w,dtype", [(4, 6, "float32"), (8, 8, "float32"), (8, 3, "bfloat16"),
-                                       (16, 40, "bfloat16")])
+                                       (16, 40, "bfloat16"), (4, 12, "float32")])
 def test_skew_unskew_values_and_transposes(c, w, dtype):
-  """skew/unskew (gather and pad forms, custom VJPs) against their definitions: skew puts band
+  """skew/unskew (gather form for W >= 2C, pad form below; custom VJPs) against their definitions: skew puts band
   column s of row r at key r + s, unskew reads it back; each one's VJP is the other, equal to
   autodiff of a dense one-hot form."""
   from span_lm.model import attention

@@ -47,12 +47,17 @@ def _unskew_pad(x, w: int):
   return x.reshape(*lead, c, n + 1)[..., :w]
 
 
+def _skew_pad(x):
+  *lead, c, w = x.shape
+  x = jnp.pad(x, [(0, 0)] * (len(lead) + 1) + [(0, c + 1)])
+  x = x.reshape(*lead, c * (w + c + 1))[..., : c * (w + c)]
+  return x.reshape(*lead, c, w + c)
+
+
 def _skew_take(x):
   # out[r, j] = x[r, j - r] on the band, 0 off it: one gather from the flattened (C * W) rows
-  # with a constant (C, W + C) index. XLA:CPU runs it ~3x faster than the reference's
-  # pad-flatten-slice form, whose fused loop divides per element (one core, (16, 4, 128, 1024)
-  # float32 -> bf16: 7.5 against 23.6 ms). Full-rank indices (take_along_axis) cost more than
-  # they save: XLA builds them at run time, (B, H, C, W + C, 4) int32.
+  # with a constant (C, W + C) index. Full-rank indices (take_along_axis) cost more than they
+  # save: XLA builds them at run time, (B, H, C, W + C, 4) int32.
   *lead, c, w = x.shape
   j_CxT = np.arange(w + c)[None, :] - np.arange(c)[:, None]
   on_band = (j_CxT >= 0) & (j_CxT < w)
@@ -60,6 +65,16 @@ def _skew_take(x):
   taken = jnp.take(x.reshape(*lead, c * w), jnp.asarray(idx_CxT, jnp.int32), axis=-1,
                    mode="clip", indices_are_sorted=True)
   return jnp.where(on_band, taken, jnp.zeros((), x.dtype))
+
+
+def _skew(x):
+  """Long bands (W >= 2C) as a gather: XLA:CPU runs the reference's pad-flatten-slice form, whose
+  fused loop divides per element, ~3x slower there (one core, (16, 4, 128, 1024) float32 -> bf16:
+  7.5 against 23.6 ms; the fixed-span step 0.616-0.628 against 0.633-0.700 s). Short bands keep
+  the pad form: there the gather, which XLA:CPU does not split over threads, made the short-span
+  step slower on two cores (0.261-0.303 against 0.232-0.257 s)."""
+  c, w = x.shape[-2:]
+  return _skew_take(x) if w >= 2 * c else _skew_pad(x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -75,7 +90,7 @@ def _unskew_fwd(x, w):
 
 
 def _unskew_bwd(w, _, g):
-  return (_skew_take(g),)
+  return (_skew(g),)
 
 
 unskew.defvjp(_unskew_fwd, _unskew_bwd)
@@ -84,11 +99,11 @@ unskew.defvjp(_unskew_fwd, _unskew_bwd)
 @jax.custom_vjp
 def skew(x):
   """(..., C, W) bands -> (..., C, W + C) query-by-key weights, zeros off the band."""
-  return _skew_take(x)
+  return _skew(x)
 
 
 def _skew_fwd(x):
-  return _skew_take(x), None
+  return _skew(x), None
 
 
 def _skew_bwd(_, g):
