@@ -67,50 +67,58 @@ def _skew_take(x):
   return jnp.where(on_band, taken, jnp.zeros((), x.dtype))
 
 
-def _skew(x):
-  """Long bands (W >= 2C) as a gather: XLA:CPU runs the reference's pad-flatten-slice form, whose
-  fused loop divides per element, ~3x slower there (one core, (16, 4, 128, 1024) float32 -> bf16:
-  7.5 against 23.6 ms; the fixed-span step 0.616-0.628 against 0.633-0.700 s). Short bands keep
-  the pad form: there the gather, which XLA:CPU does not split over threads, made the short-span
-  step slower on two cores (0.261-0.303 against 0.232-0.257 s)."""
-  c, w = x.shape[-2:]
-  return _skew_take(x) if w >= 2 * c else _skew_pad(x)
+def _long(c: int, w: int) -> bool:
+  """Bands that take the gather (W >= 2C): XLA:CPU runs the reference's pad-flatten-slice skew,
+  whose fused loop divides per element, ~3x slower there (one core, (16, 4, 128, 1024) float32 ->
+  bf16: 7.5 against 23.6 ms; the fixed-span step 0.616-0.628 against 0.633-0.700 s on two
+  cores). Short bands keep the pad form and plain autodiff: the gather, which XLA:CPU does not
+  split over threads, made the short-span step slower on two cores (0.261-0.303 against
+  0.232-0.257 s)."""
+  return w >= 2 * c
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def unskew(x, w: int):
-  """(..., C, W + C) query-by-key scores -> (..., C, W) bands (column s: distance W - s).
+  """(..., C, W + C) query-by-key scores -> (..., C, W) bands (column s: distance W - s)."""
+  return _unskew_long(x, w) if _long(x.shape[-2], w) else _unskew_pad(x, w)
 
-  Linear, with `skew` as its transpose: autodiff of the gather would scatter-add."""
+
+def skew(x):
+  """(..., C, W) bands -> (..., C, W + C) query-by-key weights, zeros off the band."""
+  return _skew_long(x) if _long(*x.shape[-2:]) else _skew_pad(x)
+
+
+# Long bands: skew as a gather, unskew as the pad form, each the other's transpose (autodiff
+# of the gather would scatter-add).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _unskew_long(x, w: int):
   return _unskew_pad(x, w)
 
 
-def _unskew_fwd(x, w):
+def _unskew_long_fwd(x, w):
   return _unskew_pad(x, w), None
 
 
-def _unskew_bwd(w, _, g):
-  return (_skew(g),)
+def _unskew_long_bwd(w, _, g):
+  return (_skew_take(g),)
 
 
-unskew.defvjp(_unskew_fwd, _unskew_bwd)
+_unskew_long.defvjp(_unskew_long_fwd, _unskew_long_bwd)
 
 
 @jax.custom_vjp
-def skew(x):
-  """(..., C, W) bands -> (..., C, W + C) query-by-key weights, zeros off the band."""
-  return _skew(x)
+def _skew_long(x):
+  return _skew_take(x)
 
 
-def _skew_fwd(x):
-  return _skew(x), None
+def _skew_long_fwd(x):
+  return _skew_take(x), None
 
 
-def _skew_bwd(_, g):
+def _skew_long_bwd(_, g):
   return (_unskew_pad(g, g.shape[-1] - g.shape[-2]),)
 
 
-skew.defvjp(_skew_fwd, _skew_bwd)
+_skew_long.defvjp(_skew_long_fwd, _skew_long_bwd)
 
 
 def choose_chunk(m: int, w: int, requested: int = 0) -> int:
