@@ -5,9 +5,9 @@ group's window from the span plan). Scores are laid out as bands: column s of a 
 key at distance W - s, so the learned relative position embeddings `key_pe` (Dh, S) line up with
 columns by a plain slice, and the span mask is one vector per head.
 
-The band comes from the reference's pad-and-reshape "skew", applied per chunk of C queries: a
-chunk needs only the W + C keys ending at its last query, so the work per query is O(W + C) instead
-of O(M + W). With C ~ W this is what makes short learned spans cheap (the reference computes the
+The band comes from the reference's pad-and-reshape "skew" (for long bands, the same values by a
+gather: `_long`), applied per chunk of C queries: a chunk needs only the W + C keys ending at its
+last query, so the work per query is O(W + C) instead of O(M + W). With C ~ W this is what makes short learned spans cheap (the reference computes the
 full (M, M + L) score matrix of every head and only then drops the unused part).
 """
 import functools
@@ -70,7 +70,7 @@ def _skew_take(x):
 def _long(c: int, w: int) -> bool:
   """Bands that take the gather (W >= 2C): XLA:CPU runs the reference's pad-flatten-slice skew,
   whose fused loop divides per element, ~3x slower there (one core, (16, 4, 128, 1024) float32 ->
-  bf16: 7.5 against 23.6 ms; the fixed-span step 0.616-0.628 against 0.633-0.700 s on two
+  bf16: 7.5 against 23.6 ms; the fixed-span bf16 step 0.637-0.647 against 0.709-0.724 s on two
   cores). Short bands keep the pad form and plain autodiff: the gather, which XLA:CPU does not
   split over threads, made the short-span step slower on two cores (0.261-0.303 against
   0.232-0.257 s)."""
@@ -143,7 +143,8 @@ def prefer_positions_last(m: int, w: int, chunk: int = 0) -> bool:
   Positions last, every matmul of both passes reads and writes keys and values as XLA:CPU's fast
   kernels want them (q k^T reads (Dh, T) rows; the key/value gradients come out (Dh, T)), and the
   key/value projection W^T @ cache^T and its weight gradient need no transpose of the cache
-  (one-core fixed-span bf16 step 1.08-1.12 s against 1.15 s); with several chunks it cost 13 %."""
+  (fixed-span bf16 step on two cores 0.616-0.628 against 0.633-0.700 s); with several chunks it
+  cost 13 %."""
   return choose_chunk(m, w, chunk) == m
 
 
