@@ -425,11 +425,9 @@ class SeqAttention(nn.Module):
       kv = jnp.concatenate([precision.dot(cache[:, cache.shape[1] - w:], w_kv),
                             precision.dot(h_in, w_kv)], axis=1)
       return kv.reshape(b, w + m, 2, g, dh).transpose(2, 0, 3, 1, 4)
-    # Rows flattened first: XLA:CPU transposes a 3-D operand of this dot in a separate pass.
-    rows = lambda x: x.reshape(-1, d)
     kv_ZxBxT = jnp.concatenate(
-        [precision.einsum("nd,dz->zn", rows(cache[:, cache.shape[1] - w:]), w_kv).reshape(-1, b, w),
-         precision.einsum("nd,dz->zn", rows(h_in), w_kv).reshape(-1, b, m)], axis=2)
+        [precision.einsum("btd,dz->zbt", cache[:, cache.shape[1] - w:], w_kv),
+         precision.einsum("bmd,dz->zbm", h_in, w_kv)], axis=2)
     return kv_ZxBxT.reshape(2, g, dh, b, w + m).transpose(0, 3, 1, 2, 4)  # rows of T move
 
   def _ring(self, q, ring, key_pe_DxS, pos, z_H, z_BxMxH, pers_k, pers_v,

@@ -86,9 +86,19 @@ def contract(spec: str, a, b):
   x = _physical(x, perms[0], sharded)
   y = _physical(y, perms[1], sharded)
   nb = len(batch)
-  dims = (([lhs.index(c) for c in summed], [rhs.index(c) for c in summed]),
-          (list(range(nb)), list(range(nb))))
-  z = jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
+  if not batch and rhs[-len(summed):] == summed and len(rhs) > len(summed) + 1:
+    # Several free dims of a (free, contracted) right operand flattened into one: XLA:CPU gave a
+    # 3-D one a transpose pass of its own before the dot (the cache in attention._group_kv).
+    fy = rhs[:len(rhs) - len(summed)]
+    shape = [size[c] for c in lhs[:len(lhs) - len(summed)]] + [size[c] for c in fy]
+    y = y.reshape(math.prod(size[c] for c in fy), -1)
+    rhs = ["".join(fy)] + summed
+    dims = (([lhs.index(c) for c in summed], [rhs.index(c) for c in summed]), ([], []))
+    z = jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32).reshape(shape)
+  else:
+    dims = (([lhs.index(c) for c in summed], [rhs.index(c) for c in summed]),
+            (list(range(nb)), list(range(nb))))
+    z = jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32)
   if out == list(so):
     return z
   # A transpose of the dot's output may be folded into it too, which XLA:CPU then cannot run.
