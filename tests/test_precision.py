@@ -136,7 +136,12 @@ CONTRACT_SPECS = [("mk,mn->kn", (64, 16), (64, 24)),
                   ("bgncp,gpd->bgncd", (2, 3, 2, 8, 8), (3, 8, 16)),
                   ("bgncd,bgncp->gpd", (2, 3, 2, 8, 16), (2, 3, 2, 8, 8)),
                   ("bhl,bhld->bhd", (2, 4, 16), (2, 4, 16, 8)),
-                  ("mk,kn->nm", (16, 32), (32, 24))]
+                  ("mk,kn->nm", (16, 32), (32, 24)),
+                  # positions-last key/value projection (rows flattened inside contract) and its
+                  # weight and input gradients
+                  ("btd,dz->zbt", (2, 12, 8), (8, 10)),
+                  ("btd,zbt->dz", (2, 12, 8), (10, 2, 12)),
+                  ("zbt,dz->btd", (10, 2, 12), (8, 10))]
 
 
 @pytest.mark.parametrize("spec, sa, sb", CONTRACT_SPECS)
