@@ -55,7 +55,8 @@ def main():
   print(f"plan {plan.describe()}\nfwd+bwd median {np.median(times):.3f} s, min {min(times):.3f} s")
   n = len(times) + 1  # the process's page faults and CPU time per run, from the second run on
   print(f"per run: {(r1.ru_minflt - r0.ru_minflt) / n:,.0f} minor page faults, system time "
-        f"{(r1.ru_stime - r0.ru_stime) / n:.3f} s, user time {(r1.ru_utime - r0.ru_utime) / n:.3f} s")
+        f"{(r1.ru_stime - r0.ru_stime) / n:.3f} s, "
+        f"user time {(r1.ru_utime - r0.ru_utime) / n:.3f} s")
 
   print(trace_summary(lambda: jax.block_until_ready(step(params)), a.top))
 
@@ -82,6 +83,7 @@ def trace_summary(run, top: int, runs: int = 3) -> str:
   lines.append("\nsingle operations (ms):")
   lines += [f"{v:8.1f}  {k}" for k, v in by_op.most_common(top)]
   return "\n".join(lines)
+
 
 if __name__ == "__main__":
   main()

@@ -590,9 +590,10 @@ def test_banded_attention_weights_match_reference(mode, n_pers, w, m, chunk):
                              rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("w,m,chunk,dtype", [(16, 8, 0, "float32"), (16, 8, 0, "bfloat16"),
-                                             (4, 8, 0, "bfloat16"), (6, 8, 4, "float32")])
-def test_banded_attention_positions_last_equals_first(w, m, chunk, dtype):
+@pytest.mark.parametrize("w,m,chunk,dtype,preferred", [
+    (16, 8, 0, "float32", True), (16, 8, 0, "bfloat16", True), (4, 8, 0, "bfloat16", False),
+    (6, 8, 4, "float32", False)])
+def test_banded_attention_positions_last_equals_first(w, m, chunk, dtype, preferred):
   """Keys and values laid out (B, G, Dh, T) give banded_attention's outputs and gradients (q, k,
   v, position embeddings, span mask) of the (B, G, T, Dh) layout, with one chunk (its own path)
   and with several (cut along T)."""
@@ -622,15 +623,18 @@ def test_banded_attention_positions_last_equals_first(w, m, chunk, dtype):
     assert a.shape == b.shape and a.dtype == b.dtype
     assert np.abs(np.asarray(b, np.float32)).max() > 0
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
-  assert attention.prefer_positions_last(m, w, chunk) == (attention.choose_chunk(m, w, chunk) == m)
+  assert attention.prefer_positions_last(m, w, chunk, dtype) == preferred  # one chunk only
+  if len(jax.devices()) >= 2 and preferred:  # bf16 over several devices keeps (B, G, T, Dh)
+    with jax.set_mesh(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))):
+      assert attention.prefer_positions_last(m, w, chunk, dtype) == (dtype == "float32")
 
 
 @pytest.mark.parametrize("c,w,dtype", [(4, 6, "float32"), (8, 8, "float32"), (8, 3, "bfloat16"),
                                        (16, 40, "bfloat16"), (4, 12, "float32")])
 def test_skew_unskew_values_and_transposes(c, w, dtype):
-  """skew/unskew (gather form for W >= 2C, pad form below; custom VJPs) against their definitions: skew puts band
-  column s of row r at key r + s, unskew reads it back; each one's VJP is the other, equal to
-  autodiff of a dense one-hot form."""
+  """skew/unskew (gather form with custom VJPs for W >= 2C, pad form below) against their
+  definitions: skew puts band column s of row r at key r + s, unskew reads it back; each one's VJP
+  is the other, equal to autodiff of a dense one-hot form."""
   from span_lm.model import attention
   rng = np.random.default_rng(c * 100 + w)
   lead = (2, 3)

@@ -212,7 +212,7 @@ def test_contract_under_a_mesh_never_gathers_the_batch():
     a = jax.device_put(a, NamedSharding(mesh, P(sharding.DATA_AXIS)))
     b_spec = P(sharding.DATA_AXIS) if spec.split(",")[1][0] == spec[0] else P()
     b = jax.device_put(b, NamedSharding(mesh, b_spec))
-    f = jax.jit(lambda a, b: precision.contract(spec, a, b))
+    f = jax.jit(lambda a, b, spec=spec: precision.contract(spec, a, b))
     with jax.set_mesh(mesh):
       text = f.lower(a, b).compile().as_text()
       got = f(a, b)

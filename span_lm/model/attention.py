@@ -7,8 +7,9 @@ columns by a plain slice, and the span mask is one vector per head.
 
 The band comes from the reference's pad-and-reshape "skew" (for long bands, the same values by a
 gather: `_long`), applied per chunk of C queries: a chunk needs only the W + C keys ending at its
-last query, so the work per query is O(W + C) instead of O(M + W). With C ~ W this is what makes short learned spans cheap (the reference computes the
-full (M, M + L) score matrix of every head and only then drops the unused part).
+last query, so the work per query is O(W + C) instead of O(M + W). With C ~ W this is what makes
+short learned spans cheap (the reference computes the full (M, M + L) score matrix of every head
+and only then drops the unused part).
 """
 import functools
 import math
@@ -135,7 +136,7 @@ def choose_chunk(m: int, w: int, requested: int = 0) -> int:
   return m
 
 
-def prefer_positions_last(m: int, w: int, chunk: int = 0) -> bool:
+def prefer_positions_last(m: int, w: int, chunk: int = 0, dtype=jnp.float32) -> bool:
   """The key/value layout banded_attention runs fastest with: positions last, (B, G, Dh, T), when
   one chunk covers the block (windows >= the block, e.g. a fixed span of 1024); (B, G, T, Dh)
   for several chunks, whose overlapping windows are cut along T.
@@ -144,7 +145,10 @@ def prefer_positions_last(m: int, w: int, chunk: int = 0) -> bool:
   kernels want them (q k^T reads (Dh, T) rows; the key/value gradients come out (Dh, T)), and the
   key/value projection W^T @ cache^T and its weight gradient need no transpose of the cache
   (fixed-span bf16 step on two cores 0.616-0.628 against 0.633-0.700 s); with several chunks it
-  cost 13 %."""
+  cost 13 %. Not for bf16/f16 traced over several devices: `precision.contract` may not move the
+  sharded dim 0 there and would run the projection in float32 (0.84 against 0.72-0.73 s)."""
+  if jnp.dtype(dtype) in precision.LOW and precision.batch_sharded():
+    return False
   return choose_chunk(m, w, chunk) == m
 
 
@@ -200,7 +204,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
 
   Args:
     q_BxGxMxD: queries. k, v: keys/values of the last T = W + M positions (window + block),
-      (B, G, T, Dh), or (B, G, Dh, T) with positions_last (faster where `prefer_positions_last` says so).
+      (B, G, T, Dh), or (B, G, Dh, T) with positions_last (see `prefer_positions_last`).
     key_pe_DxW: relative position embeddings for distances W..1 (column W-1 is distance 1).
     mask: soft span mask broadcastable to (B, G, M, W) (None: fixed span).
     pers_k_GxDxN, pers_v_GxNxD: persistent memory (already multiplied by sqrt(Dh), sqrt(N)).
@@ -373,9 +377,7 @@ class SeqAttention(nn.Module):
       pick = ((lambda a, ax=1: jax.lax.slice_in_dim(a, head_ids[0] * dh, (head_ids[-1] + 1) * dh,
                                                     axis=ax))
               if contiguous else (lambda a, ax=1: jnp.take(a, cols, axis=ax)))
-      # Not for bf16 over several devices: `contract` would run the projection in float32.
-      last = prefer_positions_last(m, w, cfg.attn_chunk) and not (
-          dt in precision.LOW and precision.batch_sharded())
+      last = prefer_positions_last(m, w, cfg.attn_chunk, dt)
       kv = self._group_kv(cache, h_in, k_kernel, v_kernel, aux.get("kv"), w, g, pick, last)
       mask = None
       dist_W = jnp.arange(w, 0, -1, dtype=jnp.float32)  # column s -> distance w - s
