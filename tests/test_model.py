@@ -666,6 +666,87 @@ def test_skew_unskew_values_and_transposes(c, w, dtype):
       np.asarray(jax.vjp(dense_unskew, big)[1](gu.astype(jnp.float32))[0]))
 
 
+def _dense_attention(q, k, v, pe, mask_W, pers_k, pers_v, eps=1e-8):
+  """banded_attention by definition, in float32: every query against all T = W + M keys, keys
+  beyond distance W (or at distance 0 and after) at -inf; no skew, chunk or key coordinates."""
+  q, k, v, pe = (a.astype(jnp.float32) for a in (q, k, v, pe))
+  b, g, m, dh = q.shape
+  w = pe.shape[-1]
+  dist = w + np.arange(m)[:, None] - np.arange(w + m)[None, :]  # query i at position W + i
+  valid = (dist >= 1) & (dist <= w)
+  col = jnp.asarray(np.broadcast_to(np.clip(w - dist, 0, w - 1), (b, g, m, w + m)))  # pe column
+  pos = jnp.take_along_axis(jnp.einsum("bgmd,dw->bgmw", q, pe), col, axis=3)
+  logits = jnp.where(valid, (jnp.einsum("bgmd,bgtd->bgmt", q, k) + pos) / np.sqrt(dh), -jnp.inf)
+  n_pers = 0 if pers_k is None else pers_k.shape[-1]
+  if n_pers:
+    logits = jnp.concatenate([logits, jnp.einsum("bgmd,gdp->bgmp", q, pers_k) / np.sqrt(dh)], -1)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if mask_W is not None:
+    mask_T = jnp.where(valid, jnp.take_along_axis(jnp.broadcast_to(mask_W, (b, g, m, w)), col,
+                                                  axis=3), 0.0)
+    probs = probs * jnp.concatenate([mask_T, jnp.ones((b, g, m, n_pers))], -1)
+    probs = probs / (jnp.sum(probs, -1, keepdims=True) + eps)
+  out = jnp.einsum("bgmt,bgtd->bgmd", probs[..., :w + m], v)
+  if n_pers:
+    out = out + jnp.einsum("bgmp,gpd->bgmd", probs[..., w + m:], pers_v)
+  return out
+
+
+@pytest.mark.parametrize("w,m,chunk,mode,n_pers,dtype,last", [
+    (16, 8, 0, "fixed", 0, "float32", True),  # one chunk, key coordinates, positions last
+    (16, 8, 0, "adaptive", 3, "float32", False),
+    (12, 24, 4, "dynamic", 0, "float32", False),  # several chunks, key coordinates
+    (12, 24, 4, "adaptive", 2, "float32", False),
+    (6, 24, 0, "adaptive", 0, "float32", False),  # short bands: band coordinates
+    (32, 8, 0, "adaptive", 0, "bfloat16", True)])
+def test_banded_attention_values_and_gradients_match_dense(w, m, chunk, mode, n_pers, dtype,
+                                                           last):
+  """banded_attention (key coordinates for long bands, band coordinates for short ones) against
+  the dense definition: outputs and the gradients of q, k, v, the position embeddings, the span
+  parameters and the persistent vectors."""
+  from span_lm.model import attention
+  rng = np.random.default_rng(w * 100 + m + n_pers)
+  g_, dh = 2, 4
+  arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+  q, k, v, pe = arr(B, g_, m, dh), arr(B, g_, w + m, dh), arr(B, g_, w + m, dh), arr(dh, w)
+  pk = pv = None
+  if n_pers:
+    pk, pv = arr(g_, dh, n_pers), arr(g_, n_pers, dh)
+  z = jnp.asarray(rng.uniform(1, w + 2, size=(B, g_, m) if mode == "dynamic" else (g_,)),
+                  jnp.float32)
+  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
+
+  def mask_of(z):
+    if mode == "fixed":
+      return None
+    zz = z[..., None] if mode == "dynamic" else z[None, :, None, None]
+    return spans.soft_mask(zz, dist[None, None, None, :], 3)
+
+  def ours(q, k, v, pe, z, pk, pv):
+    kk, vv = (k.swapaxes(2, 3), v.swapaxes(2, 3)) if last else (k, v)
+    return attention.banded_attention(q, kk, vv, pe, mask=mask_of(z), pers_k_GxDxN=pk,
+                                      pers_v_GxNxD=pv, chunk=chunk, positions_last=last)[0]
+
+  def dense(q, k, v, pe, z, pk, pv):
+    return _dense_attention(q, k, v, pe, mask_of(z), pk, pv)
+
+  assert attention.long_band(attention.choose_chunk(m, w, chunk), w) == (w >= 12)
+  ct = jnp.asarray(rng.normal(size=(B, g_, m, dh)), jnp.float32)
+  argnums = (0, 1, 2, 3) + ((4,) if mode != "fixed" else ()) + ((5, 6) if n_pers else ())
+  results = []
+  for f in (ours, dense):
+    loss = lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct)
+    results.append((jax.jit(f)(q, k, v, pe, z, pk, pv),
+                    jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, pe, z, pk, pv)))
+  (out, grads), (want, want_grads) = results
+  tol = dict(rtol=3e-2, atol=3e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), **tol)
+  for i, got, exp in zip(argnums, grads, want_grads):
+    assert got.shape == exp.shape and float(jnp.max(jnp.abs(exp.astype(jnp.float32)))) > 0, i
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exp, np.float32),
+                               err_msg=f"argument {i}", **tol)
+
+
 # ----------------------------------------------------------------------------------------------
 # 8. Dynamic span extremes.
 

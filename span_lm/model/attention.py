@@ -5,9 +5,10 @@ group's window from the span plan). Scores are laid out as bands: column s of a 
 key at distance W - s, so the learned relative position embeddings `key_pe` (Dh, S) line up with
 columns by a plain slice, and the span mask is one vector per head.
 
-The band comes from the reference's pad-and-reshape "skew" (for long bands, the same values by a
-gather: `_long`), applied per chunk of C queries: a chunk needs only the W + C keys ending at its
-last query, so the work per query is O(W + C) instead of O(M + W). With C ~ W this is what makes
+The band comes from the reference's pad-and-reshape "skew", applied per chunk of C queries: a
+chunk needs only the W + C keys ending at its last query, so the work per query is O(W + C)
+instead of O(M + W). Long bands (`long_band`: W >= 2C) keep their scores in key coordinates
+instead and skew only the position term, by a gather. With C ~ W this is what makes
 short learned spans cheap (the reference computes the full (M, M + L) score matrix of every head
 and only then drops the unused part).
 """
@@ -61,15 +62,22 @@ def _skew_take(x):
   # save: XLA builds them at run time, (B, H, C, W + C, 4) int32.
   *lead, c, w = x.shape
   j_CxT = np.arange(w + c)[None, :] - np.arange(c)[:, None]
-  on_band = (j_CxT >= 0) & (j_CxT < w)
+  on_band = _on_band(c, w)
   idx_CxT = np.arange(c)[:, None] * w + np.clip(j_CxT, 0, w - 1)
   taken = jnp.take(x.reshape(*lead, c * w), jnp.asarray(idx_CxT, jnp.int32), axis=-1,
                    mode="clip", indices_are_sorted=True)
   return jnp.where(on_band, taken, jnp.zeros((), x.dtype))
 
 
-def _long(c: int, w: int) -> bool:
-  """Bands that take the gather (W >= 2C): XLA:CPU runs the reference's pad-flatten-slice skew,
+def _on_band(c: int, w: int) -> np.ndarray:
+  """(C, W + C) bool: key t is one of the W before query r (band column t - r)."""
+  j_CxT = np.arange(w + c)[None, :] - np.arange(c)[:, None]
+  return (j_CxT >= 0) & (j_CxT < w)
+
+
+def long_band(c: int, w: int) -> bool:
+  """Bands whose scores stay in key coordinates (banded_attention) and whose skew is a gather
+  (W >= 2C): XLA:CPU runs the reference's pad-flatten-slice skew,
   whose fused loop divides per element, ~3x slower there (one core, (16, 4, 128, 1024) float32 ->
   bf16: 7.5 against 23.6 ms; the fixed-span bf16 step 0.637-0.647 against 0.709-0.724 s on two
   cores). Short bands keep the pad form and plain autodiff: the gather, which XLA:CPU does not
@@ -80,12 +88,12 @@ def _long(c: int, w: int) -> bool:
 
 def unskew(x, w: int):
   """(..., C, W + C) query-by-key scores -> (..., C, W) bands (column s: distance W - s)."""
-  return _unskew_long(x, w) if _long(x.shape[-2], w) else _unskew_pad(x, w)
+  return _unskew_long(x, w) if long_band(x.shape[-2], w) else _unskew_pad(x, w)
 
 
 def skew(x):
   """(..., C, W) bands -> (..., C, W + C) query-by-key weights, zeros off the band."""
-  return _skew_long(x) if _long(*x.shape[-2:]) else _skew_pad(x)
+  return _skew_long(x) if long_band(*x.shape[-2:]) else _skew_pad(x)
 
 
 # Long bands: skew as a gather, unskew as the pad form, each the other's transpose (autodiff
@@ -228,40 +236,52 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
   else:
     k_win, v_win, kd = key_windows(k, w, c), key_windows(v, w, c), "kd"  # B G n (W+C) Dh
 
+  # Long bands (W >= 2C) stay in key coordinates (C, W + C), off-band logits at -inf: only the
+  # position term is skewed there, and its gradient unskewed, where band coordinates would skew
+  # the scores, the weights and both their gradients (two gathers fewer per layer, for 1 + C/W
+  # times the row-wise work). Short bands (W + C up to 2W) take band coordinates.
+  keyed = long_band(c, w)
   cont = precision.einsum(f"bgncd,bgn{kd}->bgnck", q, k_win, jnp.float32)
-  cont = unskew(cont, w)  # B G n C W
   pos = precision.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
-  scores = cont + pos
+  scores = cont + skew(pos) if keyed else unskew(cont, w) + pos
+  kw = scores.shape[-1]  # W + C keyed, W in bands
   if mask is not None:  # (1 or B, G, 1 or M, W) -> 5-D without materialising a broadcast
     mb = mask.shape[0]
     mask = (mask.reshape(mb, g, 1, 1, w) if mask.shape[2] == 1
             else jnp.broadcast_to(mask, (mb, g, m, w)).reshape(mb, g, n, c, w))
+    if keyed:  # zero off the band
+      mask = skew(jnp.broadcast_to(mask, mask.shape[:3] + (c, w)))
+  logits = scores / math.sqrt(dh)
+  if keyed:  # an added constant, not a select: autodiff then keeps no (C, W + C) residual
+    logits = logits + np.where(_on_band(c, w), 0.0, -np.inf).astype(np.float32)[None, None, None]
 
   if pers_k_GxDxN is not None:
     n_pers = pers_k_GxDxN.shape[-1]
     pers = precision.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype), jnp.float32)
-    logits = jnp.concatenate([scores, pers], axis=-1) / math.sqrt(dh)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jax.nn.softmax(jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1), axis=-1)
     if mask is not None:
       ones = jnp.ones((b, g, n, c, n_pers), probs.dtype)
-      probs = probs * jnp.concatenate([jnp.broadcast_to(mask, (b, g, n, c, w)), ones], axis=-1)
+      probs = probs * jnp.concatenate([jnp.broadcast_to(mask, (b, g, n, c, kw)), ones], axis=-1)
       probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
   else:
     # Row-wise work on a 2-D (rows, W) view: XLA:CPU reduces a 5-D array with unit dims (one
     # head in a group) several times slower than the same rows laid out flat.
     rows = b * g * n * c
-    probs = jax.nn.softmax(scores.reshape(rows, w) / math.sqrt(dh), axis=-1)
+    probs = jax.nn.softmax(logits.reshape(rows, kw), axis=-1)
     if mask is not None:
-      probs = (probs.reshape(b, g, n, c, w) * mask).reshape(rows, w)
+      probs = (probs.reshape(b, g, n, c, kw) * mask).reshape(rows, kw)
       probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
-    probs = probs.reshape(b, g, n, c, w)
+    probs = probs.reshape(b, g, n, c, kw)
 
   dropped = dropout(probs) if dropout is not None else probs
   dropped = dropped.astype(v.dtype)
-  out = precision.einsum(f"bgnck,bgn{kd}->bgncd", skew(dropped[..., :w]), v_win, jnp.float32)
+  p_band = dropped[..., :kw] if keyed else skew(dropped[..., :kw])
+  out = precision.einsum(f"bgnck,bgn{kd}->bgncd", p_band, v_win, jnp.float32)
   if pers_k_GxDxN is not None:
-    out = out + precision.einsum("bgncp,gpd->bgncd", dropped[..., w:],
+    out = out + precision.einsum("bgncp,gpd->bgncd", dropped[..., kw:],
                                  pers_v_GxNxD.astype(dropped.dtype), jnp.float32)
+  if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
+    probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
   return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
 
 

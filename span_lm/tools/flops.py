@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm.model import spans as spans_lib
-from span_lm.model.attention import choose_chunk
+from span_lm.model.attention import choose_chunk, long_band
 from span_lm.model.config import ModelConfig
 from span_lm.model.spans import SpanPlan
 
@@ -103,12 +103,14 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
 
   Itemised from what autodiff saves for this implementation (checked in float32 against
   jax's saved residuals in tests/test_tools.py): per head group the keys/values the chunks
-  read, one float32 (M, W) band of exponentiated scores (three with an adaptive span mask,
-  whose per-head mask is not materialised: exp, probabilities, masked probabilities; six with a
-  dynamic one, whose mask is per token; the persistent vectors widen them by N) and the skewed
-  (M, W + C) weights; per layer the key/value input rows, layer-norm and feed-forward
-  intermediates. Dropout masks (train and dropout > 0) are approximate: a byte per element plus
-  the dropped copy. With remat='layer' only the layer inputs and one layer's residuals are kept.
+  read, one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
+  stay in key coordinates; three with an adaptive span mask: exp, probabilities, masked
+  probabilities, the per-head mask itself not materialised in bands, (C, W + C) in key
+  coordinates; six with a dynamic one, whose mask is per token; the persistent vectors widen
+  them by N) and the skewed (M, W + C) weights; per layer the key/value input rows, layer-norm
+  and feed-forward intermediates. Dropout masks (train and dropout > 0) are approximate: a byte
+  per element plus the dropped copy. With remat='layer' only the layer inputs and one layer's
+  residuals are kept.
   """
   plan = plan or spans_lib.full_plan(cfg)
   b, m, d, dh = batch, block, cfg.d_model, cfg.head_dim
@@ -121,13 +123,15 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
     it["layer"] = b * m * d * act * 2  # queries, attention output
     for heads, w in lp.groups:
       g, c = len(heads), choose_chunk(m, w, cfg.attn_chunk)
-      width = w + cfg.pers_mem
+      width = (w + c if long_band(c, w) else w) + cfg.pers_mem  # score rows, keyed or banded
       # The block rows, and the cache rows unless the window is the whole cache (then the
       # residual is the step's input itself, not a new buffer).
       it["kv_input"] += b * (m + (w if w < lp.cache_len else 0)) * d * act
       it["keys_values"] += 2 * b * g * (m // c) * (w + c) * dh * act
       it["score_bands"] += b * g * m * (width * bands + (2 if bands == 1 else 4)) * f32
       it["weights"] += b * g * m * (w + c) * act
+      if cfg.span_mode == "adaptive" and long_band(c, w):  # its per-head mask, key coordinates
+        it["score_bands"] += g * c * (w + c) * f32
       if drop:
         it["weights"] += b * g * m * width * (1 + f32)
     n_norms = 1 if cfg.pers_mem else 2
