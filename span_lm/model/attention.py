@@ -285,6 +285,43 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
   return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
 
 
+@jax.custom_vjp
+def _project_rows_last(cache_BxWxD, h_BxMxD, w_DxZ):
+  """[cache; block] rows projected, positions last: (Z, B, W + M) = W^T [cache; h]^T.
+
+  One matmul over the concatenated inputs rather than two whose outputs are concatenated (an
+  output twice the inputs' size, upcast to float32 for XLA:CPU's concatenate). The backward
+  pass takes the input gradients of cache rows and block rows as two matmuls, so that of the
+  cache rows, unused in training (the cache is a constant of the step), is dead code XLA
+  drops; autodiff of the one matmul would compute both and slice."""
+  return _rows_fwd(cache_BxWxD, h_BxMxD, w_DxZ)[0]
+
+
+def _rows_dot(spec, a, b):
+  if a.dtype in precision.LOW:
+    return precision.contract(spec, a, b).astype(a.dtype)
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def _rows_fwd(cache_BxWxD, h_BxMxD, w_DxZ):
+  x_BxTxD = jnp.concatenate([cache_BxWxD, h_BxMxD], axis=1)
+  return _rows_dot("btd,dz->zbt", x_BxTxD, w_DxZ), (cache_BxWxD, h_BxMxD, w_DxZ)
+
+
+def _rows_bwd(res, g_ZxBxT):
+  cache_BxWxD, h_BxMxD, w_DxZ = res
+  g_ZxBxT = g_ZxBxT.astype(w_DxZ.dtype)
+  x_BxTxD = jnp.concatenate([cache_BxWxD, h_BxMxD], axis=1)  # saved as its parts: the cache is
+  dw = _rows_dot("btd,zbt->dz", x_BxTxD, g_ZxBxT)  # the step's argument, no extra buffer
+  w = cache_BxWxD.shape[1]
+  dcache = _rows_dot("zbw,dz->bwd", g_ZxBxT[:, :, :w], w_DxZ)
+  dh = _rows_dot("zbm,dz->bmd", g_ZxBxT[:, :, w:], w_DxZ)
+  return dcache, dh, dw
+
+
+_project_rows_last.defvjp(_rows_fwd, _rows_bwd)
+
+
 class _DenseKernel(nn.Module):
   """Holds `kernel` exactly as nn.Dense(use_bias=False) would (same path, same init), so the
   key and value projections can run as one matmul without changing the parameter tree."""
@@ -447,9 +484,7 @@ class SeqAttention(nn.Module):
       kv = jnp.concatenate([precision.dot(cache[:, cache.shape[1] - w:], w_kv),
                             precision.dot(h_in, w_kv)], axis=1)
       return kv.reshape(b, w + m, 2, g, dh).transpose(2, 0, 3, 1, 4)
-    kv_ZxBxT = jnp.concatenate(
-        [precision.einsum("btd,dz->zbt", cache[:, cache.shape[1] - w:], w_kv),
-         precision.einsum("bmd,dz->zbm", h_in, w_kv)], axis=2)
+    kv_ZxBxT = _project_rows_last(cache[:, cache.shape[1] - w:], h_in, w_kv)
     return kv_ZxBxT.reshape(2, g, dh, b, w + m).transpose(0, 3, 1, 2, 4)  # rows of T move
 
   def _ring(self, q, ring, key_pe_DxS, pos, z_H, z_BxMxH, pers_k, pers_v,
