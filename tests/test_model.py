@@ -6,6 +6,7 @@ on CPU with tiny shapes.
 """
 import dataclasses
 import json
+import re
 import numpy as np
 import pytest
 
@@ -745,6 +746,34 @@ def test_banded_attention_values_and_gradients_match_dense(w, m, chunk, mode, n_
     assert got.shape == exp.shape and float(jnp.max(jnp.abs(exp.astype(jnp.float32)))) > 0, i
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exp, np.float32),
                                err_msg=f"argument {i}", **tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_project_rows_last_gradients_and_dead_cache_gradient(dtype):
+  """attention._project_rows_last (one matmul over [cache; block], custom VJP) equals the einsum
+  of the concatenation in value and in all three gradients; differentiated in the weights and
+  the block only (as in training), the compiled step has no matmul for the cache rows' gradient."""
+  from span_lm.model import attention
+  rng = np.random.default_rng(11)
+  cache, h = (jnp.asarray(rng.normal(size=(3, t, 8)), dtype) for t in (10, 4))
+  w = jnp.asarray(rng.normal(size=(8, 6)), dtype)
+  ct = jnp.asarray(rng.normal(size=(6, 3, 14)), jnp.float32)
+  plain = lambda c, h, w: jnp.einsum("btd,dz->zbt", jnp.concatenate([c, h], 1).astype(jnp.float32),
+                                     w.astype(jnp.float32))
+  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * ct)
+  tol = dict(rtol=2e-2, atol=5e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(attention._project_rows_last(cache, h, w), np.float32),
+                             np.asarray(plain(cache, h, w)), **tol)
+  got = jax.grad(loss(attention._project_rows_last), argnums=(0, 1, 2))(cache, h, w)
+  want = jax.grad(loss(plain), argnums=(0, 1, 2))(cache, h, w)
+  for a, b in zip(got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+  hlo = jax.jit(jax.value_and_grad(loss(attention._project_rows_last), argnums=(1, 2))).lower(
+      cache, h, w).compile().as_text()
+  dots = re.findall(r"= (\w+\[[\d,]*\])\S* dot\(", hlo)
+  assert len(dots) == 3, dots  # forward, weight gradient, block gradient
+  assert not any(d.endswith("[3,10,8]") for d in dots), dots  # none for the cache rows
 
 
 # ----------------------------------------------------------------------------------------------
