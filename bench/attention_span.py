@@ -98,9 +98,7 @@ def main():
   p.add_argument("--dtype", default="float32")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--json", default=None)
-  p.add_argument("--system_malloc", action="store_true",
-                 help="leave glibc malloc as it is (default: as main.py on CPU hosts, "
-                      "span_lm/train/host_memory.py)")
+  host_memory.add_flag(p)
   args = p.parse_args()
   if not args.system_malloc:  # before the backend starts
     host_memory.keep_freed_memory()

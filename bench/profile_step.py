@@ -35,9 +35,7 @@ def main():
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
   p.add_argument("--hlo", default="", help="write the compiled HLO here (to read what a fusion is)")
-  p.add_argument("--system_malloc", action="store_true",
-                 help="leave glibc malloc as it is (default: as main.py on CPU hosts, "
-                      "span_lm/train/host_memory.py)")
+  host_memory.add_flag(p)
   a = p.parse_args()
   if not a.system_malloc:  # before the backend starts
     host_memory.keep_freed_memory()

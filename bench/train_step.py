@@ -159,6 +159,7 @@ def worker(spec: dict) -> dict:
 
 
 def main():
+  from span_lm.train import host_memory  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cases", nargs="+", default=["short", "fixed"], choices=sorted(REFERENCE_S))
@@ -177,9 +178,7 @@ def main():
                  help="pallas: the fused kernel (GPU), spans at run time")
   p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                  help="model config overrides, e.g. attn_chunk=128 (values as Python literals)")
-  p.add_argument("--system_malloc", action="store_true",
-                 help="leave glibc malloc as it is (default: config.dist.cpu_keep_freed_memory, "
-                      "as main.py: span_lm/train/host_memory.py)")
+  host_memory.add_flag(p)
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--profile", type=int, default=0, metavar="TOP",
                  help="also trace 3 steps and print the TOP operation kinds and operations")

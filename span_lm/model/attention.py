@@ -252,8 +252,8 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
     if keyed:  # zero off the band
       mask = skew(jnp.broadcast_to(mask, mask.shape[:3] + (c, w)))
   logits = scores / math.sqrt(dh)
-  if keyed:  # an added constant, not a select: autodiff then keeps no (C, W + C) residual
-    logits = logits + np.where(_on_band(c, w), 0.0, -np.inf).astype(np.float32)[None, None, None]
+  if keyed:  # a select (an added -inf constant: XLA:CPU kept the broadcast constant, +107 MiB)
+    logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
 
   if pers_k_GxDxN is not None:
     n_pers = pers_k_GxDxN.shape[-1]
@@ -320,6 +320,16 @@ def _rows_bwd(res, g_ZxBxT):
 
 
 _project_rows_last.defvjp(_rows_fwd, _rows_bwd)
+
+
+def _selector(ids, width: int = 1):
+  """(a, axis=1) -> the entries ids * width ... (ids + 1) * width - 1 of a along axis: a slice
+  when the ids are contiguous, else a gather."""
+  lo, hi = ids[0] * width, (ids[-1] + 1) * width
+  if tuple(range(ids[0], ids[0] + len(ids))) == tuple(ids):
+    return lambda a, ax=1: jax.lax.slice_in_dim(a, lo, hi, axis=ax)
+  cols = jnp.asarray([c for i in ids for c in range(i * width, (i + 1) * width)])
+  return lambda a, ax=1: jnp.take(a, cols, axis=ax)
 
 
 class _DenseKernel(nn.Module):
@@ -420,20 +430,13 @@ class SeqAttention(nn.Module):
 
     outs, order = [], []
     for head_ids, w in self.plan.groups:
-      idx = jnp.asarray(head_ids)
-      contiguous = tuple(range(head_ids[0], head_ids[0] + len(head_ids))) == tuple(head_ids)
-      take = ((lambda a, ax: jax.lax.slice_in_dim(a, head_ids[0], head_ids[-1] + 1, axis=ax))
-              if contiguous else (lambda a, ax: jnp.take(a, idx, axis=ax)))
+      take = _selector(head_ids)  # this group's heads along an axis
       # Keys and values of this group only: its heads' columns of the projections, applied to
       # the last w cached states plus the block, in one matmul. A long head thus costs its own
       # projections, and the cache margin beyond the window is kept but never computed with.
       g = len(head_ids)
-      cols = [c for hid in head_ids for c in range(hid * dh, (hid + 1) * dh)]
-      cols = jnp.asarray(cols) if not contiguous else None
       # This group's heads' columns (of a kernel, or of cached [keys | values] halves).
-      pick = ((lambda a, ax=1: jax.lax.slice_in_dim(a, head_ids[0] * dh, (head_ids[-1] + 1) * dh,
-                                                    axis=ax))
-              if contiguous else (lambda a, ax=1: jnp.take(a, cols, axis=ax)))
+      pick = _selector(head_ids, dh)
       last = prefer_positions_last(m, w, cfg.attn_chunk, dt)
       kv = self._group_kv(cache, h_in, k_kernel, v_kernel, aux.get("kv"), w, g, pick, last)
       mask = None
@@ -484,7 +487,12 @@ class SeqAttention(nn.Module):
       kv = jnp.concatenate([precision.dot(cache[:, cache.shape[1] - w:], w_kv),
                             precision.dot(h_in, w_kv)], axis=1)
       return kv.reshape(b, w + m, 2, g, dh).transpose(2, 0, 3, 1, 4)
-    kv_ZxBxT = _project_rows_last(cache[:, cache.shape[1] - w:], h_in, w_kv)
+    if h_in.dtype in precision.LOW:
+      kv_ZxBxT = _project_rows_last(cache[:, cache.shape[1] - w:], h_in, w_kv)
+    else:  # float32 concatenates without converts; two matmuls keep XLA's memory lower
+      kv_ZxBxT = jnp.concatenate(
+          [precision.einsum("btd,dz->zbt", cache[:, cache.shape[1] - w:], w_kv),
+           precision.einsum("bmd,dz->zbm", h_in, w_kv)], axis=2)
     return kv_ZxBxT.reshape(2, g, dh, b, w + m).transpose(0, 3, 1, 2, 4)  # rows of T move
 
   def _ring(self, q, ring, key_pe_DxS, pos, z_H, z_BxMxH, pers_k, pers_v,

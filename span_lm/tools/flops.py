@@ -106,8 +106,8 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   read, one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
   stay in key coordinates; three with an adaptive span mask: exp, probabilities, masked
   probabilities, the per-head mask itself not materialised in bands, (C, W + C) in key
-  coordinates; six with a dynamic one, whose mask is per token; the persistent vectors widen
-  them by N) and the skewed (M, W + C) weights; per layer the key/value input rows, layer-norm
+  coordinates, plus the select's bool and float32 outputs; six with a dynamic one, whose mask is
+  per token; the persistent vectors widen them by N) and the skewed (M, W + C) weights; per layer the key/value input rows, layer-norm
   and feed-forward intermediates. Dropout masks (train and dropout > 0) are approximate: a byte
   per element plus the dropped copy. With remat='layer' only the layer inputs and one layer's
   residuals are kept.
@@ -130,8 +130,10 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
       it["keys_values"] += 2 * b * g * (m // c) * (w + c) * dh * act
       it["score_bands"] += b * g * m * (width * bands + (2 if bands == 1 else 4)) * f32
       it["weights"] += b * g * m * (w + c) * act
-      if cfg.span_mode == "adaptive" and long_band(c, w):  # its per-head mask, key coordinates
-        it["score_bands"] += g * c * (w + c) * f32
+      if long_band(c, w):  # the select putting -inf off the band keeps its mask and output
+        it["score_bands"] += b * g * m * (w + c) * (1 + f32)
+        if cfg.span_mode == "adaptive":  # the per-head span mask, in key coordinates
+          it["score_bands"] += g * c * (w + c) * f32
       if drop:
         it["weights"] += b * g * m * width * (1 + f32)
     n_norms = 1 if cfg.pers_mem else 2

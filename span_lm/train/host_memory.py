@@ -49,3 +49,11 @@ def keep_freed_memory() -> tuple[bool, str]:
     if libc.mallopt(param, value) != 1:
       return False, f"mallopt({param}, {value}) failed"
   return True, f"glibc {libc.gnu_get_libc_version().decode()}: one arena, no mmap, no trim"
+
+
+def add_flag(parser) -> None:
+  """--system_malloc for the benchmark scripts (argparse), which call keep_freed_memory() unless
+  it is given, as main.py does on CPU hosts."""
+  parser.add_argument("--system_malloc", action="store_true",
+                      help="leave glibc malloc as it is (default: one arena, no mmap'd chunks, "
+                           "no trimming, as main.py on CPU hosts: span_lm/train/host_memory.py)")
