@@ -7,10 +7,10 @@ columns by a plain slice, and the span mask is one vector per head.
 
 The band comes from the reference's pad-and-reshape "skew", applied per chunk of C queries: a
 chunk needs only the W + C keys ending at its last query, so the work per query is O(W + C)
-instead of O(M + W). Long bands (`long_band`: W >= 2C) keep their scores in key coordinates
-instead and skew only the position term, by a gather. With C ~ W this is what makes
-short learned spans cheap (the reference computes the full (M, M + L) score matrix of every head
-and only then drops the unused part).
+instead of O(M + W). With C ~ W this is what makes short learned spans cheap (the reference
+computes the full (M, M + L) score matrix of every head and only then drops the unused part).
+Long bands (`long_band`: W >= 2C) keep their scores in key coordinates instead, (C, W + C) with
+-inf off the band, and skew only the position term, by a gather.
 """
 import functools
 import math
@@ -61,28 +61,32 @@ def _skew_take(x):
   # with a constant (C, W + C) index. Full-rank indices (take_along_axis) cost more than they
   # save: XLA builds them at run time, (B, H, C, W + C, 4) int32.
   *lead, c, w = x.shape
-  j_CxT = np.arange(w + c)[None, :] - np.arange(c)[:, None]
-  on_band = _on_band(c, w)
+  j_CxT = _band_column(c, w)
   idx_CxT = np.arange(c)[:, None] * w + np.clip(j_CxT, 0, w - 1)
   taken = jnp.take(x.reshape(*lead, c * w), jnp.asarray(idx_CxT, jnp.int32), axis=-1,
                    mode="clip", indices_are_sorted=True)
-  return jnp.where(on_band, taken, jnp.zeros((), x.dtype))
+  return jnp.where(_on_band(c, w), taken, jnp.zeros((), x.dtype))
+
+
+def _band_column(c: int, w: int) -> np.ndarray:
+  """(C, W + C): the band column t - r of key t for query r (on the band where in [0, W))."""
+  return np.arange(w + c)[None, :] - np.arange(c)[:, None]
 
 
 def _on_band(c: int, w: int) -> np.ndarray:
-  """(C, W + C) bool: key t is one of the W before query r (band column t - r)."""
-  j_CxT = np.arange(w + c)[None, :] - np.arange(c)[:, None]
+  """(C, W + C) bool: key t is one of the W before query r."""
+  j_CxT = _band_column(c, w)
   return (j_CxT >= 0) & (j_CxT < w)
 
 
 def long_band(c: int, w: int) -> bool:
-  """Bands whose scores stay in key coordinates (banded_attention) and whose skew is a gather
-  (W >= 2C): XLA:CPU runs the reference's pad-flatten-slice skew,
-  whose fused loop divides per element, ~3x slower there (one core, (16, 4, 128, 1024) float32 ->
-  bf16: 7.5 against 23.6 ms; the fixed-span bf16 step 0.637-0.647 against 0.709-0.724 s on two
-  cores). Short bands keep the pad form and plain autodiff: the gather, which XLA:CPU does not
-  split over threads, made the short-span step slower on two cores (0.261-0.303 against
-  0.232-0.257 s)."""
+  """W >= 2C: bands whose scores stay in key coordinates in banded_attention (the C extra columns
+  per row cost at most half the row) and whose skew is a gather: XLA:CPU runs the reference's
+  pad-flatten-slice skew, whose fused loop divides per element, ~3x slower there (one core,
+  (16, 4, 128, 1024) float32 -> bf16: 7.5 against 23.6 ms; the fixed-span bf16 step
+  0.637-0.647 against 0.709-0.724 s on two cores). Short bands keep band coordinates, the pad
+  form and plain autodiff: the gather, which XLA:CPU does not split over threads, made the
+  short-span step slower on two cores (0.261-0.303 against 0.232-0.257 s)."""
   return w >= 2 * c
 
 

@@ -107,10 +107,10 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   stay in key coordinates; three with an adaptive span mask: exp, probabilities, masked
   probabilities, the per-head mask itself not materialised in bands, (C, W + C) in key
   coordinates, plus the select's bool and float32 outputs; six with a dynamic one, whose mask is
-  per token; the persistent vectors widen them by N) and the skewed (M, W + C) weights; per layer the key/value input rows, layer-norm
-  and feed-forward intermediates. Dropout masks (train and dropout > 0) are approximate: a byte
-  per element plus the dropped copy. With remat='layer' only the layer inputs and one layer's
-  residuals are kept.
+  per token; the persistent vectors widen them by N) and the skewed (M, W + C) weights; per
+  layer the key/value input rows, layer-norm and feed-forward intermediates. Dropout masks
+  (train and dropout > 0) are approximate: a byte per element plus the dropped copy. With
+  remat='layer' only the layer inputs and one layer's residuals are kept.
   """
   plan = plan or spans_lib.full_plan(cfg)
   b, m, d, dh = batch, block, cfg.d_model, cfg.head_dim
