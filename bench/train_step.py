@@ -4,8 +4,12 @@ achieved GFLOP/s against this machine's measured matmul peak and against the ref
 Shapes: 4 layers, D=256, 4 heads, FF 1024, block 128, batch 16, adaptive S=1024, vocab 205 (enwik8).
 Cases:
   short   learned spans within 64 tokens (span + ramp), as after ~1000 steps of configs/tiny.py;
-          reference: 0.37 s/step
-  fixed   fixed span S=1024; reference: 1.24 s/step
+          reference: 0.37 s/step on the issue's CPU
+  fixed   fixed span S=1024; reference: 1.24 s/step on the issue's CPU
+"vs reference" divides those quoted times by ours, unless `--reference_dir` names a checkout of
+facebookresearch/adaptive-span: then bench/reference_step.py times the reference's step on this
+machine (run by `--reference_python`, an interpreter with PyTorch) before each case, and the
+ratio is of the two medians measured side by side.
 Each (case, devices) runs in its own process: `--devices N` splits the CPU host into N JAX devices
 (config.dist.cpu_devices) and shards the batch over them, as `python main.py` does by default.
 FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instructions XLA compiles).
@@ -17,6 +21,8 @@ FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instru
   python bench/train_step.py --config configs/enwik8.py --devices 1 --dtype bfloat16 --batch 8
       # a paper config's model, block and optimizer (GPU: MFU against the bf16 matmul peak)
   ... --attn_impl pallas     # the same with the fused kernel (span_lm/model/fused_attention.py)
+  python bench/train_step.py --dtype bfloat16 --devices 1 --reference_dir ~/src/adaptive-span \
+      --reference_python ~/torch/bin/python --reps 20   # the reference timed in the same run
 
 The peak is a 4096^3 (CPU: 2048^3) jitted matmul on the default device in --dtype with float32
 accumulation, measured in the same run; "of peak" is the step's achieved FLOP rate over it (MFU).
@@ -28,6 +34,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 REFERENCE_S = {"short": 0.37, "fixed": 1.24}
@@ -158,6 +165,22 @@ def worker(spec: dict) -> dict:
           "tokens_per_s": batch * block / sec, "plan": plan.describe()}
 
 
+def run_reference(args, case: str) -> dict:
+  """bench/reference_step.py for one case in its own process; prints its row."""
+  cmd = [args.reference_python, os.path.join(REPO, "bench", "reference_step.py"),
+         "--reference_dir", args.reference_dir, "--cases", case, "--reps", str(args.reps)]
+  if args.system_malloc:
+    cmd.append("--system_malloc")
+  with tempfile.NamedTemporaryFile(suffix=".json") as f:
+    out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True, cwd=REPO)
+    if out.returncode:
+      raise SystemExit(out.stdout[-2000:] + out.stderr[-4000:])
+    r = json.load(f)["rows"][0]
+  print(f"| reference {case} (PyTorch {r['torch']}, float32) | - | {r['seconds']:.3f} | "
+        f"{r['tokens_per_s']:.0f} | | | | 1.00x | - |", flush=True)
+  return r
+
+
 def main():
   from span_lm.train import host_memory  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__,
@@ -183,6 +206,10 @@ def main():
   p.add_argument("--profile", type=int, default=0, metavar="TOP",
                  help="also trace 3 steps and print the TOP operation kinds and operations")
   p.add_argument("--hlo", default="", help="write the compiled step's HLO here (one case)")
+  p.add_argument("--reference_dir", default="",
+                 help="a checkout of facebookresearch/adaptive-span: time its step in this run")
+  p.add_argument("--reference_python", default=sys.executable,
+                 help="the interpreter (with PyTorch) that runs bench/reference_step.py")
   p.add_argument("--json", default=None)
   p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -200,6 +227,9 @@ def main():
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   for case in args.cases:
+    reference_s = None if args.config else REFERENCE_S[case]
+    if args.reference_dir and not args.config:
+      reference_s = run_reference(args, case)["seconds"]
     for n in args.devices:
       spec = {"case": case, "devices": n, "args": vars(args)}
       out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
@@ -210,8 +240,9 @@ def main():
       if args.profile:
         print(out.stderr[out.stderr.find("traced operations"):], flush=True)
       r["peak_gflops_per_s"] = peak
-      # The reference's times are for the default shapes on the 2-core CPU only.
-      r["vs_reference"] = None if args.config else REFERENCE_S[case] / r["seconds"]
+      # The reference's times are for the default shapes only.
+      r["reference_seconds"] = reference_s
+      r["vs_reference"] = None if reference_s is None else reference_s / r["seconds"]
       vs = "-" if r["vs_reference"] is None else f"{r['vs_reference']:.2f}x"
       rows.append(r)
       if r["peak_bytes"]:

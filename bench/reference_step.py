@@ -1,0 +1,143 @@
+"""The reference's training step (facebookresearch/adaptive-span, PyTorch) on the issue-8 shapes,
+timed on this machine, so that span_lm's speed-ups are ratios measured side by side rather than
+against times quoted for another CPU.
+
+Needs PyTorch and a checkout of the reference (its models.py, adaptive_span.py,
+adagrad_with_grad_clip.py, persistent_memory.py, adaptive_io.py), neither of which span_lm ships:
+
+  pip install torch  # in any environment; span_lm itself is not imported here
+  python bench/reference_step.py --reference_dir ~/src/adaptive-span --cases short fixed --reps 20
+  python bench/train_step.py --reference_dir ~/src/adaptive-span --reference_python ~/torch/bin/python
+      # span_lm and the reference alternating in one run ("vs reference" from the measured times)
+
+The step is the reference trainer's `_train_batch` for a batch split of 1: zero the gradients, run
+`TransformerSeq` over a (B, M) block with the per-layer hidden-state caches, NLL plus the span
+loss, backward, its Adagrad with per-tensor step-size clipping, clamp the span parameters.
+Shapes as bench/train_step.py: 4 layers, D=256, 4 heads, FF 1024, block 128, batch 16, S=1024,
+ramp 32, vocab 205, dropout 0, float32 (the reference has no mixed precision).
+
+Two settings make the comparison fair, both on by default:
+- Denormals flushed to zero (`torch.set_flush_denormal(True)`), as XLA:CPU runs: with random
+  caches the reference's fixed-span backward produces denormal floats, and PyTorch, which keeps
+  them by default, then took 3.0-5.5 s per step instead of 0.80-0.92 s on the 2-core CPU
+  (`--keep_denormals` to see it).
+- glibc malloc with one arena, no mmap'd chunks and no trimming (span_lm/train/host_memory.py,
+  what span_lm's own benchmarks and `main.py` apply on CPU hosts; `--system_malloc` to compare).
+Cases:
+  short  adaptive span, every z' at (64 - R) / S (span + ramp = 64): the reference trims each
+         layer to 64 keys and a 128-state cache, as after ~1000 steps of the tiny run
+  fixed  fixed span S=1024 (no span parameters, 1024-state caches)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def measure(reference_dir: str, case: str, reps: int, warmup: int = 3, batch: int = 16,
+            block: int = 128, span: int = 1024, short_span: int = 64, seed: int = 0,
+            flush_denormal: bool = True) -> dict:
+  """Median and fastest seconds per training step of the reference model."""
+  sys.path.insert(0, os.path.abspath(reference_dir))
+  import torch  # pylint: disable=g-import-not-at-top
+  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
+  from adagrad_with_grad_clip import Adagrad  # pylint: disable=g-import-not-at-top
+  from models import TransformerSeq  # pylint: disable=g-import-not-at-top
+
+  torch.manual_seed(seed)
+  torch.set_flush_denormal(flush_denormal)
+  ramp, adaptive = 32, case == "short"
+  model = TransformerSeq(
+      vocab_size=205, hidden_size=256, nb_heads=4, nb_layers=4, attn_span=span,
+      emb_dropout=0.0, adapt_io_params={"adapt_io_enabled": False}, inner_hidden_size=1024,
+      dropout=0.0,
+      adapt_span_params={"adapt_span_enabled": adaptive, "adapt_span_loss": 2e-6,
+                         "adapt_span_ramp": ramp, "adapt_span_init": 0.0,
+                         "adapt_span_cache": True},
+      pers_mem_params={"pers_mem_size": 0})
+  z = (short_span - ramp) / span
+  if adaptive:
+    with torch.no_grad():
+      for layer in model.layers:
+        layer.attn.attn.adaptive_span._mask.current_val.fill_(z)
+  model.train()
+  optimizer = Adagrad(model.parameters(), lr=0.07, grad_clip=0.03)
+  x = torch.randint(0, 205, (batch, block))
+  y = torch.randint(0, 205, (batch, block))
+  caches = [torch.randn(batch, layer.attn.attn.get_cache_size(), 256) for layer in model.layers]
+
+  def step(caches):
+    optimizer.zero_grad()
+    out, caches, _ = model(x, caches)
+    loss = F.nll_loss(out.view(-1, out.size(-1)), y.view(-1))
+    if adaptive:
+      loss = loss + sum(layer.attn.attn.adaptive_span.get_loss() for layer in model.layers)
+    loss.backward()
+    optimizer.step()
+    if adaptive:
+      for layer in model.layers:
+        layer.attn.attn.adaptive_span.clamp_param()
+        with torch.no_grad():  # hold the spans (and so the trimming) where the case puts them
+          layer.attn.attn.adaptive_span._mask.current_val.fill_(z)
+    return caches, loss.item()
+
+  for _ in range(warmup):
+    caches, _ = step(caches)
+  times = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    caches, loss = step(caches)
+    times.append(time.perf_counter() - t)
+  keys = [layer.attn.attn.get_cache_size() for layer in model.layers]
+  return {"case": case, "seconds": statistics.median(times), "min_seconds": min(times),
+          "tokens_per_s": batch * block / statistics.median(times), "loss": loss,
+          "cache_sizes": keys, "torch": torch.__version__, "threads": torch.get_num_threads(),
+          "flush_denormal": flush_denormal}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--reference_dir", required=True,
+                 help="a checkout of facebookresearch/adaptive-span")
+  p.add_argument("--cases", nargs="+", default=["short", "fixed"], choices=["short", "fixed"])
+  p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+  p.add_argument("--keep_denormals", action="store_true",
+                 help="PyTorch's default: denormal floats computed in full (slow on x86)")
+  p.add_argument("--system_malloc", action="store_true",
+                 help="leave glibc malloc as it is (default: span_lm/train/host_memory.py)")
+  p.add_argument("--json", default=None)
+  args = p.parse_args()
+  if not args.system_malloc:  # before torch allocates anything
+    sys.path.insert(0, REPO)
+    from span_lm.train import host_memory  # pylint: disable=g-import-not-at-top
+    host_memory.keep_freed_memory()
+  if not os.path.isfile(os.path.join(args.reference_dir, "models.py")):
+    raise SystemExit(f"--reference_dir {args.reference_dir!r} has no models.py: "
+                     "it must be a checkout of facebookresearch/adaptive-span")
+  if args.threads:
+    import torch  # pylint: disable=g-import-not-at-top
+    torch.set_num_threads(args.threads)
+  rows = []
+  print("| case | s/step (median) | fastest | tokens/s | caches | torch, threads |")
+  print("|---|---|---|---|---|---|")
+  for case in args.cases:
+    r = measure(args.reference_dir, case, args.reps, flush_denormal=not args.keep_denormals)
+    rows.append(r)
+    print(f"| reference {case} | {r['seconds']:.3f} | {r['min_seconds']:.3f} | "
+          f"{r['tokens_per_s']:.0f} | {r['cache_sizes']} | {r['torch']}, {r['threads']} |",
+          flush=True)
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()
