@@ -748,6 +748,77 @@ def test_banded_attention_values_and_gradients_match_dense(w, m, chunk, mode, n_
                                err_msg=f"argument {i}", **tol)
 
 
+@pytest.mark.parametrize("mode,dtype", [("fixed", "float32"), ("adaptive", "float32"),
+                                        ("fixed", "bfloat16"), ("adaptive", "bfloat16")])
+def test_banded_attention_dropout_matches_dense(mode, dtype):
+  """Key coordinates with dropout (attention._attend_keyed takes the dropout's scaled keep mask
+  and differentiates by dO . out): one chunk, whose (C, W + C) key coordinates are the dense
+  definition's (M, T), so the same keep mask applies to both; values and every gradient."""
+  from span_lm.model import attention
+  rng = np.random.default_rng(5)
+  g_, dh, w, m, rate = 2, 4, 24, 8, 0.3
+  arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
+  q, k, v, pe = arr(B, g_, m, dh), arr(B, g_, dh, w + m), arr(B, g_, dh, w + m), arr(dh, w)
+  keep = jnp.asarray((rng.uniform(size=(B, g_, m, w + m)) > rate) / (1 - rate), jnp.float32)
+  z = jnp.asarray(rng.uniform(1, w + 2, size=(g_,)), jnp.float32)
+  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
+  mask_of = lambda z: None if mode == "fixed" else spans.soft_mask(
+      z[None, :, None, None], dist[None, None, None, :], 3)
+
+  def ours(q, k, v, pe, z):
+    return attention.banded_attention(
+        q, k, v, pe, mask=mask_of(z), positions_last=True,
+        dropout=lambda p: p * keep.reshape(p.shape))[0]
+
+  def dense(q, k, v, pe, z):  # _dense_attention with the keep mask on the weights
+    q, k, v, pe = (a.astype(jnp.float32) for a in (q, k, v, pe))
+    k, v = k.swapaxes(2, 3), v.swapaxes(2, 3)
+    d_ = w + np.arange(m)[:, None] - np.arange(w + m)[None, :]
+    valid = (d_ >= 1) & (d_ <= w)
+    col = jnp.asarray(np.broadcast_to(np.clip(w - d_, 0, w - 1), (B, g_, m, w + m)))
+    pos = jnp.take_along_axis(jnp.einsum("bgmd,dw->bgmw", q, pe), col, axis=3)
+    logits = jnp.where(valid, (jnp.einsum("bgmd,bgtd->bgmt", q, k) + pos) / np.sqrt(dh), -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if mode != "fixed":
+      mask_t = jnp.where(valid, jnp.take_along_axis(
+          jnp.broadcast_to(mask_of(z), (B, g_, m, w)), col, axis=3), 0.0)
+      probs = probs * mask_t
+      probs = probs / (jnp.sum(probs, -1, keepdims=True) + 1e-8)
+    return jnp.einsum("bgmt,bgtd->bgmd", probs * keep, v)
+
+  assert attention.long_band(attention.choose_chunk(m, w), w)
+  ct = jnp.asarray(rng.normal(size=(B, g_, m, dh)), jnp.float32)
+  argnums = (0, 1, 2, 3) + ((4,) if mode != "fixed" else ())
+  got, want = (
+      (jax.jit(f)(q, k, v, pe, z), jax.jit(jax.grad(
+          lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct), argnums=argnums))(
+              q, k, v, pe, z)) for f in (ours, dense))
+  tol = dict(rtol=3e-2, atol=3e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0]), **tol)
+  for i, a, b in zip(argnums, got[1], want[1]):
+    assert a.shape == b.shape and float(jnp.max(jnp.abs(b.astype(jnp.float32)))) > 0, i
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               err_msg=f"argument {i}", **tol)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_split_rows_last_equals_reshape(dtype):
+  """attention._split_rows_last (custom VJP writing both gradients in one pass) equals the plain
+  reshape/transpose split of the (2 G Dh, B, T) projections, in values and in the gradient."""
+  from span_lm.model import attention
+  rng = np.random.default_rng(3)
+  g_, dh, b, t = 2, 3, 4, 5
+  kv = jnp.asarray(rng.normal(size=(2 * g_ * dh, b, t)), dtype)
+  plain = lambda a: tuple(a.reshape(2, g_, dh, b, t).transpose(0, 3, 1, 2, 4))
+  cts = tuple(jnp.asarray(rng.normal(size=(b, g_, dh, t)), dtype) for _ in range(2))
+  for got, want in zip(attention._split_rows_last(kv, g_), plain(kv)):
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  got, = jax.vjp(lambda a: attention._split_rows_last(a, g_), kv)[1](cts)
+  want, = jax.vjp(plain, kv)[1](cts)
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_project_rows_last_gradients_and_dead_cache_gradient(dtype):
   """attention._project_rows_last (one matmul over [cache; block], custom VJP) equals the einsum

@@ -277,16 +277,74 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
       probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
     probs = probs.reshape(b, g, n, c, kw)
 
-  dropped = dropout(probs) if dropout is not None else probs
-  dropped = dropped.astype(v.dtype)
-  p_band = dropped[..., :kw] if keyed else skew(dropped[..., :kw])
-  out = precision.einsum(f"bgnck,bgn{kd}->bgncd", p_band, v_win, jnp.float32)
+  if keyed and pers_k_GxDxN is None:  # the softmax backward from dO . out (see _attend_keyed)
+    keep = None if dropout is None else dropout(jnp.ones(probs.shape, jnp.float32))
+    out = _attend_keyed(logits, mask, keep, v_win, kd, eps)
+  else:
+    dropped = dropout(probs) if dropout is not None else probs
+    dropped = dropped.astype(v.dtype)
+    p_band = dropped[..., :kw] if keyed else skew(dropped[..., :kw])
+    out = precision.einsum(f"bgnck,bgn{kd}->bgncd", p_band, v_win, jnp.float32)
   if pers_k_GxDxN is not None:
     out = out + precision.einsum("bgncp,gpd->bgncd", dropped[..., kw:],
                                  pers_v_GxNxD.astype(dropped.dtype), jnp.float32)
   if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
     probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
   return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _attend_keyed(logits, mask, keep, v_win, kd: str, eps: float):
+  """Weights x values for scores in key coordinates, (B, G, 1, C, Dh) in float32:
+  p = softmax(logits), masked and renormalised (p m / (sum p m + eps)) when mask is given,
+  times keep (the dropout's scaled keep mask) when given, then p @ v.
+
+  Why a custom VJP: the softmax backward needs each row's sum(dP * p), and dP . p is dO . out
+  (FlashAttention's identity), a sum over Dh columns instead of over W + C. Autodiff read the
+  (C, W + C) weights and their gradient twice for it, and XLA:CPU fused that reduction into the
+  dO v^T matmul, which then ran at 70-110 GFLOP/s; here dP is a plain matmul and the rest one
+  elementwise pass (fixed-span bf16 step on two cores: 0.367-0.372 against 0.388-0.395 s)."""
+  return _attend_fwd(logits, mask, keep, v_win, kd, eps)[0]
+
+
+def _mm(spec, a, b):
+  if a.dtype in precision.LOW:
+    return precision.contract(spec, a, b)
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
+def _attend_fwd(logits, mask, keep, v_win, kd, eps):
+  shape = logits.shape
+  e = jax.nn.softmax(logits.reshape(-1, shape[-1]), axis=-1).reshape(shape)
+  p, den = e, None
+  if mask is not None:
+    u = e * mask
+    den = jnp.sum(u, axis=-1, keepdims=True) + eps
+    p = u / den
+  p_v = (p if keep is None else p * keep).astype(v_win.dtype)
+  out = _mm(f"bgnck,bgn{kd}->bgncd", p_v, v_win)
+  return out, (p, e if mask is not None else None, den, mask, keep, p_v, v_win, out)
+
+
+def _attend_bwd(kd, eps, res, d_out):
+  p, e, den, mask, keep, p_v, v_win, out = res
+  d_v = d_out.astype(v_win.dtype)
+  dp = _mm(f"bgncd,bgn{kd}->bgnck", d_v, v_win)  # gradient of the weights as multiplied
+  dv = _mm(f"bgnck,bgncd->bgn{kd}", p_v, d_v).astype(v_win.dtype)
+  if keep is not None:
+    dp = dp * keep
+  rowdot = jnp.sum(d_out * out, axis=-1, keepdims=True)  # = sum(dp * p) over the row
+  if mask is None:
+    return p * (dp - rowdot), None, None, dv
+  # p = e m / den: d(e m) = (dp - rowdot) / den; the softmax's own row sum is rowdot eps / den.
+  du = (dp - rowdot) / den
+  d_logits = p * (dp - rowdot) - e * (rowdot * eps / den)
+  axes = tuple(a for a in range(du.ndim) if mask.shape[a] == 1 and du.shape[a] > 1)
+  d_mask = jnp.sum(du * e, axis=axes, keepdims=True) if axes else du * e
+  return d_logits, d_mask, None, dv
+
+
+_attend_keyed.defvjp(_attend_fwd, _attend_bwd)
 
 
 @jax.custom_vjp
@@ -324,6 +382,32 @@ def _rows_bwd(res, g_ZxBxT):
 
 
 _project_rows_last.defvjp(_rows_fwd, _rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _split_rows_last(kv_ZxBxT, g: int):
+  """(2 G Dh, B, T) projections -> keys, values, each (B, G, Dh, T) (rows of T move whole).
+
+  The backward pass writes the two gradients into the projection's (Z, B, T) layout in one
+  pass; autodiff of the split padded each to the stacked shape, added them and transposed the
+  sum (with bf16 -> f32 -> bf16 converts around the add): two passes at 3-9 GB/s."""
+  return _split_fwd(kv_ZxBxT, g)[0]
+
+
+def _split_fwd(kv_ZxBxT, g):
+  z, b, t = kv_ZxBxT.shape
+  kv = kv_ZxBxT.reshape(2, g, z // (2 * g), b, t).transpose(0, 3, 1, 2, 4)
+  return (kv[0], kv[1]), None
+
+
+def _split_bwd(g, _, cts):
+  dk_BxGxDxT, dv_BxGxDxT = cts
+  b, _, dh, t = dk_BxGxDxT.shape
+  both = jnp.stack([dk_BxGxDxT, dv_BxGxDxT]).transpose(0, 2, 3, 1, 4)  # 2 G Dh B T
+  return (both.reshape(2 * g * dh, b, t),)
+
+
+_split_rows_last.defvjp(_split_fwd, _split_bwd)
 
 
 def _selector(ids, width: int = 1):
@@ -497,7 +581,7 @@ class SeqAttention(nn.Module):
       kv_ZxBxT = jnp.concatenate(
           [precision.einsum("btd,dz->zbt", cache[:, cache.shape[1] - w:], w_kv),
            precision.einsum("bmd,dz->zbm", h_in, w_kv)], axis=2)
-    return kv_ZxBxT.reshape(2, g, dh, b, w + m).transpose(0, 3, 1, 2, 4)  # rows of T move
+    return _split_rows_last(kv_ZxBxT, g)
 
   def _ring(self, q, ring, key_pe_DxS, pos, z_H, z_BxMxH, pers_k, pers_v,
             eps: float = 1e-8):

@@ -103,7 +103,10 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
 
   Itemised from what autodiff saves for this implementation (checked in float32 against
   jax's saved residuals in tests/test_tools.py): per head group the keys/values the chunks
-  read, one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
+  read; for long bands without persistent memory (attention._attend_keyed) the select's bool
+  and float32 logits, the float32 probabilities (with a span mask also the exponentiated
+  scores, the row sums and the mask), and the weights as the value matmul reads them when they
+  are a cast or dropped copy; otherwise one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
   stay in key coordinates; three with an adaptive span mask: exp, probabilities, masked
   probabilities, the per-head mask itself not materialised in bands, (C, W + C) in key
   coordinates, plus the select's bool and float32 outputs; six with a dynamic one, whose mask is
@@ -128,6 +131,20 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
       # residual is the step's input itself, not a new buffer).
       it["kv_input"] += b * (m + (w if w < lp.cache_len else 0)) * d * act
       it["keys_values"] += 2 * b * g * (m // c) * (w + c) * dh * act
+      if long_band(c, w) and not cfg.pers_mem:  # attention._attend_keyed's own residuals
+        band = b * g * m * (w + c)
+        # probabilities; + exp and the per-token mask (dynamic) and row sums when masked
+        it["score_bands"] += band * {"fixed": 1, "adaptive": 2, "dynamic": 3}[cfg.span_mode] * f32
+        it["score_bands"] += band * (1 + f32)  # the select putting -inf off the band
+        if cfg.span_mode != "fixed":
+          it["score_bands"] += b * g * m * f32
+        if cfg.span_mode == "adaptive":  # the per-head span mask, in key coordinates
+          it["score_bands"] += g * c * (w + c) * f32
+        if cfg.span_mode == "dynamic":  # the per-token ramp's clip, in band coordinates
+          it["score_bands"] += 2 * b * g * m * w * f32
+        # the weights the value matmul reads: the probabilities themselves unless cast or dropped
+        it["weights"] += band * (act if act != f32 or drop else 0) + (band * f32 if drop else 0)
+        continue
       it["score_bands"] += b * g * m * (width * bands + (2 if bands == 1 else 4)) * f32
       it["weights"] += b * g * m * (w + c) * act
       if long_band(c, w):  # the select putting -inf off the band keeps its mask and output
