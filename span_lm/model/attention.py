@@ -303,14 +303,25 @@ def _attend_keyed(logits, mask, keep, v_win, kd: str, eps: float):
   (FlashAttention's identity), a sum over Dh columns instead of over W + C. Autodiff read the
   (C, W + C) weights and their gradient twice for it, and XLA:CPU fused that reduction into the
   dO v^T matmul, which then ran at 70-110 GFLOP/s; here dP is a plain matmul and the rest one
-  elementwise pass (fixed-span bf16 step on two cores: 0.367-0.372 against 0.388-0.395 s)."""
+  elementwise pass (fixed-span bf16 step on two cores: 0.367-0.372 against 0.388-0.395 s).
+  Low-precision models without dropout keep the weights once, as the value matmul reads them
+  (bf16), instead of also in float32: half the residual bytes of a score band and one convert
+  pass fewer; the backward's d_logits is rounded to bf16 by all its consumers anyway."""
   return _attend_fwd(logits, mask, keep, v_win, kd, eps)[0]
 
 
 def _mm(spec, a, b):
+  """einsum "bgn..,bgn..->bgn.." in float32 with (b, g, n) merged into one batch dim: the dot's
+  output then keeps a row-major layout (with n = 1 as its own dim, XLA:CPU laid out the output
+  of the dO v^T matmul with n outermost and copied it back, 5 ms per layer on one core)."""
+  lead = a.shape[:3]
+  a, b = a.reshape((-1,) + a.shape[3:]), b.reshape((-1,) + b.shape[3:])
+  spec = spec.replace("bgn", "z")
   if a.dtype in precision.LOW:
-    return precision.contract(spec, a, b)
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+    out = precision.contract(spec, a, b)
+  else:
+    out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  return out.reshape(lead + out.shape[1:])
 
 
 def _attend_fwd(logits, mask, keep, v_win, kd, eps):
@@ -323,11 +334,15 @@ def _attend_fwd(logits, mask, keep, v_win, kd, eps):
     p = u / den
   p_v = (p if keep is None else p * keep).astype(v_win.dtype)
   out = _mm(f"bgnck,bgn{kd}->bgncd", p_v, v_win)
+  if keep is None and p_v.dtype != p.dtype:  # bf16/f16: the weights are kept once, as cast
+    p = None
   return out, (p, e if mask is not None else None, den, mask, keep, p_v, v_win, out)
 
 
 def _attend_bwd(kd, eps, res, d_out):
   p, e, den, mask, keep, p_v, v_win, out = res
+  if p is None:  # every consumer of d_logits rounds it to bf16/f16 anyway
+    p = p_v.astype(jnp.float32)
   d_v = d_out.astype(v_win.dtype)
   dp = _mm(f"bgncd,bgn{kd}->bgnck", d_v, v_win)  # gradient of the weights as multiplied
   dv = _mm(f"bgnck,bgncd->bgn{kd}", p_v, d_v).astype(v_win.dtype)

@@ -104,9 +104,9 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   Itemised from what autodiff saves for this implementation (checked in float32 against
   jax's saved residuals in tests/test_tools.py): per head group the keys/values the chunks
   read; for long bands without persistent memory (attention._attend_keyed) the select's bool
-  and float32 logits, the float32 probabilities (with a span mask also the exponentiated
-  scores, the row sums and the mask), and the weights as the value matmul reads them when they
-  are a cast or dropped copy; otherwise one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
+  and float32 logits, the weights as the value matmul reads them (with dropout also the float32
+  probabilities and the keep mask; with a span mask also the exponentiated scores, the row sums
+  and the mask); otherwise one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
   stay in key coordinates; three with an adaptive span mask: exp, probabilities, masked
   probabilities, the per-head mask itself not materialised in bands, (C, W + C) in key
   coordinates, plus the select's bool and float32 outputs; six with a dynamic one, whose mask is
@@ -133,8 +133,8 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
       it["keys_values"] += 2 * b * g * (m // c) * (w + c) * dh * act
       if long_band(c, w) and not cfg.pers_mem:  # attention._attend_keyed's own residuals
         band = b * g * m * (w + c)
-        # probabilities; + exp and the per-token mask (dynamic) and row sums when masked
-        it["score_bands"] += band * {"fixed": 1, "adaptive": 2, "dynamic": 3}[cfg.span_mode] * f32
+        # with a mask: the exponentiated scores (+ the per-token mask, dynamic) and row sums
+        it["score_bands"] += band * {"fixed": 0, "adaptive": 1, "dynamic": 2}[cfg.span_mode] * f32
         it["score_bands"] += band * (1 + f32)  # the select putting -inf off the band
         if cfg.span_mode != "fixed":
           it["score_bands"] += b * g * m * f32
@@ -142,8 +142,9 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
           it["score_bands"] += g * c * (w + c) * f32
         if cfg.span_mode == "dynamic":  # the per-token ramp's clip, in band coordinates
           it["score_bands"] += 2 * b * g * m * w * f32
-        # the weights the value matmul reads: the probabilities themselves unless cast or dropped
-        it["weights"] += band * (act if act != f32 or drop else 0) + (band * f32 if drop else 0)
+        # the weights as the value matmul reads them (float32: the probabilities themselves);
+        # with dropout also the float32 probabilities and the keep mask
+        it["weights"] += band * act + (2 * band * f32 if drop else 0)
         continue
       it["score_bands"] += b * g * m * (width * bands + (2 if bands == 1 else 4)) * f32
       it["weights"] += b * g * m * (w + c) * act
