@@ -1,0 +1,16 @@
+"""bench/reference_step.py: what it checks before PyTorch is needed (CI has no torch)."""
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_refuses_a_directory_that_is_not_the_reference(tmp_path):
+  (tmp_path / "README.md").write_text("not adaptive-span")
+  out = subprocess.run([sys.executable, os.path.join(REPO, "bench", "reference_step.py"),
+                        "--reference_dir", str(tmp_path)], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+  assert out.returncode != 0
+  assert "has no models.py" in out.stderr and "facebookresearch/adaptive-span" in out.stderr
+  assert "Traceback" not in out.stderr  # a clear message, not a crash in torch's import
