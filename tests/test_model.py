@@ -751,7 +751,7 @@ def test_banded_attention_values_and_gradients_match_dense(w, m, chunk, mode, n_
 @pytest.mark.parametrize("mode,dtype", [("fixed", "float32"), ("adaptive", "float32"),
                                         ("fixed", "bfloat16"), ("adaptive", "bfloat16")])
 def test_banded_attention_dropout_matches_dense(mode, dtype):
-  """Key coordinates with dropout (attention._attend_keyed takes the dropout's scaled keep mask
+  """Key coordinates with dropout (attention._keyed_attention takes the dropout's scaled keep mask
   and differentiates by dO . out): one chunk, whose (C, W + C) key coordinates are the dense
   definition's (M, T), so the same keep mask applies to both; values and every gradient."""
   from span_lm.model import attention

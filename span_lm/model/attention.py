@@ -277,9 +277,9 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
       probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
     probs = probs.reshape(b, g, n, c, kw)
 
-  if keyed and pers_k_GxDxN is None:  # the softmax backward from dO . out (see _attend_keyed)
+  if keyed and pers_k_GxDxN is None:  # one custom VJP (the scores above are for `probs` only)
     keep = None if dropout is None else dropout(jnp.ones(probs.shape, jnp.float32))
-    out = _attend_keyed(logits, mask, keep, v_win, kd, eps)
+    out = _keyed_attention(q, k_win, v_win, key_pe_DxW.astype(q.dtype), mask, keep, kd, eps)
   else:
     dropped = dropout(probs) if dropout is not None else probs
     dropped = dropped.astype(v.dtype)
@@ -293,38 +293,45 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
   return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attend_keyed(logits, mask, keep, v_win, kd: str, eps: float):
-  """Weights x values for scores in key coordinates, (B, G, 1, C, Dh) in float32:
-  p = softmax(logits), masked and renormalised (p m / (sum p m + eps)) when mask is given,
-  times keep (the dropout's scaled keep mask) when given, then p @ v.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _keyed_attention(q, k_win, v_win, pe, mask, keep, kd: str, eps: float):
+  """Attention of one chunk per (b, g, n) in key coordinates, (B, G, N, C, Dh) in float32:
+  logits = (q k^T + skew(q pe)) / sqrt(Dh), -inf off the band; p = softmax(logits), masked and
+  renormalised (p m / (sum p m + eps)) when mask is given, times keep (the dropout's scaled keep
+  mask) when given; out = p @ v. k_win/v_win are (B, G, N, Dh, W + C) for kd = "dk" (positions
+  last), else (B, G, N, W + C, Dh); pe is (Dh, W).
 
-  Why a custom VJP: the softmax backward needs each row's sum(dP * p), and dP . p is dO . out
-  (FlashAttention's identity), a sum over Dh columns instead of over W + C. Autodiff read the
-  (C, W + C) weights and their gradient twice for it, and XLA:CPU fused that reduction into the
-  dO v^T matmul, which then ran at 70-110 GFLOP/s; here dP is a plain matmul and the rest one
-  elementwise pass (fixed-span bf16 step on two cores: 0.367-0.372 against 0.388-0.395 s).
-  Low-precision models without dropout keep the weights once, as the value matmul reads them
-  (bf16), instead of also in float32: half the residual bytes of a score band and one convert
-  pass fewer; the backward's d_logits is rounded to bf16 by all its consumers anyway."""
-  return _attend_fwd(logits, mask, keep, v_win, kd, eps)[0]
+  Why a custom VJP: (1) the softmax backward needs each row's sum(dP * p), which is dO . out
+  (FlashAttention's identity, also with the mask and dropout): a sum over Dh columns instead of
+  W + C. Autodiff read the weights and their gradient twice for it, and YNNPACK fused that
+  reduction into the dO v^T matmul at 71-113 GFLOP/s. (2) The scores' gradient is written once,
+  scaled and in the operands' dtype, for both its matmuls and the position term's unskew;
+  autodiff wrote it in float32 and converted it twice (two passes at ~4 GB/s per layer).
+  (3) bf16/f16 without dropout keep the weights once, as the value matmul reads them. Fixed-span
+  bf16 step, two cores: 0.353-0.355 against 0.363-0.364 s (one custom VJP over the weights only)
+  and 0.388-0.395 s (autodiff)."""
+  return _keyed_fwd(q, k_win, v_win, pe, mask, keep, kd, eps)[0]
+
+
+def _dot32(spec, a, b):
+  """Two-operand einsum accumulating in float32 (bf16/f16 laid out by precision.contract)."""
+  if a.dtype in precision.LOW:
+    return precision.contract(spec, a, b)
+  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 def _mm(spec, a, b):
-  """einsum "bgn..,bgn..->bgn.." in float32 with (b, g, n) merged into one batch dim: the dot's
-  output then keeps a row-major layout (with n = 1 as its own dim, XLA:CPU laid out the output
-  of the dO v^T matmul with n outermost and copied it back, 5 ms per layer on one core)."""
+  """_dot32 of "bgn..,bgn..->bgn.." with (b, g, n) merged into one batch dim: the dot's output
+  then keeps a row-major layout (with n = 1 as its own dim, XLA:CPU laid out the output of the
+  dO v^T matmul with n outermost and copied it back, 5 ms per layer on one core)."""
   lead = a.shape[:3]
-  a, b = a.reshape((-1,) + a.shape[3:]), b.reshape((-1,) + b.shape[3:])
-  spec = spec.replace("bgn", "z")
-  if a.dtype in precision.LOW:
-    out = precision.contract(spec, a, b)
-  else:
-    out = jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  out = _dot32(spec.replace("bgn", "z"), a.reshape((-1,) + a.shape[3:]),
+               b.reshape((-1,) + b.shape[3:]))
   return out.reshape(lead + out.shape[1:])
 
 
-def _attend_fwd(logits, mask, keep, v_win, kd, eps):
+def _weights_fwd(logits, mask, keep, v_win, kd, eps):
+  """softmax, mask, dropout, p @ v; returns out and the residuals of _weights_bwd."""
   shape = logits.shape
   e = jax.nn.softmax(logits.reshape(-1, shape[-1]), axis=-1).reshape(shape)
   p, den = e, None
@@ -339,27 +346,53 @@ def _attend_fwd(logits, mask, keep, v_win, kd, eps):
   return out, (p, e if mask is not None else None, den, mask, keep, p_v, v_win, out)
 
 
-def _attend_bwd(kd, eps, res, d_out):
+def _weights_bwd(kd, eps, res, d_out, scale: float = 1.0):
+  """Gradients of _weights_fwd: d_logits (times scale), d_mask, None for keep, dv."""
   p, e, den, mask, keep, p_v, v_win, out = res
   if p is None:  # every consumer of d_logits rounds it to bf16/f16 anyway
     p = p_v.astype(jnp.float32)
   d_v = d_out.astype(v_win.dtype)
-  dp = _mm(f"bgncd,bgn{kd}->bgnck", d_v, v_win)  # gradient of the weights as multiplied
   dv = _mm(f"bgnck,bgncd->bgn{kd}", p_v, d_v).astype(v_win.dtype)
+  if mask is None and keep is None:  # d_logits * scale, the scale folded into dO (small)
+    dp = _mm(f"bgncd,bgn{kd}->bgnck", (d_out * scale).astype(v_win.dtype), v_win)
+    rowdot = jnp.sum(d_out * out, axis=-1, keepdims=True) * scale
+    return p * (dp - rowdot), None, None, dv
+  dp = _mm(f"bgncd,bgn{kd}->bgnck", d_v, v_win)  # gradient of the weights as multiplied
   if keep is not None:
     dp = dp * keep
   rowdot = jnp.sum(d_out * out, axis=-1, keepdims=True)  # = sum(dp * p) over the row
   if mask is None:
-    return p * (dp - rowdot), None, None, dv
+    return p * (dp - rowdot) * scale, None, None, dv
   # p = e m / den: d(e m) = (dp - rowdot) / den; the softmax's own row sum is rowdot eps / den.
   du = (dp - rowdot) / den
-  d_logits = p * (dp - rowdot) - e * (rowdot * eps / den)
+  d_logits = (p * (dp - rowdot) - e * (rowdot * eps / den)) * scale
   axes = tuple(a for a in range(du.ndim) if mask.shape[a] == 1 and du.shape[a] > 1)
   d_mask = jnp.sum(du * e, axis=axes, keepdims=True) if axes else du * e
   return d_logits, d_mask, None, dv
 
 
-_attend_keyed.defvjp(_attend_fwd, _attend_bwd)
+def _keyed_fwd(q, k_win, v_win, pe, mask, keep, kd, eps):
+  c, dh, w = q.shape[3], q.shape[4], pe.shape[1]
+  cont = _mm(f"bgncd,bgn{kd}->bgnck", q, k_win)
+  pos = _dot32("bgncd,dw->bgncw", q, pe)
+  logits = jnp.where(_on_band(c, w), (cont + _skew_take(pos)) / math.sqrt(dh), -jnp.inf)
+  out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps)
+  return out, (res, q, k_win, pe)
+
+
+def _keyed_bwd(kd, eps, res, d_out):
+  res, q, k_win, pe = res
+  dh, w = q.shape[4], pe.shape[1]
+  d_logits, d_mask, _, dv = _weights_bwd(kd, eps, res, d_out, 1 / math.sqrt(dh))
+  ds = d_logits.astype(q.dtype)  # zero off the band, where the weights are (no select)
+  d_pos = _unskew_pad(ds, w)
+  dq = (_mm(f"bgnck,bgn{kd}->bgncd", ds, k_win) + _dot32("bgncw,dw->bgncd", d_pos, pe))
+  dk = _mm(f"bgncd,bgnck->bgn{kd}", q, ds)
+  dpe = _dot32("bgncd,bgncw->dw", q, d_pos)
+  return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, dpe.astype(pe.dtype), d_mask, None)
+
+
+_keyed_attention.defvjp(_keyed_fwd, _keyed_bwd)
 
 
 @jax.custom_vjp

@@ -103,10 +103,9 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
 
   Itemised from what autodiff saves for this implementation (checked in float32 against
   jax's saved residuals in tests/test_tools.py): per head group the keys/values the chunks
-  read; for long bands without persistent memory (attention._attend_keyed) the select's bool
-  and float32 logits, the weights as the value matmul reads them (with dropout also the float32
-  probabilities and the keep mask; with a span mask also the exponentiated scores, the row sums
-  and the mask); otherwise one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
+  read; for long bands without persistent memory (attention._keyed_attention) the weights as
+  the value matmul reads them (with dropout also the float32 probabilities and the keep mask;
+  with a span mask also the exponentiated scores, the row sums and the mask); otherwise one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
   stay in key coordinates; three with an adaptive span mask: exp, probabilities, masked
   probabilities, the per-head mask itself not materialised in bands, (C, W + C) in key
   coordinates, plus the select's bool and float32 outputs; six with a dynamic one, whose mask is
@@ -131,11 +130,10 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
       # residual is the step's input itself, not a new buffer).
       it["kv_input"] += b * (m + (w if w < lp.cache_len else 0)) * d * act
       it["keys_values"] += 2 * b * g * (m // c) * (w + c) * dh * act
-      if long_band(c, w) and not cfg.pers_mem:  # attention._attend_keyed's own residuals
+      if long_band(c, w) and not cfg.pers_mem:  # attention._keyed_attention's own residuals
         band = b * g * m * (w + c)
         # with a mask: the exponentiated scores (+ the per-token mask, dynamic) and row sums
         it["score_bands"] += band * {"fixed": 0, "adaptive": 1, "dynamic": 2}[cfg.span_mode] * f32
-        it["score_bands"] += band * (1 + f32)  # the select putting -inf off the band
         if cfg.span_mode != "fixed":
           it["score_bands"] += b * g * m * f32
         if cfg.span_mode == "adaptive":  # the per-head span mask, in key coordinates
