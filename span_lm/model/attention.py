@@ -10,7 +10,9 @@ chunk needs only the W + C keys ending at its last query, so the work per query 
 instead of O(M + W). With C ~ W this is what makes short learned spans cheap (the reference
 computes the full (M, M + L) score matrix of every head and only then drops the unused part).
 Long bands (`long_band`: W >= 2C) keep their scores in key coordinates instead, (C, W + C) with
--inf off the band, and skew only the position term, by a gather.
+-inf off the band, and skew only the position term, by a gather; without persistent memory they
+run as one custom VJP (`_keyed_attention`), whose backward takes the softmax's row sums from
+dO . out and writes the scores' gradient once.
 """
 import functools
 import math
