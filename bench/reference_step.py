@@ -24,8 +24,9 @@ Two settings make the comparison fair, both on by default:
 - glibc malloc with one arena, no mmap'd chunks and no trimming (span_lm/train/host_memory.py,
   what span_lm's own benchmarks and `main.py` apply on CPU hosts; `--system_malloc` to compare).
 Cases:
-  short  adaptive span, every z' at (64 - R) / S (span + ramp = 64): the reference trims each
-         layer to 64 keys and a 128-state cache, as after ~1000 steps of the tiny run
+  short  adaptive span, every z' at (64 - R) / S (span + ramp = 64, `--short_span`): the
+         reference trims each layer to 64 keys and a 128-state cache, as after ~1000 steps of
+         the tiny run
   fixed  fixed span S=1024 (no span parameters, 1024-state caches)
 """
 
@@ -108,6 +109,8 @@ def main():
                  help="a checkout of facebookresearch/adaptive-span")
   p.add_argument("--cases", nargs="+", default=["short", "fixed"], choices=["short", "fixed"])
   p.add_argument("--reps", type=int, default=10)
+  p.add_argument("--short_span", type=int, default=64,
+                 help="span + ramp of every head in the short case (1024: all spans long)")
   p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
   p.add_argument("--keep_denormals", action="store_true",
                  help="PyTorch's default: denormal floats computed in full (slow on x86)")
@@ -129,7 +132,8 @@ def main():
   print("| case | s/step (median) | fastest | tokens/s | caches | torch, threads |")
   print("|---|---|---|---|---|---|")
   for case in args.cases:
-    r = measure(args.reference_dir, case, args.reps, flush_denormal=not args.keep_denormals)
+    r = measure(args.reference_dir, case, args.reps, short_span=args.short_span,
+                flush_denormal=not args.keep_denormals)
     rows.append(r)
     print(f"| reference {case} | {r['seconds']:.3f} | {r['min_seconds']:.3f} | "
           f"{r['tokens_per_s']:.0f} | {r['cache_sizes']} | {r['torch']}, {r['threads']} |",

@@ -171,7 +171,8 @@ def worker(spec: dict) -> dict:
 def run_reference(args, case: str) -> dict:
   """bench/reference_step.py for one case in its own process; prints its row."""
   cmd = [args.reference_python, os.path.join(REPO, "bench", "reference_step.py"),
-         "--reference_dir", args.reference_dir, "--cases", case, "--reps", str(args.reps)]
+         "--reference_dir", args.reference_dir, "--cases", case, "--reps", str(args.reps),
+         "--short_span", str(args.short_span)]
   if args.system_malloc:
     cmd.append("--system_malloc")
   with tempfile.NamedTemporaryFile(suffix=".json") as f:
