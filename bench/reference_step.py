@@ -7,7 +7,8 @@ adagrad_with_grad_clip.py, persistent_memory.py, adaptive_io.py), neither of whi
 
   pip install torch  # in any environment; span_lm itself is not imported here
   python bench/reference_step.py --reference_dir ~/src/adaptive-span --cases short fixed --reps 20
-  python bench/train_step.py --reference_dir ~/src/adaptive-span --reference_python ~/torch/bin/python
+  python bench/train_step.py --reference_dir ~/src/adaptive-span \
+      --reference_python ~/torch/bin/python
       # span_lm and the reference alternating in one run ("vs reference" from the measured times)
 
 The step is the reference trainer's `_train_batch` for a batch split of 1: zero the gradients, run

@@ -802,18 +802,28 @@ def test_banded_attention_dropout_matches_dense(mode, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_split_rows_last_equals_reshape(dtype):
-  """attention._split_rows_last (custom VJP writing both gradients in one pass) equals the plain
-  reshape/transpose split of the (2 G Dh, B, T) projections, in values and in the gradient."""
+@pytest.mark.parametrize("last", [True, False])
+def test_split_rows_equals_reshape(dtype, last):
+  """attention._split_rows_last / _split_rows_first (custom VJPs writing both gradients in one
+  pass) equal the plain reshape/transpose split of the (2 G Dh, B, T) or (B, T, 2 G Dh)
+  projections, in values and in the gradient."""
   from span_lm.model import attention
   rng = np.random.default_rng(3)
   g_, dh, b, t = 2, 3, 4, 5
-  kv = jnp.asarray(rng.normal(size=(2 * g_ * dh, b, t)), dtype)
-  plain = lambda a: tuple(a.reshape(2, g_, dh, b, t).transpose(0, 3, 1, 2, 4))
-  cts = tuple(jnp.asarray(rng.normal(size=(b, g_, dh, t)), dtype) for _ in range(2))
-  for got, want in zip(attention._split_rows_last(kv, g_), plain(kv)):
+  if last:
+    kv = jnp.asarray(rng.normal(size=(2 * g_ * dh, b, t)), dtype)
+    split = attention._split_rows_last
+    plain = lambda a: tuple(a.reshape(2, g_, dh, b, t).transpose(0, 3, 1, 2, 4))
+    ct_shape = (b, g_, dh, t)
+  else:
+    kv = jnp.asarray(rng.normal(size=(b, t, 2 * g_ * dh)), dtype)
+    split = attention._split_rows_first
+    plain = lambda a: tuple(a.reshape(b, t, 2, g_, dh).transpose(2, 0, 3, 1, 4))
+    ct_shape = (b, g_, t, dh)
+  cts = tuple(jnp.asarray(rng.normal(size=ct_shape), dtype) for _ in range(2))
+  for got, want in zip(split(kv, g_), plain(kv)):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  got, = jax.vjp(lambda a: attention._split_rows_last(a, g_), kv)[1](cts)
+  got, = jax.vjp(lambda a: split(a, g_), kv)[1](cts)
   want, = jax.vjp(plain, kv)[1](cts)
   assert got.dtype == want.dtype
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

@@ -105,11 +105,13 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   jax's saved residuals in tests/test_tools.py): per head group the keys/values the chunks
   read; for long bands without persistent memory (attention._keyed_attention) the weights as
   the value matmul reads them (with dropout also the float32 probabilities and the keep mask;
-  with a span mask also the exponentiated scores, the row sums and the mask); otherwise one float32 (M, W) band of exponentiated scores ((M, W + C) for long bands, whose scores
-  stay in key coordinates; three with an adaptive span mask: exp, probabilities, masked
-  probabilities, the per-head mask itself not materialised in bands, (C, W + C) in key
-  coordinates, plus the select's bool and float32 outputs; six with a dynamic one, whose mask is
-  per token; the persistent vectors widen them by N) and the skewed (M, W + C) weights; per
+  with a span mask also the exponentiated scores, the row sums and the mask); otherwise one
+  float32 (M, W) band of exponentiated scores ((M, W + C) for long bands with persistent
+  memory, whose scores stay in key coordinates; three with an adaptive span mask: exp,
+  probabilities, masked probabilities, the per-head mask itself not materialised in bands,
+  (C, W + C) in key coordinates, plus the select's bool and float32 outputs; six with a dynamic
+  one, whose mask is per token; the persistent vectors widen them by N) and the skewed
+  (M, W + C) weights; per
   layer the key/value input rows, layer-norm and feed-forward intermediates. Dropout masks
   (train and dropout > 0) are approximate: a byte per element plus the dropped copy. With
   remat='layer' only the layer inputs and one layer's residuals are kept.
