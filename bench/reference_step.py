@@ -20,7 +20,7 @@ ramp 32, vocab 205, dropout 0, float32 (the reference has no mixed precision).
 Two settings make the comparison fair, both on by default:
 - Denormals flushed to zero (`torch.set_flush_denormal(True)`), as XLA:CPU runs: with random
   caches the reference's fixed-span backward produces denormal floats, and PyTorch, which keeps
-  them by default, then took 3.0-5.5 s per step instead of 0.80-0.92 s on the 2-core CPU
+  them by default, then took 3.0-5.6 s per step instead of 0.80-0.92 s on the 2-core CPU
   (`--keep_denormals` to see it).
 - glibc malloc with one arena, no mmap'd chunks and no trimming (span_lm/train/host_memory.py,
   what span_lm's own benchmarks and `main.py` apply on CPU hosts; `--system_malloc` to compare).

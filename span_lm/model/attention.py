@@ -315,20 +315,14 @@ def _keyed_attention(q, k_win, v_win, pe, mask, keep, kd: str, eps: float):
   return _keyed_fwd(q, k_win, v_win, pe, mask, keep, kd, eps)[0]
 
 
-def _dot32(spec, a, b):
-  """Two-operand einsum accumulating in float32 (bf16/f16 laid out by precision.contract)."""
-  if a.dtype in precision.LOW:
-    return precision.contract(spec, a, b)
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
-
-
 def _mm(spec, a, b):
-  """_dot32 of "bgn..,bgn..->bgn.." with (b, g, n) merged into one batch dim: the dot's output
-  then keeps a row-major layout (with n = 1 as its own dim, XLA:CPU laid out the output of the
-  dO v^T matmul with n outermost and copied it back, 5 ms per layer on one core)."""
+  """precision.einsum of "bgn..,bgn..->bgn.." in float32 with (b, g, n) merged into one batch
+  dim: the dot's output then keeps a row-major layout (with n = 1 as its own dim, XLA:CPU laid
+  out the output of the dO v^T matmul with n outermost and copied it back, 5 ms per layer on
+  one core)."""
   lead = a.shape[:3]
-  out = _dot32(spec.replace("bgn", "z"), a.reshape((-1,) + a.shape[3:]),
-               b.reshape((-1,) + b.shape[3:]))
+  out = precision.einsum(spec.replace("bgn", "z"), a.reshape((-1,) + a.shape[3:]),
+                         b.reshape((-1,) + b.shape[3:]), jnp.float32)
   return out.reshape(lead + out.shape[1:])
 
 
@@ -371,7 +365,7 @@ def _weights_bwd(kd, eps, res, d_out, scale: float = 1.0):
   d_mask = du * e
   if mask.shape[0] == 1 and d_mask.shape[0] > 1:
     d_mask = _sum_leading(d_mask)
-  axes = tuple(a for a in range(du.ndim) if mask.shape[a] == 1 and du.shape[a] > 1)
+  axes = tuple(a for a in range(d_mask.ndim) if mask.shape[a] == 1 and d_mask.shape[a] > 1)
   if axes:
     d_mask = jnp.sum(d_mask, axis=axes, keepdims=True)
   return d_logits, d_mask, None, dv
@@ -391,7 +385,7 @@ def _sum_leading(x):
 def _keyed_fwd(q, k_win, v_win, pe, mask, keep, kd, eps):
   c, dh, w = q.shape[3], q.shape[4], pe.shape[1]
   cont = _mm(f"bgncd,bgn{kd}->bgnck", q, k_win)
-  pos = _dot32("bgncd,dw->bgncw", q, pe)
+  pos = precision.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
   logits = jnp.where(_on_band(c, w), (cont + _skew_take(pos)) / math.sqrt(dh), -jnp.inf)
   out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps)
   return out, (res, q, k_win, pe)
@@ -403,9 +397,10 @@ def _keyed_bwd(kd, eps, res, d_out):
   d_logits, d_mask, _, dv = _weights_bwd(kd, eps, res, d_out, 1 / math.sqrt(dh))
   ds = d_logits.astype(q.dtype)  # zero off the band, where the weights are (no select)
   d_pos = _unskew_pad(ds, w)
-  dq = (_mm(f"bgnck,bgn{kd}->bgncd", ds, k_win) + _dot32("bgncw,dw->bgncd", d_pos, pe))
+  dq = (_mm(f"bgnck,bgn{kd}->bgncd", ds, k_win)
+        + precision.einsum("bgncw,dw->bgncd", d_pos, pe, jnp.float32))
   dk = _mm(f"bgncd,bgnck->bgn{kd}", q, ds)
-  dpe = _dot32("bgncd,bgncw->dw", q, d_pos)
+  dpe = precision.einsum("bgncd,bgncw->dw", q, d_pos, jnp.float32)
   return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, dpe.astype(pe.dtype), d_mask, None)
 
 
@@ -449,54 +444,45 @@ def _rows_bwd(res, g_ZxBxT):
 _project_rows_last.defvjp(_rows_fwd, _rows_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _split_rows_last(kv_ZxBxT, g: int):
-  """(2 G Dh, B, T) projections -> keys, values, each (B, G, Dh, T) (rows of T move whole).
-
-  The backward pass writes the two gradients into the projection's (Z, B, T) layout in one
-  pass; autodiff of the split padded each to the stacked shape, added them and transposed the
-  sum (with bf16 -> f32 -> bf16 converts around the add): two passes at 3-9 GB/s."""
-  return _split_fwd(kv_ZxBxT, g)[0]
-
-
-def _split_fwd(kv_ZxBxT, g):
+  """(2 G Dh, B, T) projections -> keys, values, each (B, G, Dh, T) (rows of T move whole)."""
   z, b, t = kv_ZxBxT.shape
-  kv = kv_ZxBxT.reshape(2, g, z // (2 * g), b, t).transpose(0, 3, 1, 2, 4)
-  return (kv[0], kv[1]), None
+  return _split_pair(kv_ZxBxT, (2, g, z // (2 * g), b, t), (0, 3, 1, 2, 4))
 
 
-def _split_bwd(g, _, cts):
-  dk_BxGxDxT, dv_BxGxDxT = cts
-  b, _, dh, t = dk_BxGxDxT.shape
-  both = jnp.stack([dk_BxGxDxT, dv_BxGxDxT]).transpose(0, 2, 3, 1, 4)  # 2 G Dh B T
-  return (both.reshape(2 * g * dh, b, t),)
-
-
-_split_rows_last.defvjp(_split_fwd, _split_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _split_rows_first(kv_BxTxZ, g: int):
-  """(B, T, 2 G Dh) projections -> keys, values, each (B, G, T, Dh); the backward writes both
-  gradients back in one pass, as `_split_rows_last` (autodiff's pad + add + convert chain ran at
-  1.0-1.3 GB/s: 2.4-3.0 ms per layer of the short-span bf16 step)."""
-  return _split_first_fwd(kv_BxTxZ, g)[0]
-
-
-def _split_first_fwd(kv_BxTxZ, g):
+  """(B, T, 2 G Dh) projections -> keys, values, each (B, G, T, Dh)."""
   b, t, z = kv_BxTxZ.shape
-  kv = kv_BxTxZ.reshape(b, t, 2, g, z // (2 * g)).transpose(2, 0, 3, 1, 4)
-  return (kv[0], kv[1]), None
+  return _split_pair(kv_BxTxZ, (b, t, 2, g, z // (2 * g)), (2, 0, 3, 1, 4))
 
 
-def _split_first_bwd(g, _, cts):
-  dk_BxGxTxD, dv_BxGxTxD = cts
-  b, _, t, dh = dk_BxGxTxD.shape
-  both = jnp.stack([dk_BxGxTxD, dv_BxGxTxD]).transpose(1, 3, 0, 2, 4)  # B T 2 G Dh
-  return (both.reshape(b, t, 2 * g * dh),)
+def _split_pair(x, shape, perm):
+  """x.reshape(shape).transpose(perm), whose leading dim of 2 is split into two arrays.
+
+  The backward pass writes both gradients back into x's layout in one pass; autodiff of the
+  split padded each to the stacked shape, added them and transposed the sum (with bf16 -> f32
+  -> bf16 converts around the add): passes at 1-9 GB/s, 2.4-6.2 ms per layer on one core."""
+  return _split_pair_vjp(x, x.shape, tuple(shape), tuple(perm))
 
 
-_split_rows_first.defvjp(_split_first_fwd, _split_first_bwd)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _split_pair_vjp(x, x_shape, shape, perm):
+  return _split_pair_fwd(x, x_shape, shape, perm)[0]
+
+
+def _split_pair_fwd(x, x_shape, shape, perm):
+  del x_shape
+  y = x.reshape(shape).transpose(perm)
+  return (y[0], y[1]), None
+
+
+def _split_pair_bwd(x_shape, shape, perm, _, cts):
+  del shape
+  both = jnp.stack(cts).transpose(np.argsort(perm))
+  return (both.reshape(x_shape),)
+
+
+_split_pair_vjp.defvjp(_split_pair_fwd, _split_pair_bwd)
 
 
 def _selector(ids, width: int = 1):
