@@ -6,6 +6,10 @@ block 128, batch 16. Cases per S:
   short     adaptive, every head's span + ramp within 64 tokens
   mixed     adaptive, one head per layer at the full S, the others short (head grouping on)
   mixed_nogroup  the same spans with head grouping off: the reference's per-layer trimming
+  long      adaptive, every head at the full S (an all-long layer with the span mask's costs)
+Issue 8's criteria are printed after the table: short spans' time at each S against the
+smallest S, and the mixed layer's attention time against what its heads' spans add up to (time
+per head-token-key of an all-long layer - `long`, else `fixed` - times the mixed plan's keys).
 Each case is a jitted value_and_grad of the training loss (span loss included) at its span plan;
 the compile time of each plan is reported too (the cost of one plan change).
 
@@ -41,6 +45,8 @@ def make_case(case: str, s: int, args):
       z = np.full(cfg.n_heads, short, np.float32)
       if case.startswith("mixed"):
         z[0] = 1.0
+      if case == "long":
+        z[:] = 1.0
       params[f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(z)
   plan = spans_lib.plan_from_params(cfg, params)
   spans_lib.check_plan(cfg, params, plan)
@@ -84,10 +90,36 @@ def time_case(cfg, plan, params, args):
   return float(np.median(time_compiled(compiled, params, args.reps))), compile_s
 
 
+def criteria(rows) -> list[str]:
+  """Issue 8's two cost-follows-spans criteria from the measured rows (see the docstring)."""
+  at = {(r["span"], r["case"]): r for r in rows}
+  spans = sorted({r["span"] for r in rows})
+  lines = []
+  short = [s for s in spans if (s, "short") in at]
+  for s in short[1:]:
+    ratio = at[(s, "short")]["seconds"] / at[(short[0], "short")]["seconds"]
+    lines.append(f"short spans, S={s} against S={short[0]}: {ratio:.2f}x (target <= 1.15x)")
+  for s in spans:
+    short_row, mixed = at.get((s, "short")), at.get((s, "mixed"))
+    for ref in ("long", "fixed"):
+      full = at.get((s, ref))
+      if not (short_row and mixed and full):
+        continue
+      rate = ((full["seconds"] - short_row["seconds"])
+              / (full["attention_keys"] - short_row["attention_keys"]))
+      other = short_row["seconds"] - short_row["attention_keys"] * rate  # not attention
+      ratio = (mixed["seconds"] - other) / (mixed["attention_keys"] * rate)
+      lines.append(f"S={s} mixed layer: attention {mixed['seconds'] - other:.3f} s against "
+                   f"{mixed['attention_keys']} keys x {rate * 1e6:.1f} us per key ({ref}): "
+                   f"{ratio:.2f}x (target <= 1.3x)")
+  return lines
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--spans", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-  p.add_argument("--cases", nargs="+", default=["fixed", "short", "mixed", "mixed_nogroup"])
+  p.add_argument("--cases", nargs="+", default=["fixed", "short", "mixed", "mixed_nogroup"],
+                 choices=["fixed", "short", "mixed", "mixed_nogroup", "long"])
   p.add_argument("--layers", type=int, default=4)
   p.add_argument("--d_model", type=int, default=256)
   p.add_argument("--heads", type=int, default=4)
@@ -116,6 +148,9 @@ def main():
       rows.append({"span": s, "case": case, "seconds": sec, "compile_seconds": comp,
                    "attention_keys": plan.attention_keys(), "plan": plan.describe()})
       print(f"| {s} | {case} | {plan.attention_keys()} | {sec:.3f} | {comp:.1f} |", flush=True)
+  print()
+  for line in criteria(rows):
+    print(line)
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"args": vars(args), "rows": rows}, f, indent=2)

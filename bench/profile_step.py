@@ -5,8 +5,10 @@ one device, timed, then traced with jax.profiler; prints the total per fusion ki
 with its numeric suffix dropped: ynn_fusion = YNNPACK matmuls, wrapped_reduce-window, ...) and
 the most expensive single operations; also the page faults and system/user CPU time per run
 (kernel time spent faulting in fresh buffers: span_lm/train/host_memory.py).
-On one core (`taskset -c 0 python bench/profile_step.py ...`) op times add up instead of
-overlapping and repeat within ~2 %: the way to compare the total work of two variants.
+On two cores concurrent operations overlap (their times add up to more than the step). On one
+core (`taskset -c 0 python bench/profile_step.py ...`) they do not overlap, but YNNPACK
+operations read up to 2x their clocked time (docs/benchmarks.md, "Session 9"). Use the per-op
+times to find where to look, and whole-step times of alternating variants to decide.
 
   python bench/profile_step.py --case short --dtype bfloat16
 """
@@ -29,9 +31,10 @@ from span_lm.train import host_memory
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--case", default="short", choices=["fixed", "short", "mixed", "mixed_nogroup"])
+  p.add_argument("--case", default="short", choices=["fixed", "short", "mixed", "mixed_nogroup", "long"])
   p.add_argument("--span", type=int, default=1024)
   p.add_argument("--dtype", default="float32")
+  p.add_argument("--heads", type=int, default=4, help="8: issue 8's mixed layer (one long head of eight)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
   p.add_argument("--hlo", default="", help="write the compiled HLO here (to read what a fusion is)")
@@ -39,7 +42,7 @@ def main():
   a = p.parse_args()
   if not a.system_malloc:  # before the backend starts
     host_memory.keep_freed_memory()
-  shapes = argparse.Namespace(layers=4, d_model=256, heads=4, d_ff=1024, block=128, batch=16,
+  shapes = argparse.Namespace(layers=4, d_model=256, heads=a.heads, d_ff=1024, block=128, batch=16,
                               short_span=64, dtype=a.dtype)
   cfg, plan, params = attention_span.make_case(a.case, a.span, shapes)
   step, _ = attention_span.compile_case(cfg, plan, params, shapes)
