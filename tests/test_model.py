@@ -1044,3 +1044,51 @@ def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
     np.testing.assert_allclose(np.asarray(r), np.asarray(s_), rtol=1e-5, atol=1e-5)  # round)
   with pytest.raises(ValueError, match="one token"):
     model.apply({"params": params}, tokens[:, :2], ring, ring_pos=jnp.int32(3))
+
+
+@pytest.mark.parametrize("w,m,chunk,dynamic,pers,dtype", [
+    (16, 8, 0, False, 0, "float32"),     # long band, one chunk (keyed, custom VJP)
+    (16, 8, 4, True, 0, "float32"),      # long band, several chunks, per-query spans
+    (16, 8, 0, False, 3, "float32"),     # long band with persistent memory (keyed, autodiff)
+    (4, 8, 0, False, 0, "float32"),      # short band (band coordinates)
+    (6, 8, 4, True, 0, "float32"),
+    (16, 8, 0, False, 0, "bfloat16")])
+def test_banded_attention_span_z_equals_band_mask(w, m, chunk, dynamic, pers, dtype):
+  """span_z (the mask built inside, in key coordinates for long bands) gives the outputs and the
+  gradients (q, k, v, position embeddings and the spans themselves) of the same soft mask passed
+  in band coordinates and skewed."""
+  from span_lm.model import attention
+  rng = np.random.default_rng(w * 100 + m * 10 + chunk + pers)
+  g_, dh, ramp = 2, 4, 3
+  q = jnp.asarray(rng.normal(size=(B, g_, m, dh)), dtype)
+  k = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
+  v = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
+  pe = jnp.asarray(rng.normal(size=(dh, w)), dtype)
+  z = jnp.asarray(rng.uniform(0.5, w - 1, size=(B, g_, m) if dynamic else (1, g_, 1)), jnp.float32)
+  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
+  kw = {}
+  if pers:
+    kw = dict(pers_k_GxDxN=jnp.asarray(rng.normal(size=(g_, dh, pers)), dtype),
+              pers_v_GxNxD=jnp.asarray(rng.normal(size=(g_, pers, dh)), dtype))
+
+  def loss(q, k, v, pe, z, inside):
+    if inside:
+      out, _ = attention.banded_attention(q, k, v, pe, span_z=z, ramp=ramp, chunk=chunk, **kw)
+    else:
+      mask = spans.soft_mask(z[..., None], dist[None, None, None, :], ramp)
+      out, _ = attention.banded_attention(q, k, v, pe, mask=mask, chunk=chunk, **kw)
+    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
+
+  assert attention.long_band(attention.choose_chunk(m, w, chunk), w) == (w >= 16)
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True),
+                 static_argnums=5)
+  (_, out0), g0 = grad(q, k, v, pe, z, False)
+  (_, out1), g1 = grad(q, k, v, pe, z, True)
+  tol = dict(rtol=1e-2, atol=1e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out1, np.float32), np.asarray(out0, np.float32), **tol)
+  for a, b in zip(g1, g0):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert np.abs(np.asarray(b, np.float32)).max() > 0
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
+  with pytest.raises(ValueError, match="either mask or span_z"):
+    attention.banded_attention(q, k, v, pe, mask=jnp.ones((1, g_, 1, w)), span_z=z, ramp=ramp)

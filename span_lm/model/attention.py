@@ -210,7 +210,7 @@ def _key_windows(y_BxGxTxD, w: int, c: int):
   return y_BxGxTxD[:, :, idx]
 
 
-def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
+def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ramp: int = 0,
                      pers_k_GxDxN=None, pers_v_GxNxD=None, chunk: int = 0,
                      dropout: Callable | None = None, positions_last: bool = False,
                      eps: float = 1e-8):
@@ -221,6 +221,11 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
       (B, G, T, Dh), or (B, G, Dh, T) with positions_last (see `prefer_positions_last`).
     key_pe_DxW: relative position embeddings for distances W..1 (column W-1 is distance 1).
     mask: soft span mask broadcastable to (B, G, M, W) (None: fixed span).
+    span_z, ramp: instead of mask, the spans in tokens, broadcastable to (B, G, M), of the soft
+      mask spans.soft_mask(z, distance, ramp). Long bands then evaluate it at each key's distance
+      rather than skew a band mask: XLA:CPU recomputed the skew's gather and transpose for every
+      batch row inside each fusion that reads the mask (adaptive bf16 step, every span 1024:
+      see docs/benchmarks.md, session 9).
     pers_k_GxDxN, pers_v_GxNxD: persistent memory (already multiplied by sqrt(Dh), sqrt(N)).
     chunk: queries per chunk (0: automatic).
     dropout: applied to the attention weights.
@@ -251,7 +256,11 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
   pos = precision.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
   scores = cont + skew(pos) if keyed else unskew(cont, w) + pos
   kw = scores.shape[-1]  # W + C keyed, W in bands
-  if mask is not None:  # (1 or B, G, 1 or M, W) -> 5-D without materialising a broadcast
+  if span_z is not None:
+    if mask is not None or ramp <= 0:
+      raise ValueError("banded_attention: give either mask or span_z with a ramp > 0")
+    mask = _span_mask(span_z, ramp, g, n, c, w, keyed)
+  elif mask is not None:  # (1 or B, G, 1 or M, W) -> 5-D without materialising a broadcast
     mb = mask.shape[0]
     mask = (mask.reshape(mb, g, 1, 1, w) if mask.shape[2] == 1
             else jnp.broadcast_to(mask, (mb, g, m, w)).reshape(mb, g, n, c, w))
@@ -293,6 +302,21 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None,
   if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
     probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
   return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
+
+
+def _span_mask(z, ramp: int, g: int, n: int, c: int, w: int, keyed: bool):
+  """The soft span mask of spans z (1 or B, G, 1 or M) as banded_attention's 5-D mask: (.., n or 1,
+  C, W + C) in key coordinates, zero off the band, for long bands (key t of query r is at
+  distance W - (t - r)); else (.., n or 1, 1 or C, W) band columns (column s: distance W - s)."""
+  z = jnp.asarray(z, jnp.float32)
+  mb, zm = z.shape[0], z.shape[2]
+  z = z.reshape(mb, g, 1, 1, 1) if zm == 1 else z.reshape(mb, g, n, c, 1)
+  if not keyed:
+    dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
+    return spans_lib.soft_mask(z, dist.reshape(1, 1, 1, 1, w), ramp)
+  j_CxT = _band_column(c, w)
+  dist = jnp.asarray(w - j_CxT, jnp.float32)[None, None, None]
+  return jnp.where(_on_band(c, w), spans_lib.soft_mask(z, dist, ramp), 0.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
@@ -602,17 +626,14 @@ class SeqAttention(nn.Module):
       pick = _selector(head_ids, dh)
       last = prefer_positions_last(m, w, cfg.attn_chunk, dt)
       kv = self._group_kv(cache, h_in, k_kernel, v_kernel, aux.get("kv"), w, g, pick, last)
-      mask = None
-      dist_W = jnp.arange(w, 0, -1, dtype=jnp.float32)  # column s -> distance w - s
+      span_z = None  # (1 or B, G, 1 or M) tokens: banded_attention builds the soft mask
       if z_H is not None:
-        mask = spans_lib.soft_mask(take(z_H, 0)[None, :, None, None], dist_W[None, None, None, :],
-                                   cfg.ramp)
+        span_z = take(z_H, 0)[None, :, None]
       elif z_BxMxH is not None:
-        z_BxGxM = take(z_BxMxH, 2).transpose(0, 2, 1)
-        mask = spans_lib.soft_mask(z_BxGxM[..., None], dist_W[None, None, None, :], cfg.ramp)
+        span_z = take(z_BxMxH, 2).transpose(0, 2, 1)
       out, _ = banded_attention(
           take(q, 1), kv[0], kv[1], key_pe_DxS[:, s - w:],
-          mask=mask, pers_k_GxDxN=None if pers_k is None else take(pers_k, 0),
+          span_z=span_z, ramp=cfg.ramp, pers_k_GxDxN=None if pers_k is None else take(pers_k, 0),
           pers_v_GxNxD=None if pers_v is None else take(pers_v, 0), chunk=cfg.attn_chunk,
           dropout=dropout, positions_last=last)
       outs.append(out.astype(dt))
