@@ -1046,20 +1046,22 @@ def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
     model.apply({"params": params}, tokens[:, :2], ring, ring_pos=jnp.int32(3))
 
 
-@pytest.mark.parametrize("w,m,chunk,dynamic,pers,dtype", [
-    (16, 8, 0, False, 0, "float32"),     # long band, one chunk (keyed, custom VJP)
-    (16, 8, 4, True, 0, "float32"),      # long band, several chunks, per-query spans
-    (16, 8, 0, False, 3, "float32"),     # long band with persistent memory (keyed, autodiff)
-    (4, 8, 0, False, 0, "float32"),      # short band (band coordinates)
-    (6, 8, 4, True, 0, "float32"),
-    (16, 8, 0, False, 0, "bfloat16")])
-def test_banded_attention_span_z_equals_band_mask(w, m, chunk, dynamic, pers, dtype):
+@pytest.mark.parametrize("w,m,chunk,dynamic,pers,dtype,g_", [
+    (16, 8, 0, False, 0, "float32", 2),     # long band, one chunk (keyed, custom VJP)
+    (16, 8, 4, True, 0, "float32", 2),      # long band, several chunks, per-query spans
+    (16, 8, 0, False, 3, "float32", 2),     # long band with persistent memory (keyed, autodiff)
+    (16, 8, 0, False, 0, "float32", 1),     # one head: the band mask skewed (gather)
+    (16, 8, 4, True, 0, "float32", 1),
+    (4, 8, 0, False, 0, "float32", 2),      # short band (band coordinates)
+    (6, 8, 4, True, 0, "float32", 2),
+    (16, 8, 0, False, 0, "bfloat16", 2)])
+def test_banded_attention_span_z_equals_band_mask(w, m, chunk, dynamic, pers, dtype, g_):
   """span_z (the mask built inside, in key coordinates for long bands) gives the outputs and the
   gradients (q, k, v, position embeddings and the spans themselves) of the same soft mask passed
   in band coordinates and skewed."""
   from span_lm.model import attention
-  rng = np.random.default_rng(w * 100 + m * 10 + chunk + pers)
-  g_, dh, ramp = 2, 4, 3
+  rng = np.random.default_rng(w * 100 + m * 10 + chunk + pers + g_)
+  dh, ramp = 4, 3
   q = jnp.asarray(rng.normal(size=(B, g_, m, dh)), dtype)
   k = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
   v = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
