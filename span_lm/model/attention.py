@@ -309,26 +309,49 @@ def _span_mask(z, ramp: int, g: int, n: int, c: int, w: int, keyed: bool):
   C, W + C) in key coordinates, zero off the band, for long bands (key t of query r is at
   distance W - (t - r)); else (.., n or 1, 1 or C, W) band columns (column s: distance W - s).
 
-  Long bands of several heads evaluate the mask at each key's distance (iota arithmetic that
-  fuses into its readers): skewing the band mask's (G, W) vectors with the gather, XLA:CPU redid
-  the gather's select and transpose per batch row inside each reader (two forward fusions 9.0
-  / 8.7 -> 5.5 / 5.5 ms per layer, 8 heads, S = 1024). One head keeps the gather, whose output
-  needs no transpose and is computed once (mixed layer, S = 8192: 0.673-0.679 against
-  0.686-0.697 s)."""
+  Per-head spans of several heads on long bands evaluate the mask at each key's distance
+  (`_key_mask`: iota arithmetic that fuses into its readers). Skewing the band mask's (G, W)
+  vectors with the gather instead, XLA:CPU redid the gather's select and transpose per batch row
+  inside each reader (two forward fusions 9.0 / 8.7 -> 5.5 / 5.5 ms per layer, 8 heads, S =
+  1024). One head keeps the gather, whose output needs no transpose and is computed once (mixed
+  layer, S = 8192: 0.673-0.679 against 0.686-0.697 s); so do per-query (dynamic) spans, whose
+  mask is as large as the scores either way."""
   z = jnp.asarray(z, jnp.float32)
   mb, zm = z.shape[0], z.shape[2]
   z = z.reshape(mb, g, 1, 1, 1) if zm == 1 else z.reshape(mb, g, n, c, 1)
-  band = None
-  if not keyed or g == 1:
-    dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
-    band = spans_lib.soft_mask(z, dist.reshape(1, 1, 1, 1, w), ramp)
+  if keyed and zm == 1 and g > 1:
+    return _key_mask(z, ramp, c, w)
+  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
+  band = spans_lib.soft_mask(z, dist.reshape(1, 1, 1, 1, w), ramp)
   if not keyed:
     return band
-  if g == 1:  # the skew's gather comes out row-major: XLA materialises it once (faster here)
-    return skew(jnp.broadcast_to(band, band.shape[:3] + (c, w)))
-  j_CxT = _band_column(c, w)
-  dist = jnp.asarray(w - j_CxT, jnp.float32)[None, None, None]
-  return jnp.where(_on_band(c, w), spans_lib.soft_mask(z, dist, ramp), 0.0)
+  return skew(jnp.broadcast_to(band, band.shape[:3] + (c, w)))
+
+
+def _key_ramp(z, ramp: int, c: int, w: int):
+  """spans.soft_mask's value before clipping, (R + z - (d - 1)) / R, at each key's distance."""
+  dist = jnp.asarray(w - _band_column(c, w), jnp.float32)[None, None, None]
+  return (ramp + z - (dist - 1)) / ramp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _key_mask(z, ramp: int, c: int, w: int):
+  """soft_mask(z, distance) in key coordinates, zero off the band, for z (B, G, 1, 1, 1). A custom
+  VJP so that autodiff saves no (G, C, W + C) clip residuals: the backward recomputes the ramp."""
+  return jnp.where(_on_band(c, w), jnp.clip(_key_ramp(z, ramp, c, w), 0.0, 1.0), 0.0)
+
+
+def _key_mask_fwd(z, ramp, c, w):
+  return _key_mask(z, ramp, c, w), z
+
+
+def _key_mask_bwd(ramp, c, w, z, g):
+  x = _key_ramp(z, ramp, c, w)
+  inside = jnp.asarray(_on_band(c, w))[None, None, None] & (x > 0) & (x < 1)
+  return (jnp.sum(jnp.where(inside, g, 0.0), axis=(3, 4), keepdims=True) / ramp,)
+
+
+_key_mask.defvjp(_key_mask_fwd, _key_mask_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
