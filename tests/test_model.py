@@ -1054,19 +1054,25 @@ def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
     (16, 8, 4, True, 0, "float32", 1),
     (4, 8, 0, False, 0, "float32", 2),      # short band (band coordinates)
     (6, 8, 4, True, 0, "float32", 2),
-    (16, 8, 0, False, 0, "bfloat16", 2)])
+    (16, 8, 0, False, 0, "bfloat16", 2),
+    (16, 8, 0, False, 0, "ties", 2)])       # whole-token spans: the mask's ramp ends hit exactly
 def test_banded_attention_span_z_equals_band_mask(w, m, chunk, dynamic, pers, dtype, g_):
   """span_z (the mask built inside, in key coordinates for long bands) gives the outputs and the
   gradients (q, k, v, position embeddings and the spans themselves) of the same soft mask passed
   in band coordinates and skewed."""
   from span_lm.model import attention
+  ties = dtype == "ties"  # float32, spans on whole tokens: ramp ends hit exactly
+  dtype = "float32" if ties else dtype
   rng = np.random.default_rng(w * 100 + m * 10 + chunk + pers + g_)
   dh, ramp = 4, 3
   q = jnp.asarray(rng.normal(size=(B, g_, m, dh)), dtype)
   k = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
   v = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
   pe = jnp.asarray(rng.normal(size=(dh, w)), dtype)
-  z = jnp.asarray(rng.uniform(0.5, w - 1, size=(B, g_, m) if dynamic else (1, g_, 1)), jnp.float32)
+  z = rng.uniform(0.5, w - 1, size=(B, g_, m) if dynamic else (1, g_, 1))
+  if ties:  # where jnp.clip's derivative is 1/2
+    z = np.round(z)
+  z = jnp.asarray(z, jnp.float32)
   dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
   kw = {}
   if pers:

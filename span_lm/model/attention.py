@@ -347,8 +347,10 @@ def _key_mask_fwd(z, ramp, c, w):
 
 def _key_mask_bwd(ramp, c, w, z, g):
   x = _key_ramp(z, ramp, c, w)
-  inside = jnp.asarray(_on_band(c, w))[None, None, None] & (x > 0) & (x < 1)
-  return (jnp.sum(jnp.where(inside, g, 0.0), axis=(3, 4), keepdims=True) / ramp,)
+  # jnp.clip's derivative, as autodiff of the band mask gives it: 1 inside, 1/2 at either end.
+  slope = jnp.where((x > 0) & (x < 1), 1.0, jnp.where((x == 0) | (x == 1), 0.5, 0.0))
+  on = jnp.asarray(_on_band(c, w))[None, None, None]
+  return (jnp.sum(jnp.where(on, g * slope, 0.0), axis=(3, 4), keepdims=True) / ramp,)
 
 
 _key_mask.defvjp(_key_mask_fwd, _key_mask_bwd)
