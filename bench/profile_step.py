@@ -31,10 +31,12 @@ from span_lm.train import host_memory
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--case", default="short", choices=["fixed", "short", "mixed", "mixed_nogroup", "long"])
+  p.add_argument("--case", default="short",
+                 choices=["fixed", "short", "mixed", "mixed_nogroup", "long"])
   p.add_argument("--span", type=int, default=1024)
   p.add_argument("--dtype", default="float32")
-  p.add_argument("--heads", type=int, default=4, help="8: issue 8's mixed layer (one long head of eight)")
+  p.add_argument("--heads", type=int, default=4,
+                 help="8: issue 8's mixed layer (one long head of eight)")
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
   p.add_argument("--hlo", default="", help="write the compiled HLO here (to read what a fusion is)")

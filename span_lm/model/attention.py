@@ -221,11 +221,9 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
       (B, G, T, Dh), or (B, G, Dh, T) with positions_last (see `prefer_positions_last`).
     key_pe_DxW: relative position embeddings for distances W..1 (column W-1 is distance 1).
     mask: soft span mask broadcastable to (B, G, M, W) (None: fixed span).
-    span_z, ramp: instead of mask, the spans in tokens, broadcastable to (B, G, M), of the soft
-      mask spans.soft_mask(z, distance, ramp). Long bands then evaluate it at each key's distance
-      rather than skew a band mask: XLA:CPU recomputed the skew's gather and transpose for every
-      batch row inside each fusion that reads the mask (adaptive bf16 step, every span 1024:
-      see docs/benchmarks.md, session 9).
+    span_z, ramp: instead of mask, the spans in tokens, (1 or B, G, 1 or M), of the soft mask
+      spans.soft_mask(z, distance, ramp). Per-head spans of several heads on long bands are then
+      evaluated at each key's distance (`_key_mask`) instead of skewing the band mask.
     pers_k_GxDxN, pers_v_GxNxD: persistent memory (already multiplied by sqrt(Dh), sqrt(N)).
     chunk: queries per chunk (0: automatic).
     dropout: applied to the attention weights.
@@ -256,11 +254,18 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   pos = precision.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
   scores = cont + skew(pos) if keyed else unskew(cont, w) + pos
   kw = scores.shape[-1]  # W + C keyed, W in bands
+  per_key = False  # the mask already 5-D in key coordinates (see _key_mask)
   if span_z is not None:
     if mask is not None or ramp <= 0:
       raise ValueError("banded_attention: give either mask or span_z with a ramp > 0")
-    mask = _span_mask(span_z, ramp, g, n, c, w, keyed)
-  elif mask is not None:  # (1 or B, G, 1 or M, W) -> 5-D without materialising a broadcast
+    z = jnp.asarray(span_z, jnp.float32)
+    per_key = keyed and z.shape[2] == 1 and g > 1
+    if per_key:
+      mask = _key_mask(z.reshape(z.shape[0], g, 1, 1, 1), ramp, c, w)
+    else:
+      dist_W = jnp.arange(w, 0, -1, dtype=jnp.float32)  # column s -> distance w - s
+      mask = spans_lib.soft_mask(z[..., None], dist_W[None, None, None, :], ramp)
+  if mask is not None and not per_key:  # (1 or B, G, 1 or M, W) -> 5-D, broadcast unmaterialised
     mb = mask.shape[0]
     mask = (mask.reshape(mb, g, 1, 1, w) if mask.shape[2] == 1
             else jnp.broadcast_to(mask, (mb, g, m, w)).reshape(mb, g, n, c, w))
@@ -304,40 +309,23 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
 
 
-def _span_mask(z, ramp: int, g: int, n: int, c: int, w: int, keyed: bool):
-  """The soft span mask of spans z (1 or B, G, 1 or M) as banded_attention's 5-D mask: (.., n or 1,
-  C, W + C) in key coordinates, zero off the band, for long bands (key t of query r is at
-  distance W - (t - r)); else (.., n or 1, 1 or C, W) band columns (column s: distance W - s).
-
-  Per-head spans of several heads on long bands evaluate the mask at each key's distance
-  (`_key_mask`: iota arithmetic that fuses into its readers). Skewing the band mask's (G, W)
-  vectors with the gather instead, XLA:CPU redid the gather's select and transpose per batch row
-  inside each reader (two forward fusions 9.0 / 8.7 -> 5.5 / 5.5 ms per layer, 8 heads, S =
-  1024). One head keeps the gather, whose output needs no transpose and is computed once (mixed
-  layer, S = 8192: 0.673-0.679 against 0.686-0.697 s); so do per-query (dynamic) spans, whose
-  mask is as large as the scores either way."""
-  z = jnp.asarray(z, jnp.float32)
-  mb, zm = z.shape[0], z.shape[2]
-  z = z.reshape(mb, g, 1, 1, 1) if zm == 1 else z.reshape(mb, g, n, c, 1)
-  if keyed and zm == 1 and g > 1:
-    return _key_mask(z, ramp, c, w)
-  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
-  band = spans_lib.soft_mask(z, dist.reshape(1, 1, 1, 1, w), ramp)
-  if not keyed:
-    return band
-  return skew(jnp.broadcast_to(band, band.shape[:3] + (c, w)))
-
-
 def _key_ramp(z, ramp: int, c: int, w: int):
-  """spans.soft_mask's value before clipping, (R + z - (d - 1)) / R, at each key's distance."""
+  """spans.soft_mask_ramp at each key's distance W - (t - r) (key t, query r)."""
   dist = jnp.asarray(w - _band_column(c, w), jnp.float32)[None, None, None]
-  return (ramp + z - (dist - 1)) / ramp
+  return spans_lib.soft_mask_ramp(z, dist, ramp)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def _key_mask(z, ramp: int, c: int, w: int):
-  """soft_mask(z, distance) in key coordinates, zero off the band, for z (B, G, 1, 1, 1). A custom
-  VJP so that autodiff saves no (G, C, W + C) clip residuals: the backward recomputes the ramp."""
+  """soft_mask(z, distance) in key coordinates, zero off the band, for per-head z (B, G, 1, 1, 1).
+
+  Why: skewing the band mask's (G, W) vectors with the gather, XLA:CPU redid the gather's
+  select and transpose per batch row inside each fusion reading the mask (two forward fusions
+  9.0 / 8.7 -> 5.5 / 5.5 ms per layer, 8 heads, S = 1024); evaluated per key it is iota
+  arithmetic that fuses into its readers. One head keeps the gather, whose output needs no
+  transpose and is computed once (mixed layer, S = 8192: 0.673-0.679 against 0.686-0.697 s), and
+  so do per-query (dynamic) spans, whose mask is as large as the scores either way. A custom VJP
+  so that autodiff saves no (G, C, W + C) clip residuals: the backward recomputes the ramp."""
   return jnp.where(_on_band(c, w), jnp.clip(_key_ramp(z, ramp, c, w), 0.0, 1.0), 0.0)
 
 

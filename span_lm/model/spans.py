@@ -25,7 +25,12 @@ from span_lm.model.config import ModelConfig
 
 def soft_mask(z, distance, ramp):
   """m_z(d) = clamp((R + z - (d - 1)) / R, 0, 1); z and distance broadcast."""
-  return jnp.clip((ramp + z - (distance - 1)) / ramp, 0.0, 1.0)
+  return jnp.clip(soft_mask_ramp(z, distance, ramp), 0.0, 1.0)
+
+
+def soft_mask_ramp(z, distance, ramp):
+  """soft_mask before the clamp, (R + z - (d - 1)) / R (for a backward that recomputes it)."""
+  return (ramp + z - (distance - 1)) / ramp
 
 
 def span_stats(z_tokens, cfg: ModelConfig):
