@@ -21,10 +21,9 @@ def main(argv):
   from span_lm import cli  # imported late: flags are parsed before JAX initialises
   from span_lm import config as config_lib
   try:
-    config_lib.validate(_CONFIG.value)
-  except (ValueError, FileNotFoundError) as e:  # a bad value: the message, not a traceback
+    cli.run(_CONFIG.value)  # validates the config once, before anything compiles
+  except config_lib.ConfigError as e:  # a bad value: the message, not a traceback
     raise SystemExit(f"error: {e}") from None
-  cli.run(_CONFIG.value)
 
 
 if __name__ == "__main__":

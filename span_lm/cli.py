@@ -4,7 +4,6 @@ from span_lm.train import loop
 
 
 def run(config):
-  config_lib.validate(config)
   if config.mode == "train":
     return loop.train(config)
   if config.mode == "eval":

@@ -1,9 +1,13 @@
-"""Run-config checks and loading: `validate(config)` and `load_config('configs/tiny.py:smoke')`.
+"""Run configs: the schema (`base_config()`), `validate(config)` and `load_config(path)`.
 
-`validate` rejects every inconsistent or out-of-range value with a ValueError naming the field
-(`config.data.block=0: must be an integer >= 1`) before anything is traced or compiled. The
-accepted names live in module-level tuples (MODES, DATASETS, OPTIMIZERS) that later features extend.
+The schema is written once, here: `config.model` takes its fields and defaults from ModelConfig
+(span_lm/model/config.py), the other sections are below, and configs/base.py hands it to the run
+files. `validate` rejects every inconsistent or out-of-range value with a ConfigError naming the
+field (`config.data.block=0: must be an integer >= 1`) before anything is traced or compiled; it
+runs once per command, where the run is built (span_lm/train/loop.py `Run`). The accepted names
+are module-level tuples (MODES, and those of the modules that use them) that later features extend.
 """
+import dataclasses
 import importlib.util
 import math
 import os
@@ -12,24 +16,139 @@ import sys
 from typing import Any, Mapping
 
 import ml_collections
+from ml_collections import config_dict
 
+from span_lm.data.sources import DATASETS
 from span_lm.model.config import ModelConfig
+from span_lm.train import optimizer as optimizer_lib
 
 MODES = ("train", "eval", "import", "export")
 TOOL_MODES = ("spans", "flops", "sample")  # inspection of a run (span_lm/tools)
 MODES += TOOL_MODES
-DATASETS = ("enwik8", "text8", "wikitext103", "file", "synthetic", "cifar10")
-OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam")
-
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-_SECTIONS = ("data", "optim", "train", "dist")  # config.model is checked by ModelConfig
+DIST_MODES = ("auto", "on", "off")  # span_lm/train/distributed.py
 
 
-class ConfigPathError(ValueError, FileNotFoundError):
-  """A config field names a file that does not exist (both a ValueError and a FileNotFoundError)."""
+def base_config() -> ml_collections.ConfigDict:
+  """The defaults of every run config (the reference's enwik8_small shapes), field by field.
+
+  model.*   architecture: ModelConfig's fields and defaults (vocab_size 0: the dataset's)
+  data.*    dataset and batching (block = M, batch = B streams)
+  optim.*   optimizer (the reference's Adagrad with per-tensor step clipping by default)
+  train.*   loop lengths, logging, checkpointing;  dist.* several processes and devices
+  """
+  c = ml_collections.ConfigDict()
+  c.workdir = config_dict.placeholder(str)  # run directory; resume is automatic
+  c.seed = 42
+  c.mode = "train"  # train | eval | import | export
+  # mode=import: a reference (facebookresearch/adaptive-span) .pt checkpoint to convert into an
+  # Orbax checkpoint in workdir; mode=export: where to write workdir's latest checkpoint in the
+  # reference's format (span_lm/tools/reference_checkpoint.py).
+  c.import_from = config_dict.placeholder(str)
+  c.export_to = config_dict.placeholder(str)
+
+  c.model = ml_collections.ConfigDict(
+      {"vocab_size": 0, **{f.name: f.default for f in dataclasses.fields(ModelConfig)
+                           if f.default is not dataclasses.MISSING}})
+
+  c.data = d = ml_collections.ConfigDict()
+  d.dataset = "enwik8"  # enwik8 | text8 | wikitext103 | file | synthetic | cifar10
+  d.data_dir = "data_cache"
+  d.path = config_dict.placeholder(str)  # local raw file; overrides dataset when set
+  d.split_fractions = (0.9, 0.05, 0.05)  # train/valid/test fractions for a local file
+  d.split_bytes = ()  # explicit (train_end, valid_end) byte offsets for a local file
+  d.file_vocab = "reference"  # local file: reference (newline -> <eos>, first-appearance ids) | bytes
+  d.vocab_order = "auto"  # auto (frequency for wikitext103, else first appearance) | first | frequency
+  d.block = 256  # M
+  d.align = 1  # records of this many tokens: streams and restart offsets keep to their boundaries
+  d.batch = 64  # B
+  d.eval_batch = 8  # streams for the full evaluation
+  d.synthetic_distance = 64  # D for the synthetic source
+  d.synthetic_vocab = 16
+  d.synthetic_noise = 0.1
+  d.synthetic_length = 2_000_000
+  d.synthetic_seed = 0
+
+  c.optim = o = ml_collections.ConfigDict()
+  o.name = "adagrad"  # adagrad (reference) | sgd | momentum | adam
+  o.lr = 0.07
+  o.momentum = 0.0
+  o.grad_clip = 0.03  # adagrad: per-tensor step clip; sgd/adam: global-norm clip; 0: off
+  o.warmup = 8000
+  o.batch_split = 1  # gradient accumulation pieces (the reference's memory knob)
+  o.weight_decay = 0.0  # adam only: decoupled (AdamW) decay of weight matrices
+  o.schedule = "warmup"  # warmup (linear, then constant) | cosine (warmup, then cosine to 0)
+  o.decay_steps = 0  # cosine: the update where the rate reaches 0 (usually train.steps)
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 150_000
+  t.log_every = 100
+  t.eval_every = 1000  # the reference's "iteration" (nbatches)
+  t.eval_batches = 0  # 0: ceil(eval_every / 10), as the reference
+  t.checkpoint_every = 1000
+  t.max_to_keep = 3
+  # Checkpoint (run directory or checkpoint path) whose parameters and optimizer state start this
+  # run, e.g. the "+20k steps at lr/10" fine-tuning phases (the configs' `finetune` variants). The
+  # step counter restarts at 0 in the new workdir, so `steps` is this phase's length. None: scratch.
+  t.init_from = config_dict.placeholder(str)
+  t.full_eval_at_end = True
+  t.eval_drop_last = False  # True reproduces the reference's dropping of the partial last block
+  t.tensorboard = True
+  # Persistent XLA compilation cache: restarts and span-plan changes seen before do not recompile
+  # from scratch. Empty string: off.
+  t.compilation_cache = "~/.cache/span_lm/xla"
+  t.compilation_cache_min_secs = 1.0  # only compilations slower than this are written to it
+  # A non-finite loss or gradient: the update is never applied (checked inside the jitted step).
+  # stop: end the run with an error, the last checkpoint untouched; skip: drop that update, count
+  # it (metrics 'skipped') and go on.
+  t.nonfinite = "stop"
+  t.preemption = True  # SIGTERM / the preemption sync point: checkpoint the current step, stop
+  t.debug_nan_at_step = 0  # testing aid: make the loss of this step (1-based) NaN; 0: off
+
+  # Multi-process runs (span_lm/train/distributed.py, launch/README.md).
+  c.dist = ds = ml_collections.ConfigDict()
+  ds.mode = "auto"  # auto (when a coordinator, SLURM step or TPU pod is detected) | on | off
+  ds.coordinator = ""  # host:port of process 0; "": JAX_COORDINATOR_ADDRESS or auto-detection
+  ds.num_processes = 0  # 0: from JAX_NUM_PROCESSES or auto-detection
+  ds.process_id = -1  # -1: from JAX_PROCESS_ID or auto-detection
+  ds.local_device_ids = ""  # comma-separated device ids this process uses; "": all (JAX default)
+  ds.init_timeout = 300  # seconds to wait for the other processes
+  # FSDP-style: >1 makes the mesh ('data', 'fsdp') with this many devices on 'fsdp', over which
+  # parameters and optimizer state are split (logical axis 'embed'); batches use every device.
+  ds.fsdp = 1
+  # CPU hosts: split the host into this many JAX devices and train data-parallel over them (XLA:CPU
+  # runs most of one device's work on one thread). 0: auto (one per core, at most 8, reduced to
+  # divide the batches; only when no accelerator plugin is installed); 1: off. XLA_FLAGS'
+  # --xla_force_host_platform_device_count, when set, wins.
+  ds.cpu_devices = 0
+  # CPU-only runs: glibc malloc keeps freed memory for reuse (one arena, no mmap, no trim), so each
+  # step reuses the last step's buffers instead of page-faulting them back in (faster steps:
+  # docs/benchmarks.md; span_lm/train/host_memory.py). The process keeps its peak resident size.
+  # False: glibc's defaults (also kept when JAX already runs in the process).
+  ds.cpu_keep_freed_memory = True
+
+  # Inspecting a run (span_lm/tools): --config.mode=spans | flops | sample, on config.workdir.
+  c.tools = tl = ml_collections.ConfigDict()
+  tl.step = config_dict.placeholder(int)  # checkpoint step to inspect; None: the latest
+  tl.text = config_dict.placeholder(str)  # spans, dynamic span (Fig. 5): the text; None: valid split
+  tl.xla = True  # flops: also compile the train step and report XLA's cost and memory analyses
+  c.sample = s = ml_collections.ConfigDict()
+  s.prompt = ""  # text to continue ("": start a new line)
+  s.length = 200  # tokens to generate
+  s.temperature = 1.0  # 0: greedy
+  s.top_k = 0  # draw among the k most likely tokens; 0: all
+  s.seed = 0
+  return c
 
 
-def _bad(name: str, value: Any, why: str, error: type[ValueError] = ValueError):
+class ConfigError(ValueError):
+  """A run-config value is wrong; the message names the field (main.py prints it, no traceback)."""
+
+
+class ConfigPathError(ConfigError, FileNotFoundError):
+  """A config field names a file that does not exist (both a ConfigError and a FileNotFoundError)."""
+
+
+def _bad(name: str, value: Any, why: str, error: type[ValueError] = ConfigError):
   raise error(f"config.{name}={value!r}: {why}")
 
 
@@ -39,7 +158,7 @@ def _get(config: Any, name: str) -> Any:
     try:
       node = node[part]
     except (KeyError, AttributeError, TypeError):
-      raise ValueError(f"config.{name} is missing (see configs/base.py for the schema)") from None
+      raise ConfigError(f"config.{name} is missing (the schema: span_lm.config.base_config)") from None
   return node
 
 
@@ -68,20 +187,16 @@ def _check_choice(config, name: str, choices: tuple[str, ...]):
 
 
 def _check_unknown_fields(config):
-  _ensure_configs_importable()
-  try:
-    from configs import base  # pylint: disable=g-import-not-at-top
-  except ImportError:  # span_lm used without its repository: no schema to compare with
-    return
-  schema = base.get_base_config()
+  schema = base_config()
   unknown = sorted(set(config.keys()) - set(schema.keys()))
   if unknown:
-    raise ValueError(f"config has unknown top-level fields {unknown} (schema: configs/base.py)")
-  for section in _SECTIONS:
-    sub = _get(config, section)
-    extra = sorted(set(sub.keys()) - set(schema[section].keys()))
+    raise ConfigError(f"config has unknown top-level fields {unknown} (schema: span_lm/config.py)")
+  for section in schema.keys():
+    if not isinstance(schema[section], ml_collections.ConfigDict):
+      continue
+    extra = sorted(set(_get(config, section).keys()) - set(schema[section].keys()))
     if extra:
-      raise ValueError(f"config.{section} has unknown fields {extra} (schema: configs/base.py)")
+      raise ConfigError(f"config.{section} has unknown fields {extra} (schema: span_lm/config.py)")
 
 
 def _validate_data(config):
@@ -139,15 +254,6 @@ def _validate_data(config):
     _bad("data.synthetic_length", length, "must exceed config.data.synthetic_distance")
 
 
-def _validate_optim(config):
-  _check_choice(config, "optim.name", OPTIMIZERS)
-  _check_number(config, "optim.lr", 0.0, strict=True)
-  _check_number(config, "optim.momentum", 0.0, strict=False, maximum=1.0)
-  _check_number(config, "optim.grad_clip", 0.0, strict=False)
-  _check_int(config, "optim.warmup", 0)
-  _check_int(config, "optim.batch_split", 1)
-
-
 def _validate_train(config):
   _check_int(config, "train.steps", 0)
   _check_number(config, "train.compilation_cache_min_secs", 0.0, strict=False)
@@ -168,7 +274,7 @@ def _validate_faults_and_dist(config):
   _check_int(config, "train.debug_nan_at_step", 0)
   if not isinstance(_get(config, "train.preemption"), bool):
     _bad("train.preemption", _get(config, "train.preemption"), "must be True or False")
-  _check_choice(config, "dist.mode", ("auto", "on", "off"))
+  _check_choice(config, "dist.mode", DIST_MODES)
   coordinator = _get(config, "dist.coordinator")
   if not isinstance(coordinator, str) or (coordinator and ":" not in coordinator):
     _bad("dist.coordinator", coordinator, "must be '' or host:port of process 0")
@@ -199,24 +305,34 @@ def per_step_batches(config) -> dict[str, int]:
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the first bad field of a run config; returns None when it is sound.
+  """Raises ConfigError (a ValueError) naming the first bad field of a run config.
 
-  Checks the schema (no unknown fields), the model (via ModelConfig), data, optimizer and train
-  settings, the mode, and that a training run has a workdir. Files named by config.data.path and
-  config.train.init_from must exist (ConfigPathError: a ValueError and a FileNotFoundError).
-  Does not touch JAX: the device-count divisibility of the batch is checked where the mesh is built.
+  Checks the schema (no unknown fields), the model (ModelConfig), data, optimizer
+  (train/optimizer.py's check) and train settings, the mode, and that a training run has a
+  workdir. Files named by config.data.path and config.train.init_from must exist
+  (ConfigPathError: also a FileNotFoundError). Starts no JAX backend: the device-count
+  divisibility of the batch is checked where the mesh is built.
   """
+  try:
+    _validate(config)
+  except ConfigError:
+    raise
+  except ValueError as e:  # ModelConfig's and the optimizer's own checks, which name the field
+    raise ConfigError(str(e)) from None
+
+
+def _validate(config):
   _check_unknown_fields(config)
   mode = _check_choice(config, "mode", MODES)
   workdir = _get(config, "workdir")
   if workdir is not None and (not isinstance(workdir, str) or not workdir):
     _bad("workdir", workdir, "must be a directory path")
   if mode == "train" and workdir is None:
-    raise ValueError("config.workdir is not set: training needs a run directory; "
-                     "pass --config.workdir=DIR")
+    raise ConfigError("config.workdir is not set: training needs a run directory; "
+                      "pass --config.workdir=DIR")
   if mode in ("import", "export") and workdir is None:
-    raise ValueError(f"config.workdir is not set: mode={mode} needs the run directory that "
-                     "holds (or will hold) the checkpoint; pass --config.workdir=DIR")
+    raise ConfigError(f"config.workdir is not set: mode={mode} needs the run directory that "
+                      "holds (or will hold) the checkpoint; pass --config.workdir=DIR")
   for field, needed in (("import_from", mode == "import"), ("export_to", mode == "export")):
     value = _get(config, field)
     if needed and (not isinstance(value, str) or not value):
@@ -229,43 +345,55 @@ def validate(config: ml_collections.ConfigDict) -> None:
   vocab = _get(config, "model.vocab_size")
   model = ModelConfig.from_config(_get(config, "model"), vocab_size=None if vocab else 1)
   block = _get(config, "data.block")
-  if model.attn_impl != "xla" and isinstance(block, int) and block % model.attn_block:
+  fused = model.attn_impl in ("pallas", "pallas_interpret")
+  if fused and isinstance(block, int) and block % model.attn_block:
     _bad("data.block", block,
          f"must be a multiple of model.attn_block={model.attn_block} with the fused kernel")
   _validate_data(config)
-  _validate_optim(config)
+  optimizer_lib.check_config(_get(config, "optim"))
   _validate_train(config)
   _validate_faults_and_dist(config)
 
 
-def _ensure_configs_importable():
-  """Config files do `from configs import base`: put the repository root on sys.path if needed."""
-  root = str(REPO_ROOT)
-  if (REPO_ROOT / "configs" / "base.py").is_file() and root not in sys.path:
-    try:
-      import configs  # pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
-      sys.path.insert(0, root)
+def _import_folder_package(file: pathlib.Path) -> None:
+  """Makes a config file's folder importable as its package (configs/ -> `configs`).
+
+  Config files import their siblings through it (`from configs import base`); loading the folder
+  by path lets them do so from any working directory, without adding anything to sys.path. A
+  module of that name imported already (from this folder or elsewhere) is left as it is.
+  """
+  folder = file.parent
+  if (not (folder / "__init__.py").is_file() or not folder.name.isidentifier()
+      or folder.name in sys.modules):
+    return
+  spec = importlib.util.spec_from_file_location(
+      folder.name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+  package = importlib.util.module_from_spec(spec)
+  sys.modules[folder.name] = package
+  try:
+    spec.loader.exec_module(package)
+  except BaseException:
+    del sys.modules[folder.name]
+    raise
 
 
 def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
   """Builds a config from `file.py[:variant]` as --config=... would, without absl flags.
 
-  path: a config file, relative to the working directory or to the repository root, optionally
-    followed by `:arg` for its get_config (e.g. 'configs/tiny.py:smoke').
+  path: a config file, relative to the working directory as for --config, optionally followed by
+    `:arg` for its get_config (e.g. 'configs/tiny.py:smoke').
   overrides: dotted field -> value (`{'model.d_model': 32}`), applied like --config.FIELD=VALUE;
     an unknown field raises ValueError.
   Returns the locked ConfigDict (values can change, fields cannot be added). It is not validated:
-  call validate() once workdir etc. are set.
+  building the run validates it, once workdir etc. are set.
   """
   file, _, arg = path.partition(":")  # as config_flags: everything after the first colon is the arg
-  if not os.path.isfile(file) and (REPO_ROOT / file).is_file():
-    file = str(REPO_ROOT / file)
   if not os.path.isfile(file):
-    raise ConfigPathError(f"config file {file!r} not found (from {os.getcwd()} or {REPO_ROOT})")
-  _ensure_configs_importable()
+    raise ConfigPathError(f"config file {file!r} not found (relative to {os.getcwd()})")
+  file = pathlib.Path(file).resolve()
+  _import_folder_package(file)
   # importlib by path, as config_flags does (its loader uses the deprecated load_module).
-  spec = importlib.util.spec_from_file_location(f"_span_lm_config_{pathlib.Path(file).stem}", file)
+  spec = importlib.util.spec_from_file_location(f"_span_lm_config_{file.stem}", file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   if not hasattr(module, "get_config"):

@@ -2,6 +2,7 @@
 bad values fail early with a message naming the field, and the absl --config path works."""
 import importlib
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -278,10 +279,29 @@ def test_load_config_errors(tmp_path):
     config_lib.load_config("configs/missing.py")
 
 
-def test_load_config_from_another_directory(tmp_path, monkeypatch):
-  monkeypatch.chdir(tmp_path)  # paths fall back to the repository root
-  c = config_lib.load_config("configs/tiny.py:smoke", {"model.d_model": 32, "optim.lr": 1})
-  assert (c.model.d_model, c.optim.lr, c.train.steps) == (32, 1.0, 50)
+def test_load_config_by_path_from_anywhere(tmp_path, monkeypatch):
+  """A config file imports its siblings (`from configs import base`) through its own folder,
+  from any working directory and with neither the repository nor configs/ on sys.path."""
+  root = tmp_path / "site"
+  root.mkdir()
+  (root / "span_lm").symlink_to(REPO / "span_lm")  # the package alone, as if installed
+  code = (
+      "import sys\n"
+      "from span_lm import config as cl\n"
+      "path = list(sys.path)\n"
+      f"c = cl.load_config({str(REPO / 'configs' / 'tiny.py')!r} + ':smoke', "
+      "{'model.d_model': 32, 'optim.lr': 1})\n"
+      "assert sys.path == path and not any(p.rstrip('/') == sys.argv[1] for p in sys.path)\n"
+      "print(c.model.d_model, c.optim.lr, c.train.steps, sys.modules['configs'].__path__[0])\n")
+  out = subprocess.run([sys.executable, "-c", code, str(REPO)], cwd=tmp_path,
+                       env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(root),
+                            "JAX_PLATFORMS": "cpu"},
+                       capture_output=True, text=True, timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split() == ["32", "1.0", "50", str(CONFIG_DIR)]
+  monkeypatch.chdir(tmp_path)  # a relative path is the working directory's, as for --config
+  with pytest.raises(FileNotFoundError, match="relative to"):
+    config_lib.load_config("configs/tiny.py")
 
 
 @pytest.mark.filterwarnings("ignore:the load_module:DeprecationWarning")  # inside config_flags

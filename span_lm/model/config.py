@@ -1,7 +1,8 @@
 """ModelConfig: the static (hashable) description of a span Transformer, validated up front.
 
-It mirrors `config.model` (configs/base.py) so that a bad value is a ValueError naming the field
-before anything is traced or compiled.
+It is the schema of `config.model`: the run config's defaults are this dataclass's
+(span_lm/config.py `base_config`), so a field and its default are written once, here, and a bad
+value is a ValueError naming the field before anything is traced or compiled.
 """
 import dataclasses
 import math
@@ -23,29 +24,33 @@ REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  vocab_size: int
+  vocab_size: int  # the run config's 0 means the dataset's vocabulary
   d_model: int = 256
   n_layers: int = 8
   n_heads: int = 4
   d_ff: int = 1024
-  span: int = 1024
-  span_mode: str = "adaptive"
-  ramp: int = 32
-  span_init: float = 0.0
-  span_loss: float = 2e-6
-  span_cache: bool = True
-  dynamic_bias_init: float = -4.0
-  pers_mem: int = 0
+  span: int = 1024  # S, the maximum attention span
+  span_mode: str = "adaptive"  # fixed | adaptive | dynamic
+  ramp: int = 32  # R, width of the soft mask ramp
+  span_init: float = 0.0  # initial z' (adaptive)
+  span_loss: float = 2e-6  # L1 span penalty coefficient
+  span_cache: bool = True  # shrink each layer's cache with its span (reference: adapt_span_cache)
+  dynamic_bias_init: float = -4.0  # b in z_t = S sigmoid(v.x_t + b)
+  pers_mem: int = 0  # N persistent key/value vectors per head (all-attention); 0: off
   dropout: float = 0.0
   emb_dropout: float = 0.0
-  dtype: str = "float32"
-  remat: str = "none"
+  dtype: str = "float32"  # compute dtype: float32 | bfloat16 (params stay float32)
+  remat: str = "none"  # none | layer: recompute each layer in the backward pass
+  # What a recomputed layer keeps from the forward pass (jax.checkpoint_policies): nothing_saveable
+  # (least memory), dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.
   remat_policy: str = "nothing_saveable"
-  plan_granularity: int = 64
-  plan_margin: int = 64
-  plan_shrink_patience: int = 1000
+  plan_granularity: int = 64  # span-plan bucket size (reference: 64)
+  plan_margin: int = 64  # extra window kept beyond the learned span (reference: 64)
+  plan_shrink_patience: int = 1000  # steps a smaller plan must persist before shrinking
+  # Headroom of a plan: windows cover plan_growth x the needed tokens (then rounded up to the
+  # granularity), so a growing span recompiles every ~50 % of growth, not every 64 tokens.
   plan_growth: float = 1.5
-  head_grouping: bool = True
+  head_grouping: bool = True  # group heads by span bucket (False: per-layer max, as the reference)
   attn_chunk: int = 0
   # xla: banded jnp attention (portable; the numerical reference). pallas: the fused kernel of
   # fused_attention.py (GPUs, Triton), spans as runtime values; pallas_interpret: the same kernel
@@ -53,17 +58,18 @@ class ModelConfig:
   attn_impl: str = "xla"
   attn_block: int = 64  # pallas: query/key tile; divides the block length and the plan windows
   adapt_io: bool = False  # adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)
-  adapt_io_cutoffs: tuple[int, ...] = (20000, 40000, 200000)
-  adapt_io_div: int = 4
-  adapt_io_tied: bool = False
-  # arch='sparse': the Sparse Transformer; `span` is its context length n (no cache, no spans).
-  arch: str = "span"
-  sparse_pattern: str = "fixed"
-  sparse_combine: str = "merged"
+  adapt_io_cutoffs: tuple[int, ...] = (20000, 40000, 200000)  # cluster boundaries (frequency order)
+  adapt_io_div: int = 4  # cluster i has dimension d_model // div**i
+  adapt_io_tied: bool = False  # share the input and output cluster tables (--adapt-io-tied)
+  # arch='sparse': the Sparse Transformer (span_lm/model/sparse*.py); `span` is its context length
+  # n (no cache, no spans; span_mode 'fixed'): configs/enwik8_sparse_fixed.py, cifar10_sparse.py.
+  arch: str = "span"  # span | sparse
+  sparse_pattern: str = "fixed"  # fixed | strided | local | dense
+  sparse_combine: str = "merged"  # merged (eq. 7) | interleaved (eq. 6) | split (eq. 8)
   sparse_stride: int = 128  # l
   sparse_c: int = 32  # fixed: summary positions per block per head
   sparse_distinct: bool = True  # fixed: heads attend to distinct c-sub-blocks (Sec. 4.3)
-  sparse_impl: str = "fast"  # fast | dense (the masked n x n reference)
+  sparse_impl: str = "fast"  # fast (O(n sqrt n)) | dense (the masked n x n reference)
   sparse_prenorm: bool = True  # pre-activation residual blocks (eqs. 9-14); False: post-LN
   sparse_act: str = "gelu"  # gelu: x * sigmoid(1.702 x) as the paper | relu
   sparse_init_scale: bool = True  # W_p and W_2 init scaled by 1/sqrt(2N)

@@ -29,8 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-PATTERNS = ("fixed", "strided", "local", "dense")
-COMBINES = ("merged", "interleaved", "split")
+from span_lm.model.config import SPARSE_COMBINES as COMBINES
+from span_lm.model.config import SPARSE_PATTERNS as PATTERNS
+
 _NEG = -1e30  # finite: an all-masked part gives exp(0) * 0 = 0, never a NaN
 
 

@@ -334,6 +334,8 @@ def report(config) -> dict:
   from span_lm.tools import paper  # pylint: disable=g-import-not-at-top
   from span_lm.tools import restore as restore_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
+  config_lib.validate(config)  # the one mode that builds no loop.Run (which validates)
   meta = None
   ckpt_dir = os.path.join(config.workdir or "", "checkpoints")
   if config.workdir and os.path.isdir(ckpt_dir):

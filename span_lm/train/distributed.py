@@ -33,8 +33,6 @@ from span_lm.train import sharding as sharding_lib
 
 log = logging.getLogger("span_lm")
 
-MODES = ("auto", "on", "off")
-
 
 def _int_env(env: Mapping[str, str], name: str) -> int | None:
   value = env.get(name)

@@ -430,7 +430,6 @@ def _train(run: Run) -> dict[str, Any]:
 
 def evaluate(config, step: int | None = None) -> dict[str, Any]:
   """Full evaluation of a checkpoint on valid and test (params-only restore)."""
-  config_lib.validate(config)
   directory = os.path.join(config.workdir or "", "checkpoints")
   if not config.workdir or not os.path.isdir(directory):
     raise FileNotFoundError(f"no checkpoint in {directory} to evaluate")

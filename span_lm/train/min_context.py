@@ -70,7 +70,6 @@ def score(score_fn: Callable, data: np.ndarray, context: int, min_context: int,
 
 def evaluate_min_context(config, min_contexts, split: str = "test", step: int | None = None):
   """Restores config.workdir's checkpoint and scores `split` at each minimum context."""
-  config_lib.validate(config)
   run = loop.Run(config)
   try:
     params, plan, meta = run.restore_params(step)

@@ -6,6 +6,7 @@ gradient, and eps sits outside the square root. "Clip, then optax.adagrad" is a 
 (Adagrad's normalisation cancels the clip scale), so that one piece is written by hand here; the
 rest is stock optax. See docs/reference_semantics.md (Optimizer).
 """
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -111,8 +112,9 @@ def _field(optim_cfg: Any, name: str, default: Any = None) -> Any:
     return default
 
 
-def _validate(optim_cfg: Any) -> dict[str, Any]:
-  """Reads and checks the optim fields, so a bad value fails before anything is traced."""
+def check_config(optim_cfg: Any) -> dict[str, Any]:
+  """Reads and checks the optim fields (the one check of them: config.validate calls it too), so a
+  bad value fails before anything is traced; absent fields take the schema's defaults."""
   f = {"name": _field(optim_cfg, "name"), "lr": _field(optim_cfg, "lr"),
        "momentum": _field(optim_cfg, "momentum", 0.0),
        "grad_clip": _field(optim_cfg, "grad_clip", 0.0),
@@ -128,8 +130,8 @@ def _validate(optim_cfg: Any) -> dict[str, Any]:
   if f["name"] not in OPTIMIZERS:
     bad("name", f"unknown optimizer; choose one of {OPTIMIZERS}")
   for k in ("lr", "momentum", "grad_clip"):
-    if isinstance(f[k], bool) or not isinstance(f[k], (int, float)):
-      bad(k, "must be a number")
+    if isinstance(f[k], bool) or not isinstance(f[k], (int, float)) or not math.isfinite(f[k]):
+      bad(k, "must be a finite number")
   if not f["lr"] > 0:
     bad("lr", "must be > 0")
   if not 0.0 <= f["momentum"] < 1.0:
@@ -166,7 +168,7 @@ def make_optimizer(optim_cfg: Any) -> tuple[optax.GradientTransformation, optax.
   before it is incremented), for logging. batch_split is only validated: gradient accumulation
   happens inside the train step, so the optimizer sees one (mean) gradient per step.
   """
-  f = _validate(optim_cfg)
+  f = check_config(optim_cfg)
   if f["schedule"] == "cosine":
     schedule = cosine_schedule(float(f["lr"]), f["warmup"], f["decay_steps"])
   else:
