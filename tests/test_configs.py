@@ -1,5 +1,6 @@
 """Run configs: every file and variant loads and validates, reference runs match the paper table,
 bad values fail early with a message naming the field, and the absl --config path works."""
+import dataclasses
 import importlib
 import math
 import os
@@ -332,3 +333,34 @@ def test_absl_config_flag_subprocess(enwik8_head):
       cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
   assert out.returncode == 0, out.stderr
   assert out.stdout.split() == ["32", "2", "50"]
+
+
+def test_model_defaults_are_model_configs():
+  """config.model's defaults are ModelConfig's: one set, so a run config and a ModelConfig built
+  in Python describe the same model."""
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  m = config_lib.base_config().model
+  assert m.vocab_size == 0  # the dataset's vocabulary
+  assert ModelConfig.from_config(m, vocab_size=7) == ModelConfig(vocab_size=7)
+  assert set(m.keys()) == {f.name for f in dataclasses.fields(ModelConfig)}
+
+
+def test_validated_once_per_command(tmp_path, monkeypatch):
+  """main.py -> cli.run -> loop.train checks the config once; train() called directly (a notebook)
+  checks it too."""
+  from span_lm import cli  # pylint: disable=g-import-not-at-top
+  from span_lm.train import loop  # pylint: disable=g-import-not-at-top
+  calls = []
+  validate = config_lib.validate
+  monkeypatch.setattr(config_lib, "validate", lambda c: (calls.append(c.mode), validate(c))[1])
+  c = _load("configs/synthetic.py", tmp_path, **{
+      "train.steps": 0, "train.tensorboard": False, "train.full_eval_at_end": False,
+      "train.compilation_cache": "", "data.synthetic_length": 4000, "data.block": 8,
+      "data.batch": 8, "data.eval_batch": 8, "model.n_layers": 1, "model.d_model": 16,
+      "model.d_ff": 16, "model.span": 16, "model.ramp": 4})
+  cli.run(c)
+  assert calls == ["train"]
+  c.optim.lr = 0.0
+  with pytest.raises(config_lib.ConfigError, match=r"config\.optim\.lr=0\.0"):
+    loop.train(c)
+  assert calls == ["train", "train"]

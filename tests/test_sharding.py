@@ -1,10 +1,9 @@
 """Mesh and sharding helpers on the 8 fake CPU devices."""
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from span_lm.train import sharding
 
@@ -82,29 +81,20 @@ def test_shard_batch_rejects_indivisible_batch():
   mesh = sharding.make_mesh()
   with pytest.raises(ValueError, match=r"\(6, 5\).*divisible by 8"):
     sharding.shard_batch(np.zeros((6, 5), np.int32), mesh)
-  with pytest.raises(ValueError, match="divisible"):
-    sharding.shard_batch(np.zeros((), np.int32), mesh)
 
 
-class _Tiny(nn.Module):
-
-  @nn.compact
-  def __call__(self, x):
-    init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
-    x = nn.Dense(16, kernel_init=init)(x)
-    return nn.Dense(3)(x)
-
-
-def test_logical_param_shardings_is_configuration():
-  mesh = sharding.make_mesh()
-  boxed = jax.eval_shape(lambda: _Tiny().init(jax.random.key(0), jnp.ones((2, 8))))
-  default = sharding.logical_param_shardings(boxed, mesh)
-  assert all(s.spec in (P(), P(None, None)) for s in jax.tree.leaves(default))  # all replicated
-  fsdp = sharding.logical_param_shardings(boxed, mesh, rules=(("batch", "data"), ("embed", "data")))
-  assert fsdp["params"]["Dense_0"]["kernel"].spec == P("data", None)
-  assert fsdp["params"]["Dense_1"]["kernel"].spec == P()
-  # Same structure as the unboxed params, so it can be used as a state sharding subtree.
-  assert jax.tree.structure(fsdp) == jax.tree.structure(nn.meta.unbox(boxed))
+def test_shard_batch_is_what_a_run_puts_on_its_mesh():
+  """A training batch (x, y and the 0-d reset flag) over the FSDP mesh's two axes: rows split over
+  both, the flag replicated; loop.Run.put_batch is this function with the run's batch axes."""
+  mesh = Mesh(np.asarray(jax.devices()).reshape(4, 2), ("data", "fsdp"),
+              axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  x = np.arange(8 * 3, dtype=np.int32).reshape(8, 3)
+  b = sharding.shard_batch({"x": x, "y": x + 1, "reset": np.asarray(True)}, mesh,
+                           ("data", "fsdp"))
+  assert b["x"].sharding.spec == P(("data", "fsdp"), None)
+  assert all(s.data.shape == (1, 3) for s in b["y"].addressable_shards)
+  np.testing.assert_array_equal(np.asarray(b["y"]), x + 1)
+  assert b["reset"].sharding.is_fully_replicated and bool(b["reset"]) and b["reset"].ndim == 0
 
 
 def test_params_carry_logical_axis_names_that_rules_map_to_the_mesh():

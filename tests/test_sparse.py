@@ -1,6 +1,7 @@
 """Sparse Transformer: validity, fast path == dense reference, model options, training, CIFAR."""
 import dataclasses
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,8 @@ from span_lm.model.sparse_transformer import SparseTransformer
 from span_lm.train import loop
 from span_lm.train import min_context
 from span_lm.train import optimizer as optimizer_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 L, C, H = 8, 2, 4  # stride, summary width, heads of the attention tests
 
@@ -272,7 +275,7 @@ def test_min_context_windows_score_each_target_once():
 
 
 def test_tiny_sparse_config_trains_and_evaluates(tmp_path, enwik8_head, monkeypatch):
-  monkeypatch.chdir(config_lib.REPO_ROOT)
+  monkeypatch.chdir(REPO)
   c = config_lib.load_config("configs/enwik8_sparse_fixed.py:smoke")
   c.workdir = str(tmp_path / "run")
   c.train.tensorboard = False
@@ -319,7 +322,7 @@ def test_cifar_source(tmp_path):
 
 def test_cifar_config_builds_a_run(tmp_path, monkeypatch):
   """configs/cifar10_sparse.py:smoke reads the generated batches and traces its training state."""
-  monkeypatch.chdir(config_lib.REPO_ROOT)
+  monkeypatch.chdir(REPO)
   _write_cifar(tmp_path / "cifar")
   c = config_lib.load_config("configs/cifar10_sparse.py:smoke")
   c.workdir = str(tmp_path / "run")

@@ -255,8 +255,8 @@ def test_evaluate_checkpoint(run_a, tmp_path):
   for name in ("valid", "test"):
     res = out[name]
     assert np.isfinite(res["bpc"]) and res["bpc"] > 0
-    assert res["tokens"] == batching.eval_token_count(len(splits.split(name)), d.eval_batch,
-                                                      d.block)
+    assert res["tokens"] == sum(b.n_tokens for b in batching.eval_blocks(
+        splits.split(name), d.eval_batch, d.block))
   # Every target of each 60-token stream is scored once: 8 * 59, the partial last block included.
   assert out["valid"]["tokens"] == 8 * 59
   # The same parameters, plan and walk as the full evaluation at the end of training.
@@ -270,8 +270,8 @@ def test_evaluate_checkpoint(run_a, tmp_path):
   config.train.eval_drop_last = True
   dropped = loop.evaluate(config)
   for name in ("valid", "test"):
-    assert dropped[name]["tokens"] == batching.eval_token_count(
-        len(splits.split(name)), d.eval_batch, d.block, drop_last=True)
+    assert dropped[name]["tokens"] == sum(b.n_tokens for b in batching.eval_blocks(
+        splits.split(name), d.eval_batch, d.block, drop_last=True))
     assert np.isfinite(dropped[name]["bpc"])
   # The reference's loop over 60-token streams reads the whole blocks at 0, 16 and 32 only.
   assert dropped["valid"]["tokens"] == 8 * 3 * 16

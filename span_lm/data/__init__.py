@@ -9,9 +9,7 @@ from span_lm.data.batching import StreamIterator
 from span_lm.data.batching import StreamState
 from span_lm.data.batching import as_streams
 from span_lm.data.batching import eval_blocks
-from span_lm.data.batching import eval_token_count
 from span_lm.data.batching import process_slice
-from span_lm.data.batching import state_at_step
 from span_lm.data.download import DataIntegrityError
 from span_lm.data.download import DownloadError
 from span_lm.data.sources import DatasetUnavailableError

@@ -123,14 +123,6 @@ class StreamIterator:
     return Batch(x, y, reset)
 
 
-def state_at_step(step: int, stream_len: int, block: int, seed: int, align: int = 1) -> StreamState:
-  """The state after `step` blocks from a fresh walk, without reading any data."""
-  state = StreamState()
-  for _ in range(step):
-    state, _ = advance(state, stream_len, block, seed, align)
-  return state
-
-
 # ----------------------------------------------------------------------------------- full eval
 
 
@@ -178,10 +170,3 @@ def eval_blocks(data: np.ndarray, batch: int, block: int, drop_last: bool = Fals
     y[:, :m] = streams[:, pos + 1:pos + m + 1]
     weights[:, :m] = 1.0
     yield EvalBatch(x, y, weights, m * streams.shape[0])
-
-
-def eval_token_count(n: int, batch: int, block: int, drop_last: bool = False,
-                     align: int = 1) -> int:
-  """Targets scored by a full evaluation of n tokens over all `batch` streams."""
-  stream_len = n // batch // align * align
-  return batch * sum(m for _, m in eval_positions(stream_len, block, drop_last))

@@ -175,17 +175,7 @@ class Run:
 
   def put_batch(self, b):
     """Host batch -> global arrays; with several processes `b` holds this process's rows only."""
-    if self.process_count == 1:
-      return {k: jax.device_put(v, self.replicated if k == "reset" else self.batch_sharding)
-              for k, v in b.items()}
-    out = {}
-    for k, v in b.items():
-      if k == "reset":  # the same scalar in every process
-        v = np.asarray(v)
-        out[k] = jax.make_array_from_callback(v.shape, self.replicated, lambda idx, v=v: v[idx])
-      else:
-        out[k] = jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
-    return out
+    return sharding_lib.shard_batch(b, self.mesh, self.batch_sharding.spec[0])
 
   def streams(self, split: np.ndarray, batch: int, seed: int) -> batching.StreamIterator:
     """This process's share of the B training-style streams of a split."""

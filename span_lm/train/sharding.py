@@ -5,10 +5,10 @@ leading (batch) dimension; parameters, optimizer state, step and rng are replica
 which sharding is a single rule function of (key path, leaf), so a different layout (FSDP, tensor
 parallelism via Flax logical axis names) is a configuration change, not a rewrite.
 """
+import math
 import re
 from typing import Any, Callable, Optional, Sequence
 
-import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -40,8 +40,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def data_sharding(mesh: Mesh, ndim: int, axis: str = DATA_AXIS) -> NamedSharding:
-  """Leading (batch) dim over the data axis, the rest replicated: P('data', None, ...)."""
+def data_sharding(mesh: Mesh, ndim: int, axis: str | tuple[str, ...] = DATA_AXIS) -> NamedSharding:
+  """Leading (batch) dim over the data axis (or axes), the rest replicated: P('data', None, ...)."""
   if ndim < 1:
     raise ValueError(f"data sharding needs an array with a leading batch dim, got ndim={ndim}")
   return NamedSharding(mesh, P(axis, *([None] * (ndim - 1))))
@@ -133,34 +133,30 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
                       abstract, shardings)
 
 
-def logical_param_shardings(boxed_params: Any, mesh: Mesh,
-                            rules: Sequence[tuple] = LOGICAL_AXIS_RULES) -> Any:
-  """Shardings for params that carry Flax logical axis names (`nn.with_logical_partitioning`).
-
-  Returns a tree shaped like the unboxed params. Unnamed params, and names the rules do not map,
-  are replicated, so with the default rules all params are replicated today.
-  """
-  return nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed_params), mesh, rules)
-
-
-def shard_batch(x: Any, mesh: Mesh, axis: str = DATA_AXIS) -> Any:
-  """Put a host batch (array or pytree of arrays, leading dim B) onto the mesh, split over `axis`.
+def shard_batch(x: Any, mesh: Mesh, axis: str | tuple[str, ...] = DATA_AXIS) -> Any:
+  """Puts a host batch (array or pytree of arrays) onto the mesh: leading (batch) dims split over
+  `axis` (a mesh axis or a tuple of them), 0-d leaves (the 'reset' flag) replicated.
 
   Single process: `x` is the global batch and B must divide by the axis size. Multi-process: `x`
-  is this process's slice and B must divide by the process's share of the axis; the global array
-  is assembled with `jax.make_array_from_process_local_data`.
+  holds this process's rows (B divides by its share of the axis) and the global array is assembled
+  with `jax.make_array_from_process_local_data`; a 0-d leaf must be the same in every process.
   """
   multi = jax.process_count() > 1
-  n = mesh.shape[axis]
+  axes = (axis,) if isinstance(axis, str) else tuple(axis)
+  n = math.prod(mesh.shape[a] for a in axes)
   if multi:
     n = max(1, n // jax.process_count())
 
   def put(path, a):
     a = np.asarray(a)
-    if a.ndim < 1 or a.shape[0] % n:
+    if a.ndim == 0:
+      if multi:
+        return jax.make_array_from_callback((), replicated(mesh), lambda idx: a[idx])
+      return jax.device_put(a, replicated(mesh))
+    if a.shape[0] % n:
       name = path_str(path) or "batch"
       raise ValueError(f"shard_batch: {name} has shape {a.shape}; its leading (batch) dim must be "
-                       f"divisible by {n} ({'local ' if multi else ''}devices on mesh axis '{axis}')")
+                       f"divisible by {n} ({'local ' if multi else ''}devices on mesh axis {axis!r})")
     sharding = data_sharding(mesh, a.ndim, axis)
     if multi:
       return jax.make_array_from_process_local_data(sharding, a)
