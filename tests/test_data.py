@@ -458,7 +458,7 @@ def test_corpus_download_prepare_cache(tmp_path, monkeypatch):
   splits = sources.load_splits(cfg)
   ref_ids, ref_vocab = _ref_corpus(
       tmp_path, [_ref_enwik8_text(p) for p in (text[:-2000], text[-2000:-1000], text[-1000:])])
-  _check_equal(prepare.Tokenized(splits.train, splits.valid, splits.test, splits.vocab),
+  _check_equal(prepare.Splits(splits.train, splits.valid, splits.test, splits.vocab),
                ref_ids, ref_vocab)
   files = sorted(p.name for p in (tmp_path / "cache" / "enwik8").iterdir())
   assert files == ["test.npy", "train.npy", "valid.npy", "vocab.json"]
@@ -483,7 +483,7 @@ def test_text8_and_wikitext_from_zips(tmp_path, monkeypatch):
   t8 = sources.corpus_splits("text8", tmp_path / "c")
   ref_ids, ref_vocab = _ref_corpus(tmp_path, [
       _ref_text8_text(p.decode()) for p in (text8[:-1000], text8[-1000:-500], text8[-500:])])
-  _check_equal(prepare.Tokenized(t8.train, t8.valid, t8.test, t8.vocab), ref_ids, ref_vocab)
+  _check_equal(prepare.Splits(t8.train, t8.valid, t8.test, t8.vocab), ref_ids, ref_vocab)
 
   texts = [" = A = \n\n the cat sat \n the dog \n", " the cat \n", " \n the <unk> \n"]
   members = {f"wikitext-103/wiki.{s}.tokens": t.encode() for s, t in zip(prepare.SPLITS, texts)}
@@ -496,7 +496,7 @@ def test_text8_and_wikitext_from_zips(tmp_path, monkeypatch):
   assert wt.vocab[:len(word2id)] == tuple(sorted(word2id, key=word2id.get))
   np.testing.assert_array_equal(wt.train, [word2id[ref_vocab[i]] for i in ref_ids[0]])
   first = sources.corpus_splits("wikitext103", tmp_path / "c", vocab_order="first")
-  _check_equal(prepare.Tokenized(first.train, first.valid, first.test, first.vocab),
+  _check_equal(prepare.Splits(first.train, first.valid, first.test, first.vocab),
                ref_ids, ref_vocab)
 
 

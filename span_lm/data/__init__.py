@@ -12,8 +12,8 @@ from span_lm.data.batching import eval_blocks
 from span_lm.data.batching import process_slice
 from span_lm.data.download import DataIntegrityError
 from span_lm.data.download import DownloadError
+from span_lm.data.prepare import Splits
 from span_lm.data.sources import DatasetUnavailableError
-from span_lm.data.sources import Splits
 from span_lm.data.sources import corpus_splits
 from span_lm.data.sources import file_splits
 from span_lm.data.sources import load_splits

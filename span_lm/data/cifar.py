@@ -17,7 +17,7 @@ import pickle
 
 import numpy as np
 
-from span_lm.data.sources import Splits
+from span_lm.data.prepare import Splits
 
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILE = "test_batch"

@@ -27,12 +27,18 @@ _ASCII_SPACE = b" \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"  # what str.strip()/split() tr
 
 
 @dataclasses.dataclass(frozen=True)
-class Tokenized:
-  """Three id arrays (uint8 when the vocabulary fits, else int32) and token strings by id."""
+class Splits:
+  """Token ids of the three splits (1-D; uint8 when the vocabulary fits, else int32), the token
+  strings by id, and the source's name ('' until a source names them)."""
   train: np.ndarray
   valid: np.ndarray
   test: np.ndarray
   vocab: tuple[str, ...]
+  name: str = ""
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.vocab)
 
   def split(self, name: str) -> np.ndarray:
     return getattr(self, name)
@@ -102,7 +108,7 @@ def id_dtype(vocab_size: int):
   return np.uint8 if vocab_size <= 256 else np.int32
 
 
-def tokenize_symbols(splits: Sequence[np.ndarray], token_str) -> Tokenized:
+def tokenize_symbols(splits: Sequence[np.ndarray], token_str) -> Splits:
   """Ids by first appearance (train, then valid, then test) for symbol arrays in [0, 256]."""
   order = first_appearance(splits, _EOS_SYMBOL + 1)
   dtype = id_dtype(order.size)
@@ -110,15 +116,15 @@ def tokenize_symbols(splits: Sequence[np.ndarray], token_str) -> Tokenized:
   lut[order] = np.arange(order.size)
   ids = [lut[s] for s in splits]
   vocab = tuple(EOS if s == _EOS_SYMBOL else token_str(int(s)) for s in order)
-  return Tokenized(*ids, vocab=vocab)
+  return Splits(*ids, vocab=vocab)
 
 
-def tokenize_enwik8(train, valid, test) -> Tokenized:
+def tokenize_enwik8(train, valid, test) -> Splits:
   """enwik8-style byte tokenisation (also used for any local raw file)."""
   return tokenize_symbols([enwik8_symbols(p) for p in (train, valid, test)], str)
 
 
-def tokenize_text8(train, valid, test) -> Tokenized:
+def tokenize_text8(train, valid, test) -> Splits:
   return tokenize_symbols([text8_symbols(p) for p in (train, valid, test)], chr)
 
 
@@ -143,15 +149,15 @@ def tokenize_lines(lines: Iterable[str], word2id: dict) -> np.ndarray:
   return np.concatenate(out)
 
 
-def tokenize_words(train: Iterable[str], valid: Iterable[str], test: Iterable[str]) -> Tokenized:
+def tokenize_words(train: Iterable[str], valid: Iterable[str], test: Iterable[str]) -> Splits:
   """Word-level tokenisation of three line iterables (open text files, io.StringIO, lists)."""
   word2id = {}
   ids = [tokenize_lines(lines, word2id) for lines in (train, valid, test)]
   dtype = id_dtype(len(word2id))
-  return Tokenized(*(a.astype(dtype) for a in ids), vocab=tuple(word2id))
+  return Splits(*(a.astype(dtype) for a in ids), vocab=tuple(word2id))
 
 
-def sort_by_frequency(tok: Tokenized) -> Tokenized:
+def sort_by_frequency(tok: Splits) -> Splits:
   """Re-number train tokens by descending train count, as the reference's sort_dict does.
 
   Reference: `sorted(word2count.items(), key=lambda kv: kv[1])[::-1]` over train, with
@@ -167,7 +173,8 @@ def sort_by_frequency(tok: Tokenized) -> Tokenized:
   new_id[order] = np.arange(order.size)
   dtype = id_dtype(len(tok.vocab))
   ids = [new_id[a].astype(dtype) for a in (tok.train, tok.valid, tok.test)]
-  return Tokenized(*ids, vocab=tuple(tok.vocab[i] for i in order))
+  return dataclasses.replace(tok, train=ids[0], valid=ids[1], test=ids[2],
+                             vocab=tuple(tok.vocab[i] for i in order))
 
 
 def zip_text_lines(zf, member: str) -> io.TextIOWrapper:

@@ -5,7 +5,7 @@
 the completion marker); later runs only read that cache. The archive is downloaded only when
 the cache is missing and the zip is not already in `data_dir`.
 
-Optional `config.data` fields read here beyond configs/base.py (defaults in brackets):
+Optional `config.data` fields (a hand-built config.data may lack them; defaults in brackets):
   vocab_order     [auto] first | frequency | auto (frequency for wikitext103, else first)
   file_vocab      [reference] reference (newline -> <eos>, first-appearance ids) | bytes (ids = byte)
   synthetic_seed  [0] seed of the synthetic task (its permutation and noise)
@@ -20,29 +20,13 @@ import numpy as np
 
 from span_lm.data import download as dl
 from span_lm.data import prepare
+from span_lm.data.prepare import Splits
 
 CACHE_FORMAT = 1
 
 
 class DatasetUnavailableError(RuntimeError):
   """The dataset is neither prepared nor downloadable; the message says where to put it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Splits:
-  """Token ids of the three splits (1-D uint8/int32 arrays) and the vocabulary by id."""
-  train: np.ndarray
-  valid: np.ndarray
-  test: np.ndarray
-  vocab: tuple[str, ...]
-  name: str
-
-  @property
-  def vocab_size(self) -> int:
-    return len(self.vocab)
-
-  def split(self, name: str) -> np.ndarray:
-    return getattr(self, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +80,7 @@ def _atomic_write(path: pathlib.Path, write) -> None:
       tmp.unlink()
 
 
-def save_cache(cache_dir, tok: prepare.Tokenized, name: str, meta: dict) -> None:
+def save_cache(cache_dir, tok: Splits, name: str, meta: dict) -> None:
   """Writes the splits, then vocab.json (the marker that the cache is complete)."""
   cache_dir = pathlib.Path(cache_dir)
   cache_dir.mkdir(parents=True, exist_ok=True)
@@ -144,7 +128,7 @@ def _zip_path(data_dir: pathlib.Path, name: str, corpus: Corpus, allow_download:
     raise DatasetUnavailableError(f"{name}: downloading failed ({e}). {manual}") from e
 
 
-def prepare_corpus(name: str, zip_path, vocab_order: str = "first") -> prepare.Tokenized:
+def prepare_corpus(name: str, zip_path, vocab_order: str = "first") -> Splits:
   """Reference preparation of one benchmark corpus from its zip."""
   corpus = CORPORA[name]
   if name in ("enwik8", "text8"):
@@ -221,7 +205,7 @@ def file_splits(path, split_fractions=(0.9, 0.05, 0.05), split_bytes=(),
   if vocab == "reference":
     tok = prepare.tokenize_enwik8(*parts)
   elif vocab == "bytes":
-    tok = prepare.Tokenized(*parts, vocab=tuple(str(i) for i in range(256)))
+    tok = Splits(*parts, vocab=tuple(str(i) for i in range(256)))
   else:
     raise ValueError(f"file_vocab={vocab!r}: choose reference | bytes")
   return Splits(tok.train, tok.valid, tok.test, tok.vocab, name=f"file:{path.name}")

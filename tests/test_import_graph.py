@@ -1,0 +1,114 @@
+"""The package's import graph: no circles, and nothing imported from the repository around it.
+
+Edges are read from the source (ast), function-local imports included: a lazy import that only
+hides a circle (data/cifar.py <-> data/sources.py once) still ties the two rooms together.
+"""
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "span_lm"
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  out = {}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    parts = path.relative_to(REPO).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+MODULES = _modules()
+
+
+def _imported_names(name: str, path: pathlib.Path) -> list[str]:
+  """Absolute dotted names `name`'s source imports (`from a import b` gives a.b when that is a
+  module of the package, else a)."""
+  names = []
+  package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      names += [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:  # relative: from the package, level - 1 folders up
+        up = package[:len(package) - node.level + 1]
+        base = ".".join(up + ([base] if base else []))
+      names += [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+  return names
+
+
+def _graph() -> dict[str, set[str]]:
+  graph = {}
+  for name, path in MODULES.items():
+    graph[name] = set()
+    for target in _imported_names(name, path):
+      while target not in MODULES and "." in target:
+        target = target.rsplit(".", 1)[0]
+      if target in MODULES and target != name:
+        graph[name].add(target)
+  return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components with more than one module (Tarjan)."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph[v]):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while not component or component[-1] != v:
+        component.append(stack.pop())
+        on_stack.discard(component[-1])
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def test_cycle_finder_finds_a_circle():
+  graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+  assert _cycles(graph) == [["a", "b", "c"]]
+  assert not _cycles({"a": {"b"}, "b": set()})
+
+
+def test_no_import_cycles():
+  graph = _graph()
+  assert "span_lm.model.config" in graph["span_lm.config"]  # the graph sees imports at all
+  assert _cycles(graph) == []
+
+
+def test_package_imports_nothing_from_the_repository_around_it():
+  """An installed span_lm has no configs/, bench/ or tests/ beside it."""
+  around = {p.stem for p in REPO.iterdir()
+            if p.name != "span_lm" and (p.suffix == ".py" or (p / "__init__.py").is_file()
+                                        or p.name in ("configs", "bench", "tests"))}
+  assert {"configs", "bench", "tests", "main"} <= around
+  for name, path in MODULES.items():
+    bad = sorted({n for n in _imported_names(name, path) if n.split(".")[0] in around})
+    assert not bad, f"{name} imports {bad}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_imports(name):
+  try:
+    importlib.import_module(name)
+  except ModuleNotFoundError as e:  # an optional dependency (tensorflow_datasets), not ours
+    if e.name is None or e.name.split(".")[0] == "span_lm":
+      raise
+    pytest.skip(f"optional dependency {e.name} is not installed")
