@@ -93,14 +93,14 @@ def init_kwargs(dist, env: Mapping[str, str] | None = None) -> dict:
   return kw
 
 
-AUTO_MAX_CPU_DEVICES = 8  # measured on 2 cores only; more devices mean a wider all-reduce
+AUTO_MAX_CPU_DEVICES = 8  # a cap: more devices mean a wider all-reduce (docs/benchmarks.md)
 
 
 def keeps_one_cpu_device(config) -> bool:
   """Whether auto (dist.cpu_devices=0) keeps the host as one device: bf16 span models, all of
-  whose matmuls run in XLA:CPU's multi-threaded YNNPACK kernels (model/precision.py); on 2 cores
-  one device measured faster than two (0.252-0.259 vs 0.309-0.376 s per issue-8 step; float32
-  the other way round: 0.481 vs 0.393 s)."""
+  whose matmuls run multi-threaded on XLA:CPU (model/precision.py), so splitting the host only
+  halves each device's threads; one device measured faster for them, float32 slower
+  (docs/benchmarks.md)."""
   return (str(config.model.get("dtype", "float32")) == "bfloat16"
           and config.model.get("arch", "span") == "span")
 
