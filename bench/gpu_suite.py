@@ -220,6 +220,8 @@ def child_env(spec):
   row["memory_bytes"] = stats.get("bytes_limit")
   try:
     from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+    if cuda_versions is None:
+      raise ImportError("no CUDA plugin")
     for f in ("cuda_runtime_get_version", "cuda_driver_get_version", "cudnn_get_version",
               "cublas_get_version", "cusparse_get_version"):
       try:
@@ -283,11 +285,11 @@ def plain_attention(cfg, p, key_pe_DxS, h_BxMxD, cache_BxLxD):
     z = (s * p["span_ratio"])[None, :, None, None]
   elif cfg.span_mode == "dynamic":
     sp = p["span_predictor"]
-    z = (s * jax.nn.sigmoid(ein("bmd,dh->bmh", h_BxMxD, sp["kernel"]) + sp["bias"]))
+    z = (s * jax.nn.sigmoid(ein("bmd,dh->bmh", h_BxMxD, sp["kernel"]) + sp["bias"][None, None]))
     z = z.transpose(0, 2, 1)[..., None]
   mask = None
   if z is not None:  # m(d) = clamp((R + z - (d - 1)) / R, 0, 1)
-    mask = jnp.clip((ramp + z - (dist - 1.0)) / ramp, 0.0, 1.0) * allowed
+    mask = jnp.clip((ramp + z - (dist[None, None] - 1.0)) / ramp, 0.0, 1.0) * allowed[None, None]
   scale = math.sqrt(dh)
   if cfg.pers_mem:
     n = cfg.pers_mem
@@ -803,6 +805,8 @@ class Suite:
     self.t0 = time.time()
     self.deadline = self.t0 + args.budget_s
     self.carry = 0.0
+    import threading  # pylint: disable=g-import-not-at-top
+    self.lock = threading.Lock()
     os.makedirs(args.out, exist_ok=True)
     self.log = open(os.path.join(args.out, "suite.log"), "w")  # pylint: disable=consider-using-with
     self.result = {"suite": "span_lm bench/gpu_suite.py", "schema": 1,
@@ -857,6 +861,8 @@ class Suite:
     budget = BUDGET_S[name] * self.args.budget_scale
     now = time.time()
     allowed = min(budget + self.carry, self.deadline - now)
+    if self.args.jobs > 1 and name != "env":  # side by side: each may use what is left
+      allowed = self.deadline - now
     entry = {"status": "skipped", "budget_s": round(allowed, 1), "rows": [], "errors": []}
     self.result["stages"][name] = entry
     if self.args.stages and name not in self.args.stages:
@@ -967,13 +973,10 @@ class Suite:
                     block=32 if dry else run.data.block)
     variants = [{"impl": name, "use": use, "dtype": dt} for dt in self.args.dtypes
                 for name, use in self.runnable()]
-    if dry:  # one child, one dtype per config, the interpreted kernel once (slow to compile)
+    if dry:  # one child, one dtype per config; the interpreted kernel (slow to compile) has its
+      # rehearsal in the correctness stage
       dt = "bfloat16" if label == "enwik8" else "float32"
-      variants = [v for v in variants if v["dtype"] == dt and (
-          v["impl"] != "pallas_interpret" or label == "issue8")]
-      for v in variants:
-        if v["impl"] == "pallas_interpret":
-          v["plans"] = plans[:1]
+      variants = [v for v in variants if v["dtype"] == dt and v["impl"] != "pallas_interpret"]
       return [("train", dict(common, variants=variants), None)]
     return [("train", dict(common, variants=[v]), None) for v in variants]
 
@@ -989,7 +992,7 @@ class Suite:
     dry = self.args.dry_run
     import numpy as np  # pylint: disable=g-import-not-at-top
     cases = []
-    i8 = {"layers": 2 if dry else 4, "d_model": 64 if dry else 256, "heads": 4,
+    i8 = {"layers": 1 if dry else 4, "d_model": 64 if dry else 256, "heads": 4,
           "d_ff": 128 if dry else 1024, "span": 128 if dry else 1024, "batch": 2 if dry else 16,
           "block": 32 if dry else 128, "dropout": 0.0}
     for plan in ("issue8_short", "fixed"):
@@ -999,7 +1002,7 @@ class Suite:
     from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
     run = config_lib.load_config("configs/enwik8.py")
     m = run.model
-    e8 = {"layers": 2 if dry else m.n_layers, "d_model": 64 if dry else m.d_model,
+    e8 = {"layers": 1 if dry else m.n_layers, "d_model": 64 if dry else m.d_model,
           "heads": 4 if dry else m.n_heads, "d_ff": 128 if dry else m.d_ff,
           "span": 128 if dry else m.span, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
           "block": 32 if dry else run.data.block, "dropout": m.dropout}
@@ -1032,12 +1035,20 @@ class Suite:
   def run(self):
     self.env, self.impls = {}, {}
     self.stage("env", self.env_stage)
-    self.stage("correctness", self.correctness_stage)
-    self.stage("train_enwik8", self.train_stage("enwik8"))
-    self.stage("reference", self.reference_stage)
-    self.stage("train_issue8", self.train_stage("issue8"))
-    self.stage("train_enwik8_large", self.train_stage("enwik8_large"))
-    self.stage("sampling", self.sampling_stage)
+    rest = [("correctness", self.correctness_stage),
+            ("train_enwik8", self.train_stage("enwik8")),
+            ("reference", self.reference_stage),
+            ("train_issue8", self.train_stage("issue8")),
+            ("train_enwik8_large", self.train_stage("enwik8_large")),
+            ("sampling", self.sampling_stage)]
+    if self.args.jobs > 1:  # the CPU rehearsal: stages side by side (one device: never on a GPU)
+      from concurrent import futures  # pylint: disable=g-import-not-at-top
+      with futures.ThreadPoolExecutor(self.args.jobs) as pool:
+        for f in [pool.submit(self.stage, name, fn) for name, fn in rest]:
+          f.result()
+    else:
+      for name, fn in rest:
+        self.stage(name, fn)
     self.result["seconds"] = round(time.time() - self.t0, 1)
     self.write()
     self.log.close()
@@ -1046,10 +1057,20 @@ class Suite:
   # -- output
   def write(self):
     self.result["seconds"] = round(time.time() - self.t0, 1)
-    with open(os.path.join(self.args.out, "suite.json"), "w") as f:
-      json.dump(self.result, f, indent=1, default=str)
-    with open(os.path.join(self.args.out, "suite.md"), "w") as f:
-      f.write(markdown(self.result))
+    st = self.result["stages"]
+    self.result["stages"] = {k: st[k] for k in STAGES if k in st}
+    with self.lock:
+      for _ in range(20):  # a stage in another thread may be adding a key: then again
+        try:
+          text = json.dumps(self.result, indent=1, default=str)
+          md = markdown(self.result)
+          break
+        except RuntimeError:
+          time.sleep(0.05)
+      with open(os.path.join(self.args.out, "suite.json"), "w") as f:
+        f.write(text)
+      with open(os.path.join(self.args.out, "suite.md"), "w") as f:
+        f.write(md)
 
 
 def _f(x, fmt="{:.3g}"):
@@ -1141,6 +1162,8 @@ def markdown(res: dict) -> str:
         continue
       mfu = _f(r.get("mfu"), "{:.1%}") + (f" (TF32 {r['mfu_tf32']:.1%})"
                                           if r.get("mfu_tf32") else "")
+      if r.get("mfu") is None and r.get("of_measured_matmul"):  # no data-sheet peak (CPU)
+        mfu = f"{r['of_measured_matmul']:.1%} of measured matmul"
       out.append(f"| {r['dtype']} | {r['impl']} ({r['attn_impl']}) | {r['plan']} | "
                  f"{r['batch']} ({r['batch_split']}) | ok | {r['seconds'] * 1e3:.1f} | "
                  f"{r['tokens_per_s']:.0f} | {_gib(r.get('peak_bytes'))} | "
@@ -1182,7 +1205,7 @@ def main():
   p.add_argument("--dry_run", action="store_true",
                  help="CPU rehearsal: tiny shapes, Pallas interpreted, reference stand-in")
   p.add_argument("--budget_s", type=float, default=None,
-                 help="the whole suite's seconds (default 510 on a GPU, 240 for the dry run)")
+                 help="the whole suite's seconds (default 510 on a GPU, 100 for the dry run)")
   p.add_argument("--stages", nargs="*", default=None, choices=STAGES,
                  help="run only these (the others are recorded as skipped); env always runs")
   p.add_argument("--impls", nargs="*", default=None, choices=sorted(IMPLS))
@@ -1196,6 +1219,9 @@ def main():
   p.add_argument("--cache_dir", default="/tmp/span_lm_gpu_suite_jax_cache",
                  help="JAX's persistent compilation cache (GPU only; '' for none): a second run "
                       "on the same machine skips compiles")
+  p.add_argument("--jobs", type=int, default=None,
+                 help="stages run side by side after env (default: 2 for the dry run, 1 on a "
+                      "GPU, where stages must not share the device)")
   p.add_argument("--child", default=None, choices=sorted(CHILDREN), help=argparse.SUPPRESS)
   p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
   args = p.parse_args()
@@ -1207,8 +1233,10 @@ def main():
   if not args.out:
     p.error("--out DIR is required")
   if args.budget_s is None:
-    args.budget_s = 240.0 if args.dry_run else float(sum(BUDGET_S.values()))
+    args.budget_s = 100.0 if args.dry_run else float(sum(BUDGET_S.values()))
   args.budget_scale = args.budget_s / sum(BUDGET_S.values())
+  if args.jobs is None:
+    args.jobs = 2 if args.dry_run else 1
   if args.stages is not None:
     args.stages = set(args.stages) | {"env"}
   res = Suite(args).run()
