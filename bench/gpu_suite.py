@@ -236,7 +236,7 @@ def child_env(spec):
     pass
   row["peak_table"] = peak_tflops(dev.device_kind)
   # Matmul rates as run here (float32 accumulation), and whether float32 dots round like TF32.
-  n = 512 if spec.get("dry_run") else 8192
+  n = 8192 if jax.default_backend() == "gpu" else 512
   for dt in ("bfloat16", "float32"):
     a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), dt)
     f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
@@ -904,8 +904,8 @@ class Suite:
       got = [{k: r.get(k) for k in KEYS[kind]} for r in rows]
       for row in _expected_rows(kind, spec):
         if row not in got:
-          entry["rows"].append(dict(row, status="error",
-                                    error=err or "the child did not report this row"))
+          entry["rows"].append(dict(row, status="timeout" if err and "killed at its" in err
+                                    else "error", error=err or "the child did not report it"))
 
   def env_stage(self, entry, deadline):
     rows, err = self.child("env", {}, deadline - time.time())
@@ -942,11 +942,13 @@ class Suite:
       pending = [p for p in pending if (p[0], p[1]) not in done]
       if err:
         entry["errors"].append(err)
-        if pending:  # the pair in flight took the child down
+        if pending:  # the pair in flight: cut at the budget, or it took the child down
           ci, name, use = pending.pop(0)
-          entry["rows"].append(dict(cases[ci], case_index=ci, impl=name, attn_impl=use,
-                                    tol=TOL[cases[ci]["dtype"]], status="error",
-                                    error=f"the child died on this case: {err}"))
+          killed = "killed at its" in err
+          entry["rows"].append(dict(
+              {k: v for k, v in cases[ci].items() if k != "dry_all"}, case_index=ci, impl=name,
+              attn_impl=use, tol=TOL[cases[ci]["dtype"]], status="timeout" if killed else "error",
+              error=err if killed else f"the child died on this case: {err}"))
 
   def _train_jobs(self, label, plans):
     dry = self.args.dry_run
