@@ -1,6 +1,7 @@
 """Dispatch on config.mode; shared by main.py and notebooks. Errors a user can cause (config, data,
 checkpoint, file system) become one line here; SPAN_LM_DEBUG=1 keeps the traceback."""
 import errno
+import logging
 import os
 import re
 import sys
@@ -86,8 +87,10 @@ def user_message(exc: BaseException, workdir: str | None = None) -> str | None:
       return f"{os.strerror(code)} writing {where}: {_FS_HINTS[code]}{saved}"
   if isinstance(exc, (ValueError, OSError, FloatingPointError)):
     text = str(exc).strip() or type(exc).__name__
-    if isinstance(exc, OSError) and exc.filename and exc.strerror and exc.filename not in text:
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
       text = f"{exc.strerror}: {exc.filename}"
+      if workdir and os.path.abspath(workdir).startswith(os.path.abspath(str(exc.filename))):
+        text += f" (making config.workdir={workdir!r}: choose a directory you can write)"
     return text
   return None
 
@@ -111,10 +114,34 @@ def override_error(exc: BaseException, override_names=()) -> str:
   return msg + " (schema: configs/base.py)"
 
 
+class _QuietOrbax(logging.Filter):
+  """Drops Orbax's own error reports (a failed async write logs several tracebacks from its
+  threads); the failure itself reaches the loop as an exception and is reported in one line."""
+
+  def filter(self, record):
+    return f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
+
+
+def _quiet_background_errors():
+  """Without SPAN_LM_DEBUG: Orbax's logged tracebacks, and the 'Event loop is closed' that
+  TensorStore's callbacks print (via sys.excepthook) after a failed write, are not shown."""
+  for name in ("absl", "orbax"):
+    logging.getLogger(name).addFilter(_QuietOrbax())
+  previous = sys.excepthook
+
+  def hook(kind, value, tb):
+    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
+      return
+    previous(kind, value, tb)
+  sys.excepthook = hook
+
+
 def main(config) -> int:
   """Runs a command as main.py does: returns the exit status; user errors print one line."""
   debug = bool(os.environ.get("SPAN_LM_DEBUG"))
   workdir = config.get("workdir")
+  if not debug:
+    _quiet_background_errors()
   try:
     out = run(config)
   except KeyboardInterrupt:

@@ -436,8 +436,12 @@ def _train(run: Run) -> dict[str, Any]:
         refused = [p[0] for p, f in zip(pending[i:], got[i:]) if int(f["short"])]
         if len(refused) != len(pending) - i:  # a later step applied on a state missing this one
           raise RuntimeError(f"internal: step {s} was refused but a later step was applied")
-        if not planner.update(list(np.asarray(g["span_ratio"])), s - 1):
-          raise RuntimeError(f"internal: step {s} was refused but its spans fit the plan")
+        ratios = list(np.asarray(g["span_ratio"]))  # the spans step s starts from
+        planner.update(ratios, s - 1)  # grows the plan unless an earlier pending step did
+        if not all(np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= spans_lib.needed_tokens(cfg, z))
+                   for lp, z in zip(planner.plan.layers, ratios)):
+          raise RuntimeError(f"internal: step {s} was refused and the plan still does not "
+                             "cover its spans")
         plan_changed = back = True
         n = len(pending) - i
         _echo(f"step {s}: spans outgrew the plan before the host read them; widened to "
