@@ -122,18 +122,31 @@ class _QuietOrbax(logging.Filter):
     return f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
 
 
+_QUIET = []
+
+
 def _quiet_background_errors():
   """Without SPAN_LM_DEBUG: Orbax's logged tracebacks, and the 'Event loop is closed' that
-  TensorStore's callbacks print (via sys.excepthook) after a failed write, are not shown."""
-  for name in ("absl", "orbax"):
-    logging.getLogger(name).addFilter(_QuietOrbax())
-  previous = sys.excepthook
+  TensorStore's callbacks report (sys.unraisablehook) after a failed write, are not shown."""
+  if _QUIET:
+    return
+  _QUIET.append(True)
+  quiet = _QuietOrbax()
+  for logger in (logging.getLogger(), logging.getLogger("absl")):
+    logger.addFilter(quiet)
+    for handler in logger.handlers:  # records of child loggers meet the handlers' filters only
+      handler.addFilter(quiet)
+  closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+  previous, previous_unraisable = sys.excepthook, sys.unraisablehook
 
   def hook(kind, value, tb):
-    if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-      return
-    previous(kind, value, tb)
-  sys.excepthook = hook
+    if not closed(value):
+      previous(kind, value, tb)
+
+  def unraisable_hook(unraisable):
+    if not closed(unraisable.exc_value):
+      previous_unraisable(unraisable)
+  sys.excepthook, sys.unraisablehook = hook, unraisable_hook
 
 
 def main(config) -> int:
