@@ -320,12 +320,13 @@ def test_ctrl_c_checkpoints_kill9_resume_logs_once_sigterm_exits_75(tmp_path):
     proc.kill()
   assert max(s for s, _ in _rows(workdir)) > first
 
+  inode = (workdir / "metrics.jsonl").stat().st_ino
   proc = _main(cfg)
   try:
     deadline = time.time() + 180
-    while time.time() < deadline and proc.poll() is None:  # rows past `first` from this run
-      rows = _rows(workdir)
-      if len(rows) == len(set(rows)) and max(s for s, _ in rows) >= first + 4:
+    while time.time() < deadline and proc.poll() is None:  # rewritten on resume, then logged to
+      if ((workdir / "metrics.jsonl").stat().st_ino != inode
+          and max(s for s, _ in _rows(workdir)) >= first + 4):
         break
       time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
