@@ -339,18 +339,24 @@ def test_main_trains_and_evaluates(enwik8_head, tmp_path):
   base = [sys.executable, "main.py", "--config=configs/tiny.py:smoke",
           f"--config.workdir={tmp_path}", f"--config.data.path={enwik8_head}"]
 
-  def main(*flags):
-    proc = subprocess.run(base + list(flags), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=400, check=False)
+  def main(*flags, command=base):
+    proc = subprocess.run(command + list(flags), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
-  out = main("--config.train.steps=4", "--config.train.log_every=2")
+  out = main("--config.train.steps=4", "--config.train.log_every=2",
+             "--config.model.d_model=32")
   assert "full test: bpc" in out and "full valid: bpc" in out
   assert sorted(_lines(tmp_path, "train")) == [2, 4]
-  out = main("--config.mode=eval")
+  # The run directory alone: its config.json (d_model=32, the data path) stands in for --config.
+  out = main("--config.mode=eval", "--config.data.eval_batch=16",
+             command=[sys.executable, "main.py", f"--config.workdir={tmp_path}"])
   assert "eval step 4 valid: bpc" in out and "eval step 4 test: bpc" in out
   assert sorted(_lines(tmp_path, "eval_test")) == [4]
+  # With --config and the same workdir the saved config wins too: no d_model override needed.
+  out = main("--config.mode=eval")
+  assert "eval step 4 test: bpc" in out and "different model" not in out
 
 
 def test_full_evaluation_with_kv_caches_equals_hidden_state_caches(run_a):

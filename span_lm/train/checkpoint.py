@@ -224,8 +224,8 @@ class Checkpointer:
     step = self._resolve_step(step)
     meta = self._reading(step, lambda: self._manager.restore(
         step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
-    if not isinstance(meta, dict) or "step" not in meta:
-      raise CheckpointReadError(step, self.step_path(step), "its 'meta' item is not a span_lm meta")
+    if not isinstance(meta, dict):
+      raise CheckpointReadError(step, self.step_path(step), "its 'meta' item is not a JSON object")
     return meta
 
   def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> Any:

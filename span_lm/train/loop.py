@@ -15,7 +15,9 @@ reported by path and the run resumes from the newest readable one.
 The host reads nothing from the device between logging, evaluation and checkpoint steps, so
 steps are dispatched ahead for adaptive spans as for fixed ones: non-finite flags and span ratios
 are read at those steps. A step whose span plan the spans outgrew in the meantime changes nothing
-(train/steps.py); the host then widens the plan and replays the data from that step on.
+(train/steps.py); the host then widens the plan and replays the data from that step on. The plan's
+headroom alone could not be trusted: Adagrad moves z' by up to lr per step (its accumulator holds
+g^2, so |g| / sqrt(acc) <= 1), lr x S tokens, e.g. 573 at the paper's lr 0.07 and S 8192.
 """
 import json
 import logging
@@ -210,12 +212,21 @@ class Run:
           "afresh, or restore it from a backup")
     raise FileNotFoundError(f"no checkpoint in {self.ckpt.directory}")
 
+  def _meta_and_plan(self, step):
+    meta = self.ckpt.restore_meta(step)
+    try:
+      plan = spans_lib.plan_from_json(meta["planner"]["plan"])
+      int(meta["step"])
+    except (KeyError, TypeError, ValueError) as e:
+      raise ckpt_lib.CheckpointReadError(step, self.ckpt.step_path(step),
+                                         f"its meta has no valid {e} entry") from e
+    self._check_meta(meta)
+    return meta, plan
+
   def restore(self, step=None, *, move_aside: bool = False):
     """(state, meta) from the work dir, laid out for this mesh (step None: the newest readable)."""
     def read(s):
-      meta = self.ckpt.restore_meta(s)
-      self._check_meta(meta)
-      plan = spans_lib.plan_from_json(meta["planner"]["plan"])
+      meta, plan = self._meta_and_plan(s)
       _, abstract, shardings = self.abstract_state(plan)
       target = sharding_lib.with_shardings(abstract, shardings)
       return self.ckpt.restore(target, s)
@@ -224,9 +235,7 @@ class Run:
   def restore_params(self, step=None):
     """(params, span plan, meta) of a checkpoint: a params-only restore for evaluation/tools."""
     def read(s):
-      meta = self.ckpt.restore_meta(s)
-      self._check_meta(meta)
-      plan = spans_lib.plan_from_json(meta["planner"]["plan"])
+      meta, plan = self._meta_and_plan(s)
       _, abstract, shardings = self.abstract_state(plan)
       target = sharding_lib.with_shardings(abstract["params"], shardings["params"])
       params = self.ckpt.restore_params(target, s)

@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from typing import Any
 
 import jax
@@ -113,7 +114,9 @@ def progress(total: int | None, initial: int = 0, desc: str = "train", leave: bo
   if jax.process_index() != 0:
     return None
   try:
-    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    with warnings.catch_warnings():  # a notebook without ipywidgets: a text bar, no warning
+      warnings.simplefilter("ignore")
+      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
   except ImportError:  # pragma: no cover
     return None
   interactive = _interactive()
