@@ -160,7 +160,7 @@ def main(config) -> int:
   except KeyboardInterrupt:
     if debug:
       raise
-    print("\naborted by a second Ctrl-C: nothing saved since the last checkpoint", file=sys.stderr)
+    print("\naborted (Ctrl-C): nothing was saved after the last checkpoint", file=sys.stderr)
     return EXIT_INTERRUPTED
   except Exception as e:  # pylint: disable=broad-except
     msg = None if debug else user_message(e, workdir)
