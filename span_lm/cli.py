@@ -102,9 +102,11 @@ def override_error(exc: BaseException, override_names=()) -> str:
   bad = lines[0] if lines else ""
   suggestion = next((m.group(1) for l in lines for m in [re.search(r'Did you mean "([^"]+)"', l)]
                      if m), None)
-  flag = next((n for n in override_names if n.split(".")[-1] == bad), None)
+  flag = next((n for n in override_names if bad in n.split(".")), None)
   where = f"--config.{flag}" if flag else f"config field {bad!r}"
-  parent = f"config.{flag.rsplit('.', 1)[0]}" if flag and "." in flag else "the config"
+  parts = flag.split(".") if flag else []
+  parent = ("config." + ".".join(parts[:parts.index(bad)])) if flag and parts.index(bad) else \
+      "the config"
   if bad:
     msg = f"{where}: {parent} has no field {bad!r}"
   else:
