@@ -439,3 +439,20 @@ def test_user_errors_are_one_line(tmp_path, flags, message):
   assert proc.returncode == 1
   lines = _error_lines(err)
   assert len(lines) == 1 and lines[0].startswith(message), err[-3000:]
+
+
+def test_resumed_run_drops_metric_rows_past_its_checkpoint_and_a_torn_row(tmp_path):
+  from span_lm.train.metrics import MetricWriter, read_metrics  # pylint: disable=g-import-not-at-top
+  writer = MetricWriter(str(tmp_path), tensorboard=False)
+  for step in (1, 2, 3):
+    writer.write(step, "train", {"loss": 1.0})
+  writer.write(2, "valid", {"bpc": 1.0})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 4, "spl')  # a kill -9 mid-write
+  writer = MetricWriter(str(tmp_path), tensorboard=False)
+  assert writer.truncate_after(2) == 2
+  writer.write(3, "train", {"loss": 2.0})
+  writer.close()
+  assert [(r["step"], r["split"], r.get("loss")) for r in read_metrics(str(tmp_path))] == [
+      (1, "train", 1.0), (2, "train", 1.0), (2, "valid", None), (3, "train", 2.0)]

@@ -413,10 +413,9 @@ def _train(run: Run) -> dict[str, Any]:
             "compilations": len(run.compiler.compilations), "nonfinite_skipped": skipped}
 
   writer = MetricWriter(run.workdir, tensorboard=t.tensorboard)
-  if start:
-    dropped = writer.truncate_after(start)  # rows of steps this run replays
-    if dropped:
-      log.info("metrics.jsonl: dropped %d rows past step %d", dropped, start)
+  dropped = writer.truncate_after(start)  # rows of the steps this run replays (after a kill -9)
+  if dropped:
+    log.info("metrics.jsonl: dropped %d rows past step %d", dropped, start)
   watch = dist_lib.PreemptionWatch(enabled=t.preemption)
   ctrl_c = _CtrlC(enabled=run.process_count == 1)
   bar = metrics_lib.progress(t.steps, initial=start)
