@@ -150,7 +150,7 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
   new_caches = _zero_if(new_caches, batch["reset"] | ~finite)
   new_step = state["step"] + 1
   if covered is not None:  # a refused step changes nothing: the host replays it on a wider plan
-    new_caches = keep(new_caches, caches)
+    new_caches = tuple(jnp.where(covered, a, b) for a, b in zip(new_caches, caches))
     new_step = state["step"] + covered.astype(state["step"].dtype)
   params = keep(new_params, params)
   new_state = dict(state, step=new_step, params=params, opt_state=opt_state, caches=new_caches)
