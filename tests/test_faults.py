@@ -459,3 +459,28 @@ def test_resumed_run_drops_metric_rows_past_its_checkpoint_and_a_torn_row(tmp_pa
   writer.close()
   assert [(r["step"], r["split"], r.get("loss")) for r in read_metrics(str(tmp_path))] == [
       (1, "train", 1.0), (2, "train", 1.0), (2, "valid", None), (3, "train", 2.0)]
+
+
+def test_full_disk_by_fault_injection_is_one_line(tmp_path, capsys, monkeypatch):
+  """Where tmpfs cannot be mounted: the second save fails as a full disk does (an OSError with
+  ENOSPC); one line, exit status 1, the first checkpoint intact and the only one."""
+  import errno  # pylint: disable=g-import-not-at-top
+  from span_lm import cli  # pylint: disable=g-import-not-at-top
+  real_save = ckpt_lib.Checkpointer.save
+
+  def save(self, step, *args, **kwargs):
+    if step == 4:  # the disk filled up after step 2's checkpoint
+      raise OSError(errno.ENOSPC, "No space left on device", os.path.join(self.directory, "4"))
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ckpt_lib.Checkpointer, "save", save)
+  config = td.config_for(tmp_path, {"train.steps": 6, "train.checkpoint_every": 2,
+                                    "train.eval_every": 100, "train.full_eval_at_end": False})
+  capsys.readouterr()
+  assert cli.main(config) == cli.EXIT_ERROR
+  err = _error_lines(capsys.readouterr().err)
+  assert len(err) == 1 and err[0].startswith(
+      f"error: No space left on device writing {tmp_path / 'checkpoints' / '4'}: the disk is "
+      "full"), err
+  with ckpt_lib.Checkpointer(tmp_path / "checkpoints") as ckpt:
+    assert ckpt.all_steps() == [2] and ckpt.restore_meta(2)["step"] == 2
