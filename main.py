@@ -1,9 +1,16 @@
 """span_lm entry point: `python main.py --config=configs/tiny.py [--config.x=y ...]`.
 
 Modes (config.mode): train (default; resumes from config.workdir automatically), eval (full
-evaluation of the latest checkpoint in config.workdir on the valid and test splits).
+evaluation of the latest checkpoint in config.workdir on the valid and test splits), spans, flops,
+sample. The modes that read a run use its saved config.json: `--config.workdir=DIR
+--config.mode=eval` needs no --config, and with one the command line's own overrides apply on top.
+Errors a user can cause are one line (SPAN_LM_DEBUG=1 shows the traceback); exit status 75 means
+"stopped early, checkpointed: rerun to resume" (preemption, SIGTERM), 130 a Ctrl-C.
 All logic lives in the span_lm library so a notebook can call it without absl.
 """
+import os
+import sys
+
 from absl import app
 from absl import flags
 from absl import logging
@@ -11,7 +18,52 @@ from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py[:variant]).",
                                           lock_config=True)
-flags.mark_flags_as_required(["config"])
+_RUN_DIR_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "span_lm", "run_dir.py")
+
+
+def _flag_value(argv, name):
+  """The value of --name=V or --name V in argv (the last one), or None."""
+  value = None
+  for i, a in enumerate(argv):
+    if a.startswith(f"--{name}="):
+      value = a.split("=", 1)[1]
+    elif a == f"--{name}" and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def _override_names(argv):
+  """Dotted fields given as --config.a.b=V on the command line."""
+  return [a[len("--config."):].split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+
+
+def _prepare_argv(argv):
+  """Without --config, a run directory's saved config stands in (for the modes that read one)."""
+  if _flag_value(argv, "config") is not None or any(a in ("-h", "--help", "--helpfull",
+                                                          "--helpshort") for a in argv):
+    return argv
+  workdir = _flag_value(argv, "config.workdir")
+  if workdir is None:
+    raise SystemExit("error: pass --config=configs/FILE.py (e.g. configs/tiny.py), or "
+                     "--config.workdir=DIR of a run to use its saved config.json")
+  from span_lm import run_dir  # pylint: disable=g-import-not-at-top
+  if not os.path.isfile(run_dir.config_path(workdir)):
+    raise SystemExit(f"error: {run_dir.config_path(workdir)}: no such file; "
+                     f"config.workdir={workdir!r} holds no run: pass --config=configs/FILE.py")
+  return argv[:1] + [f"--config={_RUN_DIR_CONFIG}:{workdir}"] + argv[1:]
+
+
+def _parse_flags(argv):
+  """absl's parser, with a config override naming no field reported in one line."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    raise SystemExit(f"error: {e}") from None
+  except (AttributeError, KeyError, TypeError, ValueError) as e:
+    if os.environ.get("SPAN_LM_DEBUG"):
+      raise
+    from span_lm import cli  # pylint: disable=g-import-not-at-top
+    raise SystemExit(f"error: {cli.override_error(e, _override_names(argv))}") from None
 
 
 def main(argv):
@@ -19,12 +71,10 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   logging.set_verbosity(logging.WARNING)
   from span_lm import cli  # imported late: flags are parsed before JAX initialises
-  from span_lm import config as config_lib
-  try:
-    cli.run(_CONFIG.value)  # validates the config once, before anything compiles
-  except config_lib.ConfigError as e:  # a bad value: the message, not a traceback
-    raise SystemExit(f"error: {e}") from None
+  config = cli.run_config(_CONFIG.value, _override_names(sys.argv))
+  sys.exit(cli.main(config))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  sys.argv = _prepare_argv(sys.argv)
+  app.run(main, flags_parser=_parse_flags)

@@ -1,6 +1,18 @@
-"""Dispatch on config.mode; shared by main.py and notebooks."""
+"""Dispatch on config.mode; shared by main.py and notebooks. Errors a user can cause (config, data,
+checkpoint, file system) become one line here; SPAN_LM_DEBUG=1 keeps the traceback."""
+import errno
+import logging
+import os
+import re
+import sys
+
 from span_lm import config as config_lib
+from span_lm import run_dir
 from span_lm.train import loop
+
+EXIT_ERROR = 1
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped early (SIGTERM, preemption): rerun
+EXIT_INTERRUPTED = 130  # Ctrl-C (checkpointed after the first, not after a second)
 
 
 def run(config):
@@ -18,3 +30,148 @@ def run(config):
     return {"spans": spans_report.report, "flops": flops.report,
             "sample": sample.sample}[config.mode](config)
   raise ValueError(f"config.mode={config.mode!r}: unknown mode")
+
+
+def run_config(config, override_names=()):
+  """The config a command runs with: for the modes that read a run (eval, spans, flops, sample)
+  whose workdir holds a config.json, that saved config with the command line's overrides on top
+  (a --config file's other values are not used: the run's own are the truth)."""
+  mode, workdir = config.get("mode"), config.get("workdir")
+  if mode not in run_dir.RUN_MODES or not workdir:
+    return config
+  if not os.path.isfile(run_dir.config_path(workdir)):
+    return config
+  try:
+    saved = run_dir.load_saved(workdir)
+  except (OSError, ValueError):
+    return config  # an unreadable config.json: the given config, checked against the checkpoint
+  names = set(override_names) | {"mode", "workdir"}
+  return run_dir.with_overrides(saved, config, sorted(names))
+
+
+def _chain(exc: BaseException):
+  """The exception, its causes/contexts and the members of exception groups, once each."""
+  seen, todo = set(), [exc]
+  while todo:
+    e = todo.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    yield e
+    todo += [e.__cause__, e.__context__] + list(getattr(e, "exceptions", ()))
+
+
+_FS_HINTS = {
+    errno.ENOSPC: "the disk is full: free space or point --config.workdir at another disk",
+    errno.EDQUOT: "the disk quota is exhausted: free space or point --config.workdir elsewhere",
+    errno.EACCES: "no permission: choose a writable --config.workdir (or fix its permissions)",
+    errno.EPERM: "not permitted: choose a writable --config.workdir (or fix its permissions)",
+    errno.EROFS: "a read-only file system: choose a writable --config.workdir",
+    errno.ENOTDIR: "a path component is a file, not a directory: choose another path",
+}
+
+
+def user_message(exc: BaseException, workdir: str | None = None) -> str | None:
+  """One line for an error the user can fix, or None for a bug (which keeps its traceback)."""
+  chain = list(_chain(exc))
+  for e in chain:
+    code = getattr(e, "errno", None)
+    if code is None and "No space left on device" in str(e):
+      code = errno.ENOSPC
+    if code in _FS_HINTS:
+      where = getattr(e, "filename", None) or workdir or "the run directory"
+      saved = ""
+      if code in (errno.ENOSPC, errno.EDQUOT) and workdir:
+        saved = f"; checkpoints already committed in {os.path.join(workdir, 'checkpoints')} are intact"
+      return f"{os.strerror(code)} writing {where}: {_FS_HINTS[code]}{saved}"
+  if isinstance(exc, (ValueError, OSError, FloatingPointError)):
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:
+      text = f"{exc.strerror}: {exc.filename}"
+      if workdir and os.path.abspath(workdir).startswith(os.path.abspath(str(exc.filename))):
+        text += f" (making config.workdir={workdir!r}: choose a directory you can write)"
+    return text
+  return None
+
+
+def override_error(exc: BaseException, override_names=()) -> str:
+  """One line for a --config.FIELD=V that names no field (ml_collections' message is multi-line)."""
+  text = str(exc).strip().strip("'\"").replace("\\n", "\n").replace("\\'", "'")
+  lines = [l.strip().strip("'\"") for l in text.splitlines() if l.strip()]
+  bad = lines[0] if lines else ""
+  suggestion = next((m.group(1) for l in lines for m in [re.search(r'Did you mean "([^"]+)"', l)]
+                     if m), None)
+  flag = next((n for n in override_names if bad in n.split(".")), None)
+  where = f"--config.{flag}" if flag else f"config field {bad!r}"
+  parts = flag.split(".") if flag else []
+  parent = ("config." + ".".join(parts[:parts.index(bad)])) if flag and parts.index(bad) else \
+      "the config"
+  if bad:
+    msg = f"{where}: {parent} has no field {bad!r}"
+  else:
+    msg = f"{where}: {type(exc).__name__}"
+  if suggestion:
+    msg += f"; did you mean {suggestion!r}?"
+  return msg + " (schema: span_lm/config.py)"
+
+
+class _QuietOrbax(logging.Filter):
+  """Drops Orbax's own error reports (a failed async write logs several tracebacks from its
+  threads); the failure itself reaches the loop as an exception and is reported in one line."""
+
+  def filter(self, record):
+    return f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
+
+
+_QUIET = []
+
+
+def _quiet_background_errors():
+  """Without SPAN_LM_DEBUG: Orbax's logged tracebacks, and the 'Event loop is closed' that
+  TensorStore's callbacks report (sys.unraisablehook) after a failed write, are not shown."""
+  if _QUIET:
+    return
+  _QUIET.append(True)
+  quiet = _QuietOrbax()
+  for logger in (logging.getLogger(), logging.getLogger("absl")):
+    logger.addFilter(quiet)
+    for handler in logger.handlers:  # records of child loggers meet the handlers' filters only
+      handler.addFilter(quiet)
+  closed = lambda e: isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+  previous, previous_unraisable = sys.excepthook, sys.unraisablehook
+
+  def hook(kind, value, tb):
+    if not closed(value):
+      previous(kind, value, tb)
+
+  def unraisable_hook(unraisable):
+    if not closed(unraisable.exc_value):
+      previous_unraisable(unraisable)
+  sys.excepthook, sys.unraisablehook = hook, unraisable_hook
+
+
+def main(config) -> int:
+  """Runs a command as main.py does: returns the exit status; user errors print one line."""
+  debug = bool(os.environ.get("SPAN_LM_DEBUG"))
+  workdir = config.get("workdir")
+  if not debug:
+    _quiet_background_errors()
+  try:
+    out = run(config)
+  except KeyboardInterrupt:
+    if debug:
+      raise
+    print("\naborted (Ctrl-C): nothing was saved after the last checkpoint", file=sys.stderr)
+    return EXIT_INTERRUPTED
+  except Exception as e:  # pylint: disable=broad-except
+    msg = None if debug else user_message(e, workdir)
+    if msg is None:
+      raise
+    print(f"error: {msg}", file=sys.stderr)
+    return EXIT_ERROR
+  stopped = out.get("stopped") if isinstance(out, dict) else None
+  if stopped == "preempted":
+    return EXIT_PREEMPTED
+  if stopped == "interrupted":
+    return EXIT_INTERRUPTED
+  return 0

@@ -1,10 +1,13 @@
-"""Faults and memory knobs: SIGTERM, non-finite losses, interrupted saves, bf16, recomputation.
+"""Faults and memory knobs: SIGTERM, Ctrl-C, kill -9, unreadable checkpoints, a full disk, one-line
+user errors, non-finite losses, interrupted saves, bf16, recomputation.
 
 The SIGTERM and interrupted-save tests run a worker process (tests/test_distributed.py as a
 script); the rest train in this process on 8 fake CPU devices.
 """
 import json
+import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,19 +134,22 @@ def test_nan_skip_drops_the_update_and_counts_it(tmp_path):
 
 def test_nan_step_keeps_the_parameters():
   """Inside the jitted step: a non-finite loss leaves params and optimizer state as they were."""
-  config = td.config_for("/tmp/unused", {"train.debug_nan_at_step": 1})
+  config = td.config_for("/tmp/unused", {"train.debug_nan_at_step": 2})
   run = loop.Run(config, need_workdir=False)
   try:
     plan = spans.initial_plan(run.model_cfg)
     state = run.init_state(plan)
-    before = jax.device_get(state)
-    blk = next(run.streams(run.splits.train, config.data.batch, config.seed))
-    batch = run.put_batch(steps.host_batch(blk.x, blk.y, blk.reset))
-    state, metrics = run.compiler.train(plan, state, batch)(state, batch)
+    stream = run.streams(run.splits.train, config.data.batch, config.seed)
+    for _ in range(2):  # a good step (caches filled), then the non-finite one
+      before = jax.device_get(state)
+      blk = next(stream)
+      batch = run.put_batch(steps.host_batch(blk.x, blk.y, blk.reset))
+      state, metrics = run.compiler.train(plan, state, batch)(state, batch)
     after = jax.device_get(state)
   finally:
     run.ckpt.close()
-  assert int(metrics["skipped"]) == 1 and int(after["step"]) == 1
+  assert any(np.any(c) for c in before["caches"])
+  assert int(metrics["skipped"]) == 1 and int(after["step"]) == 2
   for key in ("params", "opt_state"):
     for x, y in zip(jax.tree.leaves(before[key]), jax.tree.leaves(after[key])):
       assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
@@ -246,3 +252,235 @@ def test_bf16_tracks_float32(enwik8_head, tmp_path):
   # bf16 path gives differences of whole bits or non-finite values.
   assert abs(bpc["bfloat16"][0] - bpc["float32"][0]) < 0.1
   assert abs(bpc["bfloat16"][1] - bpc["float32"][1]) < 0.1
+
+
+# ------------------------------------------------- the command line: interruptions, one-line errors
+
+
+def _config_file(tmp_path, workdir, overrides) -> pathlib.Path:
+  """A config file for main.py: tests/test_distributed.py's tiny synthetic run."""
+  ov = dict(td.TINY, workdir=str(workdir), **overrides)
+  path = tmp_path / f"config_{len(list(tmp_path.glob('config_*.py')))}.py"
+  path.write_text("from span_lm import config as config_lib\n\n"
+                  f"def get_config():\n  return config_lib.load_config('configs/tiny.py:smoke', "
+                  f"{ov!r})\n")
+  return path
+
+
+def _main(config_file, *flags, **popen):
+  return subprocess.Popen([sys.executable, "main.py", f"--config={config_file}", *flags],
+                          cwd=REPO, env=dict(td.worker_env(1), PYTHONUNBUFFERED="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def _error_lines(stderr: str) -> list:
+  """stderr without the progress bar's redraws."""
+  lines = [l.replace("\x1b[A", "").strip() for l in stderr.replace("\r", "\n").splitlines()]
+  return [l for l in lines if l and not l.startswith(("train:", "valid:", "eval ", "full "))]
+
+
+def _wait_for_row(proc, workdir, step, timeout=180):
+  deadline = time.time() + timeout
+  while time.time() < deadline and proc.poll() is None:
+    if max(td._train_losses(workdir), default=0) >= step:  # pylint: disable=protected-access
+      return
+    time.sleep(0.2)
+  out, err = proc.communicate(timeout=30) if proc.poll() is not None else ("", "")
+  raise AssertionError(f"no train row for step {step}: {out[-2000:]} {err[-2000:]}")
+
+
+def _rows(workdir):
+  from span_lm.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  return [(r["step"], r["split"]) for r in read_metrics(str(workdir))]
+
+
+def test_ctrl_c_checkpoints_kill9_resume_logs_once_sigterm_exits_75(tmp_path):
+  """Ctrl-C saves the current step (exit 130); after a kill -9 the resumed run drops the rows of
+  the steps it replays; SIGTERM saves and exits 75 (EX_TEMPFAIL) for requeueing schedulers."""
+  workdir = tmp_path / "run"
+  cfg = _config_file(tmp_path, workdir, {
+      "train.steps": 100_000, "train.log_every": 2, "train.checkpoint_every": 100_000,
+      "train.eval_every": 100_000, "train.full_eval_at_end": False})
+  proc = _main(cfg)
+  try:
+    _wait_for_row(proc, workdir, 4)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 130, err[-3000:]
+  assert "Traceback" not in err and "KeyboardInterrupt" not in err
+  first = int(out.split("Ctrl-C: checkpoint at step ")[1].split()[0])
+  with ckpt_lib.Checkpointer(workdir / "checkpoints") as ckpt:
+    assert ckpt.all_steps() == [first]
+
+  proc = _main(cfg)  # resumes, logs past the checkpoint, dies without saving
+  try:
+    _wait_for_row(proc, workdir, first + 6)
+    proc.kill()
+    proc.communicate(timeout=60)
+  finally:
+    proc.kill()
+  assert max(s for s, _ in _rows(workdir)) > first
+
+  inode = (workdir / "metrics.jsonl").stat().st_ino
+  proc = _main(cfg)
+  try:
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:  # rewritten on resume, then logged to
+      if ((workdir / "metrics.jsonl").stat().st_ino != inode
+          and max(s for s, _ in _rows(workdir)) >= first + 4):
+        break
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  assert proc.returncode == 75, err[-3000:]
+  assert f"resumed from {workdir / 'checkpoints'} at step {first}" in out
+  last = int(out.split("preempted: checkpoint at step ")[1].split()[0])
+  with ckpt_lib.Checkpointer(workdir / "checkpoints") as ckpt:
+    assert ckpt.all_steps() == [first, last]
+  rows = _rows(workdir)
+  assert len(rows) == len(set(rows)), rows  # no duplicate rows for the replayed steps
+  train = [s for s, split in rows if split == "train"]
+  assert train == sorted(train) and train == list(range(2, train[-1] + 1, 2))
+
+
+def _tree_files(directory: pathlib.Path) -> set:
+  return {str(p.relative_to(directory)) for p in directory.rglob("*")}
+
+
+def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_path, capsys):
+  from span_lm import cli  # pylint: disable=g-import-not-at-top
+  common = {"train.checkpoint_every": 2, "train.eval_every": 100, "train.full_eval_at_end": False}
+  base = tmp_path / "base"
+  loop.train(td.config_for(base, common, {"train.steps": 4}))
+
+  def truncate(step_dir):
+    data = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)
+    data.write_bytes(data.read_bytes()[:100])
+
+  def garbage_meta(step_dir):
+    (step_dir / "meta" / "metadata").write_text("{not json")
+
+  def no_state(step_dir):
+    shutil.rmtree(step_dir / "state")
+
+  for corrupt in (truncate, garbage_meta, no_state):
+    workdir = tmp_path / corrupt.__name__
+    shutil.copytree(base, workdir)
+    corrupt(workdir / "checkpoints" / "4")
+    files = _tree_files(workdir / "checkpoints" / "4")
+    capsys.readouterr()
+    assert cli.main(td.config_for(workdir, common, {"train.steps": 6})) == 0, corrupt.__name__
+    out = capsys.readouterr().out
+    assert f"checkpoint step 4 in {workdir / 'checkpoints' / '4'} cannot be read" in out, out
+    assert f"resumed from {workdir / 'checkpoints'} at step 2" in out
+    aside = workdir / "checkpoints" / "4.unreadable"
+    assert _tree_files(aside) == files  # moved aside whole, nothing deleted
+    with ckpt_lib.Checkpointer(workdir / "checkpoints") as ckpt:
+      assert ckpt.all_steps() == [2, 4, 6]
+
+  # No readable checkpoint at all: one line, and nothing is moved or deleted.
+  workdir = tmp_path / "none"
+  shutil.copytree(base, workdir)
+  for step in (2, 4):
+    garbage_meta(workdir / "checkpoints" / str(step))
+  before = _tree_files(workdir)
+  capsys.readouterr()
+  assert cli.main(td.config_for(workdir, common, {"train.steps": 6})) == cli.EXIT_ERROR
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: checkpoint step 4 in ") and \
+      "none of its 2 checkpoints can be read" in err[0], err
+  assert _tree_files(workdir) == before
+
+
+def test_full_disk_is_one_line_and_keeps_the_committed_checkpoint(tmp_path):
+  """A real full file system (a small tmpfs; root only) under a run that checkpoints."""
+  mnt = tmp_path / "disk"
+  mnt.mkdir()
+  if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs",
+                                          str(mnt)], capture_output=True).returncode:
+    pytest.skip("needs root and tmpfs mounts")
+  try:
+    workdir = mnt / "run"
+    common = {"train.checkpoint_every": 2, "train.eval_every": 100,
+              "train.full_eval_at_end": False, "train.tensorboard": False}
+    cfg = _config_file(tmp_path, workdir, dict(common, **{"train.steps": 2}))
+    proc = _main(cfg)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    used = shutil.disk_usage(mnt).used
+    step2 = sum(p.stat().st_size for p in (workdir / "checkpoints" / "2").rglob("*") if p.is_file())
+    subprocess.run(["mount", "-o", f"remount,size={used + step2 // 2}", str(mnt)], check=True)
+    proc = _main(_config_file(tmp_path, workdir, dict(common, **{"train.steps": 6})))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err[-3000:]
+    lines = _error_lines(err)
+    assert len(lines) == 1 and lines[0].startswith("error: No space left on device writing ") \
+        and "the disk is full" in lines[0], err[-5000:]
+    with ckpt_lib.Checkpointer(workdir / "checkpoints") as ckpt:
+      assert ckpt.latest_step() == 2
+      assert ckpt.restore_meta(2)["step"] == 2
+  finally:
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--config.model.d_modl=128"],
+     "error: --config.model.d_modl: config.model has no field 'd_modl'; did you mean 'd_model'?"),
+    (["--config.model.span=4"], "error: config.model.span=4: is below the soft mask's ramp"),
+    (["--config.workdir=/dev/null/run"], "error: Not a directory writing /dev/null"),
+    (["--config.mode=eval"], "error: no checkpoint in "),
+])
+def test_user_errors_are_one_line(tmp_path, flags, message):
+  cfg = _config_file(tmp_path, tmp_path / "run", {})
+  proc = _main(cfg, *flags)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 1
+  lines = _error_lines(err)
+  assert len(lines) == 1 and lines[0].startswith(message), err[-3000:]
+
+
+def test_resumed_run_drops_metric_rows_past_its_checkpoint_and_a_torn_row(tmp_path):
+  from span_lm.train.metrics import MetricWriter, read_metrics  # pylint: disable=g-import-not-at-top
+  writer = MetricWriter(str(tmp_path), tensorboard=False)
+  for step in (1, 2, 3):
+    writer.write(step, "train", {"loss": 1.0})
+  writer.write(2, "valid", {"bpc": 1.0})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 4, "spl')  # a kill -9 mid-write
+  writer = MetricWriter(str(tmp_path), tensorboard=False)
+  assert writer.truncate_after(2) == 2
+  writer.write(3, "train", {"loss": 2.0})
+  writer.close()
+  assert [(r["step"], r["split"], r.get("loss")) for r in read_metrics(str(tmp_path))] == [
+      (1, "train", 1.0), (2, "train", 1.0), (2, "valid", None), (3, "train", 2.0)]
+
+
+def test_full_disk_by_fault_injection_is_one_line(tmp_path, capsys, monkeypatch):
+  """Where tmpfs cannot be mounted: the second save fails as a full disk does (an OSError with
+  ENOSPC); one line, exit status 1, the first checkpoint intact and the only one."""
+  import errno  # pylint: disable=g-import-not-at-top
+  from span_lm import cli  # pylint: disable=g-import-not-at-top
+  real_save = ckpt_lib.Checkpointer.save
+
+  def save(self, step, *args, **kwargs):
+    if step == 4:  # the disk filled up after step 2's checkpoint
+      raise OSError(errno.ENOSPC, "No space left on device", os.path.join(self.directory, "4"))
+    return real_save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(ckpt_lib.Checkpointer, "save", save)
+  config = td.config_for(tmp_path, {"train.steps": 6, "train.checkpoint_every": 2,
+                                    "train.eval_every": 100, "train.full_eval_at_end": False})
+  capsys.readouterr()
+  assert cli.main(config) == cli.EXIT_ERROR
+  err = _error_lines(capsys.readouterr().err)
+  assert len(err) == 1 and err[0].startswith(
+      f"error: No space left on device writing {tmp_path / 'checkpoints' / '4'}: the disk is "
+      "full"), err
+  with ckpt_lib.Checkpointer(tmp_path / "checkpoints") as ckpt:
+    assert ckpt.all_steps() == [2] and ckpt.restore_meta(2)["step"] == 2

@@ -339,18 +339,24 @@ def test_main_trains_and_evaluates(enwik8_head, tmp_path):
   base = [sys.executable, "main.py", "--config=configs/tiny.py:smoke",
           f"--config.workdir={tmp_path}", f"--config.data.path={enwik8_head}"]
 
-  def main(*flags):
-    proc = subprocess.run(base + list(flags), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=400, check=False)
+  def main(*flags, command=base):
+    proc = subprocess.run(command + list(flags), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
-  out = main("--config.train.steps=4", "--config.train.log_every=2")
+  out = main("--config.train.steps=4", "--config.train.log_every=2",
+             "--config.model.d_model=32")
   assert "full test: bpc" in out and "full valid: bpc" in out
   assert sorted(_lines(tmp_path, "train")) == [2, 4]
-  out = main("--config.mode=eval")
+  # The run directory alone: its config.json (d_model=32, the data path) stands in for --config.
+  out = main("--config.mode=eval", "--config.data.eval_batch=16",
+             command=[sys.executable, "main.py", f"--config.workdir={tmp_path}"])
   assert "eval step 4 valid: bpc" in out and "eval step 4 test: bpc" in out
   assert sorted(_lines(tmp_path, "eval_test")) == [4]
+  # With --config and the same workdir the saved config wins too: no d_model override needed.
+  out = main("--config.mode=eval")
+  assert "eval step 4 test: bpc" in out and "different model" not in out
 
 
 def test_full_evaluation_with_kv_caches_equals_hidden_state_caches(run_a):
@@ -372,3 +378,33 @@ def test_full_evaluation_with_kv_caches_equals_hidden_state_caches(run_a):
   assert res[True]["tokens"] == res[False]["tokens"] > 0
   np.testing.assert_allclose(res[True]["bpc"], res[False]["bpc"], rtol=1e-6)
   assert "eval_kv" in kinds and "eval" in kinds
+
+
+# ------------------------------------------------------- adaptive spans: no per-step host reads
+
+
+GROWING = {"optim.name": "adagrad", "optim.lr": 0.05, "optim.grad_clip": 0.0,
+           "model.span_init": 0.1, "model.span_loss": 0.0, "model.plan_growth": 1.0,
+           "model.dropout": 0.0, "train.steps": 12, "train.eval_every": 6,
+           "train.checkpoint_every": 6, "train.full_eval_at_end": False}
+
+
+def test_adaptive_steps_read_from_the_device_only_on_log_eval_checkpoint_steps(tmp_path, capsys):
+  """Span ratios and non-finite flags are read late: between logging/eval/checkpoint steps the
+  loop copies nothing device-to-host (explicit copies refused too). A step dispatched on a plan
+  the spans outgrew in the meantime is a no-op and is replayed: the run equals one that reads
+  every step (log_every=1, the host updating the plan before each step) bit for bit."""
+  lagged = _config(tmp_path / "lagged", GROWING, {"train.log_every": 6})
+  with jax.transfer_guard_device_to_host("disallow_explicit"):
+    result = loop.train(lagged)
+  out = capsys.readouterr().out
+  assert "spans outgrew the plan before the host read them" in out and "replaying" in out
+  every = loop.train(_config(tmp_path / "every", GROWING, {"train.log_every": 1}))
+  assert "outgrew" not in capsys.readouterr().out  # read after each step: never refused
+  assert result["step"] == every["step"] == 12 and result["plan"] == every["plan"]
+  assert result["plan_changes"] >= 1
+  _assert_bit_identical(result["state"], every["state"])
+  cfg = ModelConfig.from_config(lagged.model, vocab_size=lagged.data.synthetic_vocab)
+  spans.check_plan(cfg, result["state"]["params"], result["plan"])
+  rows = [(r["step"], r["split"]) for r in read_metrics(str(tmp_path / "lagged"))]
+  assert len(rows) == len(set(rows)) and [s for s, sp in rows if sp == "train"] == [6, 12]

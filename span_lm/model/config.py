@@ -90,6 +90,10 @@ class ModelConfig:
       bad("span_mode", f"unknown span mode; choose one of {SPAN_MODES}")
     if self.ramp < 1:
       bad("ramp", "the ramp width R must be >= 1")
+    if self.span_mode != "fixed" and self.span < self.ramp:
+      bad("span", f"is below the soft mask's ramp model.ramp={self.ramp}: every distance keeps a "
+          f"mask >= 1 - span/ramp, so spans cannot shrink; use span >= {self.ramp} or a smaller "
+          "ramp")
     if not 0.0 <= self.span_init <= 1.0:
       bad("span_init", "z' lives in [0, 1]")
     if self.span_loss < 0:

@@ -5,7 +5,9 @@ Each step directory holds two items: 'state' (the array pytree, StandardSave/Sta
 '<step>.orbax-checkpoint-tmp' and renames on commit, so an interrupted save is never reported as a
 checkpoint. Restores take an abstract target with shardings, so a run saved on N devices resumes on
 M devices, and are checked against the stored metadata first so that a mismatch is a ValueError
-naming the paths rather than a deep Orbax/TensorStore error.
+naming the paths rather than a deep Orbax/TensorStore error. A step whose files cannot be read
+(truncated, corrupted, deleted by hand) is a CheckpointReadError naming its directory, so callers
+can fall back to an older step.
 """
 import json
 import logging
@@ -42,6 +44,26 @@ def _describe(x: Any) -> str:
   shape = getattr(x, "shape", None)
   dtype = getattr(x, "dtype", None)
   return f"{tuple(shape) if shape is not None else '?'} {np.dtype(dtype).name if dtype is not None else '?'}"
+
+
+class CheckpointReadError(OSError):
+  """A committed checkpoint step whose files cannot be read (an OSError: a file-system fault).
+
+  `step`, `path`: the step and its directory; the message is one line.
+  """
+
+  def __init__(self, step: int, path: str, reason: str):
+    self.step, self.path, self.reason = step, path, reason
+    super().__init__(f"checkpoint step {step} in {path} cannot be read ({reason})")
+
+
+def _reason(e: BaseException) -> str:
+  """One line about why a read failed: the innermost exception's first line, shortened."""
+  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+    e = e.__cause__ or e.__context__
+  text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+  text = text if len(text) <= 160 else text[:157] + "..."
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class Checkpointer:
@@ -132,8 +154,26 @@ class Checkpointer:
                               f"available: {self.all_steps()}")
     return int(step)
 
+  def step_path(self, step: int) -> str:
+    return os.path.join(self.directory, str(self._name_format.find_step(
+        self._manager.directory, step).path.name))
+
+  def _reading(self, step: int, fn):
+    """Runs a read of `step`; any failure inside Orbax/TensorStore becomes CheckpointReadError."""
+    try:
+      return fn()
+    except (KeyboardInterrupt, CheckpointReadError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      path = os.path.join(self.directory, str(step))
+      try:
+        path = self.step_path(step)
+      except Exception:  # pylint: disable=broad-except
+        pass
+      raise CheckpointReadError(step, path, _reason(e)) from e
+
   def _stored_leaves(self, step: int) -> dict:
-    item = self._manager.item_metadata(step).state
+    item = self._reading(step, lambda: self._manager.item_metadata(step).state)
     if item is None:
       raise ValueError(f"checkpoint step {step} in {self.directory} has no readable 'state' item")
     return _leaves_by_path(getattr(item, "tree", item))
@@ -176,13 +216,17 @@ class Checkpointer:
     step = self._resolve_step(step)
     abstract_state = self._require_shardings(abstract_state)
     self._check_compatible(step, _leaves_by_path(abstract_state), self._stored_leaves(step))
-    out = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+    out = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())))
     return out.state, out.meta
 
   def restore_meta(self, step: Optional[int] = None) -> dict:
     step = self._resolve_step(step)
-    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    meta = self._reading(step, lambda: self._manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    if not isinstance(meta, dict):
+      raise CheckpointReadError(step, self.step_path(step), "its 'meta' item is not a JSON object")
+    return meta
 
   def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> Any:
     """Restores only state['params'] (for evaluation: no optimizer state or caches read)."""
@@ -194,11 +238,25 @@ class Checkpointer:
     # StandardRestore has no partial mode and the manager's 'state' handler only accepts
     # Standard args, so read the item directory with a PyTree checkpointer (partial_restore).
     path = self._name_format.find_step(self._manager.directory, step).path / "state"
-    with ocp.PyTreeCheckpointer() as ckptr:
-      out = ckptr.restore(path, args=ocp.args.PyTreeRestore(
-          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-          partial_restore=True))
-    return out["params"]
+
+    def read():
+      with ocp.PyTreeCheckpointer() as ckptr:
+        return ckptr.restore(path, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+            partial_restore=True))
+    return self._reading(step, read)["params"]
+
+  def move_aside(self, step: int) -> str:
+    """Renames an unreadable step to '<step>.unreadable' (never deletes it) so that later saves
+    of that step and beyond proceed; returns the new path."""
+    src = self.step_path(step)
+    dst, n = src + ".unreadable", 1
+    while os.path.exists(dst):
+      n += 1
+      dst = f"{src}.unreadable{n}"
+    os.rename(src, dst)
+    self._manager.reload()
+    return dst
 
   # --- lifetime ----------------------------------------------------------------------------------
 

@@ -7,14 +7,24 @@ runs before the first compilation.
 Several processes (span_lm/train/distributed.py): each reads only its own contiguous share of the
 B streams and the global batch is assembled with jax.make_array_from_process_local_data; every
 process runs the same loop (checkpoints are collective, Orbax writes them), only process 0 prints
-and writes metrics. Faults: SIGTERM or the preemption sync point checkpoints the current step and
-stops; a non-finite loss is never applied (in the step) and stops the run or is counted
-(config.train.nonfinite).
+and writes metrics. Faults: SIGTERM, the preemption sync point or a first Ctrl-C checkpoints the
+current step and stops (a second Ctrl-C aborts); a non-finite loss is never applied (in the step)
+and stops the run or is counted (config.train.nonfinite); an unreadable latest checkpoint is
+reported by path and the run resumes from the newest readable one.
+
+The host reads nothing from the device between logging, evaluation and checkpoint steps, so
+steps are dispatched ahead for adaptive spans as for fixed ones: non-finite flags and span ratios
+are read at those steps. A step whose span plan the spans outgrew in the meantime changes nothing
+(train/steps.py); the host then widens the plan and replays the data from that step on. The plan's
+headroom alone could not be trusted: Adagrad moves z' by up to lr per step (its accumulator holds
+g^2, so |g| / sqrt(acc) <= 1), lr x S tokens, e.g. 573 at the paper's lr 0.07 and S 8192.
 """
 import json
 import logging
 import math
 import os
+import signal
+import sys
 import time
 from typing import Any
 
@@ -33,6 +43,7 @@ from span_lm.train import host_memory
 from span_lm.train import optimizer as optimizer_lib
 from span_lm.train import sharding as sharding_lib
 from span_lm.train import steps as steps_lib
+from span_lm.train import metrics as metrics_lib
 from span_lm.train.metrics import LN2, MetricWriter
 
 log = logging.getLogger("span_lm")
@@ -45,9 +56,43 @@ MAX_IN_FLIGHT = 8
 
 
 def _echo(msg: str) -> None:
-  if jax.process_index() == 0:
-    print(msg, flush=True)
+  metrics_lib.echo(msg)
   log.info(msg)
+
+
+def _host_reads():
+  """Marks where the loop reads from the device (logging, evaluation, checkpoints): elsewhere a
+  jax.transfer_guard_device_to_host('disallow_explicit') around training must hold."""
+  return jax.transfer_guard_device_to_host("allow")
+
+
+class _CtrlC:
+  """A first Ctrl-C asks for a checkpoint at the current step and a stop (as SIGTERM does); a
+  second one aborts at once. Lone processes only (several processes stop via the preemption
+  sync point)."""
+
+  def __init__(self, enabled: bool):
+    self.requested = False
+    self._previous = None
+    if enabled:
+      try:
+        self._previous = signal.signal(signal.SIGINT, self._on_signal)
+      except ValueError:  # not the main thread
+        self._previous = None
+
+  def _on_signal(self, signum, frame):
+    del signum, frame
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    sys.stderr.write("\nCtrl-C: checkpointing the current step, then stopping "
+                     "(Ctrl-C again aborts without saving)\n")
+    sys.stderr.flush()
+
+  def close(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+      self._previous = None
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -140,26 +185,63 @@ class Run:
     fn, _, shardings = self.abstract_state(plan)
     return jax.jit(fn, out_shardings=shardings)()
 
-  def restore(self, step=None):
-    """(state, meta) from the work dir, laid out for this mesh."""
+  def _newest_readable(self, read, step, move_aside: bool):
+    """read(step) for `step`, or (None) for the newest step that reads: an unreadable one is
+    reported by path and skipped (renamed '<step>.unreadable' when move_aside, so the run can
+    save that step again; nothing is deleted). A model mismatch is never skipped."""
+    if step is not None:
+      return read(step)
+    bad = []
+    for s in sorted(self.ckpt.all_steps(), reverse=True):
+      try:
+        out = read(s)
+      except ckpt_lib.CheckpointReadError as e:
+        _echo(f"warning: {e}; trying the previous checkpoint")
+        bad.append(s)
+        continue
+      if bad and move_aside and self.process_index == 0 and self.process_count == 1:
+        for b in bad:
+          _echo(f"warning: unreadable checkpoint step {b} moved aside to {self.ckpt.move_aside(b)}")
+      if bad:
+        _echo(f"using checkpoint step {s} in {self.ckpt.directory}")
+      return out
+    if bad:
+      raise ckpt_lib.CheckpointReadError(
+          bad[0], self.ckpt.directory,
+          f"none of its {len(bad)} checkpoints can be read; move the directory aside to start "
+          "afresh, or restore it from a backup")
+    raise FileNotFoundError(f"no checkpoint in {self.ckpt.directory}")
+
+  def _meta_and_plan(self, step):
     meta = self.ckpt.restore_meta(step)
+    try:
+      plan = spans_lib.plan_from_json(meta["planner"]["plan"])
+      int(meta["step"])
+    except (KeyError, TypeError, ValueError) as e:
+      raise ckpt_lib.CheckpointReadError(step, self.ckpt.step_path(step),
+                                         f"its meta has no valid {e} entry") from e
     self._check_meta(meta)
-    plan = spans_lib.plan_from_json(meta["planner"]["plan"])
-    _, abstract, shardings = self.abstract_state(plan)
-    target = sharding_lib.with_shardings(abstract, shardings)
-    state, meta = self.ckpt.restore(target, step)
-    return state, meta
+    return meta, plan
+
+  def restore(self, step=None, *, move_aside: bool = False):
+    """(state, meta) from the work dir, laid out for this mesh (step None: the newest readable)."""
+    def read(s):
+      meta, plan = self._meta_and_plan(s)
+      _, abstract, shardings = self.abstract_state(plan)
+      target = sharding_lib.with_shardings(abstract, shardings)
+      return self.ckpt.restore(target, s)
+    return self._newest_readable(read, step, move_aside)
 
   def restore_params(self, step=None):
     """(params, span plan, meta) of a checkpoint: a params-only restore for evaluation/tools."""
-    meta = self.ckpt.restore_meta(step)
-    self._check_meta(meta)
-    plan = spans_lib.plan_from_json(meta["planner"]["plan"])
-    _, abstract, shardings = self.abstract_state(plan)
-    target = sharding_lib.with_shardings(abstract["params"], shardings["params"])
-    params = self.ckpt.restore_params(target, step)
-    spans_lib.check_plan(self.model_cfg, params, plan)
-    return params, plan, meta
+    def read(s):
+      meta, plan = self._meta_and_plan(s)
+      _, abstract, shardings = self.abstract_state(plan)
+      target = sharding_lib.with_shardings(abstract["params"], shardings["params"])
+      params = self.ckpt.restore_params(target, s)
+      spans_lib.check_plan(self.model_cfg, params, plan)
+      return params, plan, meta
+    return self._newest_readable(read, step, move_aside=False)
 
   def _check_meta(self, meta):
     saved = meta.get("model_cfg", {})
@@ -200,13 +282,13 @@ def _fit_caches(run: Run, state, plan):
 
 def evaluate_stream(run: Run, params, plan, split: np.ndarray, batch: int, *, caches=None,
                     batcher=None, n_blocks: int | None = None, drop_last: bool = False,
-                    kv_cache: bool | None = None):
+                    kv_cache: bool | None = None, desc: str | None = None):
   """Scores blocks of a split with carried caches; returns (bpc-ready dict, caches).
 
   kv_cache (None: whenever the caches start fresh, for the span Transformer): cache projected
   keys/values instead of hidden states, so a block does not re-project the cached states (the
   same numbers: the weights are fixed here). Caches passed in are hidden states (the periodic
-  validation's, kept in the training state).
+  validation's, kept in the training state). desc: show a progress bar with this name.
   """
   cfg, d = run.model_cfg, run.config.data
   if kv_cache is None:
@@ -226,6 +308,9 @@ def evaluate_stream(run: Run, params, plan, split: np.ndarray, batch: int, *, ca
                                   process_index=run.process_index,
                                   process_count=run.process_count, align=d.align)
     make = lambda blk: steps_lib.host_batch(blk.x, blk.y, False, blk.weights)
+    stream_len = len(split) // batch // d.align * d.align
+    n_blocks = sum(1 for _ in batching.eval_positions(stream_len, d.block, drop_last))
+  bar = metrics_lib.progress(n_blocks, desc=desc, leave=False) if desc else None
   for blk in blocks:
     hb = make(blk)
     if "w" not in hb:
@@ -236,6 +321,10 @@ def evaluate_stream(run: Run, params, plan, split: np.ndarray, batch: int, *, ca
     pending.append(out)
     if len(pending) > MAX_IN_FLIGHT:
       jax.block_until_ready(pending[-MAX_IN_FLIGHT - 1])
+    if bar is not None:
+      bar.update(1)
+  if bar is not None:
+    bar.close()
   for out in jax.device_get(pending):
     total += float(out["nll_sum"])
     count += float(out["count"])
@@ -264,7 +353,11 @@ def _init_from(run: Run, planner, fresh, path: str):
 
 
 def train(config) -> dict[str, Any]:
-  """Trains (or resumes) the run described by `config`; returns the last metrics."""
+  """Trains (or resumes) the run described by `config`; returns the last metrics.
+
+  last['stopped'] is None for a finished run, 'preempted' (SIGTERM, the preemption sync point) or
+  'interrupted' (Ctrl-C) when it checkpointed the current step and stopped early.
+  """
   run = Run(config)
   try:
     return _train(run)
@@ -281,7 +374,7 @@ def _train(run: Run) -> dict[str, Any]:
   start = 0
   skipped = 0  # non-finite updates dropped so far (config.train.nonfinite='skip')
   if run.ckpt.latest_step() is not None:
-    state, meta = run.restore()
+    state, meta = run.restore(move_aside=True)
     planner.load_state_dict(meta["planner"])
     train_batcher.state = meta["data"]["train"]
     valid_batcher.state = meta["data"]["valid"]
@@ -310,36 +403,76 @@ def _train(run: Run) -> dict[str, Any]:
             "compilations": len(run.compiler.compilations), "nonfinite_skipped": skipped}
 
   writer = MetricWriter(run.workdir, tensorboard=t.tensorboard)
+  dropped = writer.truncate_after(start)  # rows of the steps this run replays (after a kill -9)
+  if dropped:
+    log.info("metrics.jsonl: dropped %d rows past step %d", dropped, start)
   watch = dist_lib.PreemptionWatch(enabled=t.preemption)
+  ctrl_c = _CtrlC(enabled=run.process_count == 1)
+  bar = metrics_lib.progress(t.steps, initial=start)
   eval_batches = t.eval_batches or math.ceil(t.eval_every / 10)
   tokens_per_step = d.batch * d.block
   last: dict[str, Any] = {}
   window_t0, window_steps, window_loss = time.perf_counter(), 0, []
-  pending_flags: list[tuple[int, jax.Array]] = []  # (step, metrics['skipped']) not yet read
-  preempted = False
+  # Dispatched steps whose flags (non-finite, plan too short) and span ratios are not read yet,
+  # and the data position before the first of them (to replay from).
+  pending: list[tuple[int, dict]] = []
+  data_before_pending = train_batcher.state
+  stopped = None
   step = start
 
-  def read_flags(upto: int):
-    """Reads the non-finite flags of steps <= upto (already computed or waited for)."""
-    nonlocal skipped
-    ready = [(s, f) for s, f in pending_flags if s <= upto]
-    if not ready:
-      return
-    del pending_flags[:len(ready)]
-    for s, flag in zip([s for s, _ in ready], jax.device_get([f for _, f in ready])):
-      if not int(flag):
-        continue
-      if t.nonfinite == "stop":
-        latest = run.ckpt.latest_step()
-        kept = (f"the last good checkpoint is step {latest} in {run.ckpt.directory}"
-                if latest is not None else "no checkpoint was written yet")
-        raise NonFiniteLossError(
-            f"step {s}: the loss or gradient is not finite; the update was not applied and the "
-            f"run stops (config.train.nonfinite='stop'); {kept}. Resume from it with a lower "
-            "learning rate or more warmup, or pass --config.train.nonfinite=skip to drop such "
-            "updates.")
-      skipped += 1
-      _echo(f"step {s}: non-finite loss or gradient, update skipped ({skipped} so far)")
+  def read_pending() -> bool:
+    """Reads the flags and span ratios of every pending step, in order; returns True when the
+    run went back (a step ran on a plan its spans outgrew: it and all later ones were no-ops)."""
+    nonlocal skipped, step, state, window_steps, data_before_pending
+    if not pending:
+      return False
+    fields = ("skipped", "short", "span_ratio")
+    got = jax.device_get([{k: m[k] for k in fields if k in m} for _, m in pending])
+    plan_changed = back = False
+    for i, ((s, _), g) in enumerate(zip(pending, got)):
+      if int(g.get("short", 0)):
+        refused = [p[0] for p, f in zip(pending[i:], got[i:]) if int(f["short"])]
+        if len(refused) != len(pending) - i:  # a later step applied on a state missing this one
+          raise RuntimeError(f"internal: step {s} was refused but a later step was applied")
+        ratios = list(np.asarray(g["span_ratio"]))  # the spans step s starts from
+        planner.update(ratios, s - 1)  # grows the plan unless an earlier pending step did
+        if not all(np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= spans_lib.needed_tokens(cfg, z))
+                   for lp, z in zip(planner.plan.layers, ratios)):
+          raise RuntimeError(f"internal: step {s} was refused and the plan still does not "
+                             "cover its spans")
+        plan_changed = back = True
+        n = len(pending) - i
+        _echo(f"step {s}: spans outgrew the plan before the host read them; widened to "
+              f"{planner.plan.describe()}; replaying {n} step(s)")
+        step = s - 1
+        del window_loss[len(window_loss) - n:]
+        window_steps -= n
+        train_batcher.state = data_before_pending
+        for _ in range(i):  # the data position after the last applied step
+          next(train_batcher)
+        break
+      if int(g["skipped"]):
+        if t.nonfinite == "stop":
+          latest = run.ckpt.latest_step()
+          kept = (f"the last good checkpoint is step {latest} in {run.ckpt.directory}"
+                  if latest is not None else "no checkpoint was written yet")
+          raise NonFiniteLossError(
+              f"step {s}: the loss or gradient is not finite; the update was not applied and the "
+              f"run stops (config.train.nonfinite='stop'); {kept}. Resume from it with a lower "
+              "learning rate or more warmup, or pass --config.train.nonfinite=skip to drop such "
+              "updates.")
+        skipped += 1
+        _echo(f"step {s}: non-finite loss or gradient, update skipped ({skipped} so far)")
+      if "span_ratio" in g and planner.update(list(np.asarray(g["span_ratio"])), s):
+        plan_changed = True
+        _echo(f"step {s}: span plan change #{planner.changes}: {planner.plan.describe()}")
+    pending.clear()
+    data_before_pending = train_batcher.state
+    if plan_changed:
+      state = _fit_caches(run, state, planner.plan)
+    if bar is not None:
+      bar.n = step
+    return back
 
   try:
     while step < t.steps:
@@ -350,67 +483,90 @@ def _train(run: Run) -> dict[str, Any]:
       step += 1
       window_steps += 1
       window_loss.append(metrics["loss"])
-      pending_flags.append((step, metrics["skipped"]))
+      pending.append((step, metrics))
       if len(window_loss) > MAX_IN_FLIGHT:
         jax.block_until_ready(window_loss[-MAX_IN_FLIGHT - 1])
-        read_flags(step - MAX_IN_FLIGHT)
-      if "span_ratio" in metrics:
-        ratios = np.asarray(jax.device_get(metrics["span_ratio"]))
-        if planner.update(list(ratios), step):
-          _echo(f"step {step}: span plan change #{planner.changes}: {planner.plan.describe()}")
-          state = _fit_caches(run, state, planner.plan)
-      if step % t.log_every == 0 or step == t.steps:
-        read_flags(step)
-        losses = np.asarray(jax.device_get(window_loss))
-        secs = time.perf_counter() - window_t0
-        m = jax.device_get(metrics)
-        last = {"loss": float(losses.mean()), "bpc": float(losses.mean() / LN2),
-                "lr": float(run.schedule(step - 1)), "grad_norm": float(m["grad_norm"]),
-                "span_loss": float(m["span_loss"]), "span_avg": m["span_avg"].tolist(),
-                "span_max": m["span_max"].tolist(),
-                "ms_per_step": 1000 * secs / window_steps,
-                "tokens_per_s": tokens_per_step * window_steps / secs,
-                "compilations": len(run.compiler.compilations),
-                "plan_changes": planner.changes, "skipped": skipped}
-        writer.write(step, "train", last)
-        _echo(f"step {step:7d} | loss {last['loss']:.4f} bpc {last['bpc']:.4f} | "
-              f"{last['ms_per_step']:.0f} ms/step {last['tokens_per_s']:.0f} tok/s | "
-              f"span avg {np.mean(last['span_avg']):.0f} max {max(last['span_max']):.0f} | "
-              f"lr {last['lr']:.4g}")
-        window_t0, window_steps, window_loss = time.perf_counter(), 0, []
-      if step % t.eval_every == 0 or step == t.steps:
-        res, eval_caches = evaluate_stream(run, state["params"], planner.plan, run.splits.valid,
-                                           d.eval_batch, caches=state["eval_caches"],
-                                           batcher=valid_batcher, n_blocks=eval_batches)
-        state = dict(state, eval_caches=eval_caches)
-        writer.write(step, "valid", res)
-        _echo(f"step {step:7d} | valid bpc {res['bpc']:.4f} ({res['tokens']} tokens)")
-        last["valid_bpc"] = res["bpc"]
-        window_t0 = time.perf_counter()
+      if bar is not None:
+        bar.update(1)
       stop = watch.should_stop(step)
-      if run.ckpt.should_save(step) or step == t.steps or stop:
-        read_flags(step)  # never checkpoint past a non-finite step in 'stop' mode
-        run.ckpt.save(step, state, meta_at(step), force=step == t.steps or stop)
-      if stop:
-        preempted = True
-        run.ckpt.wait()
-        _echo(f"step {step:7d} | preempted: checkpoint at step {step} written to "
-              f"{run.ckpt.directory}; stopping (rerun the same command to resume)")
-        break
-    read_flags(step)
-    run.ckpt.wait()
-    if t.full_eval_at_end and start < t.steps and not preempted:
-      for name in ("valid", "test"):
-        res, _ = evaluate_stream(run, state["params"], planner.plan, run.splits.split(name),
-                                 d.eval_batch, drop_last=t.eval_drop_last)
-        writer.write(step, f"full_{name}", res)
-        _echo(f"full {name}: bpc {res['bpc']:.4f} ppl {res['ppl']:.3f} over {res['tokens']:,} "
-              f"tokens" + (" (last partial block dropped)" if t.eval_drop_last else ""))
-        last[f"full_{name}_bpc"] = res["bpc"]
+      if ctrl_c.requested and not stop:
+        stop = "interrupted"
+      elif stop:
+        stop = "preempted"
+      do_log = step % t.log_every == 0 or step == t.steps
+      do_eval = step % t.eval_every == 0 or step == t.steps
+      do_save = run.ckpt.should_save(step) or step == t.steps or stop
+      if not (do_log or do_eval or do_save):
+        continue
+      with _host_reads():
+        if read_pending():  # never log, evaluate or checkpoint past an unread step
+          continue
+        if do_log:
+          losses = np.asarray(jax.device_get(window_loss))
+          secs = time.perf_counter() - window_t0
+          m = jax.device_get(metrics)
+          last = {"loss": float(losses.mean()), "bpc": float(losses.mean() / LN2),
+                  "lr": float(run.schedule(step - 1)), "grad_norm": float(m["grad_norm"]),
+                  "span_loss": float(m["span_loss"]), "span_avg": m["span_avg"].tolist(),
+                  "span_max": m["span_max"].tolist(),
+                  "ms_per_step": 1000 * secs / max(window_steps, 1),
+                  "tokens_per_s": tokens_per_step * window_steps / secs,
+                  "compilations": len(run.compiler.compilations),
+                  "plan_changes": planner.changes, "skipped": skipped}
+          writer.write(step, "train", last)
+          _echo(f"step {step:7d} | loss {last['loss']:.4f} bpc {last['bpc']:.4f} | "
+                f"{last['ms_per_step']:.0f} ms/step {last['tokens_per_s']:.0f} tok/s | "
+                f"span avg {np.mean(last['span_avg']):.0f} max {max(last['span_max']):.0f} | "
+                f"lr {last['lr']:.4g}")
+          if bar is not None:
+            bar.set_postfix(loss=f"{last['loss']:.3f}", bpc=f"{last['bpc']:.3f}", refresh=False)
+          window_t0, window_steps, window_loss = time.perf_counter(), 0, []
+        if do_eval:
+          res, eval_caches = evaluate_stream(run, state["params"], planner.plan, run.splits.valid,
+                                             d.eval_batch, caches=state["eval_caches"],
+                                             batcher=valid_batcher, n_blocks=eval_batches,
+                                             desc="valid")
+          state = dict(state, eval_caches=eval_caches)
+          writer.write(step, "valid", res)
+          _echo(f"step {step:7d} | valid bpc {res['bpc']:.4f} ({res['tokens']} tokens)")
+          last["valid_bpc"] = res["bpc"]
+          if bar is not None:
+            bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}",
+                            bpc=f"{last.get('bpc', float('nan')):.3f}",
+                            valid_bpc=f"{res['bpc']:.3f}", refresh=False)
+          window_t0 = time.perf_counter()
+        if do_save:
+          run.ckpt.save(step, state, meta_at(step), force=step == t.steps or bool(stop))
+        if stop:
+          stopped = stop
+          run.ckpt.wait()
+          why = "Ctrl-C" if stop == "interrupted" else "preempted"
+          _echo(f"step {step:7d} | {why}: checkpoint at step {step} written to "
+                f"{run.ckpt.directory}; stopping (rerun the same command to resume)")
+          break
+    with _host_reads():
+      read_pending()
+      run.ckpt.wait()
+      if bar is not None:
+        bar.close()
+        bar = None
+      if t.full_eval_at_end and start < t.steps and not stopped:
+        for name in ("valid", "test"):
+          res, _ = evaluate_stream(run, state["params"], planner.plan, run.splits.split(name),
+                                   d.eval_batch, drop_last=t.eval_drop_last, desc=f"full {name}")
+          writer.write(step, f"full_{name}", res)
+          _echo(f"full {name}: bpc {res['bpc']:.4f} ppl {res['ppl']:.3f} over "
+                f"{res['tokens']:,} tokens" + (" (last partial block dropped)"
+                                               if t.eval_drop_last else ""))
+          last[f"full_{name}_bpc"] = res["bpc"]
   finally:
+    if bar is not None:
+      bar.close()
+    ctrl_c.close()
     watch.close()
     writer.close()
-  last["preempted"] = preempted
+  last["preempted"] = stopped is not None
+  last["stopped"] = stopped
   last["skipped"] = skipped
   last["step"] = step
   last["state"] = state
@@ -439,7 +595,7 @@ def _evaluate(run: Run, step: int | None) -> dict[str, Any]:
   writer = MetricWriter(run.workdir, tensorboard=False)
   for name in ("valid", "test"):
     res, _ = evaluate_stream(run, params, plan, run.splits.split(name), config.data.eval_batch,
-                             drop_last=config.train.eval_drop_last)
+                             drop_last=config.train.eval_drop_last, desc=f"eval {name}")
     out[name] = res
     writer.write(meta["step"], f"eval_{name}", res)
     _echo(f"eval step {meta['step']} {name}: bpc {res['bpc']:.4f} ppl {res['ppl']:.3f} over "

@@ -1,11 +1,15 @@
-"""Metrics: a JSON-lines file (the ground truth), TensorBoard events (the view), console lines.
+"""Metrics: a JSON-lines file (the ground truth), TensorBoard events (the view), console lines,
+and a progress bar (tqdm: terminals and notebooks).
 
-Only process 0 writes. Values are converted to plain Python numbers / lists before writing.
+Only process 0 writes. Values are converted to plain Python numbers / lists before writing. A
+resumed run first drops the rows past its checkpoint, so replayed steps are not logged twice.
 """
 import json
 import logging
 import math
 import os
+import sys
+import warnings
 from typing import Any
 
 import jax
@@ -39,6 +43,32 @@ class MetricWriter:
       except ImportError:  # pragma: no cover
         logging.warning("tensorboardX is not installed; writing metrics.jsonl only")
 
+  def truncate_after(self, step: int) -> int:
+    """Drops rows logged past `step` (and a torn last line): a resumed run replays those steps.
+
+    Rewrites the file atomically; returns the number of rows dropped.
+    """
+    if not self.active:
+      return 0
+    self._jsonl.close()
+    with open(self.path, encoding="utf-8") as f:
+      lines = f.readlines()
+    kept = []
+    for line in lines:
+      try:
+        if int(json.loads(line)["step"]) <= step:
+          kept.append(line if line.endswith("\n") else line + "\n")
+      except (ValueError, KeyError, TypeError):  # a row cut short by a kill: dropped
+        pass
+    dropped = sum(1 for line in lines if line.strip()) - len(kept)
+    if dropped:
+      tmp = self.path + ".tmp"
+      with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+      os.replace(tmp, self.path)
+    self._jsonl = open(self.path, "a", encoding="utf-8")
+    return dropped
+
   def write(self, step: int, split: str, values: dict[str, Any]) -> None:
     if not self.active:
       return
@@ -71,3 +101,38 @@ def read_metrics(workdir: str) -> list[dict[str, Any]]:
     return []
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def _interactive() -> bool:
+  return sys.stderr.isatty() or "ipykernel" in sys.modules
+
+
+def progress(total: int | None, initial: int = 0, desc: str = "train", leave: bool = True):
+  """A tqdm bar on process 0 (tqdm.auto: a widget in Colab/Jupyter), or None (other processes,
+  tqdm not installed). Off a terminal (CI logs, SLURM files) it redraws at most every 60 s so logs
+  are not flooded; the step/loss lines are printed either way."""
+  if jax.process_index() != 0:
+    return None
+  try:
+    with warnings.catch_warnings():  # a notebook without ipywidgets: a text bar, no warning
+      warnings.simplefilter("ignore")
+      from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover
+    return None
+  interactive = _interactive()
+  return tqdm(total=total, initial=initial, desc=desc, unit="step" if desc == "train" else "block",
+              dynamic_ncols=True, leave=leave, mininterval=0.2 if interactive else 60.0,
+              maxinterval=60.0 if interactive else 600.0, smoothing=0.05, file=sys.stderr)
+
+
+def echo(msg: str) -> None:
+  """Prints a line on process 0 without tearing an active progress bar."""
+  if jax.process_index() != 0:
+    return
+  try:
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:  # pragma: no cover
+    print(msg, flush=True)
+    return
+  tqdm.write(msg, file=sys.stdout)
+  sys.stdout.flush()

@@ -68,6 +68,20 @@ def _merge(x):
   return x.swapaxes(0, 1).reshape(k * bk, *x.shape[2:])
 
 
+def _plan_covers(cfg: ModelConfig, plan: SpanPlan, params) -> jax.Array | None:
+  """Whether every head's window covers its span plus ramp (spans.needed_tokens, in float32 as the
+  host computes it), or None for fixed spans. The host reads span ratios late, so a step may be
+  dispatched with a plan the spans have outgrown; such a step must not be applied."""
+  if cfg.span_mode != "adaptive":
+    return None
+  ok = jnp.asarray(True)
+  for i, lp in enumerate(plan.layers):
+    z = params[f"layers_{i}"]["attn"]["span_ratio"].astype(jnp.float32) * jnp.float32(cfg.span)
+    need = jnp.minimum(cfg.span, jnp.ceil(z).astype(jnp.int32) + cfg.ramp)
+    ok &= jnp.all(need <= jnp.asarray(lp.head_windows(cfg.n_heads), jnp.int32))
+  return ok
+
+
 def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, plan: SpanPlan,
                tx: optax.GradientTransformation, batch_split: int = 1, debug_nan_at_step: int = 0):
   """One update: loss = mean NLL + span loss, reference gradient accumulation over batch_split.
@@ -77,6 +91,9 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
   A non-finite loss or gradient never reaches the parameters: the step keeps the old params and
   optimizer state, zeroes the caches (as a stream restart) and reports metrics['skipped'] = 1; the
   host decides whether that stops the run. A select on device, so no host sync is added.
+  Adaptive spans: a step whose plan no longer covers the spans it starts from changes nothing at
+  all (step, params, optimizer state, caches) and reports metrics['short'] = 1; the host widens
+  the plan and replays it, so attention is never truncated although ratios are read late.
   debug_nan_at_step (testing aid): step number (1-based) whose loss is made NaN; 0: off.
   Returns the new state and metrics (sums, so averages over steps and hosts are exact).
   """
@@ -126,12 +143,17 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
   new_params = optimizer_lib.clamp_spans(optax.apply_updates(params, updates))
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
-  params = keep(new_params, params)
+  covered = _plan_covers(cfg, plan, params)
+  apply = finite if covered is None else finite & covered
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
   opt_state = keep(opt_state, state["opt_state"])
   new_caches = _zero_if(new_caches, batch["reset"] | ~finite)
-  new_state = dict(state, step=state["step"] + 1, params=params, opt_state=opt_state,
-                   caches=new_caches)
+  new_step = state["step"] + 1
+  if covered is not None:  # a refused step changes nothing: the host replays it on a wider plan
+    new_caches = tuple(jnp.where(covered, a, b) for a, b in zip(new_caches, caches))
+    new_step = state["step"] + covered.astype(state["step"].dtype)
+  params = keep(new_params, params)
+  new_state = dict(state, step=new_step, params=params, opt_state=opt_state, caches=new_caches)
   metrics = {
       "loss": loss,
       "skipped": (~finite).astype(jnp.int32),
@@ -140,6 +162,8 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
       "span_max": aux["span_max"],
       "grad_norm": grad_norm,
   }
+  if covered is not None:
+    metrics["short"] = (~covered).astype(jnp.int32)
   if cfg.span_mode == "adaptive":
     # Post-update z' per layer: the host re-derives the span plan from these.
     metrics["span_ratio"] = jnp.stack([params[f"layers_{i}"]["attn"]["span_ratio"]

@@ -1,0 +1,83 @@
+"""A run directory's own config: modes that inspect a run (eval, spans, flops, sample) read
+`<workdir>/config.json`, written when the run started, so the training command's --config and
+overrides need not be repeated. Also a config file for `--config=span_lm/run_dir.py:DIR`.
+"""
+import json
+import os
+from typing import Any, Iterable
+
+import ml_collections
+
+CONFIG_NAME = "config.json"
+RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its checkpoints
+
+
+def config_path(workdir: str) -> str:
+  return os.path.join(workdir, CONFIG_NAME)
+
+
+def _tuples(x: Any) -> Any:
+  """JSON lists back to the tuples the configs use (to_json writes tuples as lists)."""
+  if isinstance(x, dict):
+    return {k: _tuples(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return tuple(_tuples(v) for v in x)
+  return x
+
+
+def load_saved(workdir: str) -> ml_collections.ConfigDict:
+  """The config a run was started with (its config.json), locked like a --config file's."""
+  path = config_path(workdir)
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except FileNotFoundError:
+    raise FileNotFoundError(f"{path}: no such file; config.workdir={workdir!r} holds no run "
+                            "(pass --config=configs/FILE.py to start one)") from None
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not a readable run config ({e}); pass --config=configs/FILE.py "
+                     "with the run's overrides instead") from None
+  if not isinstance(data, dict) or "model" not in data:
+    raise ValueError(f"{path} is not a span_lm run config; pass --config=configs/FILE.py instead")
+  config = ml_collections.ConfigDict(_tuples(data))
+  config.workdir = workdir  # the directory as given now (the run may have moved)
+  config.lock()
+  return config
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """`--config=span_lm/run_dir.py:DIR`: the saved config of the run in DIR."""
+  if not arg:
+    raise ValueError("span_lm/run_dir.py needs the run directory: --config=span_lm/run_dir.py:DIR")
+  return load_saved(arg)
+
+
+def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in config.items():
+    if isinstance(v, ml_collections.ConfigDict):
+      out.update(flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def with_overrides(saved: ml_collections.ConfigDict, given: ml_collections.ConfigDict,
+                   names: Iterable[str]) -> ml_collections.ConfigDict:
+  """The saved config with the fields `names` (dotted, as given on the command line) taken from
+  `given`; a name the saved config lacks is refused by name."""
+  saved = ml_collections.ConfigDict(saved.to_dict())  # a copy that accepts new values
+  flat = flatten(given)
+  for name in names:
+    if name not in flat:  # a section (--config.model=...) is not an override of one field
+      continue
+    *parents, leaf = name.split(".")
+    try:
+      node = saved
+      for part in parents:
+        node = node[part]
+      node[leaf] = flat[name]
+    except (KeyError, AttributeError):
+      raise ValueError(f"config.{name}: not a field of the run's saved {CONFIG_NAME}") from None
+  saved.lock()
+  return saved
