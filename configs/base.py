@@ -51,9 +51,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   m.plan_growth = 1.5
   m.head_grouping = True  # group heads by span bucket (False: per-layer max, as the reference)
   m.attn_chunk = 0  # query chunk for banded attention; 0: automatic
-  # xla | pallas (fused kernel, GPUs: spans are runtime values, key blocks outside them skipped)
-  # | pallas_interpret (the same kernel on CPU, slow: for tests)
-  m.attn_impl = "xla"
+  # auto (by backend: cpu on CPUs; pallas on GPUs where the fused kernel fits, else reference;
+  # reference on TPUs) | reference | cpu | pallas | pallas_interpret (the kernel interpreted, slow:
+  # for tests). See span_lm/kernels/__init__.py and the README.
+  m.attn_impl = "auto"
   m.attn_block = 64  # pallas: query/key tile
   m.adapt_io = False  # adaptive input + adaptive softmax (reference --adapt-io)
   m.adapt_io_cutoffs = (20000, 40000, 200000)  # cluster boundaries in the frequency-sorted vocab

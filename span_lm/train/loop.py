@@ -25,7 +25,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
+from span_lm.train import planner as planner_lib
 from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import distributed as dist_lib
@@ -144,7 +146,7 @@ class Run:
     """(state, meta) from the work dir, laid out for this mesh."""
     meta = self.ckpt.restore_meta(step)
     self._check_meta(meta)
-    plan = spans_lib.plan_from_json(meta["planner"]["plan"])
+    plan = plan_lib.plan_from_json(meta["planner"]["plan"])
     _, abstract, shardings = self.abstract_state(plan)
     target = sharding_lib.with_shardings(abstract, shardings)
     state, meta = self.ckpt.restore(target, step)
@@ -154,11 +156,11 @@ class Run:
     """(params, span plan, meta) of a checkpoint: a params-only restore for evaluation/tools."""
     meta = self.ckpt.restore_meta(step)
     self._check_meta(meta)
-    plan = spans_lib.plan_from_json(meta["planner"]["plan"])
+    plan = plan_lib.plan_from_json(meta["planner"]["plan"])
     _, abstract, shardings = self.abstract_state(plan)
     target = sharding_lib.with_shardings(abstract["params"], shardings["params"])
     params = self.ckpt.restore_params(target, step)
-    spans_lib.check_plan(self.model_cfg, params, plan)
+    plan_lib.check_plan(self.model_cfg, params, plan)
     return params, plan, meta
 
   def _check_meta(self, meta):
@@ -204,7 +206,7 @@ def _fit_caches(run: Run, state, plan):
   state = dict(state)
   for key in ("caches", "eval_caches"):
     state[key] = tuple(jax.device_put(c, run.cache_sharding)
-                       for c in spans_lib.resize_caches(state[key], run.model_cfg, plan))
+                       for c in caches_lib.resize_caches(state[key], run.model_cfg, plan))
   return state
 
 
@@ -225,7 +227,7 @@ def evaluate_stream(run: Run, params, plan, split: np.ndarray, batch: int, *, ca
     params = jax.device_put(params, run.replicated)
   if caches is None:
     caches = tuple(jax.device_put(c, run.cache_sharding)
-                   for c in spans_lib.init_caches(cfg, plan, batch, kv=kv_cache))
+                   for c in caches_lib.init_caches(cfg, plan, batch, kv=kv_cache))
   total = count = 0.0
   pending = []
   if batcher is not None:  # periodic validation: a stream iterator like training
@@ -285,7 +287,7 @@ def train(config) -> dict[str, Any]:
 def _train(run: Run) -> dict[str, Any]:
   config = run.config
   cfg, d, t = run.model_cfg, config.data, config.train
-  planner = spans_lib.SpanPlanner(cfg)
+  planner = planner_lib.SpanPlanner(cfg)
   train_batcher = run.streams(run.splits.train, d.batch, config.seed)
   valid_batcher = run.streams(run.splits.valid, d.eval_batch, config.seed + 1)
   start = 0
