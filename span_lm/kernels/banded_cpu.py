@@ -46,13 +46,9 @@ def _on_band(c: int, w: int) -> np.ndarray:
 
 
 def long_band(c: int, w: int) -> bool:
-  """W >= 2C: bands whose scores stay in key coordinates in banded_attention (the C extra columns
-  per row cost at most half the row) and whose skew is a gather: XLA:CPU runs the reference's
-  pad-flatten-slice skew, whose fused loop divides per element, ~3x slower there (one core,
-  (16, 4, 128, 1024) float32 -> bf16: 7.5 against 23.6 ms; the fixed-span bf16 step
-  0.637-0.647 against 0.709-0.724 s on two cores). Short bands keep band coordinates, the pad
-  form and plain autodiff: the gather, which XLA:CPU does not split over threads, made the
-  short-span step slower on two cores (0.261-0.303 against 0.232-0.257 s)."""
+  """W >= 2C: bands whose scores stay in key coordinates (the C extra columns per row cost at most
+  half the row) and whose skew is a gather, which XLA:CPU runs faster than the pad-flatten-slice
+  skew; short bands keep band coordinates and the pad form (docs/benchmarks.md, "CPU attention: why each piece")."""
   return w >= 2 * c
 
 
@@ -106,11 +102,8 @@ def prefer_positions_last(m: int, w: int, chunk: int = 0, dtype=jnp.float32) -> 
   for several chunks, whose overlapping windows are cut along T.
 
   Positions last, every matmul of both passes reads and writes keys and values as XLA:CPU's fast
-  kernels want them (q k^T reads (Dh, T) rows; the key/value gradients come out (Dh, T)), and the
-  key/value projection W^T @ cache^T and its weight gradient need no transpose of the cache
-  (fixed-span bf16 step on two cores 0.616-0.628 against 0.633-0.700 s); with several chunks it
-  cost 13 %. Not for bf16/f16 traced over several devices: `precision.contract` may not move the
-  sharded dim 0 there and would run the projection in float32 (0.84 against 0.72-0.73 s)."""
+  kernels want them and the projection needs no transpose of the cache. Not for bf16/f16 traced
+  over several devices, where `precision.contract` may not move the sharded dim 0 (docs/benchmarks.md, "CPU attention: why each piece")."""
   if jnp.dtype(dtype) in precision.LOW and precision.batch_sharded():
     return False
   return choose_chunk(m, w, chunk) == m
@@ -269,13 +262,10 @@ def _key_ramp(z, ramp: int, c: int, w: int):
 def _key_mask(z, ramp: int, c: int, w: int):
   """soft_mask(z, distance) in key coordinates, zero off the band, for per-head z (B, G, 1, 1, 1).
 
-  Why: skewing the band mask's (G, W) vectors with the gather, XLA:CPU redid the gather's
-  select and transpose per batch row inside each fusion reading the mask (two forward fusions
-  9.0 / 8.7 -> 5.5 / 5.5 ms per layer, 8 heads, S = 1024); evaluated per key it is iota
-  arithmetic that fuses into its readers. One head keeps the gather, whose output needs no
-  transpose and is computed once (mixed layer, S = 8192: 0.673-0.679 against 0.686-0.697 s), and
-  so do per-query (dynamic) spans, whose mask is as large as the scores either way. A custom VJP
-  so that autodiff saves no (G, C, W + C) clip residuals: the backward recomputes the ramp."""
+  Why: the skewed band mask's gather was redone per batch row in each fusion reading it; per key
+  it is iota arithmetic that fuses into its readers. One head and per-query (dynamic) spans keep
+  the gather (docs/benchmarks.md, "CPU attention: why each piece"). A custom VJP so that autodiff saves no (G, C, W + C) clamp
+  residuals: the backward recomputes the ramp."""
   return jnp.where(_on_band(c, w), span_mask.clamp01(_key_ramp(z, ramp, c, w)), 0.0)
 
 
@@ -303,21 +293,16 @@ def _keyed_attention(q, k_win, v_win, pe, mask, keep, kd: str, eps: float):
 
   Why a custom VJP: (1) the softmax backward needs each row's sum(dP * p), which is dO . out
   (FlashAttention's identity, also with the mask and dropout): a sum over Dh columns instead of
-  W + C. Autodiff read the weights and their gradient twice for it, and YNNPACK fused that
-  reduction into the dO v^T matmul at 71-113 GFLOP/s. (2) The scores' gradient is written once,
-  scaled and in the operands' dtype, for both its matmuls and the position term's unskew;
-  autodiff wrote it in float32 and converted it twice (two passes at ~4 GB/s per layer).
-  (3) bf16/f16 without dropout keep the weights once, as the value matmul reads them. Fixed-span
-  bf16 step, two cores: 0.353-0.355 against 0.363-0.364 s (one custom VJP over the weights only)
-  and 0.388-0.395 s (autodiff)."""
+  W + C. (2) The scores' gradient is written once, scaled and in the operands' dtype, for both
+  its matmuls and the position term's unskew. (3) bf16/f16 without dropout keep the weights
+  once, as the value matmul reads them (docs/benchmarks.md, "CPU attention: why each piece")."""
   return _keyed_fwd(q, k_win, v_win, pe, mask, keep, kd, eps)[0]
 
 
 def _mm(spec, a, b):
   """precision.einsum of "bgn..,bgn..->bgn.." in float32 with (b, g, n) merged into one batch
   dim: the dot's output then keeps a row-major layout (with n = 1 as its own dim, XLA:CPU laid
-  out the output of the dO v^T matmul with n outermost and copied it back, 5 ms per layer on
-  one core)."""
+  out the output of the dO v^T matmul with n outermost and copied it back)."""
   lead = a.shape[:3]
   out = precision.einsum(spec.replace("bgn", "z"), a.reshape((-1,) + a.shape[3:]),
                          b.reshape((-1,) + b.shape[3:]), jnp.float32)
@@ -371,9 +356,8 @@ def _weights_bwd(kd, eps, res, d_out, scale: float = 1.0):
 
 def _sum_leading(x):
   """x.sum(0, keepdims=True) as a sum of the slices: XLA:CPU ran the reduction over the leading
-  (batch) dim of a (B, G, 1, C, W + C) array, fused with the mask skew's transpose, as a
-  one-thread YNNPACK fusion at 50-60 ms per layer; the slices' sum is one two-thread loop
-  (adaptive bf16 step with every span at S = 1024: 0.376-0.378 against 0.600-0.602 s)."""
+  (batch) dim, fused with the mask skew's transpose, on one thread; the slices' sum is a
+  multi-threaded loop (docs/benchmarks.md, "CPU attention: why each piece")."""
   total = x[:1]
   for i in range(1, x.shape[0]):
     total = total + x[i:i + 1]
@@ -459,7 +443,7 @@ def _split_pair(x, shape, perm):
 
   The backward pass writes both gradients back into x's layout in one pass; autodiff of the
   split padded each to the stacked shape, added them and transposed the sum (with bf16 -> f32
-  -> bf16 converts around the add): passes at 1-9 GB/s, 2.4-6.2 ms per layer on one core."""
+  -> bf16 converts around the add) (docs/benchmarks.md, "CPU attention: why each piece")."""
   return _split_pair_vjp(x, x.shape, tuple(shape), tuple(perm))
 
 
@@ -531,8 +515,8 @@ def residual_bytes(span_mode: str, pers_mem: int, dtype, batch: int, m: int, g: 
       out["score_bands"] += b * g * m * f32
     if span_mode == "adaptive":  # the per-head span mask, in key coordinates
       out["score_bands"] += g * c * (w + c) * f32
-    if span_mode == "dynamic":  # the per-token ramp's clamp, in band coordinates
-      out["score_bands"] += 2 * b * g * m * w * f32
+    if span_mode == "dynamic":  # the per-token clamp's slope (span_mask.clamp01), band coordinates
+      out["score_bands"] += b * g * m * w * f32
     # the weights as the value matmul reads them (float32: the probabilities themselves);
     # with dropout also the float32 probabilities and the keep mask
     out["weights"] += band * act + (2 * band * f32 if dropout else 0)

@@ -1,7 +1,7 @@
 """Fused banded attention with per-head spans as runtime values (Pallas; Triton on GPUs).
 
-The maths of `banded_reference.banded_attention` for one group of heads (relative positions, soft span
-mask, renormalisation), as a flash-attention style kernel: scores are formed one (query block,
+The maths of `banded_reference.banded_attention` for one group of heads (relative positions, soft
+span mask, renormalisation: kernels/span_mask.py), as a flash-attention style kernel: scores are formed one (query block,
 key block) tile at a time and never stored. Each query block visits only the key blocks that hold
 a non-zero mask value for one of its rows, and the spans come in as an array, so a span that
 changes changes the work done, not the compiled program.
@@ -9,12 +9,15 @@ changes changes the work done, not the compiled program.
 Tiles: keys are the last T = W + M positions (window + block); the query at block row i sits at
 key index W + i and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor(z_i) + R + 1)
 (every distance with a non-zero mask, plus the clamp's lower end, where the mask is 0 but its
-derivative is 1, as torch.clamp's). The relative-position term q_i . pe[:, W - d] is Toeplitz in a tile: one matmul gives
-G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
+derivative is 1, as torch.clamp's). The relative-position term q_i . pe[:, W - d] is Toeplitz in
+a tile: one matmul gives G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
 read pos[r, c] = G[r, bq - r + c] through a per-program scratch buffer (Triton has no register
 shuffle for it). The backward pass reads ds back the other way for the position gradient.
 Backward as FlashAttention-2: a kernel per query block (dq, the span gradient; d pe and the
 persistent vectors' gradients by atomic adds) and one per key block (dk, dv: deterministic).
+
+Head sizes that are not a power of two (the large paper models' 96) run zero-padded to the next
+one (`padded_head_dim`); the padded columns add nothing to any score and are sliced off.
 
 Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the plain path sums
 eps e^l over all W distances; the two agree to ~eps relative (1e-8).

@@ -89,3 +89,29 @@ def test_xla_is_read_as_cpu():
   assert cfg_for("xla").attn_impl == "cpu"
   with pytest.raises(ValueError, match="config.model.attn_impl"):
     cfg_for("triton")
+
+
+def test_only_the_door_imports_a_platform_implementation():
+  """model/ reaches attention through span_lm.kernels only; the reference imports no other
+  implementation; tools/flops and tools/paper import each other no more."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[2] / "span_lm"
+
+  def imports(path):
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom):
+        names |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+    return names
+
+  platform = ("span_lm.kernels.banded_cpu", "span_lm.kernels.pallas_gpu",
+              "span_lm.kernels.decode", "span_lm.kernels.banded_reference")
+  for path in (root / "model").rglob("*.py"):
+    bad = [n for n in imports(path) if n.startswith(platform)]
+    assert not bad, f"{path.name} imports {bad}"
+  assert not any("banded_cpu" in n or "pallas_gpu" in n
+                 for n in imports(root / "kernels" / "banded_reference.py"))
+  assert "span_lm.tools.paper" not in imports(root / "tools" / "flops.py")
