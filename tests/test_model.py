@@ -426,7 +426,8 @@ def test_causality_by_gradient(mode, n_pers):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. The soft mask, its gradient, the span loss gradient and the clamp.
+# 6. The span loss gradient (the soft mask: tests/kernels/test_span_mask.py; the clamp after
+# each update: tests/test_optimizer.py).
 
 def test_span_loss_gradient():
   cfg = make_cfg(span_mode="adaptive", span=16)

@@ -92,7 +92,7 @@ class SeqAttention(nn.Module):
     if cfg.span_mode == "adaptive":
       ratio = self.param("span_ratio", nn.initializers.constant(cfg.span_init), (nh,))
       z_H = ratio.astype(jnp.float32) * s
-      aux["span_loss"] = cfg.span_loss * s * jnp.mean(ratio)
+      aux["span_loss"] = spans_lib.span_loss(ratio, cfg)
       aux["span_avg"], aux["span_max"] = spans_lib.span_stats(z_H, cfg)
       aux["span_z"] = z_H
     elif cfg.span_mode == "dynamic":
@@ -101,7 +101,7 @@ class SeqAttention(nn.Module):
                       name="span_predictor")
       sig = jax.nn.sigmoid(pred(h_BxMxD.astype(jnp.float32)))
       z_BxMxH = s * sig
-      aux["span_loss"] = cfg.span_loss * s * jnp.mean(sig)
+      aux["span_loss"] = spans_lib.span_loss(sig, cfg)
       aux["span_avg"], aux["span_max"] = spans_lib.span_stats(z_BxMxH, cfg)
       aux["dyn_spans"] = z_BxMxH
     else:

@@ -1,5 +1,5 @@
-"""Span statistics as the reference reports them; the span mask itself is span_lm/kernels/span_mask.py,
-the compile-time plan span_lm/model/plan.py."""
+"""The span loss and span statistics as the reference computes and reports them; the span mask
+itself is span_lm/kernels/span_mask.py, the compile-time plan span_lm/model/plan.py."""
 import jax.numpy as jnp
 
 from span_lm.model.config import ModelConfig
@@ -10,3 +10,9 @@ def span_stats(z_tokens, cfg: ModelConfig):
   avg = jnp.clip(jnp.ceil(jnp.mean(z_tokens)) + cfg.ramp, 0, cfg.span)
   mx = jnp.clip(jnp.ceil(jnp.max(z_tokens)) + cfg.ramp, 0, cfg.span)
   return avg, mx
+
+
+def span_loss(ratio, cfg: ModelConfig):
+  """coeff * S * mean(z'), added to the training loss only (z' = span / S: the adaptive span
+  parameters, or the dynamic span's sigmoid outputs)."""
+  return cfg.span_loss * cfg.span * jnp.mean(ratio)

@@ -1,5 +1,7 @@
 """The CPU implementation (span_lm/kernels/banded_cpu.py): its layouts, custom VJPs and skews
 against dense attention and the numpy reference, and its own HLO checks."""
+import re
+
 import numpy as np
 import pytest
 
