@@ -30,7 +30,6 @@ def torch_bias_init(fan_in: int):
   return init
 
 
-
 def _selector(ids, width: int = 1):
   """(a, axis=1) -> the entries ids * width ... (ids + 1) * width - 1 of a along axis: a slice
   when the ids are contiguous, else a gather."""
