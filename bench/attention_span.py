@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 from span_lm.train import host_memory
@@ -36,9 +37,9 @@ def make_case(case: str, s: int, args):
   cfg = ModelConfig(vocab_size=205, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                     d_ff=args.d_ff, span=s, span_mode=mode, ramp=32,
                     head_grouping=case != "mixed_nogroup", dtype=args.dtype)
-  model = SpanTransformer(cfg, spans_lib.full_plan(cfg))
+  model = SpanTransformer(cfg, plan_lib.full_plan(cfg))
   tok = jnp.zeros((1, 1), jnp.int32)
-  params = model.init(jax.random.key(0), tok, spans_lib.init_caches(cfg, None, 1))["params"]
+  params = model.init(jax.random.key(0), tok, caches_lib.init_caches(cfg, None, 1))["params"]
   if mode == "adaptive":
     short = (args.short_span - cfg.ramp) / s  # z' such that z + R = short_span
     for i in range(cfg.n_layers):
@@ -48,8 +49,8 @@ def make_case(case: str, s: int, args):
       if case == "long":
         z[:] = 1.0
       params[f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(z)
-  plan = spans_lib.plan_from_params(cfg, params)
-  spans_lib.check_plan(cfg, params, plan)
+  plan = plan_lib.plan_from_params(cfg, params)
+  plan_lib.check_plan(cfg, params, plan)
   return cfg, plan, params
 
 
@@ -61,7 +62,7 @@ def compile_case(cfg, plan, params, args):
   x = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.batch, args.block)), jnp.int32)
   y = jnp.asarray(rng.integers(0, cfg.vocab_size, (args.batch, args.block)), jnp.int32)
   caches = tuple(jnp.asarray(rng.standard_normal(c.shape), jnp.float32)
-                 for c in spans_lib.init_caches(cfg, plan, args.batch))
+                 for c in caches_lib.init_caches(cfg, plan, args.batch))
 
   def loss_fn(p):
     logp, new_caches, aux = model.apply({"params": p}, x, caches, train=False)

@@ -4,7 +4,7 @@ One layer's attention (B, H heads, block M, head size Dh, window S) with a span 
   fixed   every head at S (no mask)
   short   every head at `--short` tokens (span + ramp)
   mixed   one head at S, the others short
-The plain path (attention.banded_attention) gets the span plan's head groups as compile-time
+The plain path (kernels.banded_reference, the GPU default without the kernel) gets the span plan's head groups as compile-time
 windows, as the model gives it; the fused kernel gets the full window S and the spans as runtime
 values (one compilation for every profile). Reports ms per call and, for the kernel, the
 attention FLOPs it would do if it skipped exactly the keys outside each head's span.
@@ -21,9 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.model import attention
-from span_lm.model import fused_attention as fa
-from span_lm.model import spans
+from span_lm.kernels import banded_reference
+from span_lm.kernels import pallas_gpu as fa
 
 
 def profile(case, h, s, short):
@@ -70,12 +69,10 @@ def run(a):
       outs = []
       for heads, w in groups:  # the plan's compile-time windows, one call per head group
         idx = jnp.asarray(heads)
-        mask = None
-        if z_H is not None:
-          dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
-          mask = spans.soft_mask(z_H[idx][None, :, None, None], dist[None, None, None, :], r)
-        outs.append(attention.banded_attention(q[:, idx], k[:, idx, s - w:], v[:, idx, s - w:],
-                                               pe[:, s - w:], mask=mask)[0])
+        span_z = None if z_H is None else z_H[idx][None, :, None]
+        outs.append(banded_reference.banded_attention(
+            q[:, idx], k[:, idx, s - w:], v[:, idx, s - w:], pe[:, s - w:], span_z=span_z,
+            ramp=r))
       return jnp.concatenate(outs, axis=1)
 
     result = {"case": case, "spans": None if need is None else need.tolist()}

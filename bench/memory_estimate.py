@@ -31,7 +31,8 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from span_lm.model import spans as spans_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm.train import steps  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -58,7 +59,7 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
   tx, _ = optimizer_lib.make_optimizer(config.optim)
   d = config.data
   batch, eval_batch = max(1, d.batch // devices), max(1, d.eval_batch // devices)
-  span_plan = spans_lib.full_plan(cfg) if plan == "full" else spans_lib.initial_plan(cfg)
+  span_plan = plan_lib.full_plan(cfg) if plan == "full" else plan_lib.initial_plan(cfg)
   state = jax.eval_shape(functools.partial(steps.init_state, cfg, tx, span_plan, batch,
                                            eval_batch, config.seed))
   host_batch = {"x": jax.ShapeDtypeStruct((batch, d.block), jnp.int32),
@@ -127,10 +128,10 @@ def gpu_less(name: str, devices: int = 8, dtype: str | None = None, remat: str =
   config = config_lib.load_config(f"configs/{name}.py", {k: v for k, v in (
       ("model.dtype", dtype), ("model.remat", remat), ("model.remat_policy", remat_policy)) if v})
   cfg = ModelConfig.from_config(config.model, vocab_size=VOCAB[config.data.dataset])
-  span_plan = spans_lib.full_plan(cfg) if plan == "full" else spans_lib.initial_plan(cfg)
+  span_plan = plan_lib.full_plan(cfg) if plan == "full" else plan_lib.initial_plan(cfg)
   rows = max(1, config.data.batch // devices) // config.optim.batch_split
   params = jax.eval_shape(lambda: build_params(cfg, span_plan))
-  caches = spans_lib.init_caches(cfg, span_plan, rows)
+  caches = caches_lib.init_caches(cfg, span_plan, rows)
   caches = jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype), caches)
   resid = _residual_bytes(cfg, span_plan, params, caches, rows, config.data.block)
   grads = full["params_M"] * 1e6 * 4
@@ -147,7 +148,7 @@ def build_params(cfg, plan):
   from span_lm.model import build_model  # pylint: disable=g-import-not-at-top
   model = build_model(cfg, plan)
   return model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
-                    spans_lib.init_caches(cfg, plan, 1))["params"]
+                    caches_lib.init_caches(cfg, plan, 1))["params"]
 
 
 def _estimate_with(name, devices, overrides, plan):

@@ -16,7 +16,8 @@ import dataclasses
 
 import numpy as np
 
-from span_lm.model import spans as spans_lib
+from span_lm.model import plan as plan_lib
+from span_lm.train import planner as planner_lib
 from span_lm.model.config import ModelConfig
 
 
@@ -42,7 +43,7 @@ def trajectories(cfg: ModelConfig, steps: int, noise: float, seed: int) -> np.nd
 
 
 def count_changes(cfg: ModelConfig, z: np.ndarray) -> dict:
-  planner = spans_lib.SpanPlanner(cfg)
+  planner = planner_lib.SpanPlanner(cfg)
   change_steps = []
   keys = []
   for i in range(z.shape[0]):
@@ -52,7 +53,7 @@ def count_changes(cfg: ModelConfig, z: np.ndarray) -> dict:
       keys.append(planner.plan.attention_keys())
   steps = np.asarray(change_steps)
   per_k = np.bincount(steps // 1000, minlength=z.shape[0] // 1000 + 1) if len(steps) else [0]
-  tight = [spans_lib.plan_from_ratios(cfg, list(z[i])).attention_keys()
+  tight = [plan_lib.plan_from_ratios(cfg, list(z[i])).attention_keys()
            for i in range(0, z.shape[0], 1000)]
   return {"changes": len(change_steps), "max_per_1000_steps": int(np.max(per_k)),
           "first_changes": change_steps[:8],
@@ -69,7 +70,7 @@ def main():
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--span", type=int, default=8192)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--attn_impl", default="xla", choices=["xla", "pallas"],
+  p.add_argument("--attn_impl", default="auto", choices=["auto", "reference", "cpu", "pallas"],
                  help="pallas: the fused kernel's plans (one window per layer, spans at run time)")
   args = p.parse_args()
   base = ModelConfig(vocab_size=256, d_model=512, n_layers=args.layers, n_heads=args.heads,

@@ -16,7 +16,8 @@ import time
 import jax
 import numpy as np
 
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import sample
@@ -44,9 +45,9 @@ def main():
   for s in args.span:
     cfg = ModelConfig(vocab_size=205, d_model=args.d_model, n_layers=args.layers,
                       n_heads=args.heads, d_ff=args.d_ff, span=s, span_mode="fixed")
-    plan = spans_lib.full_plan(cfg)
+    plan = plan_lib.full_plan(cfg)
     params = SpanTransformer(cfg, plan).init(
-        jax.random.key(0), np.zeros((1, 1), np.int32), spans_lib.init_caches(cfg, plan, 1))["params"]
+        jax.random.key(0), np.zeros((1, 1), np.int32), caches_lib.init_caches(cfg, plan, 1))["params"]
     prompt = np.zeros((args.batch, 1), np.int32)
     rate = {}
     for kind in ("hidden", "shifted", "ring"):
@@ -68,7 +69,7 @@ def main():
     for kv in (False, True):
       model = SpanTransformer(cfg, plan, kv_cache=kv)
       f = jax.jit(lambda p, x, c, model=model: model.apply({"params": p}, x, c)[:2])
-      caches = spans_lib.init_caches(cfg, plan, args.eval_batch, kv=kv)
+      caches = caches_lib.init_caches(cfg, plan, args.eval_batch, kv=kv)
       jax.block_until_ready(f(params, x, caches))
       times = []
       for _ in range(args.reps + 2):

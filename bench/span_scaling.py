@@ -42,7 +42,8 @@ def checkpoint_z(workdir: str):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  from span_lm.model import spans as spans_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.model.transformer import SpanTransformer  # pylint: disable=g-import-not-at-top
   from span_lm.train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
@@ -52,12 +53,12 @@ def checkpoint_z(workdir: str):
     if cfg.span_mode != "adaptive":
       raise ValueError(f"{workdir}: span_mode {cfg.span_mode!r} has no learned spans")
     shapes = jax.eval_shape(lambda: SpanTransformer(cfg).init(
-        jax.random.key(0), jnp.zeros((1, 1), jnp.int32), spans_lib.init_caches(cfg, None, 1)))
+        jax.random.key(0), jnp.zeros((1, 1), jnp.int32), caches_lib.init_caches(cfg, None, 1)))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
                           shapes["params"])
     params = ckpt.restore_params(target)
-  z = [np.asarray(r) * cfg.span for r in spans_lib.span_ratios(params)]
+  z = [np.asarray(r) * cfg.span for r in plan_lib.span_ratios(params)]
   return meta["model_cfg"], np.stack(z).tolist()
 
 
@@ -66,7 +67,8 @@ def run_case(case: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  from span_lm.model import spans as spans_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
@@ -74,12 +76,12 @@ def run_case(case: dict) -> dict:
   cfg = ModelConfig(**dict(case["model"], span=s, span_mode=kind, span_loss=0.0))
   tx = flops.default_optimizer()
   ratios = [np.minimum(np.asarray(z, np.float32), s) / s for z in case["z"]]
-  plan = spans_lib.plan_from_ratios(cfg, ratios)
+  plan = plan_lib.plan_from_ratios(cfg, ratios)
   state = jax.jit(lambda: steps_lib.init_state(cfg, tx, plan, case["batch"], 1, 0))()
   if kind == "adaptive":
     for i, r in enumerate(ratios):
       state["params"][f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(r, jnp.float32)
-  spans_lib.check_plan(cfg, state["params"], plan)
+  plan_lib.check_plan(cfg, state["params"], plan)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, cfg.vocab_size, (case["batch"], case["block"] + 1))
   batch = steps_lib.host_batch(tokens[:, :-1], tokens[:, 1:], False)
@@ -100,7 +102,7 @@ def run_case(case: dict) -> dict:
   stats = jax.devices()[0].memory_stats() or {}
   step_flops = flops.train_step_flops(cfg, plan, case["batch"], case["block"])
   sec = float(np.median(times))
-  spans = spans_lib.needed_tokens(cfg, np.stack(spans_lib.span_ratios(state["params"]))) if (
+  spans = plan_lib.needed_tokens(cfg, np.stack(plan_lib.span_ratios(state["params"]))) if (
       kind == "adaptive") else np.full((cfg.n_layers, cfg.n_heads), s)
   return {"span": s, "kind": kind, "step_seconds": sec, "step_seconds_all": times,
           "compile_seconds": compile_s, "avg_span": float(np.mean(spans)),

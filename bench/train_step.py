@@ -20,7 +20,7 @@ FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instru
       # and where the step's time goes, per XLA operation (bench/profile_step.py's summary)
   python bench/train_step.py --config configs/enwik8.py --devices 1 --dtype bfloat16 --batch 8
       # a paper config's model, block and optimizer (GPU: MFU against the bf16 matmul peak)
-  ... --attn_impl pallas     # the same with the fused kernel (span_lm/model/fused_attention.py)
+  ... --attn_impl pallas     # the same with the fused kernel (span_lm/kernels/pallas_gpu.py)
   python bench/train_step.py --dtype bfloat16 --devices 1 --reference_dir ~/src/adaptive-span \
       --reference_python ~/torch/bin/python --reps 20   # the reference timed in the same run
 
@@ -71,7 +71,8 @@ def worker(spec: dict) -> dict:
     jax.config.update("jax_num_cpu_devices", spec["devices"])
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from span_lm.model import spans as spans_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
@@ -109,21 +110,21 @@ def worker(spec: dict) -> dict:
   mesh = sharding_lib.make_mesh()
 
   # The plan first (from span ratios), then the state at that plan.
-  full = spans_lib.full_plan(cfg)
+  full = plan_lib.full_plan(cfg)
   state = steps_lib.init_state(cfg, tx, full, 1, 1, 0)
   params = state["params"]
   if case == "short":
     z = (a["short_span"] - cfg.ramp) / cfg.span
     for i in range(cfg.n_layers):
       params[f"layers_{i}"]["attn"]["span_ratio"] = np.full(cfg.n_heads, z, np.float32)
-  plan = spans_lib.plan_from_params(cfg, params)
-  spans_lib.check_plan(cfg, params, plan)
+  plan = plan_lib.plan_from_params(cfg, params)
+  plan_lib.check_plan(cfg, params, plan)
   rng = np.random.default_rng(0)
   state = {"step": state["step"], "params": params, "opt_state": tx.init(params),
            "rng": state["rng"],
            "caches": tuple(np.asarray(rng.standard_normal(c.shape), np.float32)
-                           for c in spans_lib.init_caches(cfg, plan, batch)),
-           "eval_caches": spans_lib.init_caches(cfg, plan, jax.device_count())}
+                           for c in caches_lib.init_caches(cfg, plan, batch)),
+           "eval_caches": caches_lib.init_caches(cfg, plan, jax.device_count())}
   st_sh = sharding_lib.state_shardings(jax.eval_shape(lambda: state), mesh,
                                        sharding_lib.default_state_rule)
   state = jax.device_put(state, st_sh)
@@ -201,8 +202,9 @@ def main():
   p.add_argument("--config", default="", help="take model/block/batch/optimizer from a run config")
   p.add_argument("--short_span", type=int, default=64, help="span + ramp of the short heads")
   p.add_argument("--dtype", default="float32")
-  p.add_argument("--attn_impl", default="xla", choices=["xla", "pallas", "pallas_interpret"],
-                 help="pallas: the fused kernel (GPU), spans at run time")
+  p.add_argument("--attn_impl", default="auto",
+                 choices=["auto", "reference", "cpu", "pallas", "pallas_interpret", "xla"],
+                 help="span_lm/kernels: auto picks by backend; pallas: the fused kernel (GPU)")
   p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                  help="model config overrides, e.g. attn_chunk=128 (values as Python literals)")
   host_memory.add_flag(p)

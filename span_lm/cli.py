@@ -26,8 +26,8 @@ def run(config):
       return reference_checkpoint.import_reference(config)
     return reference_checkpoint.export_reference(config)
   if config.mode in config_lib.TOOL_MODES:
-    from span_lm.tools import flops, sample, spans_report  # pylint: disable=g-import-not-at-top
-    return {"spans": spans_report.report, "flops": flops.report,
+    from span_lm.tools import flops_report, sample, spans_report  # pylint: disable=g-import-not-at-top
+    return {"spans": spans_report.report, "flops": flops_report.report,
             "sample": sample.sample}[config.mode](config)
   raise ValueError(f"config.mode={config.mode!r}: unknown mode")
 

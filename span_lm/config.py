@@ -345,8 +345,8 @@ def _validate(config):
   vocab = _get(config, "model.vocab_size")
   model = ModelConfig.from_config(_get(config, "model"), vocab_size=None if vocab else 1)
   block = _get(config, "data.block")
-  fused = model.attn_impl in ("pallas", "pallas_interpret")
-  if fused and isinstance(block, int) and block % model.attn_block:
+  if model.attn_impl in ("pallas", "pallas_interpret") and isinstance(block, int) and (
+      block % model.attn_block):
     _bad("data.block", block,
          f"must be a multiple of model.attn_block={model.attn_block} with the fused kernel")
   _validate_data(config)

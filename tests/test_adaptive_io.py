@@ -15,7 +15,7 @@ import pytest
 
 import reference_numpy as ref
 from span_lm.model import adaptive_io
-from span_lm.model import spans
+from span_lm.model import caches as caches_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import reference_checkpoint as rc
@@ -120,7 +120,7 @@ def test_tied_weights_are_shared():
   cfg = make_cfg()
   model = SpanTransformer(cfg)
   tokens = jnp.asarray([[0, 1, 2, 3]])  # head tokens only: clusters 1, 2 are read by the output
-  caches = spans.init_caches(cfg, None, 1)
+  caches = caches_lib.init_caches(cfg, None, 1)
   params = init(model, tokens, caches)
   assert set(params["out_emb"]) == {"bias_0", "bias_1", "bias_2", "cluster_kernel", "cluster_bias"}
   untied = SpanTransformer(make_cfg(adapt_io_tied=False))

@@ -138,7 +138,7 @@ def test_decide_from_config_and_environment():
 def test_two_processes_equal_one(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from span_lm.model import spans  # pylint: disable=g-import-not-at-top
+  from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import loop  # pylint: disable=g-import-not-at-top
 
   t0 = time.perf_counter()
@@ -182,7 +182,7 @@ def test_two_processes_equal_one(tmp_path):
   for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])),
                   jax.tree.leaves(jax.device_get(result["state"]["params"]))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert spans.plan_from_json(meta["planner"]["plan"]) == result["plan"]
+  assert plan_lib.plan_from_json(meta["planner"]["plan"]) == result["plan"]
   print(f"two processes: {t_two:.1f}s wall")
 
 

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from span_lm.model import spans
+from span_lm.model import plan as plan_lib
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import loop, steps
 
@@ -137,7 +137,7 @@ def test_nan_step_keeps_the_parameters():
   config = td.config_for("/tmp/unused", {"train.debug_nan_at_step": 2})
   run = loop.Run(config, need_workdir=False)
   try:
-    plan = spans.initial_plan(run.model_cfg)
+    plan = plan_lib.initial_plan(run.model_cfg)
     state = run.init_state(plan)
     stream = run.streams(run.splits.train, config.data.batch, config.seed)
     for _ in range(2):  # a good step (caches filled), then the non-finite one
@@ -203,7 +203,7 @@ def test_crash_during_async_save_never_leaves_a_partial_latest(tmp_path):
 def _two_steps(config, init=None):
   run = loop.Run(config, need_workdir=False)
   try:
-    plan = spans.initial_plan(run.model_cfg)
+    plan = plan_lib.initial_plan(run.model_cfg)
     state = run.init_state(plan) if init is None else jax.device_put(
         init, run.abstract_state(plan)[2])
     init = jax.device_get(state)

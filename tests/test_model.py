@@ -14,7 +14,9 @@ import jax
 import jax.numpy as jnp
 
 import reference_numpy as ref
-from span_lm.model import spans
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
+from span_lm.train import planner as planner_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 
@@ -59,7 +61,7 @@ def apply_fn(cfg, plan=None):
 def flax_param_shapes(cfg, m=8, plan=None):
   model = SpanTransformer(cfg, plan=plan)
   tokens = jnp.zeros((B, m), jnp.int32)
-  caches = spans.init_caches(cfg, plan, B)
+  caches = caches_lib.init_caches(cfg, plan, B)
   init = lambda t, c: model.init(jax.random.key(0), t, c, train=False)["params"]
   return shapes(jax.eval_shape(init, tokens, caches))
 
@@ -137,7 +139,7 @@ def test_param_tree_matches_spec(case):
 
 def test_init_caches_plan_none():
   cfg = make_cfg(span=16, n_layers=3)
-  caches = spans.init_caches(cfg, None, B)
+  caches = caches_lib.init_caches(cfg, None, B)
   assert isinstance(caches, tuple) and len(caches) == 3
   for c in caches:
     assert c.shape == (B, 16, cfg.d_model)
@@ -223,7 +225,7 @@ def test_dropout_is_identity_at_eval_and_active_in_training():
 
 def run_blocks(cfg, params, tokens, m):
   f = apply_fn(cfg)
-  caches = spans.init_caches(cfg, None, tokens.shape[0])
+  caches = caches_lib.init_caches(cfg, None, tokens.shape[0])
   outs = []
   for k in range(0, tokens.shape[1], m):
     logp, caches, _ = f(params, jnp.asarray(tokens[:, k:k + m], jnp.int32), caches)
@@ -273,18 +275,18 @@ def short_span_setup(seed=30):
 
 def test_trimming_plan_matches_untrimmed():
   cfg, params, tokens, full = short_span_setup()
-  plan = spans.plan_from_params(cfg, params)
+  plan = plan_lib.plan_from_params(cfg, params)
   hash(plan)
   assert len(plan.layers) == cfg.n_layers
   lens = [lp.cache_len for lp in plan.layers]
   assert all(n < cfg.span for n in lens), f"plan does not trim at all: {plan}"
-  spans.check_plan(cfg, params, plan)  # must not raise
+  plan_lib.check_plan(cfg, params, plan)  # must not raise
 
-  trimmed = spans.resize_caches(full, cfg, plan)
+  trimmed = caches_lib.resize_caches(full, cfg, plan)
   for t, f_, n in zip(trimmed, full, lens):
     assert t.shape == (B, n, cfg.d_model)
     np.testing.assert_array_equal(np.asarray(t), np.asarray(f_)[:, cfg.span - n:])
-  fresh = spans.init_caches(cfg, plan, B)
+  fresh = caches_lib.init_caches(cfg, plan, B)
   assert [c.shape for c in fresh] == [(B, n, cfg.d_model) for n in lens]
 
   logp0, caches0, aux0 = apply_fn(cfg)(params, tokens, full)
@@ -301,9 +303,9 @@ def test_trimming_plan_matches_untrimmed():
 
 def test_resize_caches_pads_left_with_zeros():
   cfg, params, _, full = short_span_setup()
-  plan = spans.plan_from_params(cfg, params)
-  trimmed = spans.resize_caches(full, cfg, plan)
-  back = spans.resize_caches(trimmed, cfg, None)
+  plan = plan_lib.plan_from_params(cfg, params)
+  trimmed = caches_lib.resize_caches(full, cfg, plan)
+  back = caches_lib.resize_caches(trimmed, cfg, None)
   for bk, t in zip(back, trimmed):
     n = t.shape[1]
     assert bk.shape == (B, cfg.span, cfg.d_model)
@@ -318,14 +320,14 @@ def test_check_plan_rejects_too_short_window():
   params["layers_0"]["attn"]["span_ratio"] = params["layers_0"]["attn"]["span_ratio"].at[1].set(
       0.5)
   heads = tuple(range(cfg.n_heads))
-  bad = spans.SpanPlan(layers=tuple(
-      spans.LayerPlan(cache_len=16, groups=((heads, 16),)) for _ in range(cfg.n_layers)))
+  bad = plan_lib.SpanPlan(layers=tuple(
+      plan_lib.LayerPlan(cache_len=16, groups=((heads, 16),)) for _ in range(cfg.n_layers)))
   with pytest.raises(ValueError):
-    spans.check_plan(cfg, params, bad)
-  good = spans.SpanPlan(layers=(
-      spans.LayerPlan(cache_len=40, groups=((heads, 40),)),
-      spans.LayerPlan(cache_len=16, groups=((heads, 16),))))
-  spans.check_plan(cfg, params, good)
+    plan_lib.check_plan(cfg, params, bad)
+  good = plan_lib.SpanPlan(layers=(
+      plan_lib.LayerPlan(cache_len=40, groups=((heads, 40),)),
+      plan_lib.LayerPlan(cache_len=16, groups=((heads, 16),))))
+  plan_lib.check_plan(cfg, params, good)
 
 
 def test_check_plan_exact_boundary():
@@ -336,15 +338,15 @@ def test_check_plan_exact_boundary():
   p64["layers_0"]["attn"]["span_ratio"] = np.array([0.15625, 0.0625, 0.0625, 0.0625])  # z 5, 2
   params = to_jax(p64)
   assert float(params["layers_0"]["attn"]["span_ratio"][0]) * 32 == 5.0
-  plan = lambda w0: spans.SpanPlan(layers=(
-      spans.LayerPlan(cache_len=9, groups=(((0,), w0), ((1, 2, 3), 6))),))
+  plan = lambda w0: plan_lib.SpanPlan(layers=(
+      plan_lib.LayerPlan(cache_len=9, groups=(((0,), w0), ((1, 2, 3), 6))),))
   with pytest.raises(ValueError):
-    spans.check_plan(cfg, params, plan(8))
-  spans.check_plan(cfg, params, plan(9))
+    plan_lib.check_plan(cfg, params, plan(8))
+  plan_lib.check_plan(cfg, params, plan(9))
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 8)), jnp.int32)
   full = to_jax(random_caches(rng, cfg, [cfg.span]))
   logp0, _, _ = apply_fn(cfg)(params, tokens, full)
-  logp9, _, _ = apply_fn(cfg, plan(9))(params, tokens, spans.resize_caches(full, cfg, plan(9)))
+  logp9, _, _ = apply_fn(cfg, plan(9))(params, tokens, caches_lib.resize_caches(full, cfg, plan(9)))
   np.testing.assert_allclose(np.asarray(logp9), np.asarray(logp0), rtol=1e-5, atol=1e-5)
 
 
@@ -365,19 +367,19 @@ def test_head_groups_match_single_group_and_no_plan(m, chunk):
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, m)), jnp.int32)
   full = to_jax(random_caches(rng, cfg, [cfg.span] * cfg.n_layers))
 
-  grouped = spans.SpanPlan(layers=(
-      spans.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
-      spans.LayerPlan(cache_len=24, groups=(((1, 3), 8), ((0,), 16), ((2,), 24)))))
-  single = spans.SpanPlan(layers=(
-      spans.LayerPlan(cache_len=24, groups=(((0, 1, 2, 3), 24),)),
-      spans.LayerPlan(cache_len=24, groups=(((0, 1, 2, 3), 24),))))
-  spans.check_plan(cfg, params, grouped)
-  spans.check_plan(cfg, params, single)
+  grouped = plan_lib.SpanPlan(layers=(
+      plan_lib.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
+      plan_lib.LayerPlan(cache_len=24, groups=(((1, 3), 8), ((0,), 16), ((2,), 24)))))
+  single = plan_lib.SpanPlan(layers=(
+      plan_lib.LayerPlan(cache_len=24, groups=(((0, 1, 2, 3), 24),)),
+      plan_lib.LayerPlan(cache_len=24, groups=(((0, 1, 2, 3), 24),))))
+  plan_lib.check_plan(cfg, params, grouped)
+  plan_lib.check_plan(cfg, params, single)
 
   logp0, caches0, _ = apply_fn(cfg)(params, tokens, full)
   results = {}
   for name, plan in (("grouped", grouped), ("single", single)):
-    trimmed = spans.resize_caches(full, cfg, plan)
+    trimmed = caches_lib.resize_caches(full, cfg, plan)
     results[name] = apply_fn(cfg, plan)(params, tokens, trimmed)
   for name, (logp, caches, _) in results.items():
     np.testing.assert_allclose(np.asarray(logp), np.asarray(logp0), rtol=1e-5, atol=1e-5,
@@ -424,37 +426,15 @@ def test_causality_by_gradient(mode, n_pers):
 
 
 # ----------------------------------------------------------------------------------------------
-# 6. The soft mask, its gradient, the span loss gradient and the clamp.
-
-MASK_TABLE = [  # (z, R, distance, m): m = clip((R + z - (d - 1)) / R, 0, 1), computed by hand
-    (0.0, 4, 1, 1.0), (0.0, 4, 2, 0.75), (0.0, 4, 4, 0.25), (0.0, 4, 5, 0.0), (0.0, 4, 9, 0.0),
-    (10.0, 4, 1, 1.0), (10.0, 4, 11, 1.0), (10.0, 4, 12, 0.75), (10.0, 4, 14, 0.25),
-    (10.0, 4, 15, 0.0), (2.5, 2, 4, 0.75), (2.5, 2, 5, 0.25), (2.5, 2, 6, 0.0),
-    (7.0, 1, 8, 1.0), (7.0, 1, 9, 0.0), (7.25, 1, 9, 0.25), (16.0, 32, 40, 0.28125),
-]
-
-
-@pytest.mark.parametrize("z,r,d,expected", MASK_TABLE)
-def test_soft_mask_table(z, r, d, expected):
-  got = spans.soft_mask(jnp.float32(z), jnp.float32(d), r)
-  np.testing.assert_allclose(float(got), expected, atol=1e-6)
-  np.testing.assert_allclose(ref.soft_mask(z, d, r), expected, atol=1e-12)
-
-
-@pytest.mark.parametrize("z,r,d,expected", [
-    (2.5, 2, 4, 0.5), (10.0, 4, 12, 0.25), (7.25, 1, 9, 1.0), (16.0, 32, 40, 1 / 32),  # ramp
-    (10.0, 4, 3, 0.0), (0.0, 4, 9, 0.0), (2.5, 2, 7, 0.0)])  # flat parts
-def test_soft_mask_gradient(z, r, d, expected):
-  g = jax.grad(lambda zz: spans.soft_mask(zz, jnp.float32(d), r))(jnp.float32(z))
-  np.testing.assert_allclose(float(g), expected, atol=1e-6)
-
+# 6. The span loss gradient (the soft mask: tests/kernels/test_span_mask.py; the clamp after
+# each update: tests/test_optimizer.py).
 
 def test_span_loss_gradient():
   cfg = make_cfg(span_mode="adaptive", span=16)
   rng = np.random.default_rng(60)
   params = to_jax(ref.random_params(cfg, rng))
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 8)), jnp.int32)
-  caches = spans.init_caches(cfg, None, B)
+  caches = caches_lib.init_caches(cfg, None, B)
   model = SpanTransformer(cfg, plan=None)
   grads = jax.jit(jax.grad(lambda p: model.apply({"params": p}, tokens, caches,
                                                  train=False)[2]["span_loss"]))(params)
@@ -469,7 +449,7 @@ def test_dynamic_span_loss_gradient_reaches_predictor():
   rng = np.random.default_rng(61)
   params = to_jax(ref.random_params(cfg, rng))
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 8)), jnp.int32)
-  caches = spans.init_caches(cfg, None, B)
+  caches = caches_lib.init_caches(cfg, None, B)
   model = SpanTransformer(cfg, plan=None)
   loss = jax.jit(lambda p: model.apply({"params": p}, tokens, caches, train=False)[2]["span_loss"])
   grads = jax.jit(jax.grad(loss))(params)
@@ -478,23 +458,6 @@ def test_dynamic_span_loss_gradient_reaches_predictor():
     assert np.all(g > 0)  # the loss increases with every head's span
   e = ref.forward(cfg, to_np(params), np.asarray(tokens), to_np(caches))[2]["span_loss"]
   np.testing.assert_allclose(float(loss(params)), e, rtol=1e-5)
-
-
-def test_clamp_span_params():
-  params = {
-      "key_pe": jnp.full((2, 3), 5.0),
-      "layers_0": {"attn": {"span_ratio": jnp.array([-0.5, 0.3, 1.7, 1.0]),
-                            "proj_query": {"kernel": jnp.full((2, 2), -3.0)}}},
-      "layers_1": {"attn": {"span_ratio": jnp.array([0.0, 2.0, -1e-3, 0.999])}},
-  }
-  out = spans.clamp_span_params(params)
-  np.testing.assert_array_equal(np.asarray(out["layers_0"]["attn"]["span_ratio"]),
-                                np.array([0.0, 0.3, 1.0, 1.0], np.float32))
-  np.testing.assert_array_equal(np.asarray(out["layers_1"]["attn"]["span_ratio"]),
-                                np.array([0.0, 1.0, 0.0, 0.999], np.float32))
-  np.testing.assert_array_equal(np.asarray(out["key_pe"]), 5.0)
-  np.testing.assert_array_equal(np.asarray(out["layers_0"]["attn"]["proj_query"]["kernel"]),
-                                -3.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,326 +502,6 @@ def test_persistent_memory_weights_sum_to_one(mode):
                              rtol=1e-5, atol=2e-5)
   e_logp, _, _ = ref.forward(cfg, p64, tokens, caches)
   np.testing.assert_allclose(e_logp, np.broadcast_to(expected, logp.shape), atol=1e-7)
-
-
-@pytest.mark.parametrize("mode,n_pers,w,m,chunk", [
-    ("adaptive", 4, 12, 8, 0), ("adaptive", 4, 12, 8, 4), ("fixed", 3, 8, 24, 0),
-    ("adaptive", 0, 8, 24, 0), ("adaptive", 2, 8, 24, 4)])
-def test_banded_attention_weights_match_reference(mode, n_pers, w, m, chunk):
-  """attention.banded_attention's probabilities (the model drops them) against the reference's
-  dense weights, mapped into the band layout (column s = distance W - s), and their sums."""
-  from span_lm.model import attention
-  h_, dh = 3, 4
-  cfg = make_cfg(d_model=h_ * dh, n_heads=h_, span=w, ramp=3, span_mode=mode, pers_mem=n_pers,
-                 n_layers=1)
-  rng = np.random.default_rng(75)
-  x = rng.normal(size=(B, w + m, cfg.d_model))
-  key_pe = rng.normal(size=(dh, w))
-  eye = {"kernel": np.eye(cfg.d_model)}
-  p = {"proj_query": eye, "proj_key": eye, "proj_val": eye, "proj_out": eye}
-  if mode == "adaptive":
-    p["span_ratio"] = rng.uniform(0.0, 0.9, size=h_)
-  if n_pers:
-    p["pers_key"] = rng.normal(size=(h_, dh, n_pers)) / np.sqrt(dh)
-    p["pers_val"] = rng.normal(size=(h_, n_pers, dh)) / np.sqrt(n_pers)
-  x, key_pe, p = to_np(to_jax(x)), to_np(to_jax(key_pe)), to_np(to_jax(p))
-  out_ref, wts = ref.attention(cfg, p, key_pe, x[:, w:], x[:, :w], return_weights=True)
-
-  heads = lambda y: jnp.asarray(y.reshape(B, -1, h_, dh).transpose(0, 2, 1, 3), jnp.float32)
-  mask = None
-  if mode == "adaptive":
-    z = jnp.asarray(p["span_ratio"] * w, jnp.float32)
-    mask = spans.soft_mask(z[None, :, None, None],
-                           jnp.arange(w, 0, -1, dtype=jnp.float32)[None, None, None, :], cfg.ramp)
-  kw = {}
-  if n_pers:
-    kw = dict(pers_k_GxDxN=jnp.asarray(p["pers_key"] * np.sqrt(dh), jnp.float32),
-              pers_v_GxNxD=jnp.asarray(p["pers_val"] * np.sqrt(n_pers), jnp.float32))
-  fn = jax.jit(lambda *a, **k: attention.banded_attention(*a, chunk=chunk, **k))
-  out, probs = fn(heads(x[:, w:]), heads(x), heads(x), jnp.asarray(key_pe, jnp.float32),
-                  mask=mask, **kw)
-  out, probs = np.asarray(out), np.asarray(probs)
-  assert probs.shape == (B, h_, m, w + n_pers)
-  ctx = wts["context"]  # (B, H, M, W + M) over absolute key positions
-  qi = np.arange(m)[:, None]
-  band = ctx[:, :, qi, w + qi - (w - np.arange(w))[None, :]]  # distance d = W - s
-  np.testing.assert_allclose(band.sum(-1), ctx.sum(-1), atol=1e-12)  # nothing outside the band
-  np.testing.assert_allclose(probs[..., :w], band, rtol=1e-5, atol=1e-6)
-  if n_pers:
-    np.testing.assert_allclose(probs[..., w:], wts["persistent"], rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(probs.sum(-1), 1.0, atol=1e-4)
-  np.testing.assert_allclose(out.transpose(0, 2, 1, 3).reshape(B, m, -1), out_ref,
-                             rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("w,m,chunk,dtype,preferred", [
-    (16, 8, 0, "float32", True), (16, 8, 0, "bfloat16", True), (4, 8, 0, "bfloat16", False),
-    (6, 8, 4, "float32", False)])
-def test_banded_attention_positions_last_equals_first(w, m, chunk, dtype, preferred):
-  """Keys and values laid out (B, G, Dh, T) give banded_attention's outputs and gradients (q, k,
-  v, position embeddings, span mask) of the (B, G, T, Dh) layout, with one chunk (its own path)
-  and with several (cut along T)."""
-  from span_lm.model import attention
-  rng = np.random.default_rng(w * 10 + m)
-  g_, dh = 2, 4
-  q = jnp.asarray(rng.normal(size=(B, g_, m, dh)), dtype)
-  k = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
-  v = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
-  pe = jnp.asarray(rng.normal(size=(dh, w)), dtype)
-  z = jnp.asarray(rng.uniform(1, w, size=(g_,)), jnp.float32)
-  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
-
-  def loss(q, k, v, pe, z, last):
-    mask = spans.soft_mask(z[None, :, None, None], dist[None, None, None, :], 3)
-    kk, vv = (k.swapaxes(2, 3), v.swapaxes(2, 3)) if last else (k, v)
-    out, _ = attention.banded_attention(q, kk, vv, pe, mask=mask, chunk=chunk, positions_last=last)
-    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
-
-  tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-  (_, out0), g0 = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
-      q, k, v, pe, z, False)
-  (_, out1), g1 = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
-      q, k, v, pe, z, True)
-  np.testing.assert_allclose(np.asarray(out1, np.float32), np.asarray(out0, np.float32), **tol)
-  for a, b in zip(g1, g0):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert np.abs(np.asarray(b, np.float32)).max() > 0
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
-  assert attention.prefer_positions_last(m, w, chunk, dtype) == preferred  # one chunk only
-  if len(jax.devices()) >= 2 and preferred:  # bf16 over several devices keeps (B, G, T, Dh)
-    with jax.set_mesh(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("data",))):
-      assert attention.prefer_positions_last(m, w, chunk, dtype) == (dtype == "float32")
-
-
-@pytest.mark.parametrize("c,w,dtype", [(4, 6, "float32"), (8, 8, "float32"), (8, 3, "bfloat16"),
-                                       (16, 40, "bfloat16"), (4, 12, "float32")])
-def test_skew_unskew_values_and_transposes(c, w, dtype):
-  """skew/unskew (gather form with custom VJPs for W >= 2C, pad form below) against their
-  definitions: skew puts band column s of row r at key r + s, unskew reads it back; each one's VJP
-  is the other, equal to autodiff of a dense one-hot form."""
-  from span_lm.model import attention
-  rng = np.random.default_rng(c * 100 + w)
-  lead = (2, 3)
-  x = jnp.asarray(rng.normal(size=(*lead, c, w)), dtype)
-  sel = np.zeros((c, w, w + c), np.float32)  # sel[r, s, k] = 1 where k = r + s
-  for r in range(c):
-    sel[r, np.arange(w), r + np.arange(w)] = 1
-  dense_skew = lambda a: jnp.einsum("...rs,rsk->...rk", a.astype(jnp.float32), sel)
-  dense_unskew = lambda a: jnp.einsum("...rk,rsk->...rs", a.astype(jnp.float32), sel)
-
-  y = jax.jit(attention.skew)(x)
-  assert y.shape == (*lead, c, w + c) and y.dtype == x.dtype
-  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(dense_skew(x)))
-  big = jnp.asarray(rng.normal(size=(*lead, c, w + c)), dtype)
-  u = jax.jit(attention.unskew, static_argnums=1)(big, w)
-  np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(dense_unskew(big)))
-  np.testing.assert_array_equal(np.asarray(attention.unskew(y, w), np.float32),
-                                np.asarray(x, np.float32))
-
-  gy = jnp.asarray(rng.normal(size=y.shape), dtype)
-  gx, = jax.vjp(attention.skew, x)[1](gy)
-  np.testing.assert_array_equal(np.asarray(gx, np.float32),
-                                np.asarray(jax.vjp(dense_skew, x)[1](gy.astype(jnp.float32))[0]))
-  gu = jnp.asarray(rng.normal(size=u.shape), dtype)
-  gb, = jax.vjp(lambda a: attention.unskew(a, w), big)[1](gu)
-  assert gb.shape == big.shape
-  np.testing.assert_array_equal(
-      np.asarray(gb, np.float32),
-      np.asarray(jax.vjp(dense_unskew, big)[1](gu.astype(jnp.float32))[0]))
-
-
-def _dense_attention(q, k, v, pe, mask_W, pers_k, pers_v, eps=1e-8):
-  """banded_attention by definition, in float32: every query against all T = W + M keys, keys
-  beyond distance W (or at distance 0 and after) at -inf; no skew, chunk or key coordinates."""
-  q, k, v, pe = (a.astype(jnp.float32) for a in (q, k, v, pe))
-  b, g, m, dh = q.shape
-  w = pe.shape[-1]
-  dist = w + np.arange(m)[:, None] - np.arange(w + m)[None, :]  # query i at position W + i
-  valid = (dist >= 1) & (dist <= w)
-  col = jnp.asarray(np.broadcast_to(np.clip(w - dist, 0, w - 1), (b, g, m, w + m)))  # pe column
-  pos = jnp.take_along_axis(jnp.einsum("bgmd,dw->bgmw", q, pe), col, axis=3)
-  logits = jnp.where(valid, (jnp.einsum("bgmd,bgtd->bgmt", q, k) + pos) / np.sqrt(dh), -jnp.inf)
-  n_pers = 0 if pers_k is None else pers_k.shape[-1]
-  if n_pers:
-    logits = jnp.concatenate([logits, jnp.einsum("bgmd,gdp->bgmp", q, pers_k) / np.sqrt(dh)], -1)
-  probs = jax.nn.softmax(logits, axis=-1)
-  if mask_W is not None:
-    mask_T = jnp.where(valid, jnp.take_along_axis(jnp.broadcast_to(mask_W, (b, g, m, w)), col,
-                                                  axis=3), 0.0)
-    probs = probs * jnp.concatenate([mask_T, jnp.ones((b, g, m, n_pers))], -1)
-    probs = probs / (jnp.sum(probs, -1, keepdims=True) + eps)
-  out = jnp.einsum("bgmt,bgtd->bgmd", probs[..., :w + m], v)
-  if n_pers:
-    out = out + jnp.einsum("bgmp,gpd->bgmd", probs[..., w + m:], pers_v)
-  return out
-
-
-@pytest.mark.parametrize("w,m,chunk,mode,n_pers,dtype,last", [
-    (16, 8, 0, "fixed", 0, "float32", True),  # one chunk, key coordinates, positions last
-    (16, 8, 0, "adaptive", 3, "float32", False),
-    (12, 24, 4, "dynamic", 0, "float32", False),  # several chunks, key coordinates
-    (12, 24, 4, "adaptive", 2, "float32", False),
-    (6, 24, 0, "adaptive", 0, "float32", False),  # short bands: band coordinates
-    (32, 8, 0, "adaptive", 0, "bfloat16", True)])
-def test_banded_attention_values_and_gradients_match_dense(w, m, chunk, mode, n_pers, dtype,
-                                                           last):
-  """banded_attention (key coordinates for long bands, band coordinates for short ones) against
-  the dense definition: outputs and the gradients of q, k, v, the position embeddings, the span
-  parameters and the persistent vectors."""
-  from span_lm.model import attention
-  rng = np.random.default_rng(w * 100 + m + n_pers)
-  g_, dh = 2, 4
-  arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-  q, k, v, pe = arr(B, g_, m, dh), arr(B, g_, w + m, dh), arr(B, g_, w + m, dh), arr(dh, w)
-  pk = pv = None
-  if n_pers:
-    pk, pv = arr(g_, dh, n_pers), arr(g_, n_pers, dh)
-  z = jnp.asarray(rng.uniform(1, w + 2, size=(B, g_, m) if mode == "dynamic" else (g_,)),
-                  jnp.float32)
-  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
-
-  def mask_of(z):
-    if mode == "fixed":
-      return None
-    zz = z[..., None] if mode == "dynamic" else z[None, :, None, None]
-    return spans.soft_mask(zz, dist[None, None, None, :], 3)
-
-  def ours(q, k, v, pe, z, pk, pv):
-    kk, vv = (k.swapaxes(2, 3), v.swapaxes(2, 3)) if last else (k, v)
-    return attention.banded_attention(q, kk, vv, pe, mask=mask_of(z), pers_k_GxDxN=pk,
-                                      pers_v_GxNxD=pv, chunk=chunk, positions_last=last)[0]
-
-  def dense(q, k, v, pe, z, pk, pv):
-    return _dense_attention(q, k, v, pe, mask_of(z), pk, pv)
-
-  assert attention.long_band(attention.choose_chunk(m, w, chunk), w) == (w >= 12)
-  ct = jnp.asarray(rng.normal(size=(B, g_, m, dh)), jnp.float32)
-  argnums = (0, 1, 2, 3) + ((4,) if mode != "fixed" else ()) + ((5, 6) if n_pers else ())
-  results = []
-  for f in (ours, dense):
-    loss = lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct)
-    results.append((jax.jit(f)(q, k, v, pe, z, pk, pv),
-                    jax.jit(jax.grad(loss, argnums=argnums))(q, k, v, pe, z, pk, pv)))
-  (out, grads), (want, want_grads) = results
-  tol = dict(rtol=3e-2, atol=3e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), **tol)
-  for i, got, exp in zip(argnums, grads, want_grads):
-    assert got.shape == exp.shape and float(jnp.max(jnp.abs(exp.astype(jnp.float32)))) > 0, i
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(exp, np.float32),
-                               err_msg=f"argument {i}", **tol)
-
-
-@pytest.mark.parametrize("mode,dtype", [("fixed", "float32"), ("adaptive", "float32"),
-                                        ("fixed", "bfloat16"), ("adaptive", "bfloat16")])
-def test_banded_attention_dropout_matches_dense(mode, dtype):
-  """Key coordinates with dropout (attention._keyed_attention takes the dropout's scaled keep mask
-  and differentiates by dO . out): one chunk, whose (C, W + C) key coordinates are the dense
-  definition's (M, T), so the same keep mask applies to both; values and every gradient."""
-  from span_lm.model import attention
-  rng = np.random.default_rng(5)
-  g_, dh, w, m, rate = 2, 4, 24, 8, 0.3
-  arr = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)
-  q, k, v, pe = arr(B, g_, m, dh), arr(B, g_, dh, w + m), arr(B, g_, dh, w + m), arr(dh, w)
-  keep = jnp.asarray((rng.uniform(size=(B, g_, m, w + m)) > rate) / (1 - rate), jnp.float32)
-  z = jnp.asarray(rng.uniform(1, w + 2, size=(g_,)), jnp.float32)
-  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
-  mask_of = lambda z: None if mode == "fixed" else spans.soft_mask(
-      z[None, :, None, None], dist[None, None, None, :], 3)
-
-  def ours(q, k, v, pe, z):
-    return attention.banded_attention(
-        q, k, v, pe, mask=mask_of(z), positions_last=True,
-        dropout=lambda p: p * keep.reshape(p.shape))[0]
-
-  def dense(q, k, v, pe, z):  # _dense_attention with the keep mask on the weights
-    q, k, v, pe = (a.astype(jnp.float32) for a in (q, k, v, pe))
-    k, v = k.swapaxes(2, 3), v.swapaxes(2, 3)
-    d_ = w + np.arange(m)[:, None] - np.arange(w + m)[None, :]
-    valid = (d_ >= 1) & (d_ <= w)
-    col = jnp.asarray(np.broadcast_to(np.clip(w - d_, 0, w - 1), (B, g_, m, w + m)))
-    pos = jnp.take_along_axis(jnp.einsum("bgmd,dw->bgmw", q, pe), col, axis=3)
-    logits = jnp.where(valid, (jnp.einsum("bgmd,bgtd->bgmt", q, k) + pos) / np.sqrt(dh), -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
-    if mode != "fixed":
-      mask_t = jnp.where(valid, jnp.take_along_axis(
-          jnp.broadcast_to(mask_of(z), (B, g_, m, w)), col, axis=3), 0.0)
-      probs = probs * mask_t
-      probs = probs / (jnp.sum(probs, -1, keepdims=True) + 1e-8)
-    return jnp.einsum("bgmt,bgtd->bgmd", probs * keep, v)
-
-  assert attention.long_band(attention.choose_chunk(m, w), w)
-  ct = jnp.asarray(rng.normal(size=(B, g_, m, dh)), jnp.float32)
-  argnums = (0, 1, 2, 3) + ((4,) if mode != "fixed" else ())
-  got, want = (
-      (jax.jit(f)(q, k, v, pe, z), jax.jit(jax.grad(
-          lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * ct), argnums=argnums))(
-              q, k, v, pe, z)) for f in (ours, dense))
-  tol = dict(rtol=3e-2, atol=3e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(got[0], np.float32), np.asarray(want[0]), **tol)
-  for i, a, b in zip(argnums, got[1], want[1]):
-    assert a.shape == b.shape and float(jnp.max(jnp.abs(b.astype(jnp.float32)))) > 0, i
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               err_msg=f"argument {i}", **tol)
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("last", [True, False])
-def test_split_rows_equals_reshape(dtype, last):
-  """attention._split_rows_last / _split_rows_first (custom VJPs writing both gradients in one
-  pass) equal the plain reshape/transpose split of the (2 G Dh, B, T) or (B, T, 2 G Dh)
-  projections, in values and in the gradient."""
-  from span_lm.model import attention
-  rng = np.random.default_rng(3)
-  g_, dh, b, t = 2, 3, 4, 5
-  if last:
-    kv = jnp.asarray(rng.normal(size=(2 * g_ * dh, b, t)), dtype)
-    split = attention._split_rows_last
-    plain = lambda a: tuple(a.reshape(2, g_, dh, b, t).transpose(0, 3, 1, 2, 4))
-    ct_shape = (b, g_, dh, t)
-  else:
-    kv = jnp.asarray(rng.normal(size=(b, t, 2 * g_ * dh)), dtype)
-    split = attention._split_rows_first
-    plain = lambda a: tuple(a.reshape(b, t, 2, g_, dh).transpose(2, 0, 3, 1, 4))
-    ct_shape = (b, g_, t, dh)
-  cts = tuple(jnp.asarray(rng.normal(size=ct_shape), dtype) for _ in range(2))
-  for got, want in zip(split(kv, g_), plain(kv)):
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-  got, = jax.vjp(lambda a: split(a, g_), kv)[1](cts)
-  want, = jax.vjp(plain, kv)[1](cts)
-  assert got.dtype == want.dtype
-  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_project_rows_last_gradients_and_dead_cache_gradient(dtype):
-  """attention._project_rows_last (one matmul over [cache; block], custom VJP) equals the einsum
-  of the concatenation in value and in all three gradients; differentiated in the weights and
-  the block only (as in training), the compiled step has no matmul for the cache rows' gradient."""
-  from span_lm.model import attention
-  rng = np.random.default_rng(11)
-  cache, h = (jnp.asarray(rng.normal(size=(3, t, 8)), dtype) for t in (10, 4))
-  w = jnp.asarray(rng.normal(size=(8, 6)), dtype)
-  ct = jnp.asarray(rng.normal(size=(6, 3, 14)), jnp.float32)
-  plain = lambda c, h, w: jnp.einsum("btd,dz->zbt", jnp.concatenate([c, h], 1).astype(jnp.float32),
-                                     w.astype(jnp.float32))
-  loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * ct)
-  tol = dict(rtol=2e-2, atol=5e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(attention._project_rows_last(cache, h, w), np.float32),
-                             np.asarray(plain(cache, h, w)), **tol)
-  got = jax.grad(loss(attention._project_rows_last), argnums=(0, 1, 2))(cache, h, w)
-  want = jax.grad(loss(plain), argnums=(0, 1, 2))(cache, h, w)
-  for a, b in zip(got, want):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
-  hlo = jax.jit(jax.value_and_grad(loss(attention._project_rows_last), argnums=(1, 2))).lower(
-      cache, h, w).compile().as_text()
-  dots = re.findall(r"= (\w+\[[\d,]*\])\S* dot\(", hlo)
-  assert len(dots) == 3, dots  # forward, weight gradient, block gradient
-  assert not any(d.endswith("[3,10,8]") for d in dots), dots  # none for the cache rows
-
-
-# ----------------------------------------------------------------------------------------------
-# 8. Dynamic span extremes.
 
 
 def test_dynamic_span_extremes():
@@ -915,13 +558,13 @@ def test_bad_config_raises(kw, field):
 
 def _planner_walk(cfg, z, start=0, planner=None):
   """Feeds z' (steps, layers, heads) to a planner; checks every plan covers its step's spans."""
-  planner = planner or spans.SpanPlanner(cfg)
+  planner = planner or planner_lib.SpanPlanner(cfg)
   changes = []
   for i in range(start, z.shape[0]):
     if planner.update(list(z[i]), i + 1):
       changes.append(i + 1)
     for lp, zl in zip(planner.plan.layers, z[i]):
-      assert np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= spans.needed_tokens(cfg, zl)), i
+      assert np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= plan_lib.needed_tokens(cfg, zl)), i
   return planner, changes
 
 
@@ -948,7 +591,7 @@ def test_planner_always_covers_and_headroom_cuts_changes():
 def test_planner_shrinks_once_per_window_to_recent_need():
   cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, d_ff=16, span=1024, ramp=16,
                     plan_shrink_patience=10, plan_growth=1.5)
-  planner = spans.SpanPlanner(cfg)
+  planner = planner_lib.SpanPlanner(cfg)
   big = np.array([[0.5, 0.0]], np.float32)
   assert planner.update(list(big), 1)  # growth is immediate
   assert planner.plan.layers[0].head_windows(2)[0] >= 512
@@ -965,7 +608,7 @@ def test_planner_state_round_trip_mid_window():
   z = _noisy_growth(cfg, 1200, seed=3)
   a, changes_a = _planner_walk(cfg, z)
   b, changes_b = _planner_walk(cfg, z[:600])
-  restored = spans.SpanPlanner(cfg)
+  restored = planner_lib.SpanPlanner(cfg)
   restored.load_state_dict(json.loads(json.dumps(b.state_dict())))
   c, changes_c = _planner_walk(cfg, z, start=600, planner=restored)
   assert changes_b + changes_c == changes_a
@@ -982,9 +625,9 @@ def _grouped_case(cfg, rng, mode):
   if mode == "adaptive":
     params64["layers_0"]["attn"]["span_ratio"] = np.array([0.05, 0.3, 0.1, 0.6])
     params64["layers_1"]["attn"]["span_ratio"] = np.array([0.2, 0.02, 0.45, 0.1])
-    plan = spans.SpanPlan(layers=(
-        spans.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
-        spans.LayerPlan(cache_len=24, groups=(((1, 3), 8), ((0,), 16), ((2,), 24)))))
+    plan = plan_lib.SpanPlan(layers=(
+        plan_lib.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
+        plan_lib.LayerPlan(cache_len=24, groups=(((1, 3), 8), ((0,), 16), ((2,), 24)))))
   return to_jax(params64), plan
 
 
@@ -997,12 +640,12 @@ def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
                  plan_margin=0)
   rng = np.random.default_rng(50)
   params, plan = _grouped_case(cfg, rng, mode)
-  spans.check_plan(cfg, params, plan or spans.full_plan(cfg))
+  plan_lib.check_plan(cfg, params, plan or plan_lib.full_plan(cfg))
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 40)), jnp.int32)
   hidden_model = SpanTransformer(cfg, plan)
   kv_model = SpanTransformer(cfg, plan, kv_cache=True)
-  hc = spans.init_caches(cfg, plan, B)
-  kc = spans.init_caches(cfg, plan, B, kv=True)
+  hc = caches_lib.init_caches(cfg, plan, B)
+  kc = caches_lib.init_caches(cfg, plan, B, kv=True)
   assert kc[0].shape[-1] == 2 * cfg.d_model
   bounds = [0, 8, 16, 17, 25, 40]  # blocks of 8, 8, 1, 8, 15 tokens
   for a, b in zip(bounds[:-1], bounds[1:]):
@@ -1030,8 +673,8 @@ def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 75)), jnp.int32)
   prompt = 5
   _, shifted, _ = model.apply({"params": params}, tokens[:, :prompt],
-                              spans.init_caches(cfg, plan, B, kv=True))
-  ring = spans.to_ring(shifted, prompt, cfg.n_heads)
+                              caches_lib.init_caches(cfg, plan, B, kv=True))
+  ring = caches_lib.to_ring(shifted, prompt, cfg.n_heads)
   step = jax.jit(lambda p, t, c, pos: model.apply({"params": p}, t, c, ring_pos=pos))
   plain = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c))
   for pos in range(prompt, tokens.shape[1]):  # 70 tokens: past two turns of a 32-slot ring
@@ -1040,63 +683,7 @@ def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
     got, ring, _ = step(params, tok, ring, jnp.int32(pos))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5,
                                err_msg=f"token {pos}")
-  for r, s_ in zip(spans.from_ring(ring, tokens.shape[1]), shifted):  # (deeper layers' keys
+  for r, s_ in zip(caches_lib.from_ring(ring, tokens.shape[1]), shifted):  # (deeper layers' keys
     np.testing.assert_allclose(np.asarray(r), np.asarray(s_), rtol=1e-5, atol=1e-5)  # round)
   with pytest.raises(ValueError, match="one token"):
     model.apply({"params": params}, tokens[:, :2], ring, ring_pos=jnp.int32(3))
-
-
-@pytest.mark.parametrize("w,m,chunk,dynamic,pers,dtype,g_", [
-    (16, 8, 0, False, 0, "float32", 2),     # long band, one chunk (keyed, custom VJP)
-    (16, 8, 4, True, 0, "float32", 2),      # long band, several chunks, per-query spans
-    (16, 8, 0, False, 3, "float32", 2),     # long band with persistent memory (keyed, autodiff)
-    (16, 8, 0, False, 0, "float32", 1),     # one head: the band mask skewed (gather)
-    (16, 8, 4, True, 0, "float32", 1),
-    (4, 8, 0, False, 0, "float32", 2),      # short band (band coordinates)
-    (6, 8, 4, True, 0, "float32", 2),
-    (16, 8, 0, False, 0, "bfloat16", 2),
-    (16, 8, 0, False, 0, "ties", 2)])       # whole-token spans: the mask's ramp ends hit exactly
-def test_banded_attention_span_z_equals_band_mask(w, m, chunk, dynamic, pers, dtype, g_):
-  """span_z (the mask built inside, in key coordinates for long bands) gives the outputs and the
-  gradients (q, k, v, position embeddings and the spans themselves) of the same soft mask passed
-  in band coordinates and skewed."""
-  from span_lm.model import attention
-  ties = dtype == "ties"  # float32, spans on whole tokens: ramp ends hit exactly
-  dtype = "float32" if ties else dtype
-  rng = np.random.default_rng(w * 100 + m * 10 + chunk + pers + g_)
-  dh, ramp = 4, 3
-  q = jnp.asarray(rng.normal(size=(B, g_, m, dh)), dtype)
-  k = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
-  v = jnp.asarray(rng.normal(size=(B, g_, w + m, dh)), dtype)
-  pe = jnp.asarray(rng.normal(size=(dh, w)), dtype)
-  z = rng.uniform(0.5, w - 1, size=(B, g_, m) if dynamic else (1, g_, 1))
-  if ties:  # where jnp.clip's derivative is 1/2
-    z = np.round(z)
-  z = jnp.asarray(z, jnp.float32)
-  dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
-  kw = {}
-  if pers:
-    kw = dict(pers_k_GxDxN=jnp.asarray(rng.normal(size=(g_, dh, pers)), dtype),
-              pers_v_GxNxD=jnp.asarray(rng.normal(size=(g_, pers, dh)), dtype))
-
-  def loss(q, k, v, pe, z, inside):
-    if inside:
-      out, _ = attention.banded_attention(q, k, v, pe, span_z=z, ramp=ramp, chunk=chunk, **kw)
-    else:
-      mask = spans.soft_mask(z[..., None], dist[None, None, None, :], ramp)
-      out, _ = attention.banded_attention(q, k, v, pe, mask=mask, chunk=chunk, **kw)
-    return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size).reshape(out.shape))), out
-
-  assert attention.long_band(attention.choose_chunk(m, w, chunk), w) == (w >= 16)
-  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True),
-                 static_argnums=5)
-  (_, out0), g0 = grad(q, k, v, pe, z, False)
-  (_, out1), g1 = grad(q, k, v, pe, z, True)
-  tol = dict(rtol=1e-2, atol=1e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(np.asarray(out1, np.float32), np.asarray(out0, np.float32), **tol)
-  for a, b in zip(g1, g0):
-    assert a.shape == b.shape and a.dtype == b.dtype
-    assert np.abs(np.asarray(b, np.float32)).max() > 0
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), **tol)
-  with pytest.raises(ValueError, match="either mask or span_z"):
-    attention.banded_attention(q, k, v, pe, mask=jnp.ones((1, g_, 1, w)), span_z=z, ramp=ramp)

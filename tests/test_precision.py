@@ -5,7 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from span_lm.model import precision, spans
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
+from span_lm.model import precision
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 
@@ -87,9 +89,9 @@ def test_bf16_model_step_has_no_float32_matmul():
   """Every matmul of a bf16 model's forward and backward is bf16 x bf16 (the CPU fast path)."""
   cfg = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=16, ramp=4,
                     span_init=0.5, dtype="bfloat16")
-  model = SpanTransformer(cfg, spans.full_plan(cfg))
+  model = SpanTransformer(cfg, plan_lib.full_plan(cfg))
   x = jnp.zeros((2, 8), jnp.int32)
-  caches = spans.init_caches(cfg, None, 2)
+  caches = caches_lib.init_caches(cfg, None, 2)
   params = model.init(jax.random.key(0), x, caches)["params"]
 
   def loss(p):
@@ -179,7 +181,7 @@ def test_contract_sends_every_backward_dot_to_the_fast_kernel():
 
 @pytest.mark.parametrize("w, c, m", [(4, 4, 8), (2, 4, 8), (6, 4, 8), (8, 8, 8)])
 def test_bf16_key_window_gradient_adds_overlaps_in_float32(w, c, m):
-  from span_lm.model.attention import key_windows  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.banded_cpu import key_windows  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   y = jnp.asarray(rng.standard_normal((2, 3, w + m, 4)), jnp.bfloat16)
   win, vjp = jax.vjp(lambda y: key_windows(y, w, c), y)
@@ -240,15 +242,15 @@ def test_bf16_model_gradients_follow_float32(kind):
   grads = {}
   for dtype in ("float32", "bfloat16"):
     cfg = ModelConfig(**fields, dtype=dtype)
-    full = spans.full_plan(cfg)
+    full = plan_lib.full_plan(cfg)
     params = SpanTransformer(cfg, full).init(jax.random.key(0), x,
-                                             spans.init_caches(cfg, full, 4))["params"]
-    plan = spans.plan_from_params(cfg, params)
+                                             caches_lib.init_caches(cfg, full, 4))["params"]
+    plan = plan_lib.plan_from_params(cfg, params)
     if kind == "adaptive_short":
       assert all(w == 8 for layer in plan.layers for _, w in layer.groups), plan.describe()
     model = SpanTransformer(cfg, plan)
     caches = tuple(jnp.asarray(np.random.default_rng(1).standard_normal(c.shape), jnp.float32)
-                   for c in spans.init_caches(cfg, plan, 4))
+                   for c in caches_lib.init_caches(cfg, plan, 4))
 
     def loss(p, model=model, caches=caches):
       logp, _, aux = model.apply({"params": p}, x, caches)

@@ -13,7 +13,8 @@ from span_lm.data import cifar
 from span_lm.data import sources
 from span_lm.model import build_model
 from span_lm.model import sparse
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.sparse_transformer import SparseTransformer
 from span_lm.train import loop
@@ -140,13 +141,13 @@ def _cfg(**kw):
 def _init(cfg, m):
   init = jax.jit(build_model(cfg).init)
   return init(jax.random.key(0), jnp.zeros((1, m), jnp.int32),
-              spans_lib.init_caches(cfg, None, 1))["params"]
+              caches_lib.init_caches(cfg, None, 1))["params"]
 
 
 def _loss_and_grads(cfg, params, m=37):
   """(loss, logp, grads, (caches, new caches, aux)) of a jitted forward/backward on 2 x m tokens."""
-  model = build_model(cfg, spans_lib.full_plan(cfg))
-  caches = spans_lib.init_caches(cfg, None, 2)
+  model = build_model(cfg, plan_lib.full_plan(cfg))
+  caches = caches_lib.init_caches(cfg, None, 2)
   tok = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, m)), jnp.int32)
 
   @jax.jit
@@ -331,13 +332,13 @@ def test_cifar_config_builds_a_run(tmp_path, monkeypatch):
   run = loop.Run(c)
   try:
     assert run.splits.name == "cifar10" and run.model_cfg.sparse_data_shape == (32, 32, 3)
-    plan = spans_lib.full_plan(run.model_cfg)
+    plan = plan_lib.full_plan(run.model_cfg)
     _, abstract, _ = run.abstract_state(plan)
     assert abstract["params"]["pos_emb_2"].shape == (3, 32)  # the channel table
     logp, _, aux = jax.eval_shape(
         lambda p: build_model(run.model_cfg, plan).apply(
             {"params": p}, jnp.zeros((1, 3072), jnp.int32),
-            spans_lib.init_caches(run.model_cfg, plan, 1)), abstract["params"])
+            caches_lib.init_caches(run.model_cfg, plan, 1)), abstract["params"])
     assert logp.shape == (1, 3072, 256)
   finally:
     run.ckpt.close()

@@ -12,7 +12,8 @@ import pytest
 
 from span_lm import cli
 from span_lm import config as config_lib
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import flops, paper, restore, sample, spans_report
@@ -21,7 +22,7 @@ from span_lm.tools import flops, paper, restore, sample, spans_report
 @functools.cache
 def _init(cfg):
   return jax.jit(lambda: SpanTransformer(cfg).init(
-      jax.random.key(1), jnp.zeros((1, 1), jnp.int32), spans_lib.init_caches(cfg, None, 1)))()
+      jax.random.key(1), jnp.zeros((1, 1), jnp.int32), caches_lib.init_caches(cfg, None, 1)))()
 
 
 def make(mode="adaptive", ratios=None, **kw):
@@ -32,7 +33,7 @@ def make(mode="adaptive", ratios=None, **kw):
   params = jax.tree.map(lambda x: x, _init(cfg)["params"])  # fresh dicts: the cache stays intact
   for i, r in enumerate(ratios or []):
     params[f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(r, jnp.float32)
-  return cfg, params, spans_lib.plan_from_params(cfg, params)
+  return cfg, params, plan_lib.plan_from_params(cfg, params)
 
 
 # A trimmed plan with three head groups in layer 1: windows 64 / 64+64 / 128.
@@ -44,7 +45,7 @@ TRIMMED = [[0.0, 0.0, 0.0, 0.1], [0.1, 0.1, 0.5, 0.9]]
 
 def test_forward_macs_equal_a_hand_count():
   cfg = ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, d_ff=256, span=256)
-  plan = spans_lib.plan_from_ratios(
+  plan = plan_lib.plan_from_ratios(
       cfg, [np.asarray(r, np.float32) for r in [[0, 0, 0, 0.1], [0.1, 0.1, 0.3, 0.9]]])
   assert plan.describe() == "L0 cache=128 [0, 1, 2, 3]:64; L1 cache=256 [0, 1]:64 [2]:128 [3]:256"
   m, d, dh = 64, 64, 16  # block 64: the chunk C is 64 for every window (the smallest divisor >= W)
@@ -96,7 +97,7 @@ def test_activation_bytes_match_jax_residuals(mode, ratios):
     logp, _, aux = model.apply({"params": p}, x, caches, train=False)
     return -jnp.mean(logp[..., 0]) + aux["span_loss"]
 
-  res = saved_residuals(loss, params, spans_lib.init_caches(cfg, plan, b))
+  res = saved_residuals(loss, params, caches_lib.init_caches(cfg, plan, b))
   jax_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a, why in res if "argument" not in why)
   ours = sum(flops.activation_bytes(cfg, plan, b, m).values())
   assert abs(ours / jax_bytes - 1) < 0.05, (ours, jax_bytes)
@@ -104,7 +105,7 @@ def test_activation_bytes_match_jax_residuals(mode, ratios):
 
 def test_trimming_cuts_flops():
   cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, span=512, ramp=16)
-  plan = spans_lib.plan_from_ratios(cfg, [np.asarray(r, np.float32) for r in TRIMMED])
+  plan = plan_lib.plan_from_ratios(cfg, [np.asarray(r, np.float32) for r in TRIMMED])
   fixed = dataclasses.replace(cfg, span_mode="fixed")
   assert flops.per_token(cfg, plan, 64).total < 0.6 * flops.per_token(fixed, None, 64).total
 
@@ -148,7 +149,7 @@ def greedy_matches_forward(cfg, params, plan, prompt, n):
   out = sample.generate(cfg, params, plan, prompt, n, temperature=0.0)
   seq = np.concatenate([prompt, out])
   forward = jax.jit(lambda p, x: SpanTransformer(cfg, plan).apply(
-      {"params": p}, x, spans_lib.init_caches(cfg, plan, 1))[0])
+      {"params": p}, x, caches_lib.init_caches(cfg, plan, 1))[0])
   logp = forward(params, jnp.asarray(seq[None, :-1]))
   return out, np.asarray(jnp.argmax(logp[0], -1))[len(prompt) - 1:]
 
@@ -177,7 +178,7 @@ def test_sampling_top_k_temperature_seed():
   two = sample.generate(cfg, params, plan, prompt, 12, temperature=5.0, top_k=2, seed=0)
   seq = np.concatenate([prompt, two])
   logp = jax.jit(lambda p, x: SpanTransformer(cfg, plan).apply(
-      {"params": p}, x, spans_lib.init_caches(cfg, plan, 1))[0])(params, seq[None, :-1])
+      {"params": p}, x, caches_lib.init_caches(cfg, plan, 1))[0])(params, seq[None, :-1])
   top2 = np.argsort(np.asarray(logp[0]), -1)[len(prompt) - 1:, -2:]
   assert all(t in row for t, row in zip(two, top2))
   a = sample.generate(cfg, params, plan, prompt, 12, temperature=2.0, seed=0)
@@ -193,7 +194,7 @@ def test_sampling_top_k_temperature_seed():
 
 def test_sampling_refuses_a_plan_that_truncates_spans():
   cfg, params, _ = make("adaptive", TRIMMED)
-  short = spans_lib.SpanPlan((spans_lib.LayerPlan(64, (((0, 1, 2, 3), 64),)),) * 2)
+  short = plan_lib.SpanPlan((plan_lib.LayerPlan(64, (((0, 1, 2, 3), 64),)),) * 2)
   with pytest.raises(ValueError, match="does not cover the span"):
     sample.generate(cfg, params, short, np.asarray([1]), 4)
 

@@ -18,7 +18,7 @@ import pytest
 import synthetic_run
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
-from span_lm.model import spans
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import loop, steps
@@ -157,7 +157,7 @@ def test_resume_is_bit_identical(run_a, tmp_path):
 def test_span_plan_changes_during_training(run_a):
   config, result = run_a
   run_cfg = ModelConfig.from_config(config.model, vocab_size=config.data.synthetic_vocab)
-  initial = spans.initial_plan(run_cfg)
+  initial = plan_lib.initial_plan(run_cfg)
   plan, state = result["plan"], result["state"]
   assert plan != initial
   assert result["plan_changes"] >= 1 and result["step"] == 2 * K
@@ -172,8 +172,8 @@ def test_span_plan_changes_during_training(run_a):
     assert [c.shape for c in caches] == [(batch, lp.cache_len, run_cfg.d_model)
                                          for lp in plan.layers]
   assert any(lp.cache_len < run_cfg.span for lp in plan.layers)
-  spans.check_plan(run_cfg, state["params"], plan)
-  assert spans.plan_from_params(run_cfg, state["params"]).attention_keys() <= plan.attention_keys()
+  plan_lib.check_plan(run_cfg, state["params"], plan)
+  assert plan_lib.plan_from_params(run_cfg, state["params"]).attention_keys() <= plan.attention_keys()
 
 
 # ------------------------------------------------------------------------------- step equality
@@ -187,7 +187,7 @@ def _train_steps(config, n_steps=2, num_devices=None, init=None):
   run = loop.Run(config, num_devices=num_devices)
   try:
     d = config.data
-    plan = spans.initial_plan(run.model_cfg)
+    plan = plan_lib.initial_plan(run.model_cfg)
     if init is None:
       state = run.init_state(plan)
       init = jax.device_get(state)
@@ -366,7 +366,7 @@ def test_full_evaluation_with_kv_caches_equals_hidden_state_caches(run_a):
   run = loop.Run(config)
   try:
     state, meta = run.restore()
-    plan = spans.plan_from_json(meta["planner"]["plan"])
+    plan = plan_lib.plan_from_json(meta["planner"]["plan"])
     res = {}
     for kv in (True, False):
       res[kv], caches = loop.evaluate_stream(run, state["params"], plan, run.splits.valid,

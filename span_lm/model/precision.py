@@ -1,14 +1,13 @@
 """Mixed-precision matmuls: bf16/f16 operands with float32 accumulation, in both passes.
 
 Why not plain `jnp.einsum`: a bf16 x bf16 dot that returns bf16 runs no faster than float32 on
-XLA:CPU (its AVX512-BF16 kernels are used for bf16 x bf16 -> f32 only: 2x the float32 rate on this
-project's CPU), and autodiff of a dot with `preferred_element_type=float32` hands the backward
+XLA:CPU (its AVX512-BF16 kernels are used for bf16 x bf16 -> f32 only; docs/benchmarks.md), and autodiff of a dot with `preferred_element_type=float32` hands the backward
 dots a float32 cotangent, so two thirds of a step's FLOPs ran in float32 (mixed f32 x bf16 dots
 are upcast). These custom VJPs cast the cotangent to the operand dtype and accumulate in float32,
 so every matmul of a training step is bf16 x bf16 -> f32. On the CPU, `contract` also lays out
 each of these dots the way XLA:CPU's fast kernels need (the backward dots most of all). Float32
-operands take the plain path (no custom VJP, identical to jnp.einsum: on this CPU the layout
-copies cost a float32 step more than they save).
+operands take the plain path (no custom VJP, identical to jnp.einsum: there the layout copies
+cost a float32 step more than they save).
 """
 import functools
 import math
@@ -88,7 +87,7 @@ def contract(spec: str, a, b):
   nb = len(batch)
   if not batch and rhs[-len(summed):] == summed and len(rhs) > len(summed) + 1:
     # Several free dims of a (free, contracted) right operand flattened into one: XLA:CPU gave a
-    # 3-D one a transpose pass of its own before the dot (the cache in attention._group_kv).
+    # 3-D one a transpose pass of its own before the dot (the cache in kernels/banded_cpu.project_kv).
     fy = rhs[:len(rhs) - len(summed)]
     shape = [size[c] for c in lhs[:len(lhs) - len(summed)]] + [size[c] for c in fy]
     y = y.reshape(math.prod(size[c] for c in fy), -1)
@@ -175,7 +174,7 @@ class Dense(nn.Module):
 
   nn.Dense(dtype=bfloat16) adds the bias in bf16, so the bias gradient is a sum over every token
   accumulated in bf16 (rounded at each of thousands of adds), and XLA:CPU runs that reduction as a
-  slow reduce-window (8 ms per 1024-wide bias in a 0.39 s step). Added to the float32 matmul output
+  slow reduce-window (docs/benchmarks.md). Added to the float32 matmul output
   instead, the gradient is a float32 sum. Float32 models compute exactly what nn.Dense does.
   """
   features: int

@@ -2,7 +2,7 @@
 
 apply(tokens_BxM, caches, train) -> (logprobs_BxMxV, caches, aux), the SpanTransformer signature.
 It attends within the block only (M <= span = the context n): `caches` are unused placeholders
-(one state per layer, spans.full_plan; Orbax cannot save empty arrays) passed through unchanged;
+(one state per layer, plan.full_plan; Orbax cannot save empty arrays) passed through unchanged;
 aux has span_loss 0 and span_avg / span_max = M per layer, so the loop's metrics keep a meaning
 ("the context each layer sees").
 
@@ -134,7 +134,7 @@ class SparseTransformer(nn.Module):
       raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers")
     if any(c.shape[1] > 1 for c in caches):
       raise ValueError("arch='sparse' keeps no hidden states: caches must be placeholders of "
-                       "length <= 1 (spans.init_caches with spans.full_plan)")
+                       "length <= 1 (caches.init_caches with plan.full_plan)")
     if m > cfg.span:
       raise ValueError(f"a block of {m} tokens exceeds the context config.model.span={cfg.span}")
     d = cfg.d_model

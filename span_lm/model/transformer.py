@@ -30,10 +30,10 @@ import jax.numpy as jnp
 
 from span_lm.model import adaptive_io
 from span_lm.model import precision
-from span_lm.model import spans as spans_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.attention import SeqAttention, torch_bias_init, torch_linear_init
 from span_lm.model.config import ModelConfig
-from span_lm.model.spans import LayerPlan, SpanPlan
+from span_lm.model.plan import LayerPlan, SpanPlan
 
 
 class FeedForward(nn.Module):
@@ -71,8 +71,8 @@ class SpanTransformer(nn.Module):
   """apply(tokens_BxM, caches, train) -> (logprobs_BxMxV, new_caches, aux).
 
   `caches` holds, per layer, the layer *inputs* of previous blocks, (B, L_l, D) with L_l fixed by
-  the plan (spans.init_caches / spans.resize_caches). With kv_cache=True (inference only) it holds
-  their projected keys and values instead, (B, L_l, 2D) (spans.init_caches(..., kv=True)): the
+  the plan (caches.init_caches / caches.resize_caches). With kv_cache=True (inference only) it holds
+  their projected keys and values instead, (B, L_l, 2D) (caches.init_caches(..., kv=True)): the
   same numbers, since the weights do not change, without re-projecting L_l states per block
   (training must re-project: the reference's keys of cached states use the current weights and
   pass gradients to them). `aux` has the span loss (to be added to the
@@ -85,11 +85,11 @@ class SpanTransformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BxM, caches, train: bool = False, ring_pos=None):
-    """ring_pos: decoding one token with kv_cache=True over ring caches (spans.to_ring): the
+    """ring_pos: decoding one token with kv_cache=True over ring caches (caches.to_ring): the
     token's position in its stream; each layer's cache gets its keys|values in slot
     ring_pos mod L instead of being shifted (nothing else is copied)."""
     cfg = self.cfg
-    plan = self.plan or spans_lib.full_plan(cfg)
+    plan = self.plan or plan_lib.full_plan(cfg)
     if self.kv_cache and train:
       raise ValueError("kv_cache=True is for inference: training re-projects the cached states "
                        "with the current weights, as the reference does")
@@ -117,10 +117,10 @@ class SpanTransformer(nn.Module):
             tuple(cache.shape)]
         if got != [want, want]:
           raise ValueError(f"layer {i}: ring cache of shapes {got}, the plan wants keys and "
-                           f"values of {want} (spans.to_ring)")
+                           f"values of {want} (caches.to_ring)")
       elif cache.shape[1] != lp.cache_len or cache.shape[2] != width:
         raise ValueError(f"layer {i}: cache of shape {cache.shape[1:]}, the plan wants "
-                         f"({lp.cache_len}, {width}); fit it with spans.resize_caches "
+                         f"({lp.cache_len}, {width}); fit it with caches.resize_caches "
                          f"(kv_cache={self.kv_cache})")
       h_in = h
       h, aux = layer_cls(cfg, lp, self.kv_cache, name=f"layers_{i}")(

@@ -31,10 +31,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from span_lm.model import spans as spans_lib
-from span_lm.model.attention import choose_chunk, long_band
+from span_lm import kernels
+from span_lm.kernels.banded_reference import choose_chunk
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
-from span_lm.model.spans import SpanPlan
+from span_lm.model.plan import SpanPlan
 
 ATTENTION = ("attn_content", "attn_position", "attn_value", "attn_persistent")
 OTHER = ("q_proj", "kv_proj", "out_proj", "span_predictor", "ff", "output")
@@ -43,7 +45,7 @@ COMPONENTS = ATTENTION + OTHER
 
 def forward_macs(cfg: ModelConfig, plan: SpanPlan | None, block: int, batch: int = 1) -> dict:
   """Multiply-adds of one forward pass over a (batch, block) input, by component (Python ints)."""
-  plan = plan or spans_lib.full_plan(cfg)
+  plan = plan or plan_lib.full_plan(cfg)
   d, dh, m = cfg.d_model, cfg.head_dim, block
   out = dict.fromkeys(COMPONENTS, 0)
   for lp in plan.layers:
@@ -88,7 +90,7 @@ def train_step_flops(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   f = forward_macs(cfg, plan, block, batch)
   total = sum(f.values())
   layers = total - f["output"]
-  plan = plan or spans_lib.full_plan(cfg)
+  plan = plan or plan_lib.full_plan(cfg)
   d, dh = cfg.d_model, cfg.head_dim
   cache_kv = batch * sum(w * d * 2 * len(heads) * dh for lp in plan.layers for heads, w in lp.groups)
   return 2 * (3 * total - cache_kv + (layers if cfg.remat == "layer" else 0))
@@ -101,59 +103,28 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
                      train: bool = True) -> dict:
   """Bytes the forward pass keeps for the backward pass (JAX's residuals), by kind.
 
-  Itemised from what autodiff saves for this implementation (checked in float32 against
-  jax's saved residuals in tests/test_tools.py): per head group the keys/values the chunks
-  read; for long bands without persistent memory (attention._keyed_attention) the weights as
-  the value matmul reads them (with dropout also the float32 probabilities and the keep mask;
-  with a span mask also the exponentiated scores, the row sums and the mask); otherwise one
-  float32 (M, W) band of exponentiated scores ((M, W + C) for long bands with persistent
-  memory, whose scores stay in key coordinates; three with an adaptive span mask: exp,
-  probabilities, masked probabilities, the per-head mask itself not materialised in bands,
-  (C, W + C) in key coordinates, plus the select's bool and float32 outputs; six with a dynamic
-  one, whose mask is per token; the persistent vectors widen them by N) and the skewed
-  (M, W + C) weights; per
-  layer the key/value input rows, layer-norm and feed-forward intermediates. Dropout masks
-  (train and dropout > 0) are approximate: a byte per element plus the dropped copy. With
-  remat='layer' only the layer inputs and one layer's residuals are kept.
+  The attention's own residuals (keys/values, score bands, weights) come from the implementation
+  the door picks (kernels.residual_bytes; the CPU one is checked in float32 against jax's saved
+  residuals in tests); per layer this adds the key/value input rows, layer-norm and feed-forward
+  intermediates. Dropout masks (train and dropout > 0) are approximate: a byte per element plus
+  the dropped copy. With remat='layer' only the layer inputs and one layer's residuals are kept.
   """
-  plan = plan or spans_lib.full_plan(cfg)
-  b, m, d, dh = batch, block, cfg.d_model, cfg.head_dim
+  plan = plan or plan_lib.full_plan(cfg)
+  b, m, d = batch, block, cfg.d_model
   act, f32 = jnp.dtype(cfg.dtype).itemsize, 4
-  bands = {"fixed": 1, "adaptive": 3, "dynamic": 6}[cfg.span_mode]
   drop = train and cfg.dropout > 0
+  impl = kernels.choose(cfg, m, max(w for lp in plan.layers for _, w in lp.groups))
   layers = []
   for lp in plan.layers:
     it = dict.fromkeys(("kv_input", "keys_values", "score_bands", "weights", "layer", "ff"), 0)
     it["layer"] = b * m * d * act * 2  # queries, attention output
     for heads, w in lp.groups:
-      g, c = len(heads), choose_chunk(m, w, cfg.attn_chunk)
-      width = (w + c if long_band(c, w) else w) + cfg.pers_mem  # score rows, keyed or banded
+      g = len(heads)
       # The block rows, and the cache rows unless the window is the whole cache (then the
       # residual is the step's input itself, not a new buffer).
       it["kv_input"] += b * (m + (w if w < lp.cache_len else 0)) * d * act
-      it["keys_values"] += 2 * b * g * (m // c) * (w + c) * dh * act
-      if long_band(c, w) and not cfg.pers_mem:  # attention._keyed_attention's own residuals
-        band = b * g * m * (w + c)
-        # with a mask: the exponentiated scores (+ the per-token mask, dynamic) and row sums
-        it["score_bands"] += band * {"fixed": 0, "adaptive": 1, "dynamic": 2}[cfg.span_mode] * f32
-        if cfg.span_mode != "fixed":
-          it["score_bands"] += b * g * m * f32
-        if cfg.span_mode == "adaptive":  # the per-head span mask, in key coordinates
-          it["score_bands"] += g * c * (w + c) * f32
-        if cfg.span_mode == "dynamic":  # the per-token ramp's clip, in band coordinates
-          it["score_bands"] += 2 * b * g * m * w * f32
-        # the weights as the value matmul reads them (float32: the probabilities themselves);
-        # with dropout also the float32 probabilities and the keep mask
-        it["weights"] += band * act + (2 * band * f32 if drop else 0)
-        continue
-      it["score_bands"] += b * g * m * (width * bands + (2 if bands == 1 else 4)) * f32
-      it["weights"] += b * g * m * (w + c) * act
-      if long_band(c, w):  # the select putting -inf off the band keeps its mask and output
-        it["score_bands"] += b * g * m * (w + c) * (1 + f32)
-        if cfg.span_mode == "adaptive":  # the per-head span mask, in key coordinates
-          it["score_bands"] += g * c * (w + c) * f32
-      if drop:
-        it["weights"] += b * g * m * width * (1 + f32)
+      for k, v in kernels.residual_bytes(cfg, impl, b, m, g, w, train).items():
+        it[k] += v
     n_norms = 1 if cfg.pers_mem else 2
     it["layer"] += n_norms * (4 * b * m * d + 4 * b * m) * f32
     if cfg.pers_mem == 0:
@@ -170,9 +141,9 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
 def param_bytes(cfg: ModelConfig) -> int:
   """Bytes of the float32 parameters (the same again for their gradients)."""
   from span_lm.model.transformer import SpanTransformer  # pylint: disable=g-import-not-at-top
-  plan = spans_lib.full_plan(cfg)
+  plan = plan_lib.full_plan(cfg)
   shapes = jax.eval_shape(lambda: SpanTransformer(cfg, plan).init(
-      jax.random.key(0), jnp.zeros((1, 1), jnp.int32), spans_lib.init_caches(cfg, plan, 1)))
+      jax.random.key(0), jnp.zeros((1, 1), jnp.int32), caches_lib.init_caches(cfg, plan, 1)))
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
@@ -183,7 +154,7 @@ def peak_activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int,
   The working set is an estimate, not XLA's schedule: the float32 (M, W + C) score block of the
   widest group and its gradient, live together while that group's backward runs.
   """
-  plan = plan or spans_lib.full_plan(cfg)
+  plan = plan or plan_lib.full_plan(cfg)
   widest = max(len(h) * (w + choose_chunk(block, w, cfg.attn_chunk) + cfg.pers_mem)
                for lp in plan.layers for h, w in lp.groups)
   return sum(activation_bytes(cfg, plan, batch, block).values()) + 2 * batch * block * widest * 4
@@ -227,7 +198,7 @@ def xla_costs(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
               tx=None) -> dict[str, Any]:
   """Compiles the real train step (one device, donated state) and reads XLA's analyses."""
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
-  plan = plan or spans_lib.full_plan(cfg)
+  plan = plan or plan_lib.full_plan(cfg)
   tx = tx or default_optimizer()
   state = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, batch, 1, 0))
   tokens = jax.ShapeDtypeStruct((batch, block), jnp.int32)
@@ -253,7 +224,7 @@ def xla_costs(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
 def account(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
             xla: bool = False) -> dict[str, Any]:
   """Everything about one (model, plan, shapes): per-token MACs, train-step flops and memory."""
-  plan = plan or spans_lib.full_plan(cfg)
+  plan = plan or plan_lib.full_plan(cfg)
   out = {"plan": plan.describe(), "attention_keys": plan.attention_keys(),
          "per_token_block": dataclasses.asdict(per_token(cfg, plan, block)),
          "per_token_generation": dataclasses.asdict(per_token(cfg, plan, 1)),
@@ -265,103 +236,3 @@ def account(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
   if xla:
     out["xla"] = xla_costs(cfg, plan, batch, block)
   return out
-
-
-def _m(x: float) -> str:
-  for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-    if x >= scale:
-      return f"{x / scale:,.2f}{unit}"
-  return f"{x:,.0f}"
-
-
-def _mib(x: float) -> str:
-  return f"{x / 2**20:,.1f} MiB"
-
-
-def format_account(name: str, acc: dict) -> str:
-  """A few readable lines for one `account` result."""
-  pt, gen = acc["per_token_block"], acc["per_token_generation"]
-  lines = [f"{name}: {acc['plan']}"]
-  for what, t in ((f"blocks of {acc['block']}", pt), ("generation (blocks of 1)", gen)):
-    lines.append(f"  per token, {what}: attention {_m(t['attention'])} MACs, k/v projection "
-                 f"{_m(t['kv_proj'])}, other {_m(t['other'])}, total {_m(sum(t.values()))}")
-  lines.append(f"  train step (batch {acc['batch']}): {acc['train_step_flops'] / 1e9:,.3f} GFLOP "
-               f"(matmuls), activations kept {_mib(sum(acc['activation_bytes'].values()))}, "
-               f"peak estimate {_mib(acc['peak_activation_bytes'])}")
-  if "xla" in acc:
-    x = acc["xla"]
-    lines.append(f"  XLA: {x['flops'] / 1e9:,.3f} GFLOP in all, {x['dot_flops'] / 1e9:,.3f} in dots"
-                 " "
-                 f"(ours {acc['train_step_flops'] / x['dot_flops']:.4f}x of XLA's dots, "
-                 f"{acc['train_step_flops'] / x['flops']:.3f}x of its total); temp buffers "
-                 f"{_mib(x['temp_bytes'])} (our peak estimate "
-                 f"{acc['peak_activation_bytes'] / max(x['temp_bytes'], 1):.2f}x)")
-  return "\n".join(lines)
-
-
-def flops_ratio_table(rows: list[tuple[str, dict]]) -> str:
-  """Markdown: per-token MACs of several accounts side by side."""
-  head = ("| model | attention MACs/token | k/v proj | other | total | vs first |\n"
-          "|---|---|---|---|---|---|")
-  base = sum(rows[0][1]["per_token_block"].values())
-  body = []
-  for name, acc in rows:
-    pt = acc["per_token_block"]
-    tot = sum(pt.values())
-    body.append(f"| {name} | {_m(pt['attention'])} | {_m(pt['kv_proj'])} | {_m(pt['other'])} | "
-                f"{_m(tot)} | {tot / base:.2f} |")
-  return "\n".join([head] + body)
-
-
-
-def _run_vocab(config, meta) -> tuple[int, str]:
-  if meta is not None:
-    return int(meta["model_cfg"]["vocab_size"]), "checkpoint"
-  if config.model.vocab_size:
-    return int(config.model.vocab_size), "config"
-  from span_lm.data import sources  # pylint: disable=g-import-not-at-top
-  try:
-    return sources.load_splits(config.data, allow_download=False).vocab_size, "data"
-  except (OSError, ValueError, RuntimeError):
-    return 256, "assumed (no checkpoint, no local data)"
-
-
-def report(config) -> dict:
-  """The `flops` mode: this run's plan against the fixed-span model, XLA's view, the paper's."""
-  import json  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
-
-  from span_lm.tools import paper  # pylint: disable=g-import-not-at-top
-  from span_lm.tools import restore as restore_lib  # pylint: disable=g-import-not-at-top
-  from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
-  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-  config_lib.validate(config)  # the one mode that builds no loop.Run (which validates)
-  meta = None
-  ckpt_dir = os.path.join(config.workdir or "", "checkpoints")
-  if config.workdir and os.path.isdir(ckpt_dir):
-    with ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=None) as ckpt:
-      if ckpt.latest_step() is not None:
-        meta = ckpt.restore_meta(restore_lib.tools_field(config, "step"))
-  vocab, vocab_from = _run_vocab(config, meta)
-  cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
-  if meta is not None:
-    plan, source = spans_lib.plan_from_json(meta["planner"]["plan"]), f"step {meta['step']}"
-  else:
-    plan, source = spans_lib.initial_plan(cfg), "initial plan, no checkpoint"
-  b, m = config.data.batch, config.data.block
-  xla = bool(restore_lib.tools_field(config, "xla", True))
-  fixed_cfg = dataclasses.replace(cfg, span_mode="fixed")
-  rows = [(f"fixed span S={cfg.span}", account(fixed_cfg, None, b, m, xla)),
-          (f"this run ({cfg.span_mode}, {source})", account(cfg, plan, b, m, xla))]
-  print(f"vocabulary {vocab} ({vocab_from}); batch {b}, block {m}; MACs = multiply-adds")
-  for name, acc in rows:
-    print(format_account(name, acc))
-  print(flops_ratio_table(rows))
-  text, fig_path = paper.report(config.workdir or ".")
-  print("\n" + text)
-  out = {name: acc for name, acc in rows}
-  json_path = restore_lib.out_path(config, "flops.json")
-  with open(json_path, "w") as f:
-    json.dump({"runs": out, "paper_table1": paper.table1()}, f, indent=1)
-  print(f"wrote {json_path}\nwrote Figure 3 plot: {os.path.abspath(fig_path)}")
-  return {"runs": out, "json": json_path, "figure3": os.path.abspath(fig_path)}

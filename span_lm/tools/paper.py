@@ -24,7 +24,7 @@ import dataclasses
 import math
 import os
 
-from span_lm.model import spans as spans_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.tools import flops as flops_lib
 
@@ -81,11 +81,11 @@ def uniform_model(row: PaperRow, span_limit: int, avg_span: int | None):
   cfg = ModelConfig(vocab_size=TEXT8_VOCAB, d_model=row.d_model, n_layers=row.n_layers,
                     n_heads=row.n_heads, d_ff=row.d_ff, span=span_limit, span_mode=mode)
   if avg_span is None:
-    return cfg, spans_lib.full_plan(cfg)
+    return cfg, plan_lib.full_plan(cfg)
   g = cfg.plan_granularity
   window = min(span_limit, max(g, math.ceil(avg_span / g) * g))
-  lp = spans_lib.layer_plan_from_windows(cfg, [window] * cfg.n_heads)
-  return cfg, spans_lib.SpanPlan((lp,) * cfg.n_layers)
+  lp = plan_lib.layer_plan_from_windows(cfg, [window] * cfg.n_heads)
+  return cfg, plan_lib.SpanPlan((lp,) * cfg.n_layers)
 
 
 def table1(block: int = EVAL_BLOCK) -> list[dict]:

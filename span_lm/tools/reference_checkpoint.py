@@ -31,7 +31,9 @@ import numpy as np
 import optax
 
 from span_lm.model import adaptive_io
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
+from span_lm.train import planner as planner_lib
 from span_lm.model.config import ModelConfig
 from span_lm.tools import torch_format
 from span_lm.train import optimizer as optimizer_lib
@@ -227,7 +229,7 @@ def _expected_shapes(cfg: ModelConfig, entries) -> dict[str, tuple]:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   model = SpanTransformer(cfg)
   shapes = jax.eval_shape(lambda: model.init(
-      jax.random.key(0), jnp.zeros((1, 1), jnp.int32), spans_lib.init_caches(cfg, None, 1)))
+      jax.random.key(0), jnp.zeros((1, 1), jnp.int32), caches_lib.init_caches(cfg, None, 1)))
   params = shapes["params"]
   out = {}
   for e in entries:
@@ -440,8 +442,8 @@ def import_reference(config) -> dict[str, Any]:
     params = to_span_lm(sd, cfg)
     kind, step, bufs = optimizer_buffers(opt_sd, cfg, params)
     step = step or int(rest.get("scheduler_iter", 0))  # torch SGD keeps no step count
-    plan = spans_lib.plan_from_params(cfg, params)
-    spans_lib.check_plan(cfg, params, plan)
+    plan = plan_lib.plan_from_params(cfg, params)
+    plan_lib.check_plan(cfg, params, plan)
     # The state is assembled on the host (no compilation): zeros where init_state would put zeros,
     # the imported params and optimizer state, and init_state's rng for this seed.
     _, abstract, shardings = run.abstract_state(plan)
@@ -456,7 +458,7 @@ def import_reference(config) -> dict[str, Any]:
     if jax.tree.structure(state) != jax.tree.structure(abstract):
       raise AssertionError("the imported state's tree differs from the model's")  # a bug here
     state = jax.device_put(state, shardings)
-    planner = spans_lib.SpanPlanner(cfg, plan)
+    planner = planner_lib.SpanPlanner(cfg, plan)
     meta = {"step": step, "planner": planner.state_dict(),
             "data": {"train": batching.StreamState().to_dict(),
                      "valid": batching.StreamState().to_dict()},

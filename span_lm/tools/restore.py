@@ -13,9 +13,9 @@ import jax
 import numpy as np
 
 from span_lm.data import prepare
-from span_lm.model import spans as spans_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
-from span_lm.model.spans import SpanPlan
+from span_lm.model.plan import SpanPlan
 
 
 class Codec:
@@ -99,7 +99,7 @@ class Restored:
   @property
   def tight_plan(self) -> SpanPlan:
     """The cheapest exact plan for these parameters (training shrinks its plan lazily)."""
-    return spans_lib.plan_from_params(self.model_cfg, self.params)
+    return plan_lib.plan_from_params(self.model_cfg, self.params)
 
   @property
   def out_dir(self) -> str:

@@ -4,7 +4,7 @@ Every step runs the same SpanTransformer on a block of M = 1 token with the cach
 step returned, so the past is never recomputed through the layers. The caches hold projected keys
 and values (kv_cache=True: exact at inference, the weights are fixed), so a step projects only
 its own token, not the W cached states each window sees; after the prompt they are rings
-(spans.to_ring), so a step writes one slot per layer instead of shifting every cache. The plan is the tightest exact plan for
+(caches.to_ring), so a step writes one slot per layer instead of shifting every cache. The plan is the tightest exact plan for
 the parameters (fixed and dynamic spans: the full span), with caches shaped by it; the whole
 generation is one jitted scan.
 
@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
-from span_lm.model.spans import SpanPlan
+from span_lm.model.plan import SpanPlan
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import restore as restore_lib
 
@@ -46,12 +47,12 @@ def pick(logp_BxV, key, temperature, top_k, greedy: bool):
 def _generate(params, prompt_BxP, key, temperature, top_k, *, cfg, plan, length, greedy,
               kv_cache=True, ring=True):
   model = SpanTransformer(cfg, plan, kv_cache=kv_cache)
-  caches = spans_lib.init_caches(cfg, plan, prompt_BxP.shape[0], kv=kv_cache)
+  caches = caches_lib.init_caches(cfg, plan, prompt_BxP.shape[0], kv=kv_cache)
   logp, caches, _ = model.apply({"params": params}, prompt_BxP, caches, train=False)
   n_prompt = prompt_BxP.shape[1]
   ring = kv_cache and ring
   if ring:  # one slot written per token, instead of every cache shifted by one
-    caches = spans_lib.to_ring(caches, n_prompt, cfg.n_heads)
+    caches = caches_lib.to_ring(caches, n_prompt, cfg.n_heads)
 
   def step(carry, xs):
     caches, logp_BxV = carry
@@ -89,14 +90,14 @@ def generate(cfg: ModelConfig, params, plan: SpanPlan | None, prompt_ids, length
   ring=False shifts the key/value caches by one token per step instead of writing one ring slot
   (the same tokens; kept for benchmarks and tests).
   """
-  plan = plan or spans_lib.full_plan(cfg)
+  plan = plan or plan_lib.full_plan(cfg)
   check_args(length, temperature, top_k, cfg.vocab_size)
   prompt = np.asarray(prompt_ids, np.int32)
   squeeze = prompt.ndim == 1
   prompt = prompt[None] if squeeze else prompt
   if prompt.shape[-1] < 1:
     raise ValueError("the prompt needs at least one token (e.g. <eos>, the start of a line)")
-  spans_lib.check_plan(cfg, params, plan)
+  plan_lib.check_plan(cfg, params, plan)
   toks = _generate(params, jnp.asarray(prompt), jax.random.key(seed),
                    jnp.float32(max(temperature, 1e-6)), jnp.int32(top_k), cfg=cfg, plan=plan,
                    length=length, greedy=temperature == 0, kv_cache=kv_cache, ring=ring)

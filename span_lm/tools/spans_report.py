@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import restore as restore_lib
@@ -38,7 +39,7 @@ def head_spans(cfg: ModelConfig, params) -> np.ndarray:
   if cfg.span_mode != "adaptive":
     raise ValueError(f"per-head learned spans exist for span_mode='adaptive', not "
                      f"{cfg.span_mode!r}")
-  return np.stack([spans_lib.needed_tokens(cfg, z) for z in spans_lib.span_ratios(params)])
+  return np.stack([plan_lib.needed_tokens(cfg, z) for z in plan_lib.span_ratios(params)])
 
 
 def spans_table(spans_LxH: np.ndarray, plan=None) -> str:
@@ -120,7 +121,7 @@ def dynamic_spans(cfg: ModelConfig, params, plan, ids: np.ndarray, block: int) -
     z = jnp.stack(aux["dyn_spans"])  # L B M H
     return caches, jnp.mean(z, axis=(0, 3))[0]
 
-  caches = spans_lib.init_caches(cfg, plan, 1)
+  caches = caches_lib.init_caches(cfg, plan, 1)
   out = []
   for start in range(0, len(ids), block):
     x = jnp.asarray(ids[start:start + block], jnp.int32)[None]

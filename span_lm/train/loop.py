@@ -35,7 +35,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
+from span_lm.train import planner as planner_lib
 from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import distributed as dist_lib
@@ -215,7 +217,7 @@ class Run:
   def _meta_and_plan(self, step):
     meta = self.ckpt.restore_meta(step)
     try:
-      plan = spans_lib.plan_from_json(meta["planner"]["plan"])
+      plan = plan_lib.plan_from_json(meta["planner"]["plan"])
       int(meta["step"])
     except (KeyError, TypeError, ValueError) as e:
       raise ckpt_lib.CheckpointReadError(step, self.ckpt.step_path(step),
@@ -239,7 +241,7 @@ class Run:
       _, abstract, shardings = self.abstract_state(plan)
       target = sharding_lib.with_shardings(abstract["params"], shardings["params"])
       params = self.ckpt.restore_params(target, s)
-      spans_lib.check_plan(self.model_cfg, params, plan)
+      plan_lib.check_plan(self.model_cfg, params, plan)
       return params, plan, meta
     return self._newest_readable(read, step, move_aside=False)
 
@@ -276,7 +278,7 @@ def _fit_caches(run: Run, state, plan):
   state = dict(state)
   for key in ("caches", "eval_caches"):
     state[key] = tuple(jax.device_put(c, run.cache_sharding)
-                       for c in spans_lib.resize_caches(state[key], run.model_cfg, plan))
+                       for c in caches_lib.resize_caches(state[key], run.model_cfg, plan))
   return state
 
 
@@ -297,7 +299,7 @@ def evaluate_stream(run: Run, params, plan, split: np.ndarray, batch: int, *, ca
     params = jax.device_put(params, run.replicated)
   if caches is None:
     caches = tuple(jax.device_put(c, run.cache_sharding)
-                   for c in spans_lib.init_caches(cfg, plan, batch, kv=kv_cache))
+                   for c in caches_lib.init_caches(cfg, plan, batch, kv=kv_cache))
   total = count = 0.0
   pending = []
   if batcher is not None:  # periodic validation: a stream iterator like training
@@ -368,7 +370,7 @@ def train(config) -> dict[str, Any]:
 def _train(run: Run) -> dict[str, Any]:
   config = run.config
   cfg, d, t = run.model_cfg, config.data, config.train
-  planner = spans_lib.SpanPlanner(cfg)
+  planner = planner_lib.SpanPlanner(cfg)
   train_batcher = run.streams(run.splits.train, d.batch, config.seed)
   valid_batcher = run.streams(run.splits.valid, d.eval_batch, config.seed + 1)
   start = 0
@@ -436,7 +438,7 @@ def _train(run: Run) -> dict[str, Any]:
           raise RuntimeError(f"internal: step {s} was refused but a later step was applied")
         ratios = list(np.asarray(g["span_ratio"]))  # the spans step s starts from
         planner.update(ratios, s - 1)  # grows the plan unless an earlier pending step did
-        if not all(np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= spans_lib.needed_tokens(cfg, z))
+        if not all(np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= plan_lib.needed_tokens(cfg, z))
                    for lp, z in zip(planner.plan.layers, ratios)):
           raise RuntimeError(f"internal: step {s} was refused and the plan still does not "
                              "cover its spans")

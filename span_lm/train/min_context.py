@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from span_lm import config as config_lib
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
 from span_lm.train import loop
 from span_lm.train import steps as steps_lib
 from span_lm.train.metrics import LN2
@@ -77,7 +77,7 @@ def evaluate_min_context(config, min_contexts, split: str = "test", step: int | 
 
     def score_fn(x, y, w):
       caches = tuple(jax.device_put(c, run.cache_sharding)  # fresh per window (donated)
-                     for c in spans_lib.init_caches(cfg, plan, b))
+                     for c in caches_lib.init_caches(cfg, plan, b))
       dev = run.put_batch(steps_lib.host_batch(x, y, False, w))
       out, _ = run.compiler.eval(plan, params, caches, dev)(params, caches, dev)
       return out["nll_sum"], out["count"]

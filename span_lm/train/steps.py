@@ -17,9 +17,10 @@ import numpy as np
 import optax
 
 from span_lm.model import build_model
+from span_lm.model import caches as caches_lib
 from span_lm.model import spans as spans_lib
 from span_lm.model.config import ModelConfig
-from span_lm.model.spans import SpanPlan
+from span_lm.model.plan import SpanPlan
 from span_lm.train import optimizer as optimizer_lib
 
 State = dict[str, Any]
@@ -41,14 +42,14 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, plan: SpanPla
   init_key, rng = jax.random.split(key)
   model = build_model(cfg, plan)
   tokens = jnp.zeros((1, 1), jnp.int32)
-  params = model.init(init_key, tokens, spans_lib.init_caches(cfg, plan, 1))["params"]
+  params = model.init(init_key, tokens, caches_lib.init_caches(cfg, plan, 1))["params"]
   return {
       "step": jnp.zeros((), jnp.int32),
       "params": params,
       "opt_state": tx.init(params),
       "rng": jax.random.key_data(rng),
-      "caches": spans_lib.init_caches(cfg, plan, batch),
-      "eval_caches": spans_lib.init_caches(cfg, plan, eval_batch),
+      "caches": caches_lib.init_caches(cfg, plan, batch),
+      "eval_caches": caches_lib.init_caches(cfg, plan, eval_batch),
   }
 
 
@@ -174,7 +175,7 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
 def eval_step(params, caches, batch: dict[str, jax.Array], *, cfg: ModelConfig, plan: SpanPlan,
               kv_cache: bool = False):
   """Scores one block with carried caches: (nll_sum, count, new_caches, span stats).
-  kv_cache: the caches hold projected keys/values (spans.init_caches(..., kv=True))."""
+  kv_cache: the caches hold projected keys/values (caches.init_caches(..., kv=True))."""
   model = build_model(cfg, plan, kv_cache=kv_cache)
   logp, new_caches, aux = model.apply({"params": params}, batch["x"], caches, train=False)
   total, count = nll(logp, batch["y"], batch.get("w"))

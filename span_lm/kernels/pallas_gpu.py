@@ -1,20 +1,23 @@
 """Fused banded attention with per-head spans as runtime values (Pallas; Triton on GPUs).
 
-The maths of `attention.banded_attention` for one group of heads (relative positions, soft span
-mask, renormalisation), as a flash-attention style kernel: scores are formed one (query block,
+The maths of `banded_reference.banded_attention` for one group of heads (relative positions, soft
+span mask, renormalisation: kernels/span_mask.py), as a flash-attention style kernel: scores are formed one (query block,
 key block) tile at a time and never stored. Each query block visits only the key blocks that hold
 a non-zero mask value for one of its rows, and the spans come in as an array, so a span that
 changes changes the work done, not the compiled program.
 
 Tiles: keys are the last T = W + M positions (window + block); the query at block row i sits at
 key index W + i and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor(z_i) + R + 1)
-(every distance with a non-zero mask, plus the clamp's boundary, where jnp.clip's gradient is
-1/2). The relative-position term q_i . pe[:, W - d] is Toeplitz in a tile: one matmul gives
-G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
+(every distance with a non-zero mask, plus the clamp's lower end, where the mask is 0 but its
+derivative is 1, as torch.clamp's). The relative-position term q_i . pe[:, W - d] is Toeplitz in
+a tile: one matmul gives G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
 read pos[r, c] = G[r, bq - r + c] through a per-program scratch buffer (Triton has no register
 shuffle for it). The backward pass reads ds back the other way for the position gradient.
 Backward as FlashAttention-2: a kernel per query block (dq, the span gradient; d pe and the
 persistent vectors' gradients by atomic adds) and one per key block (dk, dv: deterministic).
+
+Head sizes that are not a power of two (the large paper models' 96) run zero-padded to the next
+one (`padded_head_dim`); the padded columns add nothing to any score and are sliced off.
 
 Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the plain path sums
 eps e^l over all W distances; the two agree to ~eps relative (1e-8).
@@ -33,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 import jax.numpy as jnp
 import numpy as np
+
+from span_lm.kernels import span_mask
 
 NEG = -1e30
 
@@ -77,7 +82,7 @@ def _row_windows(z, *, w, ramp, bq):
   mask value and the clamp's lower boundary."""
   if z is None:
     return jnp.full((bq,), w, jnp.int32)
-  return jnp.clip(jnp.floor(z).astype(jnp.int32) + (ramp + 1), 1, w)
+  return jnp.clip(span_mask.visited_distances(z, ramp), 1, w)
 
 
 def _key_blocks(win, i0, *, w, bk):
@@ -110,18 +115,17 @@ def _tile_dropout(seed, bh, t0, i0, *, bq, bk, n_rows, n_keys, rate):
 
 
 def _mask_value(z, dist, ramp):
-  return jnp.clip((ramp + z[:, None] - (dist - 1)) / ramp, 0.0, 1.0)
+  return span_mask.soft_mask(z[:, None], dist, ramp)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, o_ref, mx_ref,
-                den_ref, scr_ref, *, w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads,
+                den_ref, scr_ref, *, w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, scale,
                 n_rows, n_pers):
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
   q = q_ref[...]
   dh = q.shape[-1]
-  scale = 1.0 / math.sqrt(dh)
   z = z_ref[...].astype(jnp.float32) if has_mask else None
   win = _row_windows(z, w=w, ramp=ramp, bq=bq)
   lo, hi = _key_blocks(win, i0, w=w, bk=bk)
@@ -164,18 +168,18 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, o_
           jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32))
   carry = lax.fori_loop(lo, hi, body, init)
   acc, mx, z_all, z_mask = lax.fori_loop(0, n_pers // bk, pers_body, carry)
-  den = z_mask + eps * z_all if has_mask else z_all
+  den = span_mask.online_denominator(z_mask, z_all, eps) if has_mask else z_all
   o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
   mx_ref[...] = mx
   den_ref[...] = den
 
 
 def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, seed, bh, *,
-                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_rows, n_pers):
+                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_rows, n_pers, scale):
   """Recomputes one tile and returns (ds: d logits before scaling, times the scale; the
   weights as applied to the values; the tile's span gradient per row)."""
   logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
-                                scale=1.0 / math.sqrt(q.shape[-1]), interpret=interpret)
+                                scale=scale, interpret=interpret)
   p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
   gv = _dot(g, v, trans_b=True)
   keep = None
@@ -186,22 +190,21 @@ def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, see
   gv = gv - delta[:, None]
   dz = None
   if has_mask:
-    u = (ramp + z[:, None] - (dist - 1)) / ramp
-    a = p * jnp.clip(u, 0.0, 1.0)
+    u = span_mask.ramp(z[:, None], dist, ramp)
+    a = p * span_mask.clamp01(u)
     dl = a * gv - eps * p * delta[:, None]
-    # d clip(u)/du as jnp.clip differentiates: 1 inside, 1/2 on a boundary, 0 outside.
-    du = jnp.where((u > 0) & (u < 1), 1.0, jnp.where((u == 0) | (u == 1), 0.5, 0.0))
+    du = span_mask.clamp01_slope(u)
     dz = jnp.sum(p * gv * du, axis=1) / ramp
   else:
     a = p
     dl = a * gv
   kept = a if keep is None else a * keep
-  return dl * (1.0 / math.sqrt(q.shape[-1])), kept, dz
+  return dl * scale, kept, dz
 
 
 def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, g_ref, mx_ref,
                   den_ref, delta_ref, dpe_in, dpk_in, dpv_in, dq_ref, dz_ref, scr_ref, dpe_ref,
-                  dpk_ref, dpv_ref, *, w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads,
+                  dpk_ref, dpv_ref, *, w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, scale,
                   n_rows, n_pers):
   """Per query block: dq and the span gradient of its rows, and (atomically) d pe and the
   persistent keys' and values' gradients."""
@@ -226,7 +229,7 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, 
     ds, _, dz_tile = _tile_grads(
         q, g, k, v_ref[pl.ds(t0, bk), :], pe_ref, scr_ref, t0, i0, win, z, mx, den, delta,
         seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
-        interpret=interpret, rate=rate, n_rows=n_rows, n_pers=n_pers)
+        interpret=interpret, rate=rate, n_rows=n_rows, n_pers=n_pers, scale=scale)
     if dz_tile is not None:
       dz = dz + dz_tile
     dq = dq + _dot(ds.astype(k.dtype), k)
@@ -241,8 +244,6 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, 
     plt.atomic_add(dpe_ref, (slice(None), pl.ds(t0 - i0, bq + bk)),
                    _dot(q, dg.astype(q.dtype), trans_a=True))
     return dq, dz
-
-  scale = 1.0 / math.sqrt(dh)
 
   def pers_body(c, dq):  # the persistent keys: mask 1, so no span gradient
     n0 = c * bk
@@ -272,7 +273,8 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, 
 
 def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den_ref,
                    delta_ref, wmax_ref, dk_ref, dv_ref, scr_ref, *,
-                   w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows, n_pers):
+                   w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows, n_pers,
+                   scale):
   """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
   key and value gradients are deterministic)."""
   t0 = pl.program_id(2) * bk
@@ -299,7 +301,7 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, 
     ds, kept, _ = _tile_grads(
         q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx_ref[rows], den_ref[rows],
         delta_ref[rows], seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
-        interpret=interpret, rate=rate, n_rows=n_rows, n_pers=n_pers)
+        interpret=interpret, rate=rate, n_rows=n_rows, n_pers=n_pers, scale=scale)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
     dv = dv + _dot(kept.astype(g.dtype), g, trans_a=True)
     return dk, dv
@@ -328,7 +330,7 @@ def _check(q, k, pe, block):
   if m % block or w % block:
     raise ValueError(f"fused attention: block {m} and window {w} must be multiples of {block}")
   if dh < 16 or dh & (dh - 1):
-    raise ValueError(f"fused attention: head size {dh} must be a power of two >= 16")
+    raise ValueError(f"fused attention: padded head size {dh} must be a power of two >= 16")
 
 
 def _padded_pe(pe_DxW, block):
@@ -348,7 +350,7 @@ def _pers_inputs(pk, pv, h, dh, block):
 
 
 def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_warps,
-             num_stages, rate):
+             num_stages, rate, scale):
   _check(q, k, pe, block)
   b, h, m, dh = q.shape
   w = pe.shape[-1]
@@ -358,7 +360,7 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_w
   row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, w + m, dh, w + 2 * block, block)
   kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
                              bk=block, eps=eps, interpret=interpret, rate=rate, n_heads=h,
-                             n_rows=m, n_pers=n_pers)
+                             n_rows=m, n_pers=n_pers, scale=scale)
   out, mx, den, _ = pl.pallas_call(
       kernel, grid=(b, h, m // block),
       in_specs=[row, keys, keys, pe_spec, stat, seed_spec, *pers_specs],
@@ -374,7 +376,7 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_w
 
 
 def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block, interpret,
-              num_warps, num_stages, rate):
+              num_warps, num_stages, rate, scale):
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   t = w + m
@@ -385,7 +387,7 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
   row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, t, dh, w + 2 * block, block)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block)
   static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block, eps=eps,
-                interpret=interpret, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers)
+                interpret=interpret, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers, scale=scale)
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   zeros_pe = jnp.zeros((dh, w + 2 * block), jnp.float32)
   zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
@@ -430,11 +432,12 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
   return dq, dk, dv, dpe, (dz if has_mask else None), dseed, dpk, dpv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15))
 def _span_attention(q, k, v, pe, z, seed, pk, pv, ramp, eps, block, interpret, num_warps,
-                    num_stages, rate):
+                    num_stages, rate, scale):
   return _forward(q, k, v, pe, z, seed, pk, pv, ramp=ramp, eps=eps, block=block,
-                  interpret=interpret, num_warps=num_warps, num_stages=num_stages, rate=rate)[0]
+                  interpret=interpret, num_warps=num_warps, num_stages=num_stages, rate=rate,
+                  scale=scale)[0]
 
 
 def _span_attention_fwd(q, k, v, pe, z, seed, pk, pv, *static):
@@ -447,7 +450,7 @@ def _span_attention_bwd(*args):
   return _backward(*res, g, **dict(zip(_STATIC, static)))
 
 
-_STATIC = ("ramp", "eps", "block", "interpret", "num_warps", "num_stages", "rate")
+_STATIC = ("ramp", "eps", "block", "interpret", "num_warps", "num_stages", "rate", "scale")
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
 
 
@@ -479,11 +482,15 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
                      f"multiple of {block}")
   seed = jnp.zeros((1,), jnp.uint32) if dropout_seed is None else (
       jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
-  static = (ramp, eps, block, interpret, num_warps, num_stages, float(dropout_rate))
-  args = (q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM, seed, pers_k_HxDxN, pers_v_HxNxD)
+  dh = q_BxHxMxD.shape[-1]
+  static = (ramp, eps, block, interpret, num_warps, num_stages, float(dropout_rate),
+            1.0 / math.sqrt(dh))
+  args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW,
+                       pers_k_HxDxN, pers_v_HxNxD)
+  args = (*args[:4], z_BxHxM, seed, *args[4:])
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return _span_attention(*args, *static)
+    return _span_attention(*args, *static)[..., :dh]
 
   # A pallas_call is opaque to XLA's partitioner, which would gather the whole batch onto every
   # device; under a mesh (the trainer sets one; it shards batches over all of its axes, 'data'
@@ -500,4 +507,22 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   in_specs = (rows, rows, rows, rep, maybe(z_BxHxM, rows), rep, maybe(pers_k_HxDxN, rep),
               maybe(pers_v_HxNxD, rep))
   return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False,
-                       in_specs=in_specs)(*args)
+                       in_specs=in_specs)(*args)[..., :dh]
+
+
+def padded_head_dim(dh: int) -> int:
+  """The head size the kernels run with: the next power of two >= 16 (Triton's tiles are powers
+  of two), e.g. 128 for the large paper models' 96."""
+  return max(16, 1 << (dh - 1).bit_length())
+
+
+def _pad_head_dim(dp, q, k, v, pe, pk, pv):
+  """Zero-pads the head dim to dp: the padded columns add 0 to every score and give 0 outputs,
+  which the caller slices off (so their gradients are sliced off too)."""
+  dh = q.shape[-1]
+  if dp == dh:
+    return q, k, v, pe, pk, pv
+  last = lambda x: None if x is None else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - dh)])
+  pe = jnp.pad(pe, ((0, dp - dh), (0, 0)))
+  pk = None if pk is None else jnp.pad(pk, ((0, 0), (0, dp - dh), (0, 0)))
+  return last(q), last(k), last(v), pe, pk, last(pv)

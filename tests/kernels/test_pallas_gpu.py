@@ -1,4 +1,4 @@
-"""The fused Pallas kernel (span_lm/model/fused_attention.py) against the plain banded path.
+"""The fused Pallas kernel (span_lm/kernels/pallas_gpu.py) against the reference implementation.
 
 Runs the kernels in interpret mode on CPU, and lowers them for CUDA (Triton) without a GPU so a
 construct Triton cannot express fails here rather than on the first GPU run.
@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 
 from span_lm import config as config_lib
-from span_lm.model import attention
-from span_lm.model import fused_attention as fa
-from span_lm.model import spans
+from span_lm.kernels import banded_reference
+from span_lm.kernels import pallas_gpu as fa
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 
@@ -31,8 +32,8 @@ def _inputs(seed=0, dtype=jnp.float32, w=W, m=M):
 def _plain(q, k, v, pe, z):
   w = pe.shape[-1]
   dist = jnp.arange(w, 0, -1, dtype=jnp.float32)
-  mask = None if z is None else spans.soft_mask(z[..., None], dist[None, None, None, :], R)
-  return attention.banded_attention(q, k, v, pe, mask=mask)[0]
+  del dist
+  return banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R)
 
 
 def _fused(q, k, v, pe, z):
@@ -84,8 +85,8 @@ def test_dropout_matches_plain_path_with_the_same_keep_mask():
 
   def plain(q, k, v, pe, z):
     dist = jnp.arange(W, 0, -1, dtype=jnp.float32)[None, None, None, :]
-    mask = spans.soft_mask(z[..., None], dist, R)
-    return attention.banded_attention(q, k, v, pe, mask=mask, dropout=band_dropout)[0]
+    del dist
+    return banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R, dropout=band_dropout)
 
   def fused(q, k, v, pe, z):
     return fa.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK, interpret=True,
@@ -125,12 +126,9 @@ def test_persistent_memory_matches_banded_attention(kind, rate):
     return p * fa.dropout_scale(seed, bh, rows, keys, n_rows=M, n_keys=W + M + n, rate=rate)
 
   def plain(q, k, v, pe, z, pk, pv):
-    mask = None
-    if z is not None:
-      dist = jnp.arange(W, 0, -1, dtype=jnp.float32)[None, None, None, :]
-      mask = spans.soft_mask(z[..., None], dist, R)
-    return attention.banded_attention(q, k, v, pe, mask=mask, pers_k_GxDxN=pk, pers_v_GxNxD=pv,
-                                      dropout=band_dropout if rate else None)[0]
+    return banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R, pers_k_GxDxN=pk,
+                                             pers_v_GxNxD=pv,
+                                             dropout=band_dropout if rate else None)
 
   def fused(q, k, v, pe, z, pk, pv):
     return fa.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK, interpret=True,
@@ -147,8 +145,9 @@ def test_persistent_memory_matches_banded_attention(kind, rate):
     np.testing.assert_allclose(g_f, g_p, atol=3e-5, rtol=1e-4, err_msg=f"argument {i}")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the compiled Triton kernel needs a GPU "
-                    "(JAX_PLATFORMS=cuda python -m pytest tests/test_fused_attention.py -k gpu)")
+                    "(JAX_PLATFORMS=cuda python -m pytest -m gpu)")
 @pytest.mark.parametrize("kind", ["fixed", "adaptive", "dynamic", "integer"])
 def test_gpu_kernel_matches_banded_attention(kind):
   """The compiled kernel (not interpreted) against the plain path, values and gradients."""
@@ -280,7 +279,7 @@ def _cfg(**kw):
 @pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
                                          ("adaptive", 16)])
 @pytest.mark.parametrize("kv_cache", [False, True])
-def test_model_fused_equals_xla(mode, n_pers, kv_cache):
+def test_model_fused_equals_cpu(mode, n_pers, kv_cache):
   xla = _cfg(span_mode=mode, pers_mem=n_pers)
   fused = _cfg(span_mode=mode, pers_mem=n_pers, attn_impl="pallas_interpret")
   rng = np.random.default_rng(3)
@@ -288,13 +287,13 @@ def test_model_fused_equals_xla(mode, n_pers, kv_cache):
   tokens = jnp.asarray(rng.integers(xla.vocab_size, size=(B, m)), jnp.int32)
   plan = None
   if mode == "adaptive":  # two head groups of different windows in the xla plan
-    plan = spans.SpanPlan(layers=(spans.LayerPlan(32, (((0,), 16), ((1,), 32))),) * 2)
+    plan = plan_lib.SpanPlan(layers=(plan_lib.LayerPlan(32, (((0,), 16), ((1,), 32))),) * 2)
   params = SpanTransformer(xla, plan=plan).init(
-      jax.random.key(0), tokens, spans.init_caches(xla, plan, B), train=False)["params"]
+      jax.random.key(0), tokens, caches_lib.init_caches(xla, plan, B), train=False)["params"]
   if mode == "adaptive":
     for i, ratio in enumerate(([0.2, 0.75], [0.05, 0.5])):  # z + R: 10.4, 28; 5.6, 20
       params[f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(ratio)
-  caches = spans.init_caches(xla, plan, B, kv=kv_cache)
+  caches = caches_lib.init_caches(xla, plan, B, kv=kv_cache)
   caches = tuple(jnp.asarray(rng.normal(size=c.shape), jnp.float32) for c in caches)
 
   def run(cfg):
@@ -320,7 +319,7 @@ def test_model_fused_dropout_trains_and_is_reproducible():
   m = 16
   tokens = jnp.asarray(np.random.default_rng(0).integers(cfg.vocab_size, size=(B, m)), jnp.int32)
   model = SpanTransformer(cfg)
-  caches = spans.init_caches(cfg, None, B)
+  caches = caches_lib.init_caches(cfg, None, B)
   params = model.init(jax.random.key(0), tokens, caches, train=False)["params"]
 
   def loss(p, rng, train):
@@ -339,22 +338,22 @@ def test_blocks_the_kernel_cannot_tile_take_the_jnp_path():
   """init_state builds parameters from a one-token block: that must work with attn_impl=pallas."""
   cfg = _cfg(attn_impl="pallas")  # not interpreted: the kernel would fail on CPU if called
   one = jnp.zeros((B, 1), jnp.int32)
-  params = SpanTransformer(cfg).init(jax.random.key(0), one, spans.init_caches(cfg, None, B))
-  logp, _, _ = SpanTransformer(cfg).apply(params, one, spans.init_caches(cfg, None, B))
-  want, _, _ = SpanTransformer(_cfg()).apply(params, one, spans.init_caches(cfg, None, B))
+  params = SpanTransformer(cfg).init(jax.random.key(0), one, caches_lib.init_caches(cfg, None, B))
+  logp, _, _ = SpanTransformer(cfg).apply(params, one, caches_lib.init_caches(cfg, None, B))
+  ref_cfg = _cfg(attn_impl="reference")
+  want, _, _ = SpanTransformer(ref_cfg).apply(params, one, caches_lib.init_caches(cfg, None, B))
   np.testing.assert_array_equal(logp, want)
 
 
 def test_fused_plan_is_one_group_at_the_largest_window():
   cfg = _cfg(attn_impl="pallas")
-  lp = spans.layer_plan_from_windows(cfg, [16, 32])
+  lp = plan_lib.layer_plan_from_windows(cfg, [16, 32])
   assert lp.groups == (((0, 1), 32),)
 
 
 @pytest.mark.parametrize("kw,field", [
     (dict(pers_mem=24), "pers_mem"),  # not a multiple of the tile
     (dict(attn_block=24), "attn_block"),
-    (dict(n_heads=4), "attn_impl"),  # head size 8
     (dict(plan_granularity=8), "plan_granularity"),
     (dict(attn_impl="triton"), "attn_impl"),
 ])
@@ -371,7 +370,7 @@ def test_run_config_checks_block_length_against_the_tile():
     config_lib.validate(config)
 
 
-def test_pallas_without_a_gpu_is_refused_before_anything_runs(tmp_path):
+def test_pallas_on_a_cpu_is_refused_before_anything_runs(tmp_path):
   from span_lm.train import loop  # pylint: disable=g-import-not-at-top
   config = config_lib.load_config("configs/synthetic.py", {
       "model.attn_impl": "pallas", "workdir": str(tmp_path / "run")})
@@ -380,14 +379,48 @@ def test_pallas_without_a_gpu_is_refused_before_anything_runs(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def test_sampling_with_the_fused_kernel_equals_xla():
+def test_sampling_with_the_fused_kernel_equals_cpu():
   """generate() with attn_impl='pallas_interpret': a prompt of one tile runs through the kernel,
   the one-token steps through the ring path; the tokens are those of attn_impl='xla'."""
   from span_lm.tools import sample  # pylint: disable=g-import-not-at-top
   xla, fused = _cfg(span_mode="fixed"), _cfg(span_mode="fixed", attn_impl="pallas_interpret")
   prompt = np.random.default_rng(4).integers(xla.vocab_size, size=16)
   params = SpanTransformer(xla).init(jax.random.key(1), jnp.zeros((1, 16), jnp.int32),
-                                     spans.init_caches(xla, None, 1))["params"]
+                                     caches_lib.init_caches(xla, None, 1))["params"]
   want = sample.generate(xla, params, None, prompt, 20, temperature=0.0)
   np.testing.assert_array_equal(sample.generate(fused, params, None, prompt, 20, temperature=0.0),
                                 want)
+
+
+@pytest.mark.parametrize("kind,n_pers", [("adaptive", 0), ("dynamic", 16)])
+def test_head_dim_96_is_padded_and_equals_the_reference(kind, n_pers):
+  """Head sizes that are not a power of two (the large paper models' 96; 24 here) run with
+  zero-padded heads: values and every gradient equal the reference's."""
+  dh = 24
+  ks = jax.random.split(jax.random.PRNGKey(11), 7)
+  q = jax.random.normal(ks[0], (B, H, M, dh))
+  k = jax.random.normal(ks[1], (B, H, W + M, dh))
+  v = jax.random.normal(ks[2], (B, H, W + M, dh))
+  pe = jax.random.normal(ks[3], (dh, W))
+  z = _spans(kind, ks[4])
+  pk = jax.random.normal(ks[5], (H, dh, n_pers)) if n_pers else None
+  pv = jax.random.normal(ks[6], (H, n_pers, dh)) if n_pers else None
+  assert fa.padded_head_dim(dh) == 32 and fa.padded_head_dim(96) == 128
+
+  def fused(q, k, v, pe, z):
+    return fa.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK, interpret=True,
+                             pers_k_HxDxN=pk, pers_v_HxNxD=pv)
+
+  def plain(q, k, v, pe, z):
+    return banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R, pers_k_GxDxN=pk,
+                                             pers_v_GxNxD=pv)
+
+  got = fused(q, k, v, pe, z)
+  assert got.shape == q.shape
+  np.testing.assert_allclose(got, plain(q, k, v, pe, z), atol=1e-5, rtol=1e-5)
+  ct = jax.random.normal(jax.random.PRNGKey(9), q.shape)
+  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), argnums=(0, 1, 2, 3, 4))(q, k, v, pe, z)
+           for f in (fused, plain)]
+  for name, got, want in zip("q k v pe z".split(), *grads):
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4, err_msg=f"d{name}")

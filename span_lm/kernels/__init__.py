@@ -1,0 +1,166 @@
+"""The one door to span attention: the model calls `choose`, `project_kv`, `attend` and `decode`
+here, and only this module picks a platform implementation (as MaxText's
+AttentionOp.apply_attention does).
+
+Implementations (`model.attn_impl`):
+  reference         banded_reference: the readable definition, plain autodiff; the numerical
+                    reference for the others. Default on TPU, and on GPU where the kernel does not apply.
+  cpu               banded_cpu: the same maths laid out for XLA:CPU (docs/benchmarks.md). CPU default.
+  pallas            pallas_gpu: the fused Triton kernel, spans as runtime values. GPU default.
+  pallas_interpret  the same kernel interpreted (any backend; slow: for tests).
+  auto              one of the above by jax.default_backend() and what the kernel supports.
+"""
+import logging
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from span_lm.kernels import banded_cpu
+from span_lm.kernels import banded_reference
+from span_lm.kernels import decode as decode_lib
+from span_lm.kernels import pallas_gpu
+
+IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret")
+FUSED = ("pallas", "pallas_interpret")
+log = logging.getLogger("span_lm")
+_logged: set = set()
+
+
+class KV(NamedTuple):
+  """Keys and values of one head group, as the chosen implementation lays them out."""
+  k: Any
+  v: Any
+  positions_last: bool = False  # cpu: (B, G, Dh, T) instead of (B, G, T, Dh)
+
+
+def fused_fits(cfg, m: int | None = None, w: int | None = None) -> str:
+  """'' when the fused kernel runs this layer (block of m queries, window w), else why not."""
+  b = cfg.attn_block
+  if cfg.arch != "span":
+    return "the sparse model has its own attention"
+  if not isinstance(b, int) or b < 16 or b & (b - 1):
+    return f"attn_block={b} is not a power of two >= 16"
+  if cfg.head_dim < 16:
+    return f"head size {cfg.head_dim} < 16"
+  for what, n in (("pers_mem", cfg.pers_mem), ("span", cfg.span),
+                  ("plan_granularity", cfg.plan_granularity), ("block", m), ("window", w)):
+    if n is not None and n % b:
+      return f"{what}={n} is not a multiple of attn_block={b}"
+  return ""
+
+
+def _gpu_runs_triton() -> bool:
+  """Pallas' Triton backend: NVIDIA GPUs of compute capability >= 8.0 (Ampere and later)."""
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  try:
+    return dev.platform == "gpu" and float(cc) >= 8.0
+  except (TypeError, ValueError):
+    return False
+
+
+def choose(cfg, m: int | None = None, w: int | None = None) -> str:
+  """The implementation that runs a layer with a block of m queries and windows up to w.
+
+  An explicit fused choice falls back to the reference where the kernel does not fit (init's
+  one-token block); `auto` picks by backend. Logged once per distinct choice and shape."""
+  impl, why = cfg.attn_impl, ""
+  if impl == "auto":
+    backend = jax.default_backend()
+    if backend == "cpu":
+      impl = "cpu"
+    elif backend == "gpu" and _gpu_runs_triton():
+      why = fused_fits(cfg, m, w)
+      impl = "reference" if why else "pallas"
+    else:
+      impl, why = "reference", f"backend {backend}"
+  elif impl in FUSED:
+    why = fused_fits(cfg, m, w)
+    impl = "reference" if why else impl
+  key = (cfg.attn_impl, impl, m, w, why)
+  if key not in _logged:
+    _logged.add(key)
+    log.info("attention: %s (attn_impl=%s, block %s, window %s%s)", impl, cfg.attn_impl, m, w,
+             f"; {why}" if why else "")
+  return impl
+
+
+def runtime_spans(cfg) -> bool:
+  """Whether spans are runtime values (the fused kernel), so a layer's plan is one head group."""
+  return choose(cfg) in FUSED
+
+
+def project_kv(cfg, impl: str, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> KV:
+  """Keys and values of `heads` heads (w_kv: their [key | value] columns) over the last `window`
+  cached states and the block."""
+  m = h_BxMxD.shape[1]
+  if impl == "cpu":
+    last = banded_cpu.prefer_positions_last(m, window, cfg.attn_chunk, h_BxMxD.dtype)
+    return KV(*banded_cpu.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads, last), last)
+  return KV(*banded_reference.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads))
+
+
+def split_kv(cfg, impl: str, kv_BxTx2Z, *, window: int, heads: int) -> KV:
+  """Keys and values from already projected [keys | values] rows (a key/value cache)."""
+  if impl == "cpu":
+    last = banded_cpu.prefer_positions_last(kv_BxTx2Z.shape[1] - window, window, cfg.attn_chunk,
+                                            kv_BxTx2Z.dtype)
+    return KV(*banded_cpu.split_kv(kv_BxTx2Z, heads, last), last)
+  return KV(*banded_reference.split_kv(kv_BxTx2Z, heads))
+
+
+def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
+           pers_v_GxNxD=None, dropout: Callable | None = None,
+           dropout_seed: Callable[[], Any] | None = None):
+  """Banded span attention of one head group: (B, G, M, Dh) outputs.
+
+  span_z: spans in tokens, (1 or B, G, 1 or M), or None (fixed span). dropout: applied to the
+  attention weights (None: none); the fused kernel draws its own keep mask from dropout_seed()."""
+  if impl == "cpu":
+    return banded_cpu.banded_attention(
+        q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.ramp,
+        pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attn_chunk,
+        dropout=dropout, positions_last=kv.positions_last)[0].astype(q_BxGxMxD.dtype)
+  if impl == "reference":
+    return banded_reference.banded_attention(
+        q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.ramp,
+        pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attn_chunk,
+        dropout=dropout)
+  if impl not in FUSED:
+    raise ValueError(f"attention: unknown implementation {impl!r}; choose one of {IMPLS}")
+  b, g, m, _ = q_BxGxMxD.shape
+  z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
+  seed = None if dropout is None else dropout_seed()
+  dt = q_BxGxMxD.dtype
+  return pallas_gpu.span_attention(
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(dt), z, ramp=cfg.ramp, block=cfg.attn_block,
+      pers_k_HxDxN=None if pers_k_GxDxN is None else pers_k_GxDxN.astype(dt),
+      pers_v_HxNxD=None if pers_v_GxNxD is None else pers_v_GxNxD.astype(dt),
+      dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
+      interpret=impl == "pallas_interpret")
+
+
+def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_k_HxDxN=None,
+           pers_v_HxNxD=None):
+  """One-token attention over ring caches ((keys, values), each (B, H, L, Dh)): (B, H, Dh)."""
+  return decode_lib.ring_attention(q_BxHxD, ring[0], ring[1], key_pe_DxS, pos, windows_H,
+                                   span_z=span_z, ramp=cfg.ramp, pers_k_HxDxN=pers_k_HxDxN,
+                                   pers_v_HxNxD=pers_v_HxNxD)
+
+
+def residual_bytes(cfg, impl: str, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+  """Bytes one head group's attention keeps for the backward pass, by kind (keys_values,
+  score_bands, weights), as the implementation saves them (tools/flops asks here)."""
+  drop = train and cfg.dropout > 0
+  if impl in FUSED:  # the kernel saves its inputs, its output and two row statistics
+    dt = jnp.dtype(cfg.dtype).itemsize
+    dp = pallas_gpu.padded_head_dim(cfg.head_dim)
+    return {"keys_values": 2 * batch * heads * (w + m) * dp * dt,
+            "score_bands": 2 * batch * heads * m * 4, "weights": batch * heads * m * dp * dt}
+  if impl == "reference":
+    return banded_reference.residual_bytes(cfg.span_mode, cfg.pers_mem, cfg.dtype, batch, m,
+                                           heads, w, cfg.head_dim, cfg.attn_chunk, drop)
+  return banded_cpu.residual_bytes(cfg.span_mode, cfg.pers_mem, cfg.dtype, batch, m, heads, w,
+                                   cfg.head_dim, cfg.attn_chunk, drop)
+

@@ -1,0 +1,52 @@
+"""Layer caches: zero caches for a plan, resizing to a new plan (as the reference: keep the newest
+states, zero-pad on the left), and the ring layout one-token decoding reads in place."""
+import jax.numpy as jnp
+
+from span_lm.model.config import ModelConfig
+from span_lm.model.plan import SpanPlan, full_plan
+
+
+def to_ring(caches, pos, n_heads: int):
+  """Key/value caches in stream order ((B, L, 2D), oldest state first, as a block leaves them)
+  as rings for decoding (SpanTransformer(..., ring_pos=)): per layer (keys, values), each
+  (B, H, L, Dh), head-major so that a query reads them where they lie, and after `pos` tokens
+  slot j holds the token whose position is congruent to j mod L. pos may be traced."""
+  out = []
+  for c in caches:
+    b, l, d2 = c.shape
+    kv = c.reshape(b, l, 2, n_heads, d2 // (2 * n_heads)).transpose(2, 0, 3, 1, 4)
+    kv = jnp.roll(kv, jnp.asarray(pos) % l, axis=3)
+    out.append((kv[0], kv[1]))
+  return tuple(out)
+
+
+def from_ring(rings, pos):
+  """The inverse of to_ring: rings after `pos` tokens -> (B, L, 2D) caches in stream order."""
+  out = []
+  for k, v in rings:
+    b, h, l, dh = k.shape
+    kv = jnp.roll(jnp.stack([k, v]), -(jnp.asarray(pos) % l), axis=3)
+    out.append(kv.transpose(1, 3, 0, 2, 4).reshape(b, l, 2 * h * dh))
+  return tuple(out)
+
+
+def init_caches(cfg: ModelConfig, plan: SpanPlan | None, batch: int, dtype=jnp.float32,
+                kv: bool = False):
+  """Zero caches per layer: (B, L, D) hidden states, or (B, L, 2D) keys|values with kv=True."""
+  plan = plan or full_plan(cfg)
+  width = 2 * cfg.d_model if kv else cfg.d_model
+  return tuple(jnp.zeros((batch, lp.cache_len, width), dtype) for lp in plan.layers)
+
+
+def resize_caches(caches, cfg: ModelConfig, plan: SpanPlan | None):
+  """Fits caches to a plan: keeps the newest states, zero-pads on the left (as the reference)."""
+  plan = plan or full_plan(cfg)
+  out = []
+  for c, lp in zip(caches, plan.layers):
+    n = c.shape[1]
+    if n > lp.cache_len:
+      c = c[:, n - lp.cache_len:]
+    elif n < lp.cache_len:
+      c = jnp.pad(c, ((0, 0), (lp.cache_len - n, 0), (0, 0)))
+    out.append(c)
+  return tuple(out)

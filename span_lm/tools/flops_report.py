@@ -1,0 +1,105 @@
+"""The `flops` mode: a run's plan against the fixed-span model, XLA's view and the paper's
+(span_lm/tools/flops.py counts; span_lm/tools/paper.py holds the paper's numbers)."""
+import dataclasses
+import json
+import os
+
+from span_lm.model import plan as plan_lib
+from span_lm.model.config import ModelConfig
+from span_lm.tools import flops as flops_lib
+from span_lm.tools import paper
+
+
+def _m(x: float) -> str:
+  for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+    if x >= scale:
+      return f"{x / scale:,.2f}{unit}"
+  return f"{x:,.0f}"
+
+
+def _mib(x: float) -> str:
+  return f"{x / 2**20:,.1f} MiB"
+
+
+def format_account(name: str, acc: dict) -> str:
+  """A few readable lines for one `account` result."""
+  pt, gen = acc["per_token_block"], acc["per_token_generation"]
+  lines = [f"{name}: {acc['plan']}"]
+  for what, t in ((f"blocks of {acc['block']}", pt), ("generation (blocks of 1)", gen)):
+    lines.append(f"  per token, {what}: attention {_m(t['attention'])} MACs, k/v projection "
+                 f"{_m(t['kv_proj'])}, other {_m(t['other'])}, total {_m(sum(t.values()))}")
+  lines.append(f"  train step (batch {acc['batch']}): {acc['train_step_flops'] / 1e9:,.3f} GFLOP "
+               f"(matmuls), activations kept {_mib(sum(acc['activation_bytes'].values()))}, "
+               f"peak estimate {_mib(acc['peak_activation_bytes'])}")
+  if "xla" in acc:
+    x = acc["xla"]
+    lines.append(f"  XLA: {x['flops'] / 1e9:,.3f} GFLOP in all, {x['dot_flops'] / 1e9:,.3f} in dots"
+                 " "
+                 f"(ours {acc['train_step_flops'] / x['dot_flops']:.4f}x of XLA's dots, "
+                 f"{acc['train_step_flops'] / x['flops']:.3f}x of its total); temp buffers "
+                 f"{_mib(x['temp_bytes'])} (our peak estimate "
+                 f"{acc['peak_activation_bytes'] / max(x['temp_bytes'], 1):.2f}x)")
+  return "\n".join(lines)
+
+
+def flops_ratio_table(rows: list[tuple[str, dict]]) -> str:
+  """Markdown: per-token MACs of several accounts side by side."""
+  head = ("| model | attention MACs/token | k/v proj | other | total | vs first |\n"
+          "|---|---|---|---|---|---|")
+  base = sum(rows[0][1]["per_token_block"].values())
+  body = []
+  for name, acc in rows:
+    pt = acc["per_token_block"]
+    tot = sum(pt.values())
+    body.append(f"| {name} | {_m(pt['attention'])} | {_m(pt['kv_proj'])} | {_m(pt['other'])} | "
+                f"{_m(tot)} | {tot / base:.2f} |")
+  return "\n".join([head] + body)
+
+
+def _run_vocab(config, meta) -> tuple[int, str]:
+  if meta is not None:
+    return int(meta["model_cfg"]["vocab_size"]), "checkpoint"
+  if config.model.vocab_size:
+    return int(config.model.vocab_size), "config"
+  from span_lm.data import sources  # pylint: disable=g-import-not-at-top
+  try:
+    return sources.load_splits(config.data, allow_download=False).vocab_size, "data"
+  except (OSError, ValueError, RuntimeError):
+    return 256, "assumed (no checkpoint, no local data)"
+
+
+def report(config) -> dict:
+  """The `flops` mode: this run's plan against the fixed-span model, XLA's view, the paper's."""
+  from span_lm.tools import restore as restore_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
+  config_lib.validate(config)  # the one mode that builds no loop.Run (which validates)
+  meta = None
+  ckpt_dir = os.path.join(config.workdir or "", "checkpoints")
+  if config.workdir and os.path.isdir(ckpt_dir):
+    with ckpt_lib.Checkpointer(ckpt_dir, max_to_keep=None) as ckpt:
+      if ckpt.latest_step() is not None:
+        meta = ckpt.restore_meta(restore_lib.tools_field(config, "step"))
+  vocab, vocab_from = _run_vocab(config, meta)
+  cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
+  if meta is not None:
+    plan, source = plan_lib.plan_from_json(meta["planner"]["plan"]), f"step {meta['step']}"
+  else:
+    plan, source = plan_lib.initial_plan(cfg), "initial plan, no checkpoint"
+  b, m = config.data.batch, config.data.block
+  xla = bool(restore_lib.tools_field(config, "xla", True))
+  fixed_cfg = dataclasses.replace(cfg, span_mode="fixed")
+  rows = [(f"fixed span S={cfg.span}", flops_lib.account(fixed_cfg, None, b, m, xla)),
+          (f"this run ({cfg.span_mode}, {source})", flops_lib.account(cfg, plan, b, m, xla))]
+  print(f"vocabulary {vocab} ({vocab_from}); batch {b}, block {m}; MACs = multiply-adds")
+  for name, acc in rows:
+    print(format_account(name, acc))
+  print(flops_ratio_table(rows))
+  text, fig_path = paper.report(config.workdir or ".")
+  print("\n" + text)
+  out = {name: acc for name, acc in rows}
+  json_path = restore_lib.out_path(config, "flops.json")
+  with open(json_path, "w") as f:
+    json.dump({"runs": out, "paper_table1": paper.table1()}, f, indent=1)
+  print(f"wrote {json_path}\nwrote Figure 3 plot: {os.path.abspath(fig_path)}")
+  return {"runs": out, "json": json_path, "figure3": os.path.abspath(fig_path)}

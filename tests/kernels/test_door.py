@@ -1,0 +1,117 @@
+"""The door (span_lm/kernels): every implementation equals `reference` in values and in every
+gradient (queries, keys, values, position embeddings, spans, persistent memory), for fixed,
+adaptive and dynamic spans, in float32 and bfloat16; and `auto` picks by backend."""
+import logging
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from span_lm import kernels
+from span_lm.model.config import ModelConfig
+
+B, G, DH, R = 2, 2, 16, 4
+
+
+def cfg_for(impl, **kw):
+  base = dict(vocab_size=11, d_model=G * DH, n_heads=G, d_ff=8, span=32, ramp=R,
+              span_mode="adaptive", attn_impl=impl, attn_block=16, plan_granularity=16)
+  return ModelConfig(**(base | kw))
+
+
+def _case(mode, m, w, n_pers, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  arr = lambda *s: jnp.asarray(rng.normal(size=s), dtype)
+  args = [arr(B, G, m, DH), arr(B, G, w + m, DH), arr(B, G, w + m, DH), arr(DH, w)]
+  z = {"fixed": None, "adaptive": rng.uniform(1, w - R, (1, G, 1)),
+       "dynamic": rng.uniform(0, w, (B, G, m))}[mode]
+  z = None if z is None else jnp.asarray(z, jnp.float32)
+  pers = (arr(G, DH, n_pers), arr(G, n_pers, DH)) if n_pers else (None, None)
+  return args, z, pers
+
+
+@pytest.mark.parametrize("impl", ["cpu", "pallas_interpret"])
+@pytest.mark.parametrize("mode,m,w,n_pers", [
+    ("fixed", 16, 16, 0), ("adaptive", 16, 32, 0), ("dynamic", 16, 32, 0),
+    ("adaptive", 16, 16, 16), ("dynamic", 32, 16, 16)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_implementation_equals_the_reference(impl, mode, m, w, n_pers, dtype):
+  if impl == "pallas_interpret" and dtype == "bfloat16" and mode != "adaptive":
+    pytest.skip("one bf16 case is enough for the interpreted kernel (slow)")
+  (q, k, v, pe), z, (pk, pv) = _case(mode, m, w, n_pers, dtype)
+  ct = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
+
+  def loss(impl, q, k, v, pe, z, pk, pv):
+    out = kernels.attend(cfg_for(impl), impl, q, kernels.KV(k, v), pe, span_z=z,
+                         pers_k_GxDxN=pk, pers_v_GxNxD=pv)
+    return jnp.sum(out.astype(jnp.float32) * ct), out
+
+  argnums = tuple(i for i, a in enumerate((q, k, v, pe, z, pk, pv)) if a is not None)
+  grad = lambda impl: jax.jit(jax.value_and_grad(
+      lambda *a: loss(impl, *a), argnums=argnums, has_aux=True))(q, k, v, pe, z, pk, pv)
+  (_, got), g_got = grad(impl)
+  (_, want), g_want = grad("reference")
+  low = dtype == "bfloat16"
+  tol = dict(rtol=3e-2, atol=3e-2) if low else dict(rtol=2e-4, atol=2e-5)
+  assert got.shape == want.shape == q.shape and got.dtype == q.dtype
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+  names = [("q", "k", "v", "pe", "z", "pk", "pv")[i] for i in argnums]
+  for name, a, b in zip(names, g_got, g_want):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a.shape == b.shape, name
+    assert np.abs(b).max() > 0, name
+    scale = np.abs(b).max() if low else 1.0  # bf16: relative to the gradient's size
+    np.testing.assert_allclose(a / scale, b / scale, err_msg=f"d{name}", **tol)
+
+
+def test_auto_picks_cpu_on_the_cpu_and_logs_once(caplog):
+  cfg = cfg_for("auto")
+  assert jax.default_backend() == "cpu"
+  with caplog.at_level(logging.INFO, logger="span_lm"):
+    assert kernels.choose(cfg, 16, 32) == "cpu"
+    assert kernels.choose(cfg, 16, 32) == "cpu"
+  assert sum("attention: cpu" in r.message for r in caplog.records) <= 1
+  assert not kernels.runtime_spans(cfg)
+
+
+def test_fused_falls_back_to_the_reference_where_it_does_not_tile():
+  cfg = cfg_for("pallas_interpret")
+  assert kernels.choose(cfg, 16, 32) == "pallas_interpret"
+  assert kernels.choose(cfg, 1, 32) == "reference"  # init's one-token block
+  assert kernels.runtime_spans(cfg)
+  for impl in ("reference", "cpu"):
+    assert kernels.choose(cfg_for(impl), 16, 32) == impl
+
+
+def test_xla_is_read_as_cpu():
+  assert cfg_for("xla").attn_impl == "cpu"
+  with pytest.raises(ValueError, match="config.model.attn_impl"):
+    cfg_for("triton")
+
+
+def test_only_the_door_imports_a_platform_implementation():
+  """model/ reaches attention through span_lm.kernels only; the reference imports no other
+  implementation; tools/flops and tools/paper import each other no more."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(__file__).resolve().parents[2] / "span_lm"
+
+  def imports(path):
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom):
+        names |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+    return names
+
+  platform = ("span_lm.kernels.banded_cpu", "span_lm.kernels.pallas_gpu",
+              "span_lm.kernels.decode", "span_lm.kernels.banded_reference")
+  for path in (root / "model").rglob("*.py"):
+    bad = [n for n in imports(path) if n.startswith(platform)]
+    assert not bad, f"{path.name} imports {bad}"
+  assert not any("banded_cpu" in n or "pallas_gpu" in n
+                 for n in imports(root / "kernels" / "banded_reference.py"))
+  assert "span_lm.tools.paper" not in imports(root / "tools" / "flops.py")
