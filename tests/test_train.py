@@ -405,6 +405,6 @@ def test_adaptive_steps_read_from_the_device_only_on_log_eval_checkpoint_steps(t
   assert result["plan_changes"] >= 1
   _assert_bit_identical(result["state"], every["state"])
   cfg = ModelConfig.from_config(lagged.model, vocab_size=lagged.data.synthetic_vocab)
-  spans.check_plan(cfg, result["state"]["params"], result["plan"])
+  plan_lib.check_plan(cfg, result["state"]["params"], result["plan"])
   rows = [(r["step"], r["split"]) for r in read_metrics(str(tmp_path / "lagged"))]
   assert len(rows) == len(set(rows)) and [s for s, sp in rows if sp == "train"] == [6, 12]

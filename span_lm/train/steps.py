@@ -70,7 +70,7 @@ def _merge(x):
 
 
 def _plan_covers(cfg: ModelConfig, plan: SpanPlan, params) -> jax.Array | None:
-  """Whether every head's window covers its span plus ramp (spans.needed_tokens, in float32 as the
+  """Whether every head's window covers its span plus ramp (plan.needed_tokens, in float32 as the
   host computes it), or None for fixed spans. The host reads span ratios late, so a step may be
   dispatched with a plan the spans have outgrown; such a step must not be applied."""
   if cfg.span_mode != "adaptive":
