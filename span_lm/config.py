@@ -18,7 +18,7 @@ from span_lm.model.config import ModelConfig
 MODES = ("train", "eval", "import", "export")
 TOOL_MODES = ("spans", "flops", "sample")  # inspection of a run (span_lm/tools)
 MODES += TOOL_MODES
-DATASETS = ("enwik8", "text8", "wikitext103", "file", "synthetic", "cifar10")
+DATASETS = ("enwik8", "text8", "wikitext103", "enwik8_head", "file", "synthetic", "cifar10")
 OPTIMIZERS = ("adagrad", "sgd", "momentum", "adam")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -129,6 +129,9 @@ def _validate_data(config):
     if sb and sb[1] >= size:
       _bad("data.split_bytes", sb,
            f"valid_end must be < the size of config.data.path ({size} bytes) to leave a test split")
+    from span_lm.data import sources  # pylint: disable=g-import-not-at-top
+    sources.check_file_size(path, _get(config, "data.block"), batch,
+                            _get(config, "data.eval_batch"), tuple(fr), tuple(sb or ()))
 
   _check_int(config, "data.synthetic_distance", 1)
   _check_int(config, "data.synthetic_vocab", 2)
