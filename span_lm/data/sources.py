@@ -223,12 +223,13 @@ def file_splits(path, split_fractions=(0.9, 0.05, 0.05), split_bytes=(),
                       name=f"file:{path.name}")
 
 
-def demo_splits(vocab: str = "reference") -> Splits:
-  """The packaged head of enwik8 (span_lm/data/demo), split at its fixed offsets."""
+def demo_splits(vocab: str = "reference", split_bytes=()) -> Splits:
+  """The packaged head of enwik8 (span_lm/data/demo), split at split_bytes (train_end,
+  valid_end), by default demo.SPLIT_BYTES: 3,654,000 / 250,000 / 250,000 bytes."""
   from span_lm.data import demo  # pylint: disable=g-import-not-at-top
   raw = demo.as_array()
-  return _byte_splits(raw, split_offsets(raw.size, split_bytes=demo.SPLIT_BYTES), vocab,
-                      name=DEMO)
+  return _byte_splits(raw, split_offsets(raw.size, split_bytes=tuple(split_bytes) or
+                                         demo.SPLIT_BYTES), vocab, name=DEMO)
 
 
 def _byte_splits(raw: np.ndarray, offsets, vocab: str, name: str) -> Splits:
@@ -374,7 +375,8 @@ def load_splits(data_cfg, *, allow_download: bool = True) -> Splits:
   elif dataset == "file":
     raise ValueError("data.dataset='file' needs data.path, the raw file to read")
   elif dataset == DEMO:
-    splits = demo_splits(_get(data_cfg, "file_vocab", "reference"))
+    splits = demo_splits(_get(data_cfg, "file_vocab", "reference"),
+                         tuple(_get(data_cfg, "split_bytes", ())))
   elif dataset == "synthetic":
     splits = synthetic_splits(
         _get(data_cfg, "synthetic_length", 2_000_000), _get(data_cfg, "synthetic_vocab", 16),
