@@ -225,6 +225,10 @@ def test_packaged_head_dataset_splits_like_the_file(enwik8_head):
   cfg.file_vocab = "bytes"
   raw = sources.load_splits(cfg, allow_download=False)
   np.testing.assert_array_equal(raw.valid, demo.as_array()[3_654_000:3_904_000])
+  cfg.split_bytes = (4_054_000, 4_104_000)  # configs/demo.py: 50,000-byte valid and test
+  raw = sources.load_splits(cfg, allow_download=False)
+  assert (raw.train.size, raw.valid.size, raw.test.size) == (4_054_000, 50_000, 50_000)
+  np.testing.assert_array_equal(raw.test, demo.as_array()[4_104_000:])
 
 
 def test_min_file_bytes_is_the_smallest_file_that_holds_one_batch(tmp_path):
