@@ -145,10 +145,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   # divide the batches; only when no accelerator plugin is installed); 1: off. XLA_FLAGS'
   # --xla_force_host_platform_device_count, when set, wins.
   ds.cpu_devices = 0
-  # CPU-only runs: glibc malloc keeps freed memory for reuse (one arena, no mmap, no trim), so each
-  # step reuses the last step's buffers instead of page-faulting hundreds of MiB back in (1.14-1.38x
-  # faster steps on the issue-8 shapes; span_lm/train/host_memory.py). The process keeps its peak
-  # resident size. False: glibc's defaults (also kept when JAX already runs in the process).
+  # CPU-only runs: glibc malloc keeps freed heap memory for reuse (one arena, no trim; buffers above
+  # 32 MiB still mmap'd and returned), so steps reuse pages instead of faulting some back in, and
+  # peak resident memory stays at or below glibc's defaults (span_lm/train/host_memory.py,
+  # docs/benchmarks.md). False: glibc's defaults (also kept when JAX already runs in the process).
   ds.cpu_keep_freed_memory = True
 
   # Inspecting a run (span_lm/tools): --config.mode=spans | flops | sample, on config.workdir.
