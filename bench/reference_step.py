@@ -22,7 +22,7 @@ Two settings make the comparison fair, both on by default:
   caches the reference's fixed-span backward produces denormal floats, and PyTorch, which keeps
   them by default, then took 3.0-5.6 s per step instead of 0.80-0.92 s on the 2-core CPU
   (`--keep_denormals` to see it).
-- glibc malloc with one arena, no mmap'd chunks and no trimming (span_lm/train/host_memory.py,
+- glibc malloc with one arena and no trimming (span_lm/train/host_memory.py,
   what span_lm's own benchmarks and `main.py` apply on CPU hosts; `--system_malloc` to compare).
 Cases:
   short  adaptive span, every z' at (64 - R) / S (span + ramp = 64, `--short_span`): the

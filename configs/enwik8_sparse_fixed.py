@@ -9,14 +9,12 @@ Table 3 (bits per byte at a minimum context): python -m span_lm.train.min_contex
 
 Variants:
   strided / dense: Table 2's other patterns (dense: the masked n x n reference attention).
-  head:   the local enwik8_head file (../shared/data/enwik8_head.bin) instead of enwik8.
+  head:   the head of enwik8 packaged with span_lm (data.dataset='enwik8_head') instead of enwik8.
   small:  2 layers, d=128, 2 heads (a 12,288-context model that trains on a CPU).
   smoke:  tiny model, context 64, stride 8, c=2, 4 steps on enwik8_head (the end-to-end test).
 """
 from configs import base
 from configs import variants
-
-ENWIK8_HEAD = "../shared/data/enwik8_head.bin"  # relative to the repository root
 
 
 def _strided(c):
@@ -28,10 +26,8 @@ def _dense(c):
 
 
 def _head(c):
-  c.data.dataset = "file"
-  c.data.path = ENWIK8_HEAD
+  c.data.dataset = "enwik8_head"
   c.data.file_vocab = "bytes"
-  c.data.split_bytes = (3_654_000, 3_904_000)
 
 
 def _small(c):

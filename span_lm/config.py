@@ -51,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
                            if f.default is not dataclasses.MISSING}})
 
   c.data = d = ml_collections.ConfigDict()
-  d.dataset = "enwik8"  # enwik8 | text8 | wikitext103 | file | synthetic | cifar10
+  d.dataset = "enwik8"  # enwik8 | text8 | wikitext103 | enwik8_head (packaged) | file | synthetic | cifar10
   d.data_dir = "data_cache"
   d.path = config_dict.placeholder(str)  # local raw file; overrides dataset when set
   d.split_fractions = (0.9, 0.05, 0.05)  # train/valid/test fractions for a local file
@@ -120,10 +120,10 @@ def base_config() -> ml_collections.ConfigDict:
   # divide the batches; only when no accelerator plugin is installed); 1: off. XLA_FLAGS'
   # --xla_force_host_platform_device_count, when set, wins.
   ds.cpu_devices = 0
-  # CPU-only runs: glibc malloc keeps freed memory for reuse (one arena, no mmap, no trim), so each
-  # step reuses the last step's buffers instead of page-faulting them back in (faster steps:
-  # docs/benchmarks.md; span_lm/train/host_memory.py). The process keeps its peak resident size.
-  # False: glibc's defaults (also kept when JAX already runs in the process).
+  # CPU-only runs: glibc malloc keeps freed heap memory for reuse (one arena, no trim; buffers above
+  # 32 MiB still mmap'd and returned), so steps reuse pages instead of faulting some back in, and
+  # peak resident memory stays at or below glibc's defaults (span_lm/train/host_memory.py,
+  # docs/benchmarks.md). False: glibc's defaults (also kept when JAX already runs in the process).
   ds.cpu_keep_freed_memory = True
 
   # Inspecting a run (span_lm/tools): --config.mode=spans | flops | sample, on config.workdir.
@@ -244,6 +244,9 @@ def _validate_data(config):
     if sb and sb[1] >= size:
       _bad("data.split_bytes", sb,
            f"valid_end must be < the size of config.data.path ({size} bytes) to leave a test split")
+    from span_lm.data import sources  # pylint: disable=g-import-not-at-top
+    sources.check_file_size(path, _get(config, "data.block"), batch,
+                            _get(config, "data.eval_batch"), tuple(fr), tuple(sb or ()))
 
   _check_int(config, "data.synthetic_distance", 1)
   _check_int(config, "data.synthetic_vocab", 2)

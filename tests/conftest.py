@@ -4,19 +4,17 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import pathlib
-
 import jax
 import pytest
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-SHARED = pathlib.Path(__file__).resolve().parents[1].parent / "shared"
-ENWIK8_HEAD = SHARED / "data" / "enwik8_head.bin"
 
-
-@pytest.fixture
-def enwik8_head():
-  if not ENWIK8_HEAD.exists():
-    pytest.skip(f"{ENWIK8_HEAD} is absent (it lives in ../shared beside the checkout)")
-  return ENWIK8_HEAD
+@pytest.fixture(scope="session")
+def enwik8_head(tmp_path_factory):
+  """The head of enwik8 packaged with span_lm (span_lm/data/demo), as a raw file: tests that need
+  a real text file on disk (data.path) read it; nothing outside the checkout is needed."""
+  from span_lm.data import demo  # pylint: disable=g-import-not-at-top
+  path = tmp_path_factory.mktemp("data") / "enwik8_head.bin"
+  path.write_bytes(demo.read_bytes())
+  return path

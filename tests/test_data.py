@@ -2,6 +2,7 @@
 import hashlib
 import io
 import json
+import pathlib
 import random
 import zipfile
 
@@ -10,6 +11,7 @@ import pytest
 
 from configs.base import get_base_config
 from span_lm.data import batching
+from span_lm.data import demo
 from span_lm.data import download as dl
 from span_lm.data import prepare
 from span_lm.data import sources
@@ -187,11 +189,68 @@ def test_local_file_errors(tmp_path):
     sources.file_splits(short, split_bytes=(500, 500))
   cfg = get_base_config().data
   cfg.path = str(short)
-  with pytest.raises(ValueError, match="train split has"):
+  with pytest.raises(ValueError, match=r"1,200 bytes, but this config needs a file of at least"):
     sources.load_splits(cfg)
   cfg.block, cfg.batch, cfg.eval_batch = 4, 2, 2
   splits = sources.load_splits(cfg)
   assert splits.name == "file:short.bin" and splits.train.size == 1080  # ends with a newline: no extra <eos>
+
+
+# ----------------------------------------------------------------------- packaged demo data
+
+SHARED_HEAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "enwik8_head.bin"
+
+
+def test_packaged_head_is_the_first_bytes_of_enwik8():
+  raw = demo.read_bytes()
+  assert len(raw) == demo.SIZE == 4_154_000
+  assert hashlib.md5(raw).hexdigest() == demo.MD5
+  assert raw.startswith(b'<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.3/"')
+  assert demo.compressed_path().stat().st_size < 1_300_000  # xz, shipped in the package
+  if SHARED_HEAD.exists():  # the project's copy of enwik8's head, where it is beside the checkout
+    assert raw == SHARED_HEAD.read_bytes()
+
+
+def test_packaged_head_dataset_splits_like_the_file(enwik8_head):
+  cfg = get_base_config().data
+  cfg.dataset = "enwik8_head"
+  splits = sources.load_splits(cfg, allow_download=False)
+  assert splits.name == "enwik8_head"
+  as_file = sources.file_splits(enwik8_head, split_bytes=demo.SPLIT_BYTES)
+  assert splits.vocab == as_file.vocab and splits.vocab_size == 200
+  for s in prepare.SPLITS:
+    np.testing.assert_array_equal(splits.split(s), as_file.split(s))
+  # 3,654,000 / 250,000 / 250,000 bytes; each split gets the closing <eos> (no final newline).
+  assert (splits.train.size, splits.valid.size, splits.test.size) == (3_654_001, 250_001, 250_001)
+  cfg.file_vocab = "bytes"
+  raw = sources.load_splits(cfg, allow_download=False)
+  np.testing.assert_array_equal(raw.valid, demo.as_array()[3_654_000:3_904_000])
+  cfg.split_bytes = (4_054_000, 4_104_000)  # configs/demo.py: 50,000-byte valid and test
+  raw = sources.load_splits(cfg, allow_download=False)
+  assert (raw.train.size, raw.valid.size, raw.test.size) == (4_054_000, 50_000, 50_000)
+  np.testing.assert_array_equal(raw.test, demo.as_array()[4_104_000:])
+
+
+def test_min_file_bytes_is_the_smallest_file_that_holds_one_batch(tmp_path):
+  # block 128, batch 16: train and valid need 16 x 129 tokens; valid is 5 % of the file.
+  need = sources.min_file_bytes(128, 16, 8)
+  assert need == 41_280
+  cfg = get_base_config().data
+  cfg.block, cfg.batch, cfg.eval_batch = 128, 16, 8
+  text = (b"abcdefghij" * 5000)[:need - 1] + b"\n"
+  f = tmp_path / "f.txt"
+  for size, ok in ((need, True), (need - 1, False)):
+    f.write_bytes(text[-size:])
+    cfg.path = str(f)
+    if ok:
+      splits = sources.load_splits(cfg)
+      assert splits.valid.size >= 16 * 129
+    else:
+      with pytest.raises(ValueError, match=f"{need - 1:,} bytes, but this config needs a file "
+                                           f"of at least {need:,} bytes"):
+        sources.load_splits(cfg)
+  assert sources.min_file_bytes(128, 16, 8, split_bytes=(3000, 6000)) == 6016
+  assert sources.min_file_bytes(128, 16, 8, split_bytes=(3000, 4000)) is None  # valid too short
 
 
 # ------------------------------------------------------------------------------- synthetic

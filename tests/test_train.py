@@ -1,7 +1,8 @@
 """The training system end to end: resume, sharding, batch_split, evaluation, errors, the CLI.
 
 CPU with 8 fake devices (conftest). Tiny models on the synthetic task, whose small splits make
-the training streams wrap every few steps; only the CLI test reads the enwik8 head in ../shared.
+the training streams wrap every few steps; only the CLI test reads the packaged enwik8 head
+(span_lm/data/demo).
 One adaptive run (the module fixture `run_a`) is shared by the resume, plan-change, evaluation
 and mismatch tests, since compilation dominates the cost of every run here.
 """

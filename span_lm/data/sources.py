@@ -1,6 +1,7 @@
 """Where token ids come from: the benchmark corpora, a local raw file, or a synthetic task.
 
-`load_splits(config.data)` is the one entry point. The benchmark corpora are prepared once into
+`load_splits(config.data)` is the one entry point. `dataset='enwik8_head'` reads the head of
+enwik8 packaged in span_lm/data/demo (the demo and the tests: no download, no path). The benchmark corpora are prepared once into
 `<data_dir>/<name>/` ({train,valid,test}.npy + vocab.json, written atomically, vocab.json last as
 the completion marker); later runs only read that cache. The archive is downloaded only when
 the cache is missing and the zip is not already in `data_dir`.
@@ -12,6 +13,7 @@ Optional `config.data` fields (a hand-built config.data may lack them; defaults 
 """
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import zipfile
@@ -52,7 +54,8 @@ CORPORA = {
         "wikitext-103-v1.zip",
         tuple(f"wikitext-103/wiki.{s}.tokens" for s in prepare.SPLITS)),
 }
-DATASETS = tuple(CORPORA) + ("file", "synthetic", "cifar10")
+DEMO = "enwik8_head"  # the corpus packaged in span_lm/data/demo (no download, no path)
+DATASETS = tuple(CORPORA) + (DEMO, "file", "synthetic", "cifar10")
 
 
 def _get(cfg, key, default):
@@ -200,7 +203,21 @@ def file_splits(path, split_fractions=(0.9, 0.05, 0.05), split_bytes=(),
   raw = np.fromfile(path, dtype=np.uint8)
   if not raw.size:
     raise ValueError(f"data file {path} is empty")
-  a, b, c = split_offsets(raw.size, split_fractions, split_bytes)
+  return _byte_splits(raw, split_offsets(raw.size, split_fractions, split_bytes), vocab,
+                      name=f"file:{path.name}")
+
+
+def demo_splits(vocab: str = "reference", split_bytes=()) -> Splits:
+  """The packaged head of enwik8 (span_lm/data/demo), split at split_bytes (train_end,
+  valid_end), by default demo.SPLIT_BYTES: 3,654,000 / 250,000 / 250,000 bytes."""
+  from span_lm.data import demo  # pylint: disable=g-import-not-at-top
+  raw = demo.as_array()
+  return _byte_splits(raw, split_offsets(raw.size, split_bytes=tuple(split_bytes) or
+                                         demo.SPLIT_BYTES), vocab, name=DEMO)
+
+
+def _byte_splits(raw: np.ndarray, offsets, vocab: str, name: str) -> Splits:
+  a, b, c = offsets
   parts = raw[:a], raw[a:b], raw[b:c]
   if vocab == "reference":
     tok = prepare.tokenize_enwik8(*parts)
@@ -208,7 +225,54 @@ def file_splits(path, split_fractions=(0.9, 0.05, 0.05), split_bytes=(),
     tok = Splits(*parts, vocab=tuple(str(i) for i in range(256)))
   else:
     raise ValueError(f"file_vocab={vocab!r}: choose reference | bytes")
-  return Splits(tok.train, tok.valid, tok.test, tok.vocab, name=f"file:{path.name}")
+  return Splits(tok.train, tok.valid, tok.test, tok.vocab, name=name)
+
+
+def split_needs(block: int, batch: int, eval_batch: int) -> dict[str, int]:
+  """Tokens each split must hold: train and valid feed B streams of one block (plus its target)
+  during training; test is read only by the full evaluation."""
+  return {"train": batch * (block + 1), "valid": batch * (block + 1), "test": eval_batch * 2}
+
+
+def min_file_bytes(block: int, batch: int, eval_batch: int,
+                   split_fractions=(0.9, 0.05, 0.05), split_bytes=()) -> int | None:
+  """The smallest raw file whose splits are long enough for one batch (None: no size is, since
+  split_bytes fixes a train or valid split that is too short). A byte is at least one token."""
+  need = split_needs(block, batch, eval_batch)
+  if len(split_bytes):
+    a, b = (int(x) for x in split_bytes)
+    if a < need["train"] or b - a < need["valid"]:
+      return None
+    return b + need["test"]
+  f = tuple(float(x) for x in split_fractions)
+  if len(f) != 3 or min(f) <= 0:
+    return None
+  n = max(math.ceil(need[s] / fs) for s, fs in zip(prepare.SPLITS, f))
+  while True:  # rounding of the offsets: step up to the first size that holds every split
+    try:
+      a, b, c = split_offsets(n, f)
+    except ValueError:
+      a = b = c = 0
+    if a >= need["train"] and b - a >= need["valid"] and c - b >= need["test"]:
+      return n
+    n += 1
+
+
+def check_file_size(path, block: int, batch: int, eval_batch: int,
+                    split_fractions=(0.9, 0.05, 0.05), split_bytes=()) -> None:
+  """One clear line when a local file is too small for the configured batches."""
+  size = os.path.getsize(path)
+  need = min_file_bytes(block, batch, eval_batch, split_fractions, split_bytes)
+  per = f"data.batch={batch} streams of data.block+1={block + 1} tokens"
+  if need is None:
+    raise ValueError(f"config.data.split_bytes={tuple(split_bytes)}: the train and valid splits "
+                     f"must each hold {batch * (block + 1):,} bytes ({per})")
+  if size < need:
+    how = (f"data.split_bytes={tuple(split_bytes)}" if len(split_bytes)
+           else f"data.split_fractions={tuple(split_fractions)}")
+    raise ValueError(f"config.data.path={str(path)!r}: {size:,} bytes, but this config needs a "
+                     f"file of at least {need:,} bytes (train and valid splits of {per} each, "
+                     f"at {how}); use a larger file or a smaller data.block/data.batch")
 
 
 # ------------------------------------------------------------------------------------- synthetic
@@ -272,9 +336,7 @@ def synthetic_splits(length=2_000_000, vocab=16, distance=64, noise=0.1, seed=0,
 
 def check_lengths(splits: Splits, block: int, batch: int, eval_batch: int) -> None:
   """Clear errors for splits too short for the configured streams and block."""
-  # train and valid feed B streams of blocks during training; test only the full evaluation.
-  need = {"train": batch * (block + 1), "valid": batch * (block + 1), "test": eval_batch * 2}
-  for s, n in need.items():
+  for s, n in split_needs(block, batch, eval_batch).items():
     have = splits.split(s).size
     if have < n:
       raise ValueError(
@@ -288,11 +350,17 @@ def load_splits(data_cfg, *, allow_download: bool = True) -> Splits:
   path = _get(data_cfg, "path", None)
   dataset = _get(data_cfg, "dataset", "enwik8")
   fractions = tuple(_get(data_cfg, "split_fractions", (0.9, 0.05, 0.05)))
+  block, batch, eval_batch = (_get(data_cfg, k, 1) for k in ("block", "batch", "eval_batch"))
   if path is not None:
-    splits = file_splits(path, fractions, tuple(_get(data_cfg, "split_bytes", ())),
-                         _get(data_cfg, "file_vocab", "reference"))
+    split_bytes = tuple(_get(data_cfg, "split_bytes", ()))
+    if os.path.isfile(path):
+      check_file_size(path, block, batch, eval_batch, fractions, split_bytes)
+    splits = file_splits(path, fractions, split_bytes, _get(data_cfg, "file_vocab", "reference"))
   elif dataset == "file":
     raise ValueError("data.dataset='file' needs data.path, the raw file to read")
+  elif dataset == DEMO:
+    splits = demo_splits(_get(data_cfg, "file_vocab", "reference"),
+                         tuple(_get(data_cfg, "split_bytes", ())))
   elif dataset == "synthetic":
     splits = synthetic_splits(
         _get(data_cfg, "synthetic_length", 2_000_000), _get(data_cfg, "synthetic_vocab", 16),
@@ -306,6 +374,5 @@ def load_splits(data_cfg, *, allow_download: bool = True) -> Splits:
                            _get(data_cfg, "vocab_order", "auto"), allow_download)
   else:
     raise ValueError(f"data.dataset={dataset!r}: choose one of {DATASETS}")
-  check_lengths(splits, _get(data_cfg, "block", 1), _get(data_cfg, "batch", 1),
-                _get(data_cfg, "eval_batch", 1))
+  check_lengths(splits, block, batch, eval_batch)
   return splits
