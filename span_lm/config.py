@@ -51,7 +51,7 @@ def base_config() -> ml_collections.ConfigDict:
                            if f.default is not dataclasses.MISSING}})
 
   c.data = d = ml_collections.ConfigDict()
-  d.dataset = "enwik8"  # enwik8 | text8 | wikitext103 | enwik8_head (packaged) | file | synthetic | cifar10
+  d.dataset = "enwik8"  # enwik8 | text8 | wikitext103 | enwik8_head | file | synthetic | cifar10
   d.data_dir = "data_cache"
   d.path = config_dict.placeholder(str)  # local raw file; overrides dataset when set
   d.split_fractions = (0.9, 0.05, 0.05)  # train/valid/test fractions for a local file
