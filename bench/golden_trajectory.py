@@ -163,7 +163,7 @@ def save_checkpoint_files(torch, refmods, tokens, out_dir: str) -> None:
     expected[f"{case}/iter_no"] = np.asarray(state["iter_no"])
     expected[f"{case}/scheduler_iter"] = np.asarray(state["scheduler_iter"])
     expected[f"{case}/logger"] = np.asarray(json.dumps(state["logger"]))
-  np.savez(os.path.join(out_dir, "expected.npz"), **expected)
+  np.savez_compressed(os.path.join(out_dir, "expected.npz"), **expected)
 
 
 def main():
@@ -229,7 +229,8 @@ def main():
             f" |d span| f32 vs f64 step 1 {ds[0].max():.2e}, max {ds.max():.2e}; cache lengths "
             f"{r32['cache_len'][-1].astype(int).tolist()}")
   np.savez_compressed(os.path.join(args.out, "trajectories.npz"), **fixture)
-  save_checkpoint_files(torch, refmods, tokens[:, :400], os.path.join(args.out, "torch_files"))
+  save_checkpoint_files(torch, refmods, tokens[:, :400] % 16,  # a 16-token vocabulary: KBs
+                        os.path.join(args.out, "torch_files"))
   for root, _, files in os.walk(args.out):
     for f in sorted(files):
       print(f"{os.path.join(root, f)}: {os.path.getsize(os.path.join(root, f)):,} bytes")
