@@ -47,6 +47,56 @@ def soft_mask(z, distance, ramp):
   return np.clip((ramp + z - (distance - 1.0)) / ramp, 0.0, 1.0)
 
 
+def clamp_slope(x):
+  """d clip(x, 0, 1) / dx as the reference's torch.clamp defines it: 1 on the closed interval."""
+  return ((x >= 0.0) & (x <= 1.0)).astype(np.float64)
+
+
+def banded_attention(q, k, v, pe, z, ramp, pers_k=None, pers_v=None, ct=None):
+  """One head group's attention over the W distances before each query, from the equations.
+
+  q (B, H, M, Dh); k, v (B, H, W + M, Dh): query i is key W + i and sees key t at distance
+  d = W + i - t in [1, W]; pe (Dh, W), column W - d for distance d; z spans in tokens,
+  broadcastable to (B, H, M), or None (fixed); pers_k (H, Dh, N), pers_v (H, N, Dh) already
+  scaled. Returns out (B, H, M, Dh) and, given ct (like out), d sum(out * ct) / dz (B, H, M)
+  with the clamp's derivative as torch.clamp's (`clamp_slope`).
+  """
+  q, k, v, pe = (np.asarray(a, np.float64) for a in (q, k, v, pe))
+  b, h, m, dh = q.shape
+  w = pe.shape[-1]
+  t = w + m
+  dist = (w + np.arange(m))[:, None] - np.arange(t)[None, :]  # (M, T)
+  allowed = (dist >= 1) & (dist <= w)
+  pe_k = pe[:, np.clip(w - dist, 0, w - 1)]  # (Dh, M, T)
+  logits = np.einsum("bhmd,bhtd->bhmt", q, k) + np.einsum("bhmd,dmt->bhmt", q, pe_k)
+  logits = np.where(allowed, logits, -np.inf) / np.sqrt(dh)
+  n = 0 if pers_k is None else pers_k.shape[-1]
+  if n:
+    logits = np.concatenate([logits, np.einsum("bhmd,hdn->bhmn", q, pers_k) / np.sqrt(dh)], -1)
+  e = softmax(logits)
+  e_ctx, e_pers = e[..., :t], e[..., t:]
+  if z is None:
+    a, tot, u = e, None, None
+  else:
+    z = np.broadcast_to(np.asarray(z, np.float64), (b, h, m))
+    u = (ramp + z[..., None] - (dist - 1.0)) / ramp
+    tot = (e_ctx * np.clip(u, 0.0, 1.0) * allowed).sum(-1, keepdims=True)
+    tot = tot + e_pers.sum(-1, keepdims=True) + RENORM_EPS
+    a = np.concatenate([e_ctx * np.clip(u, 0.0, 1.0) * allowed, e_pers], -1) / tot
+  out = np.einsum("bhmt,bhtd->bhmd", a[..., :t], v)
+  if n:
+    out = out + np.einsum("bhmn,hnd->bhmd", a[..., t:], pers_v)
+  if ct is None or z is None:
+    return out, None
+  ct = np.asarray(ct, np.float64)
+  g_a = np.einsum("bhmd,bhtd->bhmt", ct, v)
+  if n:
+    g_a = np.concatenate([g_a, np.einsum("bhmd,hnd->bhmn", ct, pers_v)], -1)
+  delta = (g_a * a).sum(-1, keepdims=True)
+  d_mask = e_ctx / tot * (g_a[..., :t] - delta)  # a = e m / (sum e m + sum e_pers + eps)
+  return out, (d_mask * clamp_slope(u) * allowed).sum(-1) / ramp
+
+
 def sigmoid(x):
   return 1.0 / (1.0 + np.exp(-x))
 

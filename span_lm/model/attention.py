@@ -326,7 +326,7 @@ def _key_mask(z, ramp: int, c: int, w: int):
   transpose and is computed once (mixed layer, S = 8192: 0.673-0.679 against 0.686-0.697 s), and
   so do per-query (dynamic) spans, whose mask is as large as the scores either way. A custom VJP
   so that autodiff saves no (G, C, W + C) clip residuals: the backward recomputes the ramp."""
-  return jnp.where(_on_band(c, w), jnp.clip(_key_ramp(z, ramp, c, w), 0.0, 1.0), 0.0)
+  return jnp.where(_on_band(c, w), spans_lib.clamp01(_key_ramp(z, ramp, c, w)), 0.0)
 
 
 def _key_mask_fwd(z, ramp, c, w):
@@ -335,8 +335,7 @@ def _key_mask_fwd(z, ramp, c, w):
 
 def _key_mask_bwd(ramp, c, w, z, g):
   x = _key_ramp(z, ramp, c, w)
-  # jnp.clip's derivative, as autodiff of the band mask gives it: 1 inside, 1/2 at either end.
-  slope = jnp.where((x > 0) & (x < 1), 1.0, jnp.where((x == 0) | (x == 1), 0.5, 0.0))
+  slope = spans_lib.clamp01_slope(x)  # as autodiff of the band mask gives it
   on = jnp.asarray(_on_band(c, w))[None, None, None]
   return (jnp.sum(jnp.where(on, g * slope, 0.0), axis=(3, 4), keepdims=True) / ramp,)
 

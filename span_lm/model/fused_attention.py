@@ -8,8 +8,8 @@ changes changes the work done, not the compiled program.
 
 Tiles: keys are the last T = W + M positions (window + block); the query at block row i sits at
 key index W + i and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor(z_i) + R + 1)
-(every distance with a non-zero mask, plus the clamp's boundary, where jnp.clip's gradient is
-1/2). The relative-position term q_i . pe[:, W - d] is Toeplitz in a tile: one matmul gives
+(every distance with a non-zero mask, plus the clamp's lower end, where the mask is 0 but its
+derivative is 1, as torch.clamp's). The relative-position term q_i . pe[:, W - d] is Toeplitz in a tile: one matmul gives
 G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
 read pos[r, c] = G[r, bq - r + c] through a per-program scratch buffer (Triton has no register
 shuffle for it). The backward pass reads ds back the other way for the position gradient.
@@ -33,6 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 import jax.numpy as jnp
 import numpy as np
+
+from span_lm.model import spans
 
 NEG = -1e30
 
@@ -110,7 +112,7 @@ def _tile_dropout(seed, bh, t0, i0, *, bq, bk, n_rows, n_keys, rate):
 
 
 def _mask_value(z, dist, ramp):
-  return jnp.clip((ramp + z[:, None] - (dist - 1)) / ramp, 0.0, 1.0)
+  return spans.soft_mask(z[:, None], dist, ramp)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, o_ref, mx_ref,
@@ -186,11 +188,10 @@ def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, see
   gv = gv - delta[:, None]
   dz = None
   if has_mask:
-    u = (ramp + z[:, None] - (dist - 1)) / ramp
-    a = p * jnp.clip(u, 0.0, 1.0)
+    u = spans.soft_mask_ramp(z[:, None], dist, ramp)
+    a = p * spans.clamp01(u)
     dl = a * gv - eps * p * delta[:, None]
-    # d clip(u)/du as jnp.clip differentiates: 1 inside, 1/2 on a boundary, 0 outside.
-    du = jnp.where((u > 0) & (u < 1), 1.0, jnp.where((u == 0) | (u == 1), 0.5, 0.0))
+    du = spans.clamp01_slope(u)
     dz = jnp.sum(p * gv * du, axis=1) / ramp
   else:
     a = p

@@ -25,7 +25,26 @@ from span_lm.model.config import ModelConfig
 
 def soft_mask(z, distance, ramp):
   """m_z(d) = clamp((R + z - (d - 1)) / R, 0, 1); z and distance broadcast."""
-  return jnp.clip(soft_mask_ramp(z, distance, ramp), 0.0, 1.0)
+  return clamp01(soft_mask_ramp(z, distance, ramp))
+
+
+@jax.custom_jvp
+def clamp01(x):
+  """clip(x, 0, 1) differentiated as the reference's torch.clamp: slope 1 on the closed interval
+  [0, 1] (jnp.clip's is 1/2 at either end). Whole-token spans, z' = 0 included, sit on the ends."""
+  return jnp.clip(x, 0.0, 1.0)
+
+
+def clamp01_slope(x):
+  """d clamp01(x) / dx: 1 where 0 <= x <= 1, else 0 (for backward passes written by hand)."""
+  return jnp.where((x >= 0) & (x <= 1), 1.0, 0.0).astype(x.dtype)
+
+
+@clamp01.defjvp
+def _clamp01_jvp(primals, tangents):
+  x, = primals
+  t, = tangents
+  return clamp01(x), t * clamp01_slope(x)
 
 
 def soft_mask_ramp(z, distance, ramp):
