@@ -50,11 +50,9 @@ def tokens_from(path: str, batch: int, length: int) -> tuple[np.ndarray, int]:
   """(batch, length) ids of the file's first bytes, reference batching (contiguous rows), ids in
   order of first appearance (the reference's vocabulary order; newline is just one more id)."""
   raw = np.frombuffer(open(path, "rb").read(batch * length), np.uint8)
-  ids, order = {}, []
+  ids = {}
   for b in raw.tolist():
-    if b not in ids:
-      ids[b] = len(ids)
-      order.append(b)
+    ids.setdefault(b, len(ids))
   return np.asarray([ids[b] for b in raw.tolist()], np.uint8).reshape(batch, length), len(ids)
 
 
@@ -117,8 +115,9 @@ def run(torch, refmods, case: str, init_sd, tokens: np.ndarray, steps: int, dtyp
     out["lr"].append(optimizer.param_groups[0]["lr"])
     out["cache_len"].append(cache_len)
     if adaptive:
-      out["span_ratio"].append([np.array(l.attn.attn.adaptive_span._mask.current_val.detach(),  # pylint: disable=protected-access
-                                         np.float64).reshape(-1) for l in layers])
+      # pylint: disable-next=protected-access
+      z = [l.attn.attn.adaptive_span._mask.current_val for l in layers]
+      out["span_ratio"].append([np.array(v.detach(), np.float64).reshape(-1) for v in z])
   res = {k: np.asarray(v, np.float64) for k, v in out.items()}
   res["missing_from_init"] = missing
   return res
@@ -225,7 +224,8 @@ def main():
           f"{[int(np.argmax(v > 1e-4)) + 1 if (v > 1e-4).any() else None for v in spread]}")
     if "span_ratio" in r32:
       ds = np.abs(r32["span_ratio"] - r64["span_ratio"]) * SHAPES["span"]
-      print(f"{case}: spans (tokens) after the last step {np.round(r32['span_ratio'][-1] * SHAPES['span'], 1).tolist()};"
+      last = np.round(r32["span_ratio"][-1] * SHAPES["span"], 1).tolist()
+      print(f"{case}: spans (tokens) after the last step {last};"
             f" |d span| f32 vs f64 step 1 {ds[0].max():.2e}, max {ds.max():.2e}; cache lengths "
             f"{r32['cache_len'][-1].astype(int).tolist()}")
   np.savez_compressed(os.path.join(args.out, "trajectories.npz"), **fixture)

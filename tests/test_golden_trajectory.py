@@ -9,10 +9,10 @@ times the reference's own rounding spread: the largest difference from its float
 float64 run and of float32 reruns from weights one ulp off (the running maximum up to that step,
 with a floor of a few float32 ulps). The tolerance is measured, not guessed: Adagrad amplifies
 rounding (its first steps are lr * sign(g)), so after 15-40 steps the reference's own reruns
-differ by 1e-4..3e-2 in the loss, and from there on only that envelope is checked. Spans start at z' = 0,
-on the ramp's ends, so the soft mask's derivative there decides the first step (torch.clamp
-passes the gradient at both ends; a 1/2 there moves spans by ~0.9 tokens at step 1, against a
-spread of ~1e-7).
+differ by 1e-4..3e-2 in the loss, and from there on only that envelope is checked. Spans start
+at z' = 0, on the ramp's ends, so the soft mask's derivative there decides the first step
+(torch.clamp passes the gradient at both ends; a 1/2 there moves spans by ~0.9 tokens at step 1,
+against a spread of ~1e-7).
 """
 import collections
 import functools

@@ -351,7 +351,7 @@ def test_main_import_refuses_other_vocabulary(tmp_path):
   assert not os.listdir(tmp_path / "run" / "checkpoints")
 
 
-# ------------------------------------------- committed files written by torch.save itself (no torch)
+# ----------------------------------------- committed files written by torch.save itself (no torch)
 # bench/golden_trajectory.py wrote these with torch 2.13 through the reference's own
 # utils.save_checkpoint (zip) and torch.save(..., _use_new_zipfile_serialization=False) (legacy),
 # after 3 Adagrad steps of a 1-layer model; expected.npz holds their tensors as numpy arrays.
@@ -369,7 +369,8 @@ def test_reads_real_torch_save_files(case, fmt):
   obj = torch_format.load(TORCH_FILES / f"{case}_{fmt}.pt", allow_torch=False)
   exp = _expected(case)
   assert set(obj) == {"iter_no", "model", "optimizer", "logger", "scheduler_iter"}
-  assert obj["iter_no"] == int(exp["iter_no"]) and obj["scheduler_iter"] == int(exp["scheduler_iter"])
+  assert obj["iter_no"] == int(exp["iter_no"])
+  assert obj["scheduler_iter"] == int(exp["scheduler_iter"])
   assert obj["logger"] == json.loads(str(exp["logger"]))
   model_keys = [k[len("model/"):] for k in exp if k.startswith("model/")]
   assert list(obj["model"]) == model_keys and model_keys[0].startswith("module.")
