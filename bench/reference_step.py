@@ -2,8 +2,10 @@
 timed on this machine, so that span_lm's speed-ups are ratios measured side by side rather than
 against times quoted for another CPU.
 
-Needs PyTorch and a checkout of the reference (its models.py, adaptive_span.py,
-adagrad_with_grad_clip.py, persistent_memory.py, adaptive_io.py), neither of which span_lm ships:
+Needs PyTorch and an unmodified checkout of the reference at 27b815f (its models.py,
+adaptive_span.py, adagrad_with_grad_clip.py, persistent_memory.py, adaptive_io.py), neither of which
+span_lm ships. Those files' sha256 are checked against REFERENCE_SHA256 below before anything is
+timed, so a ratio quoted against "the reference" is against its own code:
 
   pip install torch  # in any environment; span_lm itself is not imported here
   python bench/reference_step.py --reference_dir ~/src/adaptive-span --cases short fixed --reps 20
@@ -32,6 +34,7 @@ Cases:
 """
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -41,15 +44,48 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# sha256 of the files the reference's model and optimizer import, at facebookresearch/adaptive-span
+# 27b815f (its last commit).
+REFERENCE_SHA256 = {
+    "models.py": "4b01248b5c32e369d6b83c79617834102eb8867bf7c28bc7c250f733be619eb5",
+    "adaptive_span.py": "94d8ab52f88b879272f7975dd079fabf932ca314bbdbbaf38730c85db68d5280",
+    "adagrad_with_grad_clip.py": "ff346e62d51933775e281857d2634f3f51c9172cf615deeef36bb3af8a6cbea2",
+    "persistent_memory.py": "988b780106e6fb03091dc1af94ae559310fbe18c959a855a8375c350e9d958ee",
+    "adaptive_io.py": "15dc896d303609d66633cbc4d0afb74fd8405c6fbd338bb8d0de491da7e305bc",
+    # its trainer and optimizer factory (bench/golden_trajectory.py runs them)
+    "trainer.py": "6ba154689bc98cc1ea59c51d488ae2d839e813534f9977763353ba5aa8d0a421",
+    "utils.py": "75777c92ce788bfb90dd393805915372a392ab7335924f3f268a26740bca9689",
+}
+MODEL_FILES = ("models.py", "adaptive_span.py", "adagrad_with_grad_clip.py", "persistent_memory.py",
+               "adaptive_io.py")
+
+
+def check_reference(reference_dir: str, files=MODEL_FILES) -> None:
+  """Exits with one line unless reference_dir holds the reference's own files (27b815f)."""
+  if not os.path.isfile(os.path.join(reference_dir, "models.py")):
+    raise SystemExit(f"--reference_dir {reference_dir!r} has no models.py: "
+                     "it must be a checkout of facebookresearch/adaptive-span")
+  for name in files:
+    path = os.path.join(reference_dir, name)
+    digest = None
+    if os.path.isfile(path):
+      with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if digest != REFERENCE_SHA256[name]:
+      what = "missing" if digest is None else f"modified (sha256 {digest[:12]}...)"
+      raise SystemExit(f"--reference_dir {reference_dir!r}: {name} is {what}; the comparison needs "
+                       "an unmodified checkout of facebookresearch/adaptive-span at 27b815f")
+
 
 def measure(reference_dir: str, case: str, reps: int, warmup: int = 3, batch: int = 16,
             block: int = 128, span: int = 1024, short_span: int = 64, seed: int = 0,
             flush_denormal: bool = True) -> dict:
   """Median and fastest seconds per training step of the reference model."""
+  check_reference(reference_dir)
   sys.path.insert(0, os.path.abspath(reference_dir))
   import torch  # pylint: disable=g-import-not-at-top
   import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
-  from adagrad_with_grad_clip import Adagrad  # pylint: disable=g-import-not-at-top
+  from adagrad_with_grad_clip import AdagradWithGradClip  # pylint: disable=g-import-not-at-top
   from models import TransformerSeq  # pylint: disable=g-import-not-at-top
 
   torch.manual_seed(seed)
@@ -69,7 +105,7 @@ def measure(reference_dir: str, case: str, reps: int, warmup: int = 3, batch: in
       for layer in model.layers:
         layer.attn.attn.adaptive_span._mask.current_val.fill_(z)
   model.train()
-  optimizer = Adagrad(model.parameters(), lr=0.07, grad_clip=0.03)
+  optimizer = AdagradWithGradClip(model.parameters(), lr=0.07, grad_clip=0.03)
   x = torch.randint(0, 205, (batch, block))
   y = torch.randint(0, 205, (batch, block))
   caches = [torch.randn(batch, layer.attn.attn.get_cache_size(), 256) for layer in model.layers]
@@ -123,9 +159,7 @@ def main():
     sys.path.insert(0, REPO)
     from span_lm.train import host_memory  # pylint: disable=g-import-not-at-top
     host_memory.keep_freed_memory()
-  if not os.path.isfile(os.path.join(args.reference_dir, "models.py")):
-    raise SystemExit(f"--reference_dir {args.reference_dir!r} has no models.py: "
-                     "it must be a checkout of facebookresearch/adaptive-span")
+  check_reference(args.reference_dir)
   if args.threads:
     import torch  # pylint: disable=g-import-not-at-top
     torch.set_num_threads(args.threads)

@@ -14,3 +14,14 @@ def test_refuses_a_directory_that_is_not_the_reference(tmp_path):
   assert out.returncode != 0
   assert "has no models.py" in out.stderr and "facebookresearch/adaptive-span" in out.stderr
   assert "Traceback" not in out.stderr  # a clear message, not a crash in torch's import
+
+
+def test_refuses_a_modified_reference(tmp_path):
+  """Ratios are quoted against the reference's own code: a changed file is refused in one line."""
+  (tmp_path / "models.py").write_text("# not the reference's models.py\n")
+  out = subprocess.run([sys.executable, os.path.join(REPO, "bench", "reference_step.py"),
+                        "--reference_dir", str(tmp_path)], capture_output=True, text=True,
+                       cwd=REPO, timeout=120)
+  assert out.returncode != 0
+  assert "models.py is modified" in out.stderr and "27b815f" in out.stderr
+  assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -7,7 +7,9 @@ torch-free writer otherwise, so CI without torch still tests the mapping. The im
 checked against the independent numpy forward pass of tests/reference_numpy.py.
 """
 import collections
+import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -347,3 +349,92 @@ def test_main_import_refuses_other_vocabulary(tmp_path):
   with pytest.raises(ValueError, match="vocabulary has 12 tokens"):
     cli.run(_config(tmp_path, "import", import_from=src))
   assert not os.listdir(tmp_path / "run" / "checkpoints")
+
+
+# ----------------------------------------- committed files written by torch.save itself (no torch)
+# bench/golden_trajectory.py wrote these with torch 2.13 through the reference's own
+# utils.save_checkpoint (zip) and torch.save(..., _use_new_zipfile_serialization=False) (legacy),
+# after 3 Adagrad steps of a 1-layer model; expected.npz holds their tensors as numpy arrays.
+TORCH_FILES = pathlib.Path(__file__).resolve().parent / "fixtures" / "golden" / "torch_files"
+
+
+def _expected(case):
+  f = np.load(TORCH_FILES / "expected.npz")
+  return {k[len(case) + 1:]: f[k] for k in f.files if k.startswith(case + "/")}
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+@pytest.mark.parametrize("case", ["adaptive", "pers"])
+def test_reads_real_torch_save_files(case, fmt):
+  obj = torch_format.load(TORCH_FILES / f"{case}_{fmt}.pt", allow_torch=False)
+  exp = _expected(case)
+  assert set(obj) == {"iter_no", "model", "optimizer", "logger", "scheduler_iter"}
+  assert obj["iter_no"] == int(exp["iter_no"])
+  assert obj["scheduler_iter"] == int(exp["scheduler_iter"])
+  assert obj["logger"] == json.loads(str(exp["logger"]))
+  model_keys = [k[len("model/"):] for k in exp if k.startswith("model/")]
+  assert list(obj["model"]) == model_keys and model_keys[0].startswith("module.")
+  for k in model_keys:
+    assert obj["model"][k].dtype == np.float32
+    np.testing.assert_array_equal(obj["model"][k], exp["model/" + k])
+  state = obj["optimizer"]["state"]
+  assert sorted(state) == list(range(len(state))) == obj["optimizer"]["param_groups"][0]["params"]
+  for i, st in state.items():
+    np.testing.assert_array_equal(st["sum"], exp[f"optimizer/{i}/sum"])
+    assert float(st["step"]) == float(exp[f"optimizer/{i}/step"]) == 3.0
+  assert obj["optimizer"]["param_groups"][0]["grad_clip"] == 0.03
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+@pytest.mark.parametrize("case", ["adaptive", "pers"])
+def test_real_torch_files_import_and_export_round_trip(tmp_path, case, fmt):
+  """Importer: shapes, order and optimizer buffers of torch's own files; exporter: writes the
+  same checkpoint back (same format), which reads back equal to the torch-written original."""
+  path = TORCH_FILES / f"{case}_{fmt}.pt"
+  original = torch_format.load(path, allow_torch=False)
+  sd, opt_sd, rest = rc.read(path)
+  found = rc.infer_model(sd)
+  assert found["pers_mem"] == (4 if case == "pers" else 0) and found["span_mode"] == "adaptive"
+  cfg = make_cfg(**{k: v for k, v in found.items() if k in ("vocab_size", "d_model", "n_layers",
+                                                          "n_heads", "d_ff", "span", "pers_mem")},
+                 ramp=8)
+  rc.check_fits(sd, cfg)  # includes: the state_dict lists parameters in torch's order
+  params = rc.to_span_lm(sd, cfg)
+  attn = params["layers_0"]["attn"]
+  np.testing.assert_array_equal(
+      attn["span_ratio"], sd["layers.0.attn.attn.adaptive_span._mask.current_val"].reshape(-1))
+  kind, step, bufs = rc.optimizer_buffers(opt_sd, cfg, params)
+  assert (kind, step) == ("adagrad", 3)
+  optim_cfg = config_lib.load_config("configs/tiny.py").optim
+  optim_cfg.update(name="adagrad", lr=0.07, grad_clip=0.03, warmup=4)
+  tx, _ = optimizer_lib.make_optimizer(optim_cfg)
+  opt_state = rc.fill_opt_state(jax.device_get(tx.init(params)), kind, step, bufs)
+
+  model = rc.to_reference(params, cfg)
+  optimizer = rc.reference_optimizer(opt_state, cfg, optim_cfg)
+  out = tmp_path / f"export_{fmt}.pt"
+  torch_format.save({"iter_no": rest["iter_no"], "model": model, "optimizer": optimizer,
+                     "logger": rest["logger"], "scheduler_iter": rest["scheduler_iter"]},
+                    out, legacy=fmt == "legacy")
+  back = torch_format.load(out, allow_torch=False)
+  assert set(back) == set(original)
+  assert list(back["model"]) == list(original["model"])
+  for k, v in original["model"].items():
+    if k.endswith("mask_template"):  # a buffer, recomputed (np.linspace vs torch.linspace)
+      np.testing.assert_allclose(back["model"][k], v, rtol=0, atol=1e-5)
+    else:
+      np.testing.assert_array_equal(back["model"][k], v)
+  assert sorted(back["optimizer"]["state"]) == sorted(original["optimizer"]["state"])
+  for i, st in original["optimizer"]["state"].items():
+    np.testing.assert_array_equal(back["optimizer"]["state"][i]["sum"], st["sum"])
+    assert float(back["optimizer"]["state"][i]["step"]) == float(st["step"])
+  g, g0 = back["optimizer"]["param_groups"][0], original["optimizer"]["param_groups"][0]
+  for k in ("params", "initial_lr", "grad_clip", "lr_decay", "weight_decay",
+            "initial_accumulator_value"):
+    assert g[k] == g0[k], k
+  assert back["logger"] == original["logger"] and back["iter_no"] == original["iter_no"]
+  if fmt == "legacy":  # the same container: the legacy stream's magic number first
+    assert out.read_bytes()[:12] == path.read_bytes()[:12]
+  else:
+    import zipfile  # pylint: disable=g-import-not-at-top
+    assert zipfile.is_zipfile(out) and zipfile.is_zipfile(path)
