@@ -24,10 +24,12 @@ import ml_collections
 import numpy as np
 import pytest
 
-from span_lm.model import spans as spans_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.tools import reference_checkpoint as rc
 from span_lm.train import optimizer as optimizer_lib
+from span_lm.train import planner as planner_lib
 from span_lm.train import steps as steps_lib
 
 GOLDEN = pathlib.Path(__file__).resolve().parent / "fixtures" / "golden"
@@ -73,14 +75,14 @@ def span_lm_trajectory(case: str) -> dict[str, np.ndarray]:
   cfg = model_cfg(case, int(tokens.max()) + 1)
   tx, schedule = optimizer_lib.make_optimizer(ml_collections.ConfigDict(
       {"name": "adagrad", "lr": s["lr"], "grad_clip": s["grad_clip"], "warmup": s["warmup"]}))
-  planner = spans_lib.SpanPlanner(cfg)
+  planner = planner_lib.SpanPlanner(cfg)
   params = jax.tree.map(jax.numpy.asarray, imported_params(case, cfg))
-  spans_lib.check_plan(cfg, params, planner.plan)
+  plan_lib.check_plan(cfg, params, planner.plan)
   batch_size, block = tokens.shape[0], s["block"]
   state = {"step": jax.numpy.zeros((), jax.numpy.int32), "params": params,
            "opt_state": tx.init(params), "rng": jax.random.key_data(jax.random.key(0)),
-           "caches": spans_lib.init_caches(cfg, planner.plan, batch_size),
-           "eval_caches": spans_lib.init_caches(cfg, planner.plan, batch_size)}
+           "caches": caches_lib.init_caches(cfg, planner.plan, batch_size),
+           "eval_caches": caches_lib.init_caches(cfg, planner.plan, batch_size)}
   compiled = {}
   out = collections.defaultdict(list)
   for k in range(int(fx["steps"])):
@@ -98,7 +100,7 @@ def span_lm_trajectory(case: str) -> dict[str, np.ndarray]:
       ratios = np.asarray(m["span_ratio"], np.float64).reshape(cfg.n_layers, cfg.n_heads)
       out["span_ratio"].append(ratios)
       if planner.update(list(ratios), k + 1):  # as span_lm's loop: re-plan, refit the caches
-        state = dict(state, caches=spans_lib.resize_caches(state["caches"], cfg, planner.plan))
+        state = dict(state, caches=caches_lib.resize_caches(state["caches"], cfg, planner.plan))
   out = {k: np.asarray(v) for k, v in out.items()}
   out["plans"] = len(compiled)
   return out
