@@ -19,13 +19,13 @@ loss, backward, its Adagrad with per-tensor step-size clipping, clamp the span p
 Shapes as bench/train_step.py: 4 layers, D=256, 4 heads, FF 1024, block 128, batch 16, S=1024,
 ramp 32, vocab 205, dropout 0, float32 (the reference has no mixed precision).
 
-Two settings make the comparison fair, both on by default:
+Two settings make the comparison fair (the first on by default; the second follows span_lm's):
 - Denormals flushed to zero (`torch.set_flush_denormal(True)`), as XLA:CPU runs: with random
   caches the reference's fixed-span backward produces denormal floats, and PyTorch, which keeps
   them by default, then took 3.0-5.6 s per step instead of 0.80-0.92 s on the 2-core CPU
   (`--keep_denormals` to see it).
-- glibc malloc with one arena and no trimming (span_lm/train/host_memory.py,
-  what span_lm's own benchmarks and `main.py` apply on CPU hosts; `--system_malloc` to compare).
+- glibc malloc as span_lm's run uses it: glibc's defaults, or `--keep_freed_memory` for
+  span_lm/train/host_memory.py's settings (`bench/train_step.py` passes its own choice on).
 Cases:
   short  adaptive span, every z' at (64 - R) / S (span + ramp = 64, `--short_span`): the
          reference trims each layer to 64 keys and a 128-state cache, as after ~1000 steps of
@@ -151,8 +151,10 @@ def main():
   p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
   p.add_argument("--keep_denormals", action="store_true",
                  help="PyTorch's default: denormal floats computed in full (slow on x86)")
-  p.add_argument("--system_malloc", action="store_true",
-                 help="leave glibc malloc as it is (default: span_lm/train/host_memory.py)")
+  p.add_argument("--keep_freed_memory", dest="system_malloc", action="store_false",
+                 help="span_lm/train/host_memory.py's malloc settings (default: glibc's own)")
+  p.add_argument("--system_malloc", dest="system_malloc", action="store_true", default=True,
+                 help="glibc malloc as it is (the default)")
   p.add_argument("--json", default=None)
   args = p.parse_args()
   if not args.system_malloc:  # before torch allocates anything

@@ -174,8 +174,8 @@ def run_reference(args, case: str) -> dict:
   cmd = [args.reference_python, os.path.join(REPO, "bench", "reference_step.py"),
          "--reference_dir", args.reference_dir, "--cases", case, "--reps", str(args.reps),
          "--short_span", str(args.short_span)]
-  if args.system_malloc:
-    cmd.append("--system_malloc")
+  if not args.system_malloc:
+    cmd.append("--keep_freed_memory")
   with tempfile.NamedTemporaryFile(suffix=".json") as f:
     out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True, cwd=REPO)
     if out.returncode:

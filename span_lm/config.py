@@ -120,11 +120,11 @@ def base_config() -> ml_collections.ConfigDict:
   # divide the batches; only when no accelerator plugin is installed); 1: off. XLA_FLAGS'
   # --xla_force_host_platform_device_count, when set, wins.
   ds.cpu_devices = 0
-  # CPU-only runs: glibc malloc keeps freed heap memory for reuse (one arena, no trim; buffers above
-  # 32 MiB still mmap'd and returned), so steps reuse pages instead of faulting some back in, and
-  # peak resident memory stays at or below glibc's defaults (span_lm/train/host_memory.py,
-  # docs/benchmarks.md). False: glibc's defaults (also kept when JAX already runs in the process).
-  ds.cpu_keep_freed_memory = True
+  # CPU-only runs: True sets glibc malloc to one arena, no trim, mmap above 32 MiB
+  # (span_lm/train/host_memory.py). Off by default: it measured no faster than glibc's defaults
+  # (docs/benchmarks.md, "malloc and peak resident memory"); the faster no-mmap setting raised
+  # peak resident memory, so it was dropped.
+  ds.cpu_keep_freed_memory = False
 
   # Inspecting a run (span_lm/tools): --config.mode=spans | flops | sample, on config.workdir.
   c.tools = tl = ml_collections.ConfigDict()

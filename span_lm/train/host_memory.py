@@ -56,8 +56,10 @@ def keep_freed_memory() -> tuple[bool, str]:
 
 
 def add_flag(parser) -> None:
-  """--system_malloc for the benchmark scripts (argparse), which call keep_freed_memory() unless
-  it is given, as main.py does on CPU hosts."""
-  parser.add_argument("--system_malloc", action="store_true",
-                      help="leave glibc malloc as it is (default: one arena, no trimming, mmap "
-                           "above 32 MiB, as main.py on CPU hosts: span_lm/train/host_memory.py)")
+  """--keep_freed_memory for the benchmark scripts (argparse): opt in to keep_freed_memory(), as
+  main.py does with --config.dist.cpu_keep_freed_memory=True; glibc's defaults otherwise."""
+  parser.add_argument("--keep_freed_memory", dest="system_malloc", action="store_false",
+                      help="one arena, no trimming, mmap above 32 MiB (span_lm/train/host_memory.py;"
+                           " off by default, as in main.py: docs/benchmarks.md)")
+  parser.add_argument("--system_malloc", dest="system_malloc", action="store_true", default=True,
+                      help="glibc malloc as it is (the default)")
