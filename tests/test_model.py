@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import reference_numpy as ref
+from model_helpers import make_cfg, to_jax, to_np
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
@@ -23,19 +24,6 @@ from span_lm.model.transformer import SpanTransformer
 B = 2
 
 
-def make_cfg(**kw):
-  base = dict(vocab_size=11, d_model=16, n_layers=2, n_heads=4, d_ff=24, span=16,
-              span_mode="fixed", ramp=4, span_loss=0.1, pers_mem=0, dropout=0.0)
-  base.update(kw)
-  return ModelConfig(**base)
-
-
-def to_jax(tree):
-  return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)
-
-
-def to_np(tree):
-  return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
 
 
 def shapes(tree):
