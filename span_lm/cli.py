@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import sys
+import traceback
 
 from span_lm import config as config_lib
 from span_lm import run_dir
@@ -120,7 +121,21 @@ class _QuietOrbax(logging.Filter):
   threads); the failure itself reaches the loop as an exception and is reported in one line."""
 
   def filter(self, record):
-    return f"{os.sep}orbax{os.sep}" not in (record.pathname or "")
+    marker = f"{os.sep}orbax{os.sep}"
+    if marker in (record.pathname or ""):
+      return False
+    # asyncio's "Task exception was never retrieved" for an Orbax write task: logged by asyncio
+    # (its own pathname) when the failed task is collected, naming Orbax's coroutine and frames.
+    if record.name == "asyncio":
+      try:
+        text = record.getMessage()
+      except Exception:  # pylint: disable=broad-except
+        text = str(record.msg)
+      tb = record.exc_info[2] if record.exc_info else None
+      frames = traceback.extract_tb(tb) if tb is not None else []
+      if marker in text or any(marker in f.filename for f in frames):
+        return False
+    return True
 
 
 _QUIET = []
@@ -133,7 +148,7 @@ def _quiet_background_errors():
     return
   _QUIET.append(True)
   quiet = _QuietOrbax()
-  for logger in (logging.getLogger(), logging.getLogger("absl")):
+  for logger in (logging.getLogger(), logging.getLogger("absl"), logging.getLogger("asyncio")):
     logger.addFilter(quiet)
     for handler in logger.handlers:  # records of child loggers meet the handlers' filters only
       handler.addFilter(quiet)

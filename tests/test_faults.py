@@ -484,3 +484,44 @@ def test_full_disk_by_fault_injection_is_one_line(tmp_path, capsys, monkeypatch)
       "full"), err
   with ckpt_lib.Checkpointer(tmp_path / "checkpoints") as ckpt:
     assert ckpt.all_steps() == [2] and ckpt.restore_meta(2)["step"] == 2
+
+
+_LEAKED_TASK = r'''
+import asyncio, errno, gc, os, sys, tempfile
+from absl import app, logging
+from span_lm import cli
+
+# A coroutine whose code lives under an orbax/ directory, as Orbax's async writers do.
+src = "async def async_serialize_from_host():\n  raise ValueError('RESOURCE_EXHAUSTED: No space left on device')\n"
+ns = {}
+exec(compile(src, os.path.join(tempfile.gettempdir(), "orbax", "checkpoint", "serialization.py"), "exec"), ns)
+
+def failing_run(config):
+  loop = asyncio.new_event_loop()
+  task = loop.create_task(ns["async_serialize_from_host"]())
+  loop.run_until_complete(asyncio.sleep(0))  # the task fails; nobody retrieves its exception
+  loop.close()
+  del task
+  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/run/checkpoints")
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)
+  cli.run = failing_run
+  code = cli.main({"mode": "train", "workdir": "/run"})
+  gc.collect()  # asyncio reports the unretrieved exception when the task is collected
+  sys.exit(code)
+
+app.run(main)
+'''
+
+
+def test_orbax_task_failure_reported_by_asyncio_stays_one_line():
+  """A failed Orbax write task that asyncio reports as 'Task exception was never retrieved' (when
+  it is collected, possibly after the error line) adds nothing to the one-line error."""
+  proc = subprocess.run([sys.executable, "-c", _LEAKED_TASK], cwd=REPO, capture_output=True,
+                        text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(REPO)))
+  assert proc.returncode == 1, proc.stderr
+  lines = _error_lines(proc.stderr)
+  assert lines == ["error: No space left on device writing /run/checkpoints: the disk is full: "
+                   "free space or point --config.workdir at another disk; checkpoints already "
+                   "committed in /run/checkpoints are intact"], proc.stderr
