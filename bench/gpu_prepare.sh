@@ -10,14 +10,15 @@
 #   bash bench/gpu_prepare.sh --reference_git /path/to/adaptive-span.git
 #
 # The GPU image (Python 3.12, jax/jaxlib with CUDA, flax, optax, orbax-checkpoint, absl-py,
-# PyYAML, protobuf, numpy, torch, triton) lacks ml_collections and tensorboardX; WHEELS overrides
+# PyYAML, protobuf, numpy, torch, triton) lacks ml_collections and tensorboardX, and may lack
+# tqdm (the progress bar: optional, span_lm runs without it); WHEELS overrides
 # the list (pins: the versions the CPU tests run with). Needs pip and network here, not there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=.gpu_carry
 PY=${PYTHON:-python3}
-WHEELS=${WHEELS:-"ml_collections==1.1.0 tensorboardX==2.6.5"}
+WHEELS=${WHEELS:-"ml_collections==1.1.0 tensorboardX==2.6.5 tqdm==4.70.1"}
 REF_COMMIT=27b815f  # the reference commit span_lm's docs describe
 REF_DIR=""
 REF_GIT=""
