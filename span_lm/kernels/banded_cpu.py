@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm.kernels import cpu_matmul
+from span_lm.kernels import matmul
 from span_lm.kernels import span_mask
 from span_lm.kernels.banded_reference import choose_chunk
 from span_lm.kernels.banded_reference import skew as _skew_pad
 from span_lm.kernels.banded_reference import unskew as _unskew_pad
-from span_lm.model import precision
 
 
 def _skew_take(x):
@@ -103,8 +104,9 @@ def prefer_positions_last(m: int, w: int, chunk: int = 0, dtype=jnp.float32) -> 
 
   Positions last, every matmul of both passes reads and writes keys and values as XLA:CPU's fast
   kernels want them and the projection needs no transpose of the cache. Not for bf16/f16 traced
-  over several devices, where `precision.contract` may not move the sharded dim 0 (docs/benchmarks.md, "CPU attention: why each piece")."""
-  if jnp.dtype(dtype) in precision.LOW and precision.batch_sharded():
+  over several devices, where `cpu_matmul.contract` may not move the sharded dim 0
+  (docs/benchmarks.md, "CPU attention: why each piece")."""
+  if jnp.dtype(dtype) in matmul.LOW and cpu_matmul.batch_sharded():
     return False
   return choose_chunk(m, w, chunk) == m
 
@@ -115,7 +117,7 @@ def key_windows(y_BxGxTxD, w: int, c: int):
   bf16/f16 keys get a backward pass that adds the overlapping windows' gradients in float32 and
   rounds once (autodiff would round after every pad and add: a long chain of converts that
   XLA:CPU ran at a few ns per element)."""
-  if y_BxGxTxD.dtype in precision.LOW:
+  if y_BxGxTxD.dtype in matmul.LOW:
     return _key_windows_low(y_BxGxTxD, w, c)
   return _key_windows(y_BxGxTxD, w, c)
 
@@ -193,8 +195,8 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   # the scores, the weights and both their gradients (two gathers fewer per layer, for 1 + C/W
   # times the row-wise work). Short bands (W + C up to 2W) take band coordinates.
   keyed = long_band(c, w)
-  cont = precision.einsum(f"bgncd,bgn{kd}->bgnck", q, k_win, jnp.float32)
-  pos = precision.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
+  cont = matmul.einsum(f"bgncd,bgn{kd}->bgnck", q, k_win, jnp.float32)
+  pos = matmul.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
   scores = cont + skew(pos) if keyed else unskew(cont, w) + pos
   kw = scores.shape[-1]  # W + C keyed, W in bands
   per_key = False  # the mask already 5-D in key coordinates (see _key_mask)
@@ -220,7 +222,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
 
   if pers_k_GxDxN is not None:
     n_pers = pers_k_GxDxN.shape[-1]
-    pers = precision.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype), jnp.float32)
+    pers = matmul.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype), jnp.float32)
     probs = jax.nn.softmax(jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1), axis=-1)
     if mask is not None:
       ones = jnp.ones((b, g, n, c, n_pers), probs.dtype)
@@ -243,9 +245,9 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     dropped = dropout(probs) if dropout is not None else probs
     dropped = dropped.astype(v.dtype)
     p_band = dropped[..., :kw] if keyed else skew(dropped[..., :kw])
-    out = precision.einsum(f"bgnck,bgn{kd}->bgncd", p_band, v_win, jnp.float32)
+    out = matmul.einsum(f"bgnck,bgn{kd}->bgncd", p_band, v_win, jnp.float32)
   if pers_k_GxDxN is not None:
-    out = out + precision.einsum("bgncp,gpd->bgncd", dropped[..., kw:],
+    out = out + matmul.einsum("bgncp,gpd->bgncd", dropped[..., kw:],
                                  pers_v_GxNxD.astype(dropped.dtype), jnp.float32)
   if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
     probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
@@ -300,11 +302,11 @@ def _keyed_attention(q, k_win, v_win, pe, mask, keep, kd: str, eps: float):
 
 
 def _mm(spec, a, b):
-  """precision.einsum of "bgn..,bgn..->bgn.." in float32 with (b, g, n) merged into one batch
+  """matmul.einsum of "bgn..,bgn..->bgn.." in float32 with (b, g, n) merged into one batch
   dim: the dot's output then keeps a row-major layout (with n = 1 as its own dim, XLA:CPU laid
   out the output of the dO v^T matmul with n outermost and copied it back)."""
   lead = a.shape[:3]
-  out = precision.einsum(spec.replace("bgn", "z"), a.reshape((-1,) + a.shape[3:]),
+  out = matmul.einsum(spec.replace("bgn", "z"), a.reshape((-1,) + a.shape[3:]),
                          b.reshape((-1,) + b.shape[3:]), jnp.float32)
   return out.reshape(lead + out.shape[1:])
 
@@ -367,7 +369,7 @@ def _sum_leading(x):
 def _keyed_fwd(q, k_win, v_win, pe, mask, keep, kd, eps):
   c, dh, w = q.shape[3], q.shape[4], pe.shape[1]
   cont = _mm(f"bgncd,bgn{kd}->bgnck", q, k_win)
-  pos = precision.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
+  pos = matmul.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
   logits = jnp.where(_on_band(c, w), (cont + _skew_take(pos)) / math.sqrt(dh), -jnp.inf)
   out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps)
   return out, (res, q, k_win, pe)
@@ -380,9 +382,9 @@ def _keyed_bwd(kd, eps, res, d_out):
   ds = d_logits.astype(q.dtype)  # zero off the band, where the weights are (no select)
   d_pos = _unskew_pad(ds, w)
   dq = (_mm(f"bgnck,bgn{kd}->bgncd", ds, k_win)
-        + precision.einsum("bgncw,dw->bgncd", d_pos, pe, jnp.float32))
+        + matmul.einsum("bgncw,dw->bgncd", d_pos, pe, jnp.float32))
   dk = _mm(f"bgncd,bgnck->bgn{kd}", q, ds)
-  dpe = precision.einsum("bgncd,bgncw->dw", q, d_pos, jnp.float32)
+  dpe = matmul.einsum("bgncd,bgncw->dw", q, d_pos, jnp.float32)
   return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, dpe.astype(pe.dtype), d_mask, None)
 
 
@@ -402,8 +404,8 @@ def _project_rows_last(cache_BxWxD, h_BxMxD, w_DxZ):
 
 
 def _rows_dot(spec, a, b):
-  if a.dtype in precision.LOW:
-    return precision.contract(spec, a, b).astype(a.dtype)
+  if a.dtype in matmul.LOW:
+    return matmul.contract(spec, a, b).astype(a.dtype)
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32).astype(a.dtype)
 
 
@@ -476,15 +478,15 @@ def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, g: int, positions_last: 
   W_kv^T @ cache^T reading the cache as it lies, and its weight gradient needs no transpose."""
   cache = cache_BxLxD[:, cache_BxLxD.shape[1] - w:]
   if not positions_last:
-    kv = jnp.concatenate([precision.dot(cache, w_kv_Dx2Z), precision.dot(h_BxMxD, w_kv_Dx2Z)],
+    kv = jnp.concatenate([matmul.dot(cache, w_kv_Dx2Z), matmul.dot(h_BxMxD, w_kv_Dx2Z)],
                          axis=1)
     return _split_rows_first(kv, g)
-  if h_BxMxD.dtype in precision.LOW:
+  if h_BxMxD.dtype in matmul.LOW:
     kv_ZxBxT = _project_rows_last(cache, h_BxMxD, w_kv_Dx2Z)
   else:  # float32 concatenates without converts; two matmuls keep XLA's memory lower
     kv_ZxBxT = jnp.concatenate(
-        [precision.einsum("btd,dz->zbt", cache, w_kv_Dx2Z),
-         precision.einsum("bmd,dz->zbm", h_BxMxD, w_kv_Dx2Z)], axis=2)
+        [matmul.einsum("btd,dz->zbt", cache, w_kv_Dx2Z),
+         matmul.einsum("bmd,dz->zbm", h_BxMxD, w_kv_Dx2Z)], axis=2)
   return _split_rows_last(kv_ZxBxT, g)
 
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm.kernels import span_mask
-from span_lm.model import precision
+from span_lm.kernels import matmul
 
 
 def choose_chunk(m: int, w: int, requested: int = 0) -> int:
@@ -57,7 +57,7 @@ def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, g: int):
   """Keys and values of g heads over the last w cached states and the block: each
   (B, G, W + M, Dh). The cache is a constant of the step: its rows get no input gradient."""
   x = cache_BxLxD[:, cache_BxLxD.shape[1] - w:]
-  kv = jnp.concatenate([precision.dot(x, w_kv_Dx2Z), precision.dot(h_BxMxD, w_kv_Dx2Z)], axis=1)
+  kv = jnp.concatenate([matmul.dot(x, w_kv_Dx2Z), matmul.dot(h_BxMxD, w_kv_Dx2Z)], axis=1)
   return split_kv(kv, g)
 
 
@@ -91,11 +91,11 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, span_z=None
   q = q_BxGxMxD.reshape(b, g, n, c, dh)
   k_win, v_win = key_windows(k_BxGxTxD, w, c), key_windows(v_BxGxTxD, w, c)  # B G n (W+C) Dh
 
-  cont = precision.einsum("bgncd,bgnkd->bgnck", q, k_win, jnp.float32)
-  pos = precision.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
+  cont = matmul.einsum("bgncd,bgnkd->bgnck", q, k_win, jnp.float32)
+  pos = matmul.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
   logits = (unskew(cont, w) + pos) / math.sqrt(dh)  # B G n C W
   if pers_k_GxDxN is not None:
-    pers = precision.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype), jnp.float32)
+    pers = matmul.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype), jnp.float32)
     logits = jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1)
   probs = jax.nn.softmax(logits, axis=-1)
   if span_z is not None:
@@ -110,9 +110,9 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, span_z=None
   if dropout is not None:
     probs = dropout(probs)
   probs = probs.astype(v_BxGxTxD.dtype)
-  out = precision.einsum("bgnck,bgnkd->bgncd", skew(probs[..., :w]), v_win, jnp.float32)
+  out = matmul.einsum("bgnck,bgnkd->bgncd", skew(probs[..., :w]), v_win, jnp.float32)
   if pers_v_GxNxD is not None:
-    out = out + precision.einsum("bgncp,gpd->bgncd", probs[..., w:],
+    out = out + matmul.einsum("bgncp,gpd->bgncd", probs[..., w:],
                                  pers_v_GxNxD.astype(probs.dtype), jnp.float32)
   return out.reshape(b, g, m, dh).astype(q_BxGxMxD.dtype)
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm.kernels import span_mask
-from span_lm.model import precision
+from span_lm.kernels import matmul
 
 
 def ring_attention(q_BxHxD, k_BxHxLxD, v_BxHxLxD, key_pe_DxS, pos, windows_H, *, span_z=None,
@@ -24,12 +24,12 @@ def ring_attention(q_BxHxD, k_BxHxLxD, v_BxHxLxD, key_pe_DxS, pos, windows_H, *,
   s = key_pe_DxS.shape[-1]
   dist_L = (pos - 1 - jnp.arange(l)) % l + 1  # slot -> distance in [1, L]
   valid_HxL = dist_L[None, :] <= jnp.asarray(windows_H)[:, None]
-  cont = precision.einsum("bhd,bhld->bhl", q_BxHxD, k_BxHxLxD, jnp.float32)
-  qpe = precision.einsum("bhd,ds->bhs", q_BxHxD, key_pe_DxS.astype(q_BxHxD.dtype), jnp.float32)
+  cont = matmul.einsum("bhd,bhld->bhl", q_BxHxD, k_BxHxLxD, jnp.float32)
+  qpe = matmul.einsum("bhd,ds->bhs", q_BxHxD, key_pe_DxS.astype(q_BxHxD.dtype), jnp.float32)
   pos_BxHxL = jnp.take(qpe, jnp.clip(s - dist_L, 0, s - 1), axis=2)
   logits = jnp.where(valid_HxL[None], (cont + pos_BxHxL) / math.sqrt(dh), -jnp.inf)
   if pers_k_HxDxN is not None:
-    pers = precision.einsum("bhd,hdp->bhp", q_BxHxD, pers_k_HxDxN.astype(q_BxHxD.dtype),
+    pers = matmul.einsum("bhd,hdp->bhp", q_BxHxD, pers_k_HxDxN.astype(q_BxHxD.dtype),
                             jnp.float32)
     logits = jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1)
   probs = jax.nn.softmax(logits, axis=-1)
@@ -42,8 +42,8 @@ def ring_attention(q_BxHxD, k_BxHxLxD, v_BxHxLxD, key_pe_DxS, pos, windows_H, *,
       mask = jnp.concatenate([mask, ones], axis=-1)
     probs = span_mask.renormalise(probs * mask)
   dt = v_BxHxLxD.dtype
-  out = precision.einsum("bhl,bhld->bhd", probs[..., :l].astype(dt), v_BxHxLxD, jnp.float32)
+  out = matmul.einsum("bhl,bhld->bhd", probs[..., :l].astype(dt), v_BxHxLxD, jnp.float32)
   if pers_v_HxNxD is not None:
-    out = out + precision.einsum("bhp,hpd->bhd", probs[..., l:].astype(dt),
+    out = out + matmul.einsum("bhp,hpd->bhd", probs[..., l:].astype(dt),
                                  pers_v_HxNxD.astype(dt), jnp.float32)
   return out

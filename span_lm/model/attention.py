@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm import kernels
-from span_lm.model import precision
+from span_lm.kernels import matmul
 from span_lm.model import spans as spans_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.plan import LayerPlan
@@ -73,7 +73,7 @@ class SeqAttention(nn.Module):
     b, m, d = h_BxMxD.shape
     nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span
     dense = lambda name: nn.Dense(d, use_bias=False, kernel_init=torch_linear_init(), dtype=dt,
-                                  dot_general=precision.dense_dot_general, name=name)
+                                  dot_general=matmul.dense_dot_general, name=name)
     w_max = max(w for _, w in self.plan.groups)
     cache_len = cache_BxLxD[0].shape[2] if ring_pos is not None else cache_BxLxD.shape[1]
     if cache_len < w_max:
@@ -86,7 +86,7 @@ class SeqAttention(nn.Module):
 
     aux = {}
     if self.kv_cache:  # the block's keys and values for every head, for the next cache
-      aux["kv"] = precision.dot(h_in, jnp.concatenate([k_kernel, v_kernel], axis=1))  # B M 2D
+      aux["kv"] = matmul.dot(h_in, jnp.concatenate([k_kernel, v_kernel], axis=1))  # B M 2D
     z_H = z_BxMxH = None
     if cfg.span_mode == "adaptive":
       ratio = self.param("span_ratio", nn.initializers.constant(cfg.span_init), (nh,))

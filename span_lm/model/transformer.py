@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm.model import adaptive_io
-from span_lm.model import precision
+from span_lm.kernels import matmul
 from span_lm.model import plan as plan_lib
 from span_lm.model.attention import SeqAttention, torch_bias_init, torch_linear_init
 from span_lm.model.config import ModelConfig
@@ -43,10 +43,10 @@ class FeedForward(nn.Module):
   def __call__(self, h, train: bool):
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
-    y = precision.Dense(cfg.d_ff, torch_linear_init(), torch_bias_init(cfg.d_model), dt,
+    y = matmul.Dense(cfg.d_ff, torch_linear_init(), torch_bias_init(cfg.d_model), dt,
                         name="fc1")(h)
     y = nn.Dropout(cfg.dropout)(nn.relu(y), deterministic=not train)
-    return precision.Dense(cfg.d_model, torch_linear_init(), torch_bias_init(cfg.d_ff), dt,
+    return matmul.Dense(cfg.d_model, torch_linear_init(), torch_bias_init(cfg.d_ff), dt,
                            name="fc2")(y)
 
 
@@ -142,7 +142,7 @@ class SpanTransformer(nn.Module):
       logp = adaptive_io.AdaptiveLogSoftmax(cfg, name="out_emb")(
           h, tables if cfg.adapt_io_tied else None)
     else:
-      logits = precision.Dense(cfg.vocab_size, torch_linear_init(), torch_bias_init(cfg.d_model),
+      logits = matmul.Dense(cfg.vocab_size, torch_linear_init(), torch_bias_init(cfg.d_model),
                                cfg.dtype, name="out_emb")(h)
       logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 

@@ -98,7 +98,7 @@ AUTO_MAX_CPU_DEVICES = 8  # a cap: more devices mean a wider all-reduce (docs/be
 
 def keeps_one_cpu_device(config) -> bool:
   """Whether auto (dist.cpu_devices=0) keeps the host as one device: bf16 span models, all of
-  whose matmuls run multi-threaded on XLA:CPU (model/precision.py), so splitting the host only
+  whose matmuls run multi-threaded on XLA:CPU (kernels/matmul.py), so splitting the host only
   halves each device's threads; one device measured faster for them, float32 slower
   (docs/benchmarks.md)."""
   return (str(config.model.get("dtype", "float32")) == "bfloat16"

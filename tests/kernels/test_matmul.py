@@ -1,4 +1,4 @@
-"""Mixed-precision matmuls (span_lm/model/precision.py): bf16 x bf16 -> f32 in both passes."""
+"""Mixed-precision matmuls (span_lm/kernels/matmul.py, CPU layouts in cpu_matmul.py): bf16 x bf16 -> f32 in both passes."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
-from span_lm.model import precision
+from span_lm.kernels import matmul
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 
@@ -36,9 +36,9 @@ def _dots(jaxpr):
 def test_float32_is_plain_einsum(spec, sa, sb):
   ka, kb = jax.random.split(jax.random.key(0))
   a, b = jax.random.normal(ka, sa), jax.random.normal(kb, sb)
-  f = lambda a, b: jnp.sum(jnp.sin(precision.einsum(spec, a, b)))
+  f = lambda a, b: jnp.sum(jnp.sin(matmul.einsum(spec, a, b)))
   g = lambda a, b: jnp.sum(jnp.sin(jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)))
-  np.testing.assert_array_equal(precision.einsum(spec, a, b), jnp.einsum(spec, a, b))
+  np.testing.assert_array_equal(matmul.einsum(spec, a, b), jnp.einsum(spec, a, b))
   for x, y in zip(jax.grad(f, (0, 1))(a, b), jax.grad(g, (0, 1))(a, b)):
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
 
@@ -48,12 +48,12 @@ def test_bf16_forward_and_backward_are_bf16_dots_close_to_float32(spec, sa, sb):
   ka, kb = jax.random.split(jax.random.key(1))
   a32, b32 = jax.random.normal(ka, sa), jax.random.normal(kb, sb)
   a, b = a32.astype(jnp.bfloat16), b32.astype(jnp.bfloat16)
-  y = precision.einsum(spec, a, b, jnp.float32)
+  y = matmul.einsum(spec, a, b, jnp.float32)
   assert y.dtype == jnp.float32
   # Accumulated in float32: equal to the float32 product of the rounded operands.
   np.testing.assert_allclose(y, jnp.einsum(spec, a.astype(jnp.float32), b.astype(jnp.float32)),
                              rtol=1e-5, atol=1e-5)
-  loss = lambda a, b: jnp.sum(jnp.sin(precision.einsum(spec, a, b, jnp.float32)))
+  loss = lambda a, b: jnp.sum(jnp.sin(matmul.einsum(spec, a, b, jnp.float32)))
   grads = jax.grad(loss, (0, 1))(a, b)
   ref = jax.grad(lambda a, b: jnp.sum(jnp.sin(jnp.einsum(spec, a, b))), (0, 1))(
       a.astype(jnp.float32), b.astype(jnp.float32))
@@ -67,20 +67,20 @@ def test_bf16_forward_and_backward_are_bf16_dots_close_to_float32(spec, sa, sb):
 def test_self_summed_index_is_refused():
   a = jnp.ones((2, 3), jnp.bfloat16)
   with pytest.raises(ValueError, match="summed on its own"):
-    precision.einsum("ij,jk->k", a, jnp.ones((3, 4), jnp.bfloat16))
+    matmul.einsum("ij,jk->k", a, jnp.ones((3, 4), jnp.bfloat16))
   with pytest.raises(ValueError, match="dtypes differ"):
-    precision.einsum("ij,jk->ik", a, jnp.ones((3, 4), jnp.float32))
+    matmul.einsum("ij,jk->ik", a, jnp.ones((3, 4), jnp.float32))
 
 
 def test_dense_dot_general_matches_dense():
   x = jax.random.normal(jax.random.key(2), (2, 5, 8))
-  plain, ours = nn.Dense(6), nn.Dense(6, dot_general=precision.dense_dot_general)
+  plain, ours = nn.Dense(6), nn.Dense(6, dot_general=matmul.dense_dot_general)
   params = plain.init(jax.random.key(3), x)
   np.testing.assert_allclose(ours.apply(params, x), plain.apply(params, x), rtol=1e-6, atol=1e-6)
   with pytest.raises(ValueError, match="unsupported"):
-    precision.dense_dot_general(x.astype(jnp.bfloat16), jnp.ones((2, 6), jnp.bfloat16),
+    matmul.dense_dot_general(x.astype(jnp.bfloat16), jnp.ones((2, 6), jnp.bfloat16),
                                 (((0,), (0,)), ((), ())))
-  low = nn.Dense(6, dtype=jnp.bfloat16, dot_general=precision.dense_dot_general)
+  low = nn.Dense(6, dtype=jnp.bfloat16, dot_general=matmul.dense_dot_general)
   np.testing.assert_allclose(low.apply(params, x).astype(np.float32), plain.apply(params, x),
                              rtol=3e-2, atol=3e-2)
 
@@ -104,11 +104,11 @@ def test_bf16_model_step_has_no_float32_matmul():
 
 
 def test_precision_dense_is_nn_dense_and_sums_its_bias_gradient_in_float32():
-  """precision.Dense has nn.Dense's parameters and float32 results; in bf16 its bias gradient is
+  """matmul.Dense has nn.Dense's parameters and float32 results; in bf16 its bias gradient is
   a float32 sum (nn.Dense(dtype=bf16) accumulates it in bf16: visibly off over many tokens)."""
   x = jax.random.normal(jax.random.key(2), (4, 512, 8))
   plain = nn.Dense(6, bias_init=nn.initializers.normal(1.0))
-  ours = precision.Dense(6, nn.initializers.lecun_normal(), nn.initializers.normal(1.0))
+  ours = matmul.Dense(6, nn.initializers.lecun_normal(), nn.initializers.normal(1.0))
   params = plain.init(jax.random.key(3), x)
   assert jax.tree.map(jnp.shape, ours.init(jax.random.key(3), x)) == jax.tree.map(jnp.shape, params)
   np.testing.assert_array_equal(ours.apply(params, x), plain.apply(params, x))
@@ -153,7 +153,7 @@ def test_contract_equals_einsum(spec, sa, sb, dtype):
   a = jnp.asarray(rng.standard_normal(sa), dtype)
   b = jnp.asarray(rng.standard_normal(sb), dtype)
   want = np.einsum(spec, np.asarray(a, np.float64), np.asarray(b, np.float64))
-  got = jax.jit(lambda a, b: precision.contract(spec, a, b))(a, b)
+  got = jax.jit(lambda a, b: matmul.contract(spec, a, b))(a, b)
   assert got.dtype == jnp.float32 and got.shape == want.shape
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
@@ -162,7 +162,7 @@ def _fast_dots(spec, sa, sb):
   """Whether every dot XLA compiles for `contract(spec)` on bf16 runs in XLA:CPU's YNNPACK
   kernels (no dot left at the top level, where Eigen runs it in float32)."""
   a, b = jnp.ones(sa, jnp.bfloat16), jnp.ones(sb, jnp.bfloat16)
-  text = jax.jit(lambda a, b: precision.contract(spec, a, b)).lower(a, b).compile().as_text()
+  text = jax.jit(lambda a, b: matmul.contract(spec, a, b)).lower(a, b).compile().as_text()
   entry = text[text.index("ENTRY"):]
   return "ynn_fusion" in entry and " dot(" not in entry
 
@@ -214,7 +214,7 @@ def test_contract_under_a_mesh_never_gathers_the_batch():
     a = jax.device_put(a, NamedSharding(mesh, P(sharding.DATA_AXIS)))
     b_spec = P(sharding.DATA_AXIS) if spec.split(",")[1][0] == spec[0] else P()
     b = jax.device_put(b, NamedSharding(mesh, b_spec))
-    f = jax.jit(lambda a, b, spec=spec: precision.contract(spec, a, b))
+    f = jax.jit(lambda a, b, spec=spec: matmul.contract(spec, a, b))
     with jax.set_mesh(mesh):
       text = f.lower(a, b).compile().as_text()
       got = f(a, b)
