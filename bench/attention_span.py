@@ -28,7 +28,7 @@ from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
-from span_lm.train import host_memory
+from span_lm.train import cpu_host
 from span_lm.train import steps as steps_lib
 
 
@@ -131,10 +131,10 @@ def main():
   p.add_argument("--dtype", default="float32")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--json", default=None)
-  host_memory.add_flag(p)
+  cpu_host.add_flag(p)
   args = p.parse_args()
   if not args.system_malloc:  # before the backend starts
-    host_memory.keep_freed_memory()
+    cpu_host.keep_freed_memory()
 
   print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
   print(f"shapes: {args.layers} layers, D={args.d_model}, {args.heads} heads, FF {args.d_ff}, "

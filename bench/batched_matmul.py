@@ -16,7 +16,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from span_lm.train import host_memory
+from span_lm.train import cpu_host
 
 # (batch, rows M, contracted K, columns N) of (B G, M, K) x (B G, K, N) -> (B G, M, N) float32.
 SHAPES = (
@@ -34,10 +34,10 @@ def main():
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--rounds", type=int, default=7)
   p.add_argument("--reps", type=int, default=20)
-  host_memory.add_flag(p)
+  cpu_host.add_flag(p)
   a = p.parse_args()
   if not a.system_malloc:
-    host_memory.keep_freed_memory()
+    cpu_host.keep_freed_memory()
   key = jax.random.key(0)
   dims = (((2,), (1,)), ((0,), (0,)))
   mm = jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32))

@@ -4,7 +4,7 @@ One jitted value_and_grad of the 4-layer stack (bench/attention_span.py's cases 
 one device, timed, then traced with jax.profiler; prints the total per fusion kind (the op name
 with its numeric suffix dropped: ynn_fusion = YNNPACK matmuls, wrapped_reduce-window, ...) and
 the most expensive single operations; also the page faults and system/user CPU time per run
-(kernel time spent faulting in fresh buffers: span_lm/train/host_memory.py).
+(kernel time spent faulting in fresh buffers: span_lm/train/cpu_host.py).
 On two cores concurrent operations overlap (their times add up to more than the step). On one
 core (`taskset -c 0 python bench/profile_step.py ...`) they do not overlap, but YNNPACK
 operations read up to 2x their clocked time (docs/benchmarks.md, "Session 9"). Use the per-op
@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 import attention_span
-from span_lm.train import host_memory
+from span_lm.train import cpu_host
 
 
 def main():
@@ -40,10 +40,10 @@ def main():
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--top", type=int, default=15)
   p.add_argument("--hlo", default="", help="write the compiled HLO here (to read what a fusion is)")
-  host_memory.add_flag(p)
+  cpu_host.add_flag(p)
   a = p.parse_args()
   if not a.system_malloc:  # before the backend starts
-    host_memory.keep_freed_memory()
+    cpu_host.keep_freed_memory()
   shapes = argparse.Namespace(layers=4, d_model=256, heads=a.heads, d_ff=1024, block=128, batch=16,
                               short_span=64, dtype=a.dtype)
   cfg, plan, params = attention_span.make_case(a.case, a.span, shapes)

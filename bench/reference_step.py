@@ -25,7 +25,7 @@ Two settings make the comparison fair (the first on by default; the second follo
   them by default, then took 3.0-5.6 s per step instead of 0.80-0.92 s on the 2-core CPU
   (`--keep_denormals` to see it).
 - glibc malloc as span_lm's run uses it: glibc's defaults, or `--keep_freed_memory` for
-  span_lm/train/host_memory.py's settings (`bench/train_step.py` passes its own choice on).
+  span_lm/train/cpu_host.py's settings (`bench/train_step.py` passes its own choice on).
 Cases:
   short  adaptive span, every z' at (64 - R) / S (span + ramp = 64, `--short_span`): the
          reference trims each layer to 64 keys and a 128-state cache, as after ~1000 steps of
@@ -152,15 +152,15 @@ def main():
   p.add_argument("--keep_denormals", action="store_true",
                  help="PyTorch's default: denormal floats computed in full (slow on x86)")
   p.add_argument("--keep_freed_memory", dest="system_malloc", action="store_false",
-                 help="span_lm/train/host_memory.py's malloc settings (default: glibc's own)")
+                 help="span_lm/train/cpu_host.py's malloc settings (default: glibc's own)")
   p.add_argument("--system_malloc", dest="system_malloc", action="store_true", default=True,
                  help="glibc malloc as it is (the default)")
   p.add_argument("--json", default=None)
   args = p.parse_args()
   if not args.system_malloc:  # before torch allocates anything
     sys.path.insert(0, REPO)
-    from span_lm.train import host_memory  # pylint: disable=g-import-not-at-top
-    host_memory.keep_freed_memory()
+    from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
+    cpu_host.keep_freed_memory()
   check_reference(args.reference_dir)
   if args.threads:
     import torch  # pylint: disable=g-import-not-at-top

@@ -67,7 +67,6 @@ def run_case(case: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
-  from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops  # pylint: disable=g-import-not-at-top

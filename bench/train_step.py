@@ -63,9 +63,9 @@ def matmul_peak(dtype: str = "float32", reps: int = 20) -> float:
 
 
 def worker(spec: dict) -> dict:
-  from span_lm.train import host_memory  # pylint: disable=g-import-not-at-top
+  from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
   if not spec["args"]["system_malloc"]:  # as main.py does on CPU hosts, before the backend starts
-    host_memory.keep_freed_memory()
+    cpu_host.keep_freed_memory()
   import jax  # pylint: disable=g-import-not-at-top
   if spec["devices"] > 1:  # CPU: split the host (an accelerator's devices are what they are)
     jax.config.update("jax_num_cpu_devices", spec["devices"])
@@ -187,7 +187,7 @@ def run_reference(args, case: str) -> dict:
 
 
 def main():
-  from span_lm.train import host_memory  # pylint: disable=g-import-not-at-top
+  from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cases", nargs="+", default=["short", "fixed"], choices=sorted(REFERENCE_S))
@@ -207,7 +207,7 @@ def main():
                  help="span_lm/kernels: auto picks by backend; pallas: the fused kernel (GPU)")
   p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
                  help="model config overrides, e.g. attn_chunk=128 (values as Python literals)")
-  host_memory.add_flag(p)
+  cpu_host.add_flag(p)
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--profile", type=int, default=0, metavar="TOP",
                  help="also trace 3 steps and print the TOP operation kinds and operations")

@@ -121,7 +121,7 @@ def base_config() -> ml_collections.ConfigDict:
   # --xla_force_host_platform_device_count, when set, wins.
   ds.cpu_devices = 0
   # CPU-only runs: True sets glibc malloc to one arena, no trim, mmap above 32 MiB
-  # (span_lm/train/host_memory.py). Off by default: it measured no faster than glibc's defaults
+  # (span_lm/train/cpu_host.py). Off by default: it measured no faster than glibc's defaults
   # (docs/benchmarks.md, "malloc and peak resident memory"); the faster no-mmap setting raised
   # peak resident memory, so it was dropped.
   ds.cpu_keep_freed_memory = False

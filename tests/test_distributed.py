@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 import synthetic_run
 
@@ -213,45 +212,6 @@ def test_fsdp_mesh_equals_data_parallel(tmp_path):
   for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])),
                   jax.tree.leaves(jax.device_get(fs["state"]["params"]))):
     np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.slow
-def test_choose_cpu_devices():
-  from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
-  assert dist_lib.choose_cpu_devices(0, 2, (16, 8)) == 2
-  assert dist_lib.choose_cpu_devices(0, 16, (64, 8)) == 8  # the most that divide every batch
-  assert dist_lib.choose_cpu_devices(0, 64, (64, 64)) == dist_lib.AUTO_MAX_CPU_DEVICES
-  assert dist_lib.choose_cpu_devices(0, 6, (12, 6)) == 6
-  assert dist_lib.choose_cpu_devices(0, 4, (6, 3)) == 3
-  assert dist_lib.choose_cpu_devices(0, 8, (7, 8)) == 1
-  assert dist_lib.choose_cpu_devices(4, 2, (16, 8)) == 4  # an explicit request stands
-
-
-def test_setup_cpu_devices_decisions():
-  from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
-  cfg = config_for("/tmp/unused")
-  n, why = dist_lib.setup_cpu_devices(cfg, {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
-  assert n is None and "XLA_FLAGS" in why
-  n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cuda"})
-  assert n is None and "accelerator" in why
-  n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": "h:1"})
-  assert n is None and "multi-process" in why
-  cfg.dist.cpu_devices = 1
-  assert dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})[0] is None
-  cfg.dist.cpu_devices = 0
-  cfg.model.dtype = "bfloat16"
-  n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})
-  assert n is None and "one device for bfloat16" in why
-  assert dist_lib.keeps_one_cpu_device(cfg)
-  cfg.model.arch = "sparse"  # its matmuls are plain einsums: one device per core still
-  assert not dist_lib.keeps_one_cpu_device(cfg)
-  cfg.model.arch = "span"
-  cfg.model.dtype = "float32"
-  cfg.dist.cpu_devices = 2  # this process's backend is running: its devices are kept
-  import jax  # pylint: disable=g-import-not-at-top
-  jax.devices()
-  n, why = dist_lib.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})
-  assert n is None and "already" in why and jax.device_count() == 8
 
 
 def test_cpu_devices_split_trains_as_one_device(tmp_path):

@@ -6,7 +6,6 @@ on CPU with tiny shapes.
 """
 import dataclasses
 import json
-import re
 import numpy as np
 import pytest
 

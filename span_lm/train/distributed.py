@@ -28,7 +28,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from span_lm import config as config_lib
 from span_lm.train import sharding as sharding_lib
 
 log = logging.getLogger("span_lm")
@@ -91,97 +90,6 @@ def init_kwargs(dist, env: Mapping[str, str] | None = None) -> dict:
   if dist.local_device_ids:
     kw["local_device_ids"] = [int(i) for i in str(dist.local_device_ids).split(",")]
   return kw
-
-
-AUTO_MAX_CPU_DEVICES = 8  # a cap: more devices mean a wider all-reduce (docs/benchmarks.md)
-
-
-def keeps_one_cpu_device(config) -> bool:
-  """Whether auto (dist.cpu_devices=0) keeps the host as one device: bf16 span models, all of
-  whose matmuls run multi-threaded on XLA:CPU (kernels/matmul.py), so splitting the host only
-  halves each device's threads; one device measured faster for them, float32 slower
-  (docs/benchmarks.md)."""
-  return (str(config.model.get("dtype", "float32")) == "bfloat16"
-          and config.model.get("arch", "span") == "span")
-
-
-def choose_cpu_devices(requested: int, cores: int, batches: tuple[int, ...]) -> int:
-  """Devices to split a CPU host into: `requested`, or (0) the most, up to the core count (at
-  most AUTO_MAX_CPU_DEVICES), that divide every per-step batch."""
-  if requested:
-    return requested
-  for n in range(max(1, min(cores, AUTO_MAX_CPU_DEVICES)), 0, -1):
-    if all(b % n == 0 for b in batches):
-      return n
-  return 1
-
-
-def accelerator_plugins() -> list[str]:
-  """Installed PJRT plugins JAX would load (CUDA, ROCm, TPU), found without starting a backend."""
-  import importlib.metadata  # pylint: disable=g-import-not-at-top
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  import pkgutil  # pylint: disable=g-import-not-at-top
-  names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
-  try:
-    import jax_plugins  # pylint: disable=g-import-not-at-top
-    names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
-  except ImportError:
-    pass
-  if importlib.util.find_spec("libtpu") is not None:
-    names.append("libtpu")
-  return names
-
-
-def backend_started() -> bool:
-  """Whether a JAX backend is already running in this process (a notebook, a test session)."""
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-    return bool(xla_bridge.backends_are_initialized())
-  except (ImportError, AttributeError):  # a JAX without it: assume so (leave things alone)
-    return True
-
-
-def cpu_only(env: Mapping[str, str] | None = None) -> bool:
-  """Whether JAX will run on the host CPU (JAX_PLATFORMS, or no accelerator plugin installed),
-  decided without starting a backend."""
-  env = os.environ if env is None else env
-  platforms = env.get("JAX_PLATFORMS", "")
-  if platforms:
-    return platforms.split(",")[0].strip() == "cpu"
-  return not accelerator_plugins()
-
-
-def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
-  """Splits a CPU host into config.dist.cpu_devices JAX devices (0: auto) for data parallelism.
-
-  Why: XLA:CPU runs most of one device's operations (everything but large matmuls) on one thread,
-  and the banded attention and layer norms are such operations; with one device per core the
-  halves of the batch run side by side (bench/train_step.py; docs/benchmarks.md). Auto keeps one
-  device for bf16 span models, which measured faster that way (keeps_one_cpu_device). Must run
-  before the backend starts; a user's --xla_force_host_platform_device_count is left alone.
-  Returns (devices set or None, why).
-  """
-  env = os.environ if env is None else env
-  requested = int(config.dist.cpu_devices)
-  if "xla_force_host_platform_device_count" in env.get("XLA_FLAGS", ""):
-    return None, "XLA_FLAGS sets --xla_force_host_platform_device_count"
-  if requested == 1:
-    return None, "config.dist.cpu_devices=1"
-  if requested == 0:
-    if not cpu_only(env):
-      return None, "an accelerator platform is available"
-    if decide(config.dist, env)[0]:
-      return None, "multi-process run (set config.dist.cpu_devices explicitly)"
-    if keeps_one_cpu_device(config):
-      return None, f"auto: one device for {config.model.dtype} models"
-  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-  n = choose_cpu_devices(requested, cores or 1,
-                         tuple(config_lib.per_step_batches(config).values()))
-  try:
-    jax.config.update("jax_num_cpu_devices", n)
-  except RuntimeError:  # the backend already started (a notebook, a test): keep its devices
-    return None, "the JAX backend was already initialised"
-  return n, f"config.dist.cpu_devices={requested}" if requested else "auto: one per core"
 
 
 def initialize(config) -> bool:

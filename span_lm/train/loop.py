@@ -40,8 +40,8 @@ from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
 from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
+from span_lm.train import cpu_host
 from span_lm.train import distributed as dist_lib
-from span_lm.train import host_memory
 from span_lm.train import optimizer as optimizer_lib
 from span_lm.train import sharding as sharding_lib
 from span_lm.train import steps as steps_lib
@@ -107,20 +107,14 @@ class Run:
   def __init__(self, config, *, need_workdir: bool = True, num_devices: int | None = None):
     """num_devices: build the mesh over the first N devices (default: all of them)."""
     config_lib.validate(config)
-    # Before any backend use (as initialize). A process whose backend already runs (a notebook, a
-    # test session) keeps its allocator: its threads have their arenas and heaps already.
-    fresh = not dist_lib.backend_started()
-    n_cpu, why = dist_lib.setup_cpu_devices(config)
-    if config.dist.cpu_keep_freed_memory and fresh and dist_lib.cpu_only():
-      kept, how = host_memory.keep_freed_memory()
-      log.info("host malloc: %s", how if kept else f"left as it is ({how})")
+    n_cpu, why = cpu_host.setup(config)  # before any backend use, as initialize
     dist_lib.initialize(config)  # before any backend use; a no-op for a lone process
     if n_cpu:
       _echo(f"CPU host split into {n_cpu} devices for data parallelism ({why})")
     if config.model.attn_impl == "pallas" and jax.default_backend() != "gpu":
       raise ValueError(f"config.model.attn_impl='pallas' runs a Triton kernel, which needs a GPU "
                        f"(Ampere or newer); this process has {jax.default_backend()} devices: use "
-                       f"'xla' (or 'pallas_interpret' to run the kernel interpreted)")
+                       f"'auto' (or 'pallas_interpret' to run the kernel interpreted)")
     self.config = config
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.train.compilation_cache:

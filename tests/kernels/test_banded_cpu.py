@@ -12,7 +12,6 @@ import reference_numpy as ref
 from model_helpers import make_cfg, to_jax, to_np
 from span_lm.kernels import banded_cpu
 from span_lm.kernels import span_mask
-from span_lm.model.config import ModelConfig
 
 B = 2
 

@@ -1,4 +1,5 @@
-"""Mixed-precision matmuls (span_lm/kernels/matmul.py, CPU layouts in cpu_matmul.py): bf16 x bf16 -> f32 in both passes."""
+"""Mixed-precision matmuls (span_lm/kernels/matmul.py; their CPU layouts: cpu_matmul.py):
+bf16 x bf16 -> f32 in both passes."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp

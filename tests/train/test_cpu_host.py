@@ -1,4 +1,5 @@
-"""host_memory.keep_freed_memory: a step's large temporaries are reused, not faulted back in."""
+"""train/cpu_host.py: the CPU host split into devices, and keep_freed_memory (a step's large
+temporaries reused, not faulted back in)."""
 import json
 import os
 import subprocess
@@ -6,19 +7,22 @@ import sys
 
 import pytest
 
-from span_lm.train import host_memory
+import synthetic_run
+from span_lm import config as config_lib
+from span_lm.train import cpu_host
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# Modes: keep (host_memory called directly), system (glibc defaults), run_on / run_off (what
-# main.py does: loop.Run with config.dist.cpu_keep_freed_memory True / False, in a fresh process).
+# Modes: keep (cpu_host.keep_freed_memory called directly), system (glibc defaults), run_on /
+# run_off (what main.py does: loop.Run with config.dist.cpu_keep_freed_memory True / False, in a
+# fresh process).
 # Then each call of a jitted function writes a 16 MiB temporary (a dot's output, read by a dot),
 # below the 32 MiB above which chunks are mmap'd (and returned) either way.
 SCRIPT = r"""
 import json, resource, sys
-from span_lm.train import host_memory
+from span_lm.train import cpu_host
 mode = sys.argv[1]
-kept = host_memory.keep_freed_memory()[0] if mode == "keep" else mode == "run_on"
+kept = cpu_host.keep_freed_memory()[0] if mode == "keep" else mode == "run_on"
 if mode.startswith("run_"):
   import synthetic_run
   from span_lm import config as config_lib
@@ -51,7 +55,7 @@ def _run(mode, workdir=""):
   return json.loads(out.stdout.split("RESULT ")[-1])
 
 
-@pytest.mark.skipif(host_memory._glibc() is None, reason="needs glibc (Linux)")  # pylint: disable=protected-access
+@pytest.mark.skipif(cpu_host._glibc() is None, reason="needs glibc (Linux)")  # pylint: disable=protected-access
 def test_buffers_are_reused_not_faulted_in():
   kept, system = _run("keep"), _run("system")
   assert kept["kept"] and not system["kept"]
@@ -62,7 +66,7 @@ def test_buffers_are_reused_not_faulted_in():
     assert kept["faults"] < system["faults"] / 20, (kept, system)
 
 
-@pytest.mark.skipif(host_memory._glibc() is None, reason="needs glibc (Linux)")  # pylint: disable=protected-access
+@pytest.mark.skipif(cpu_host._glibc() is None, reason="needs glibc (Linux)")  # pylint: disable=protected-access
 def test_training_run_applies_it_on_cpu_unless_configured_off(tmp_path):
   on, off = _run("run_on", str(tmp_path / "on")), _run("run_off", str(tmp_path / "off"))
   assert on["out"] == off["out"]
@@ -73,7 +77,7 @@ def test_training_run_applies_it_on_cpu_unless_configured_off(tmp_path):
 
 def test_backend_started_is_false_until_jax_starts():
   """Run applies the settings only in a fresh process (not in a notebook or a test session)."""
-  code = ("from span_lm.train import distributed as d; a = d.backend_started(); import jax; "
+  code = ("from span_lm.train import cpu_host as d; a = d.backend_started(); import jax; "
           "jax.devices(); print('RESULT', a, d.backend_started())")
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
              JAX_PLATFORMS="cpu")
@@ -86,9 +90,9 @@ def test_backend_started_is_false_until_jax_starts():
 # serves every size (no mmap) keeps the holes resident, so its peak exceeds glibc's defaults.
 PEAK_SCRIPT = r"""
 import json, resource, sys
-from span_lm.train import host_memory
+from span_lm.train import cpu_host
 if sys.argv[1] == "keep":
-  assert host_memory.keep_freed_memory()[0]
+  assert cpu_host.keep_freed_memory()[0]
 import numpy as np
 live = []
 for mib in (40, 80, 120, 40, 80, 120):
@@ -99,7 +103,7 @@ print("RESULT " + json.dumps({"maxrss_mib": resource.getrusage(resource.RUSAGE_S
 """
 
 
-@pytest.mark.skipif(host_memory._glibc() is None, reason="needs glibc (Linux)")  # pylint: disable=protected-access
+@pytest.mark.skipif(cpu_host._glibc() is None, reason="needs glibc (Linux)")  # pylint: disable=protected-access
 def test_peak_resident_memory_is_not_raised():
   peak = {}
   for mode in ("keep", "system"):
@@ -109,3 +113,40 @@ def test_peak_resident_memory_is_not_raised():
     peak[mode] = json.loads(out.stdout.split("RESULT ")[-1])["maxrss_mib"]
   # glibc's defaults: the interpreter and numpy (~30-60 MiB) plus the largest buffer (120 MiB).
   assert peak["keep"] <= peak["system"] + 8, peak
+
+
+def test_choose_cpu_devices():
+  assert cpu_host.choose_cpu_devices(0, 2, (16, 8)) == 2
+  assert cpu_host.choose_cpu_devices(0, 16, (64, 8)) == 8  # the most that divide every batch
+  assert cpu_host.choose_cpu_devices(0, 64, (64, 64)) == cpu_host.AUTO_MAX_CPU_DEVICES
+  assert cpu_host.choose_cpu_devices(0, 6, (12, 6)) == 6
+  assert cpu_host.choose_cpu_devices(0, 4, (6, 3)) == 3
+  assert cpu_host.choose_cpu_devices(0, 8, (7, 8)) == 1
+  assert cpu_host.choose_cpu_devices(4, 2, (16, 8)) == 4  # an explicit request stands
+
+
+def test_setup_cpu_devices_decisions():
+  cfg = config_lib.load_config("configs/tiny.py:smoke",
+                               dict(synthetic_run.SMALL, workdir="/tmp/unused"))
+  n, why = cpu_host.setup_cpu_devices(cfg, {"XLA_FLAGS": "--xla_force_host_platform_device_count=3"})
+  assert n is None and "XLA_FLAGS" in why
+  n, why = cpu_host.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cuda"})
+  assert n is None and "accelerator" in why
+  n, why = cpu_host.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": "h:1"})
+  assert n is None and "multi-process" in why
+  cfg.dist.cpu_devices = 1
+  assert cpu_host.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})[0] is None
+  cfg.dist.cpu_devices = 0
+  cfg.model.dtype = "bfloat16"
+  n, why = cpu_host.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})
+  assert n is None and "one device for bfloat16" in why
+  assert cpu_host.keeps_one_cpu_device(cfg)
+  cfg.model.arch = "sparse"  # its matmuls are plain einsums: one device per core still
+  assert not cpu_host.keeps_one_cpu_device(cfg)
+  cfg.model.arch = "span"
+  cfg.model.dtype = "float32"
+  cfg.dist.cpu_devices = 2  # this process's backend is running: its devices are kept
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.devices()
+  n, why = cpu_host.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})
+  assert n is None and "already" in why and jax.device_count() == 8

@@ -1,0 +1,184 @@
+"""Host tuning for CPU training, all of it in one place: the host split into one JAX device per
+core, and glibc malloc settings. Neither runs on GPU or TPU (cpu_only); both must act before the
+JAX backend starts (train/loop.py calls them first).
+
+Devices: XLA:CPU runs most of one device's operations (everything but large matmuls) on one
+thread, so with one device per core the halves of a batch run side by side (setup_cpu_devices).
+
+Malloc (off by default; config.dist.cpu_keep_freed_memory or the benchmarks' --keep_freed_memory):
+keep freed heap memory for reuse without raising the peak. XLA:CPU allocates each execution's
+temporaries with malloc and frees them when the step ends. With glibc's defaults the per-thread
+arenas trim their freed heap tops and return them to the kernel, so later steps fault the same
+pages in again (the kernel zeroing them). One arena that is never trimmed keeps those pages.
+
+What is not done: serving the large buffers from the heap too (no mmap'd chunks). It removed
+more faults, but the single no-mmap heap fragments: freed holes that a later, larger buffer
+does not fit stay resident, and peak resident memory rose above glibc's defaults on every
+benchmark shape measured (1.7x for bf16 S=1024, 19.2 against 11.3 GB for a float32 S=8192
+step). Chunks above the mmap threshold (32 MiB, glibc's own maximum) are still mmap'd and
+returned when freed, so the heap only holds small and medium buffers and its peak stays at or
+below the defaults' (docs/benchmarks.md, "malloc and peak resident memory").
+"""
+import ctypes
+import logging
+import os
+import sys
+from typing import Mapping
+
+import jax
+
+from span_lm import config as config_lib
+from span_lm.train import distributed as dist_lib
+
+log = logging.getLogger("span_lm")
+
+# mallopt parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+_INT_MAX = 2**31 - 1  # mallopt takes an int: larger values would wrap (0: trim on every free)
+_MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: the largest allowed
+
+
+def _glibc():
+  if not sys.platform.startswith("linux"):
+    return None
+  try:
+    libc = ctypes.CDLL(None)
+    libc.gnu_get_libc_version  # pylint: disable=pointless-statement  # musl has no such symbol
+    libc.mallopt  # pylint: disable=pointless-statement
+  except (OSError, AttributeError):
+    return None
+  libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+  libc.mallopt.restype = ctypes.c_int
+  libc.gnu_get_libc_version.restype = ctypes.c_char_p
+  return libc
+
+
+def keep_freed_memory() -> tuple[bool, str]:
+  """Sets one malloc arena, no trimming, and a fixed 32 MiB mmap threshold for this process.
+
+  Call before the JAX backend starts (its threads take an arena on their first allocation); the
+  settings apply to allocations made afterwards. Returns (applied, why)."""
+  libc = _glibc()
+  if libc is None:
+    return False, "not glibc"
+  for param, value in ((_M_ARENA_MAX, 1), (_M_TRIM_THRESHOLD, _INT_MAX),
+                       (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)):
+    if libc.mallopt(param, value) != 1:
+      return False, f"mallopt({param}, {value}) failed"
+  return True, (f"glibc {libc.gnu_get_libc_version().decode()}: one arena, no trim, "
+                f"mmap above {_MMAP_THRESHOLD >> 20} MiB")
+
+
+def add_flag(parser) -> None:
+  """--keep_freed_memory for the benchmark scripts (argparse): opt in to keep_freed_memory(), as
+  main.py does with --config.dist.cpu_keep_freed_memory=True; glibc's defaults otherwise."""
+  parser.add_argument("--keep_freed_memory", dest="system_malloc", action="store_false",
+                      help="one arena, no trimming, mmap above 32 MiB (span_lm/train/cpu_host.py;"
+                           " off by default, as in main.py: docs/benchmarks.md)")
+  parser.add_argument("--system_malloc", dest="system_malloc", action="store_true", default=True,
+                      help="glibc malloc as it is (the default)")
+
+
+AUTO_MAX_CPU_DEVICES = 8  # a cap: more devices mean a wider all-reduce (docs/benchmarks.md)
+
+
+def keeps_one_cpu_device(config) -> bool:
+  """Whether auto (dist.cpu_devices=0) keeps the host as one device: bf16 span models, all of
+  whose matmuls run multi-threaded on XLA:CPU (kernels/matmul.py), so splitting the host only
+  halves each device's threads; one device measured faster for them, float32 slower
+  (docs/benchmarks.md)."""
+  return (str(config.model.get("dtype", "float32")) == "bfloat16"
+          and config.model.get("arch", "span") == "span")
+
+
+def choose_cpu_devices(requested: int, cores: int, batches: tuple[int, ...]) -> int:
+  """Devices to split a CPU host into: `requested`, or (0) the most, up to the core count (at
+  most AUTO_MAX_CPU_DEVICES), that divide every per-step batch."""
+  if requested:
+    return requested
+  for n in range(max(1, min(cores, AUTO_MAX_CPU_DEVICES)), 0, -1):
+    if all(b % n == 0 for b in batches):
+      return n
+  return 1
+
+
+def accelerator_plugins() -> list[str]:
+  """Installed PJRT plugins JAX would load (CUDA, ROCm, TPU), found without starting a backend."""
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import pkgutil  # pylint: disable=g-import-not-at-top
+  names = [ep.name for ep in importlib.metadata.entry_points(group="jax_plugins")]
+  try:
+    import jax_plugins  # pylint: disable=g-import-not-at-top
+    names += [m.name for m in pkgutil.iter_modules(jax_plugins.__path__)]
+  except ImportError:
+    pass
+  if importlib.util.find_spec("libtpu") is not None:
+    names.append("libtpu")
+  return names
+
+
+def backend_started() -> bool:
+  """Whether a JAX backend is already running in this process (a notebook, a test session)."""
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(xla_bridge.backends_are_initialized())
+  except (ImportError, AttributeError):  # a JAX without it: assume so (leave things alone)
+    return True
+
+
+def cpu_only(env: Mapping[str, str] | None = None) -> bool:
+  """Whether JAX will run on the host CPU (JAX_PLATFORMS, or no accelerator plugin installed),
+  decided without starting a backend."""
+  env = os.environ if env is None else env
+  platforms = env.get("JAX_PLATFORMS", "")
+  if platforms:
+    return platforms.split(",")[0].strip() == "cpu"
+  return not accelerator_plugins()
+
+
+def setup_cpu_devices(config, env: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+  """Splits a CPU host into config.dist.cpu_devices JAX devices (0: auto) for data parallelism.
+
+  Why: XLA:CPU runs most of one device's operations (everything but large matmuls) on one thread,
+  and the banded attention and layer norms are such operations; with one device per core the
+  halves of the batch run side by side (bench/train_step.py; docs/benchmarks.md). Auto keeps one
+  device for bf16 span models, which measured faster that way (keeps_one_cpu_device). Must run
+  before the backend starts; a user's --xla_force_host_platform_device_count is left alone.
+  Returns (devices set or None, why).
+  """
+  env = os.environ if env is None else env
+  requested = int(config.dist.cpu_devices)
+  if "xla_force_host_platform_device_count" in env.get("XLA_FLAGS", ""):
+    return None, "XLA_FLAGS sets --xla_force_host_platform_device_count"
+  if requested == 1:
+    return None, "config.dist.cpu_devices=1"
+  if requested == 0:
+    if not cpu_only(env):
+      return None, "an accelerator platform is available"
+    if dist_lib.decide(config.dist, env)[0]:
+      return None, "multi-process run (set config.dist.cpu_devices explicitly)"
+    if keeps_one_cpu_device(config):
+      return None, f"auto: one device for {config.model.dtype} models"
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  n = choose_cpu_devices(requested, cores or 1,
+                         tuple(config_lib.per_step_batches(config).values()))
+  try:
+    jax.config.update("jax_num_cpu_devices", n)
+  except RuntimeError:  # the backend already started (a notebook, a test): keep its devices
+    return None, "the JAX backend was already initialised"
+  return n, f"config.dist.cpu_devices={requested}" if requested else "auto: one per core"
+
+
+def setup(config) -> tuple[int | None, str]:
+  """Both settings as config.dist asks, before any backend use. A process whose backend already
+  runs (a notebook, a test session) keeps its allocator and devices: its threads have their
+  arenas and heaps already. Returns setup_cpu_devices' (devices set or None, why)."""
+  fresh = not backend_started()
+  n_cpu, why = setup_cpu_devices(config)
+  if config.dist.cpu_keep_freed_memory and fresh and cpu_only():
+    kept, how = keep_freed_memory()
+    log.info("host malloc: %s", how if kept else f"left as it is ({how})")
+  return n_cpu, why
