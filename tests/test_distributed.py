@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 
-
 import synthetic_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
