@@ -5,7 +5,8 @@ evaluation of the latest checkpoint in config.workdir on the valid and test spli
 sample. The modes that read a run use its saved config.json: `--config.workdir=DIR
 --config.mode=eval` needs no --config, and with one the command line's own overrides apply on top.
 Errors a user can cause are one line (SPAN_LM_DEBUG=1 shows the traceback); exit status 75 means
-"stopped early, checkpointed: rerun to resume" (preemption, SIGTERM), 130 a Ctrl-C.
+"stopped early, checkpointed: rerun to resume" (preemption, SIGTERM), 130 a Ctrl-C. On a CPU host
+it re-executes itself once with glibc's huge-page tunable (config.dist.cpu_huge_pages).
 All logic lives in the span_lm library so a notebook can call it without absl.
 """
 import os
@@ -72,6 +73,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from span_lm import cli  # imported late: flags are parsed before JAX initialises
   config = cli.run_config(_CONFIG.value, _override_names(sys.argv))
+  if config.get("mode") in ("train", "eval", "sample"):
+    from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
+    cpu_host.exec_with_huge_pages(config, sys.argv)  # CPU runs: once, before JAX starts
   sys.exit(cli.main(config))
 
 

@@ -133,8 +133,7 @@ def main():
   p.add_argument("--json", default=None)
   cpu_host.add_flag(p)
   args = p.parse_args()
-  if not args.system_malloc:  # before the backend starts
-    cpu_host.keep_freed_memory()
+  cpu_host.apply_flags(args)  # before the backend starts
 
   print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
   print(f"shapes: {args.layers} layers, D={args.d_model}, {args.heads} heads, FF {args.d_ff}, "

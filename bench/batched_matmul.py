@@ -36,8 +36,7 @@ def main():
   p.add_argument("--reps", type=int, default=20)
   cpu_host.add_flag(p)
   a = p.parse_args()
-  if not a.system_malloc:
-    cpu_host.keep_freed_memory()
+  cpu_host.apply_flags(a)  # before the backend starts
   key = jax.random.key(0)
   dims = (((2,), (1,)), ((0,), (0,)))
   mm = jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims, preferred_element_type=jnp.float32))

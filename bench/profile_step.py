@@ -42,8 +42,7 @@ def main():
   p.add_argument("--hlo", default="", help="write the compiled HLO here (to read what a fusion is)")
   cpu_host.add_flag(p)
   a = p.parse_args()
-  if not a.system_malloc:  # before the backend starts
-    cpu_host.keep_freed_memory()
+  cpu_host.apply_flags(a)  # before the backend starts
   shapes = argparse.Namespace(layers=4, d_model=256, heads=a.heads, d_ff=1024, block=128, batch=16,
                               short_span=64, dtype=a.dtype)
   cfg, plan, params = attention_span.make_case(a.case, a.span, shapes)

@@ -162,7 +162,10 @@ def worker(spec: dict) -> dict:
   sec = float(np.median(times))
   fl = flops_lib.train_step_flops(cfg, plan, batch, block)
   stats = jax.devices()[0].memory_stats() or {}
-  return {"case": case, "devices": jax.device_count(), "device": jax.devices()[0].device_kind,
+  import resource  # pylint: disable=g-import-not-at-top
+  return {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+          "huge_pages": cpu_host.huge_pages_active(), "case": case,
+          "devices": jax.device_count(), "device": jax.devices()[0].device_kind,
           "seconds": sec, "min_seconds": min(times),
           "peak_bytes": stats.get("peak_bytes_in_use"), "batch": batch, "block": block,
           "compile_seconds": compile_s, "flops": fl, "gflops_per_s": fl / sec / 1e9,
@@ -176,8 +179,13 @@ def run_reference(args, case: str) -> dict:
          "--short_span", str(args.short_span)]
   if not args.system_malloc:
     cmd.append("--keep_freed_memory")
+  env = None  # the same malloc as span_lm's workers: huge pages unless --no_huge_pages
+  if args.huge_pages:
+    from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
+    env = cpu_host.huge_pages_env()
   with tempfile.NamedTemporaryFile(suffix=".json") as f:
-    out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True, cwd=REPO)
+    out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True, cwd=REPO,
+                         env=env)
     if out.returncode:
       raise SystemExit(out.stdout[-2000:] + out.stderr[-4000:])
     r = json.load(f)["rows"][0]
@@ -235,6 +243,8 @@ def main():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+  if args.huge_pages:  # as main.py runs on a CPU host (span_lm/train/cpu_host.py)
+    env = cpu_host.huge_pages_env(env) or env
   for case in args.cases:
     reference_s = None if args.config else REFERENCE_S[case]
     if args.reference_dir and not args.config:
@@ -256,6 +266,9 @@ def main():
       rows.append(r)
       if r["peak_bytes"]:
         print(f"  ({r['device']}: peak memory {r['peak_bytes'] / 2**30:.2f} GiB)")
+      else:
+        print(f"  (host: peak resident memory {r['max_rss_bytes'] / 2**30:.2f} GiB, huge pages "
+              f"{'on' if r['huge_pages'] else 'off'})")
       print(f"| {case} | {r['devices']} | {r['seconds']:.3f} | {r['tokens_per_s']:.0f} | "
             f"{r['flops'] / 1e9:.1f} | {r['gflops_per_s']:.0f} | "
             f"{r['gflops_per_s'] / peak:.0%} | {vs} | "

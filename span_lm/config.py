@@ -125,6 +125,10 @@ def base_config() -> ml_collections.ConfigDict:
   # (docs/benchmarks.md, "malloc and peak resident memory"); the faster no-mmap setting raised
   # peak resident memory, so it was dropped.
   ds.cpu_keep_freed_memory = False
+  # CPU-only runs: malloc with transparent huge pages (glibc.malloc.hugetlb=1; main.py re-executes
+  # itself once with GLIBC_TUNABLES set): far fewer page faults for XLA's per-step temporaries at
+  # the same peak memory (span_lm/train/cpu_host.py, docs/benchmarks.md "Huge pages").
+  ds.cpu_huge_pages = True
 
   # Inspecting a run (span_lm/tools): --config.mode=spans | flops | sample, on config.workdir.
   c.tools = tl = ml_collections.ConfigDict()
@@ -291,6 +295,8 @@ def _validate_faults_and_dist(config):
   _check_int(config, "dist.init_timeout", 1)
   _check_int(config, "dist.fsdp", 1)
   n_cpu = _check_int(config, "dist.cpu_devices", 0)
+  if not isinstance(_get(config, "dist.cpu_huge_pages"), bool):
+    _bad("dist.cpu_huge_pages", _get(config, "dist.cpu_huge_pages"), "must be True or False")
   if not isinstance(_get(config, "dist.cpu_keep_freed_memory"), bool):
     _bad("dist.cpu_keep_freed_memory", _get(config, "dist.cpu_keep_freed_memory"),
          "must be True or False")

@@ -8,6 +8,8 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from span_lm import config as config_lib
+
 CONFIG_NAME = "config.json"
 RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its checkpoints
 
@@ -40,9 +42,21 @@ def load_saved(workdir: str) -> ml_collections.ConfigDict:
   if not isinstance(data, dict) or "model" not in data:
     raise ValueError(f"{path} is not a span_lm run config; pass --config=configs/FILE.py instead")
   config = ml_collections.ConfigDict(_tuples(data))
+  _fill_missing(config, config_lib.base_config())
   config.workdir = workdir  # the directory as given now (the run may have moved)
   config.lock()
   return config
+
+
+def _fill_missing(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict) -> None:
+  """Fields added to the schema after the run started take their defaults (a run from an older
+  span_lm stays readable); what the run saved is kept."""
+  for key, value in defaults.items():
+    if key not in config:
+      config[key] = value
+    elif isinstance(value, ml_collections.ConfigDict) and \
+        isinstance(config[key], ml_collections.ConfigDict):
+      _fill_missing(config[key], value)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

@@ -194,6 +194,7 @@ BAD = [
     ("dist.cpu_devices", -1, "config.dist.cpu_devices=-1"),
     ("dist.cpu_devices", 3, "must divide the per-step batch"),
     ("dist.cpu_keep_freed_memory", None, "config.dist.cpu_keep_freed_memory=None"),
+    ("dist.cpu_huge_pages", None, "config.dist.cpu_huge_pages=None"),
 ]
 
 

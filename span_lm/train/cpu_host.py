@@ -5,7 +5,16 @@ JAX backend starts (train/loop.py calls them first).
 Devices: XLA:CPU runs most of one device's operations (everything but large matmuls) on one
 thread, so with one device per core the halves of a batch run side by side (setup_cpu_devices).
 
-Malloc (off by default; config.dist.cpu_keep_freed_memory or the benchmarks' --keep_freed_memory):
+Huge pages (on by default; config.dist.cpu_huge_pages, the benchmarks' --no_huge_pages): XLA:CPU
+mallocs each execution's large temporaries afresh, and glibc serves them from fresh mmap'd pages
+that the kernel faults in and zeroes 4 KiB at a time, every step. glibc's tunable
+glibc.malloc.hugetlb=1 has malloc ask for transparent huge pages (madvise), 2 MiB per fault: a
+fraction of the faults, the same peak resident memory (docs/benchmarks.md, "Huge pages"). A
+tunable is read at process start only, so main.py re-executes itself once with it set
+(exec_with_huge_pages); a notebook's kernel needs GLIBC_TUNABLES set before it starts.
+
+Malloc arenas (off by default; config.dist.cpu_keep_freed_memory or the benchmarks'
+--keep_freed_memory):
 keep freed heap memory for reuse without raising the peak. XLA:CPU allocates each execution's
 temporaries with malloc and frees them when the step ends. With glibc's defaults the per-thread
 arenas trim their freed heap tops and return them to the kernel, so later steps fault the same
@@ -55,6 +64,53 @@ def _glibc():
   return libc
 
 
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_env(env: Mapping[str, str] | None = None) -> dict | None:
+  """The environment with glibc's huge-page tunable added to GLIBC_TUNABLES, or None where it
+  would change nothing: not glibc, the kernel's transparent huge pages off (or absent), or a
+  glibc.malloc.hugetlb setting already there (the user's own choice stands)."""
+  env = dict(os.environ if env is None else env)
+  if _glibc() is None:
+    return None
+  try:
+    with open(_THP) as f:
+      if "[never]" in f.read():
+        return None
+  except OSError:
+    return None
+  tunables = env.get("GLIBC_TUNABLES", "")
+  if "glibc.malloc.hugetlb" in tunables:
+    return None
+  env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, HUGE_PAGES_TUNABLE) if t)
+  return env
+
+
+def huge_pages_active() -> bool:
+  return HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+
+
+def exec_with_huge_pages(config, argv: list[str]) -> None:
+  """Replaces this process by `python argv...` with huge pages for malloc, when config asks for
+  them (dist.cpu_huge_pages), JAX will run on the CPU and the tunable is not set yet; returns
+  (doing nothing) otherwise. Call before anything that must not run twice; the PID, open
+  terminal and signals stay the same."""
+  if config.dist.get("cpu_huge_pages", False):
+    reexec_with_huge_pages(argv)
+
+
+def reexec_with_huge_pages(argv: list[str]) -> None:
+  """exec_with_huge_pages without a config (the benchmark scripts): on CPU hosts only."""
+  env = huge_pages_env() if cpu_only() else None
+  if env is None:
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, [sys.executable] + list(argv), env)
+
+
 def keep_freed_memory() -> tuple[bool, str]:
   """Sets one malloc arena, no trimming, and a fixed 32 MiB mmap threshold for this process.
 
@@ -72,8 +128,10 @@ def keep_freed_memory() -> tuple[bool, str]:
 
 
 def add_flag(parser) -> None:
-  """--keep_freed_memory for the benchmark scripts (argparse): opt in to keep_freed_memory(), as
-  main.py does with --config.dist.cpu_keep_freed_memory=True; glibc's defaults otherwise."""
+  """The benchmark scripts' malloc flags (argparse): --no_huge_pages, --keep_freed_memory."""
+  parser.add_argument("--no_huge_pages", dest="huge_pages", action="store_false", default=True,
+                      help="run span_lm without glibc.malloc.hugetlb=1 (on by default, as in "
+                           "main.py: span_lm/train/cpu_host.py)")
   parser.add_argument("--keep_freed_memory", dest="system_malloc", action="store_false",
                       help="one arena, no trimming, mmap above 32 MiB (span_lm/train/cpu_host.py;"
                            " off by default, as in main.py: docs/benchmarks.md)")
@@ -82,6 +140,14 @@ def add_flag(parser) -> None:
 
 
 AUTO_MAX_CPU_DEVICES = 8  # a cap: more devices mean a wider all-reduce (docs/benchmarks.md)
+
+
+def apply_flags(args) -> None:
+  """What add_flag's flags ask for, before the JAX backend starts (huge pages: re-executes)."""
+  if args.huge_pages:
+    reexec_with_huge_pages(sys.argv)
+  if not args.system_malloc:
+    keep_freed_memory()
 
 
 def keeps_one_cpu_device(config) -> bool:

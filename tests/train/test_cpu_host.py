@@ -150,3 +150,70 @@ def test_setup_cpu_devices_decisions():
   jax.devices()
   n, why = cpu_host.setup_cpu_devices(cfg, {"JAX_PLATFORMS": "cpu"})
   assert n is None and "already" in why and jax.device_count() == 8
+
+
+def test_huge_pages_env_adds_the_tunable_and_keeps_the_users():
+  if cpu_host.huge_pages_env({}) is None:
+    pytest.skip("not glibc, or the kernel's transparent huge pages are off")
+  assert cpu_host.huge_pages_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+  env = cpu_host.huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "A": "1"})
+  assert env == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "A": "1"}
+  assert cpu_host.huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # theirs
+
+
+# A jitted function whose 64 MiB temporary (above the 32 MiB mmap threshold: a fresh mmap every
+# call) is written by one dot and read by another, as a training step's large temporaries.
+FAULTS_SCRIPT = r"""
+import json, os, resource
+import jax, jax.numpy as jnp, numpy as np
+a = jnp.asarray(np.random.default_rng(0).standard_normal((16384, 8)), jnp.float32)
+b = jnp.asarray(np.random.default_rng(1).standard_normal((8, 1024)), jnp.float32)
+f = jax.jit(lambda a, b: (a @ b).T @ a)
+for _ in range(3):
+  out = np.asarray(f(a, b))
+faults = []
+for _ in range(10):
+  r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  out = np.asarray(f(a, b))
+  faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+print("RESULT " + json.dumps({"faults": sorted(faults)[5], "out": out[:4, 0].tolist(),
+                              "tunables": os.environ.get("GLIBC_TUNABLES", "")}))
+"""
+
+
+def test_huge_pages_fault_a_large_temporary_in_with_a_fraction_of_the_faults():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  env.pop("GLIBC_TUNABLES", None)
+  huge = cpu_host.huge_pages_env(env)
+  if huge is None:
+    pytest.skip("not glibc, or the kernel's transparent huge pages are off")
+  results = {}
+  for name, e in (("system", env), ("huge", huge)):
+    out = subprocess.run([sys.executable, "-c", FAULTS_SCRIPT], env=e, capture_output=True,
+                         text=True, timeout=300, check=True, cwd=REPO)
+    results[name] = json.loads(out.stdout.split("RESULT ")[-1])
+  system, huge = results["system"], results["huge"]
+  assert huge["tunables"] == "glibc.malloc.hugetlb=1" and system["tunables"] == ""
+  assert huge["out"] == system["out"]
+  assert system["faults"] > 8000, system  # 64 MiB in 4 KiB pages: 16,384 faults by default
+  assert huge["faults"] < system["faults"] / 4, (huge, system)
+
+
+def _main_lines(tmp_path, *flags):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  env.pop("GLIBC_TUNABLES", None)
+  proc = subprocess.run([sys.executable, "main.py", "--config=configs/tiny.py:smoke",
+                         f"--config.workdir={tmp_path}", "--config.train.steps=1",
+                         "--config.train.full_eval_at_end=False", "--config.train.tensorboard=False",
+                         *flags], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return proc.stdout
+
+
+def test_main_reexecutes_itself_with_huge_pages_unless_configured_off(tmp_path):
+  if cpu_host.huge_pages_env({}) is None:
+    pytest.skip("not glibc, or the kernel's transparent huge pages are off")
+  line = "CPU host: malloc with transparent huge pages (glibc.malloc.hugetlb=1)"
+  assert line in _main_lines(tmp_path / "on")
+  assert line not in _main_lines(tmp_path / "off", "--config.dist.cpu_huge_pages=False")
