@@ -19,7 +19,7 @@ only, under tests/fixtures/golden/:
   torch_files/        small full checkpoints as the reference's save_checkpoint writes them
                       (iter_no, module.-prefixed model, optimizer, logger, scheduler_iter), after
                       a few steps, in torch's zip format and its legacy format, with their
-                      values in expected.npz (tests/test_import.py)
+                      values in expected.npz (tests/tools/test_import.py)
 Cases (2 layers, D=64, 4 heads, S=256, ramp 32, block 64, batch 4, Adagrad lr 0.07, clip 0.03,
 warmup 20, no dropout; tokens are bytes of enwik8's head, ids in order of first appearance):
   fixed     fixed span 256, feed-forward 64

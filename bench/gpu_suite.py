@@ -97,10 +97,10 @@ HINTS = {
     "ModelConfig": ("span_lm.model.config",),
     "SeqAttention": ("span_lm.model.attention", "span_lm.model.transformer"),
     "SpanTransformer": ("span_lm.model.transformer",),
-    "full_plan": ("span_lm.model.spans",),
-    "plan_from_ratios": ("span_lm.model.spans",),
-    "check_plan": ("span_lm.model.spans",),
-    "init_caches": ("span_lm.model.spans",),
+    "full_plan": ("span_lm.model.plan",),
+    "plan_from_ratios": ("span_lm.model.plan",),
+    "check_plan": ("span_lm.model.plan",),
+    "init_caches": ("span_lm.model.caches",),
     "init_state": ("span_lm.train.steps",),
     "StepCompiler": ("span_lm.train.steps",),
     "host_batch": ("span_lm.train.steps",),
@@ -696,81 +696,22 @@ def child_reference(spec):
     try:
       row.update(_reference_step(ref, case, spec["reps"]))
       row["status"] = "ok"
-    except Exception as e:  # pylint: disable=broad-except
+    except (Exception, SystemExit) as e:  # pylint: disable=broad-except  # SystemExit: modified files
       row.update(_error(e))
     emit(row)
 
 
 def _reference_step(reference_dir, case, reps, warmup=2):
-  sys.path.insert(0, os.path.abspath(reference_dir))
-  import torch  # pylint: disable=g-import-not-at-top
-  import torch.nn.functional as F  # pylint: disable=g-import-not-at-top
-  import adagrad_with_grad_clip  # pylint: disable=g-import-not-at-top
-  from models import TransformerSeq  # pylint: disable=g-import-not-at-top
-  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-  torch.manual_seed(0)
-  torch.set_flush_denormal(True)
-  nh, nl, s, ramp, d = case["heads"], case["layers"], case["span"], 32, case["d_model"]
-  adaptive = case["plan"] != "fixed"
-  model = TransformerSeq(
-      vocab_size=205, hidden_size=d, nb_heads=nh, nb_layers=nl, attn_span=s,
-      emb_dropout=0.0, adapt_io_params={"adapt_io_enabled": False},
-      inner_hidden_size=case["d_ff"], dropout=case["dropout"],
-      adapt_span_params={"adapt_span_enabled": adaptive, "adapt_span_loss": 2e-6,
-                         "adapt_span_ramp": ramp, "adapt_span_init": 0.0,
-                         "adapt_span_cache": True},
-      pers_mem_params={"pers_mem_size": 0}).to(dev)
-  zs = case.get("ratios")  # per layer, per head
-  if adaptive:
-    with torch.no_grad():
-      for layer, z in zip(model.layers, zs):
-        layer.attn.attn.adaptive_span._mask.current_val.copy_(
-            torch.tensor(z, dtype=torch.float32).view(nh, 1, 1))
-  model.train()
-  opt_cls = getattr(adagrad_with_grad_clip, "AdagradWithGradClip")
-  optimizer = opt_cls(model.parameters(), lr=0.07, grad_clip=0.03)
-  b, m = case["batch"], case["block"]
-  x = torch.randint(0, 205, (b, m), device=dev)
-  y = torch.randint(0, 205, (b, m), device=dev)
-  caches = [torch.randn(b, layer.attn.attn.get_cache_size(), d, device=dev)
-            for layer in model.layers]
-  sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-  def step(caches):
-    optimizer.zero_grad()
-    out, caches, _ = model(x, caches)
-    loss = F.nll_loss(out.view(-1, out.size(-1)), y.view(-1))
-    if adaptive:
-      loss = loss + sum(layer.attn.attn.adaptive_span.get_loss() for layer in model.layers)
-    loss.backward()
-    optimizer.step()
-    if adaptive:
-      with torch.no_grad():
-        for layer, z in zip(model.layers, zs):
-          layer.attn.attn.adaptive_span.clamp_param()
-          layer.attn.attn.adaptive_span._mask.current_val.copy_(
-              torch.tensor(z, dtype=torch.float32).view(nh, 1, 1))
-    return caches, loss
-
-  if dev.type == "cuda":
-    torch.cuda.reset_peak_memory_stats()
-  for _ in range(warmup):
-    caches, loss = step(caches)
-  sync()
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    caches, loss = step(caches)
-    sync()
-    times.append(time.perf_counter() - t)
-  times.sort()
-  sec = times[len(times) // 2]
-  return {"seconds": sec, "min_seconds": times[0], "tokens_per_s": b * m / sec,
-          "loss": float(loss.item()), "torch": torch.__version__, "device": (
-              torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu"),
-          "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-          "peak_bytes": torch.cuda.max_memory_allocated() if dev.type == "cuda" else None,
-          "cache_sizes": [layer.attn.attn.get_cache_size() for layer in model.layers]}
+  """bench/reference_step.py's step (the one bench/train_step.py times, its files' sha256 checked)
+  with the case's shapes and per-head spans, on the GPU."""
+  if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import reference_step  # pylint: disable=g-import-not-at-top
+  return reference_step.measure_step(
+      reference_dir, layers=case["layers"], heads=case["heads"], d_model=case["d_model"],
+      d_ff=case["d_ff"], dropout=case["dropout"], span=case["span"], batch=case["batch"],
+      block=case["block"], ratios=None if case["plan"] == "fixed" else case["ratios"],
+      reps=reps, warmup=warmup)
 
 
 KEYS = {"train": ("label", "impl", "dtype", "plan"), "reference": ("shapes", "plan"),

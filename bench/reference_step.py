@@ -77,10 +77,14 @@ def check_reference(reference_dir: str, files=MODEL_FILES) -> None:
                        "an unmodified checkout of facebookresearch/adaptive-span at 27b815f")
 
 
-def measure(reference_dir: str, case: str, reps: int, warmup: int = 3, batch: int = 16,
-            block: int = 128, span: int = 1024, short_span: int = 64, seed: int = 0,
-            flush_denormal: bool = True) -> dict:
-  """Median and fastest seconds per training step of the reference model."""
+def measure_step(reference_dir: str, *, layers: int = 4, heads: int = 4, d_model: int = 256,
+                 d_ff: int = 1024, dropout: float = 0.0, span: int = 1024, ramp: int = 32,
+                 ratios=None, batch: int = 16, block: int = 128, reps: int = 10, warmup: int = 3,
+                 seed: int = 0, flush_denormal: bool = True) -> dict:
+  """Median and fastest seconds per training step of the reference model, on CUDA when torch has
+  it, else the CPU. ratios: None for a fixed span, else per layer the per-head span parameters z
+  (span fractions) at which the adaptive spans are held after each step, so that the cache
+  trimming stays put. bench/gpu_suite.py times the reference through this function too."""
   check_reference(reference_dir)
   sys.path.insert(0, os.path.abspath(reference_dir))
   import torch  # pylint: disable=g-import-not-at-top
@@ -88,27 +92,34 @@ def measure(reference_dir: str, case: str, reps: int, warmup: int = 3, batch: in
   from adagrad_with_grad_clip import AdagradWithGradClip  # pylint: disable=g-import-not-at-top
   from models import TransformerSeq  # pylint: disable=g-import-not-at-top
 
+  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
   torch.manual_seed(seed)
   torch.set_flush_denormal(flush_denormal)
-  ramp, adaptive = 32, case == "short"
+  adaptive = ratios is not None
   model = TransformerSeq(
-      vocab_size=205, hidden_size=256, nb_heads=4, nb_layers=4, attn_span=span,
-      emb_dropout=0.0, adapt_io_params={"adapt_io_enabled": False}, inner_hidden_size=1024,
-      dropout=0.0,
+      vocab_size=205, hidden_size=d_model, nb_heads=heads, nb_layers=layers, attn_span=span,
+      emb_dropout=0.0, adapt_io_params={"adapt_io_enabled": False}, inner_hidden_size=d_ff,
+      dropout=dropout,
       adapt_span_params={"adapt_span_enabled": adaptive, "adapt_span_loss": 2e-6,
                          "adapt_span_ramp": ramp, "adapt_span_init": 0.0,
                          "adapt_span_cache": True},
-      pers_mem_params={"pers_mem_size": 0})
-  z = (short_span - ramp) / span
-  if adaptive:
+      pers_mem_params={"pers_mem_size": 0}).to(dev)
+
+  def hold_spans():  # the case's spans (and so the trimming) where the case puts them
     with torch.no_grad():
-      for layer in model.layers:
-        layer.attn.attn.adaptive_span._mask.current_val.fill_(z)
+      for layer, z in zip(model.layers, ratios):
+        layer.attn.attn.adaptive_span._mask.current_val.copy_(
+            torch.tensor(z, dtype=torch.float32).view(heads, 1, 1))
+
+  if adaptive:
+    hold_spans()
   model.train()
   optimizer = AdagradWithGradClip(model.parameters(), lr=0.07, grad_clip=0.03)
-  x = torch.randint(0, 205, (batch, block))
-  y = torch.randint(0, 205, (batch, block))
-  caches = [torch.randn(batch, layer.attn.attn.get_cache_size(), 256) for layer in model.layers]
+  x = torch.randint(0, 205, (batch, block), device=dev)
+  y = torch.randint(0, 205, (batch, block), device=dev)
+  caches = [torch.randn(batch, layer.attn.attn.get_cache_size(), d_model, device=dev)
+            for layer in model.layers]
+  sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
   def step(caches):
     optimizer.zero_grad()
@@ -121,22 +132,39 @@ def measure(reference_dir: str, case: str, reps: int, warmup: int = 3, batch: in
     if adaptive:
       for layer in model.layers:
         layer.attn.attn.adaptive_span.clamp_param()
-        with torch.no_grad():  # hold the spans (and so the trimming) where the case puts them
-          layer.attn.attn.adaptive_span._mask.current_val.fill_(z)
-    return caches, loss.item()
+      hold_spans()
+    return caches, loss
 
+  if dev.type == "cuda":
+    torch.cuda.reset_peak_memory_stats()
   for _ in range(warmup):
-    caches, _ = step(caches)
+    caches, loss = step(caches)
+  sync()
   times = []
   for _ in range(reps):
     t = time.perf_counter()
     caches, loss = step(caches)
+    sync()
     times.append(time.perf_counter() - t)
-  keys = [layer.attn.attn.get_cache_size() for layer in model.layers]
-  return {"case": case, "seconds": statistics.median(times), "min_seconds": min(times),
-          "tokens_per_s": batch * block / statistics.median(times), "loss": loss,
-          "cache_sizes": keys, "torch": torch.__version__, "threads": torch.get_num_threads(),
-          "flush_denormal": flush_denormal}
+  sec = statistics.median(times)
+  return {"seconds": sec, "min_seconds": min(times), "tokens_per_s": batch * block / sec,
+          "loss": float(loss.item()), "cache_sizes": [layer.attn.attn.get_cache_size()
+                                                      for layer in model.layers],
+          "torch": torch.__version__, "threads": torch.get_num_threads(),
+          "flush_denormal": flush_denormal,
+          "device": torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu",
+          "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+          "peak_bytes": torch.cuda.max_memory_allocated() if dev.type == "cuda" else None}
+
+
+def measure(reference_dir: str, case: str, reps: int, short_span: int = 64,
+            flush_denormal: bool = True, **shapes) -> dict:
+  """The issue-8 cases: 'short' (every head's span + ramp = short_span) or 'fixed' (S=1024)."""
+  span, ramp, layers, heads = (shapes.get(k, d) for k, d in
+                               (("span", 1024), ("ramp", 32), ("layers", 4), ("heads", 4)))
+  ratios = None if case == "fixed" else [[(short_span - ramp) / span] * heads] * layers
+  return dict(measure_step(reference_dir, ratios=ratios, reps=reps, flush_denormal=flush_denormal,
+                           **shapes), case=case)
 
 
 def main():

@@ -6,7 +6,7 @@
 # GPUs: process i gets GPU i (--config.dist.local_device_ids=i); one process seeing all GPUs
 # (`python main.py --config=...`) is equivalent and simpler, this is for testing the multi-process
 # path or for one-process-per-GPU setups. CPU: SPAN_LM_CPU_DEVICES=4 gives each process 4 fake
-# CPU devices (what tests/test_distributed.py does).
+# CPU devices (what tests/train/test_distributed.py does).
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
   echo "usage: $0 NPROC CONFIG [--config.x=y ...]" >&2

@@ -1,7 +1,7 @@
 """Faults and memory knobs: SIGTERM, Ctrl-C, kill -9, unreadable checkpoints, a full disk, one-line
 user errors, non-finite losses, interrupted saves, bf16, recomputation.
 
-The SIGTERM and interrupted-save tests run a worker process (tests/test_distributed.py as a
+The SIGTERM and interrupted-save tests run a worker process (tests/synthetic_run.py as a
 script); the rest train in this process on 8 fake CPU devices.
 """
 import json
@@ -21,10 +21,9 @@ from span_lm.model import plan as plan_lib
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import loop, steps
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import test_distributed as td  # pylint: disable=g-import-not-at-top,wrong-import-position
+import synthetic_run as sr
 
-REPO = td.REPO
+REPO = sr.REPO
 
 
 def _finite(tree) -> bool:
@@ -48,16 +47,16 @@ def _no_tmp_dirs(workdir):
 
 def test_sigterm_checkpoints_the_current_step_and_resume_matches(tmp_path):
   interrupted = tmp_path / "interrupted"
-  ov = dict(td.TINY, workdir=str(interrupted), **{
+  ov = dict(sr.TINY, workdir=str(interrupted), **{
       "train.steps": 100_000, "train.checkpoint_every": 100_000, "train.eval_every": 100_000,
       "train.full_eval_at_end": False})
   log = open(tmp_path / "worker.log", "w")
-  proc = subprocess.Popen(td.worker_command(ov), cwd=REPO, env=td.worker_env(8), stdout=log,
+  proc = subprocess.Popen(sr.worker_command(ov), cwd=REPO, env=sr.worker_env(8), stdout=log,
                           stderr=subprocess.STDOUT)
   try:
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-      if max(td._train_losses(interrupted), default=0) >= 3:  # pylint: disable=protected-access
+      if max(sr.train_losses(interrupted), default=0) >= 3:
         break
       time.sleep(0.2)
     assert proc.poll() is None, (tmp_path / "worker.log").read_text()[-3000:]
@@ -80,10 +79,10 @@ def test_sigterm_checkpoints_the_current_step_and_resume_matches(tmp_path):
   end = reached + 4
   common = {"train.checkpoint_every": 100_000, "train.eval_every": 100_000,
             "train.full_eval_at_end": False, "train.steps": end}
-  resumed = loop.train(td.config_for(interrupted, common))
-  straight = loop.train(td.config_for(tmp_path / "straight", common))
+  resumed = loop.train(sr.config_for(interrupted, common))
+  straight = loop.train(sr.config_for(tmp_path / "straight", common))
   assert resumed["step"] == straight["step"] == end and not resumed["preempted"]
-  a, b = td._train_losses(interrupted), td._train_losses(tmp_path / "straight")  # pylint: disable=protected-access
+  a, b = sr.train_losses(interrupted), sr.train_losses(tmp_path / "straight")
   for s in range(1, end + 1):
     assert a[s] == b[s], s
   for x, y in zip(jax.tree.leaves(jax.device_get(resumed["state"])),
@@ -99,7 +98,7 @@ NAN = {"train.steps": 8, "train.checkpoint_every": 3, "train.eval_every": 100,
 
 
 def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-  config = td.config_for(tmp_path, NAN)
+  config = sr.config_for(tmp_path, NAN)
   with pytest.raises(loop.NonFiniteLossError, match=r"step 5: the loss or gradient is not "
                      r"finite.*the last good checkpoint is step 3"):
     loop.train(config)
@@ -110,7 +109,7 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   assert meta["step"] == 3 and _finite(state)
   # The same run without the NaN wrote the same step-3 state (its evaluation caches differ: its
   # last step evaluates).
-  clean = td.config_for(tmp_path / "clean", NAN, {"train.debug_nan_at_step": 0, "train.steps": 3})
+  clean = sr.config_for(tmp_path / "clean", NAN, {"train.debug_nan_at_step": 0, "train.steps": 3})
   loop.train(clean)
   state.pop("eval_caches")
   clean_state = _restore(clean)[0]
@@ -121,7 +120,7 @@ def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_nan_skip_drops_the_update_and_counts_it(tmp_path):
-  config = td.config_for(tmp_path, NAN, {"train.nonfinite": "skip"})
+  config = sr.config_for(tmp_path, NAN, {"train.nonfinite": "skip"})
   result = loop.train(config)
   assert result["step"] == 8 and result["skipped"] == 1 and _finite(result["state"])
   from span_lm.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
@@ -134,7 +133,7 @@ def test_nan_skip_drops_the_update_and_counts_it(tmp_path):
 
 def test_nan_step_keeps_the_parameters():
   """Inside the jitted step: a non-finite loss leaves params and optimizer state as they were."""
-  config = td.config_for("/tmp/unused", {"train.debug_nan_at_step": 2})
+  config = sr.config_for("/tmp/unused", {"train.debug_nan_at_step": 2})
   run = loop.Run(config, need_workdir=False)
   try:
     plan = plan_lib.initial_plan(run.model_cfg)
@@ -175,7 +174,7 @@ os._exit(3)  # the process dies before the save commits
 def test_crash_during_async_save_never_leaves_a_partial_latest(tmp_path):
   directory = tmp_path / "checkpoints"
   proc = subprocess.run([sys.executable, "-c", _CRASH, str(directory)], cwd=REPO,
-                        env=td.worker_env(1), capture_output=True, text=True, timeout=120)
+                        env=sr.worker_env(1), capture_output=True, text=True, timeout=120)
   assert proc.returncode == 3, proc.stderr[-3000:]
   names = sorted(p.name for p in directory.iterdir())
   with ckpt_lib.Checkpointer(directory, max_to_keep=None) as ckpt:
@@ -221,8 +220,8 @@ def _two_steps(config, init=None):
 
 @pytest.mark.parametrize("policy", ["nothing_saveable", "dots_saveable"])
 def test_recomputation_changes_nothing(policy):
-  init, plain = _two_steps(td.config_for("/tmp/unused"))
-  _, remat = _two_steps(td.config_for("/tmp/unused", {"model.remat": "layer",
+  init, plain = _two_steps(sr.config_for("/tmp/unused"))
+  _, remat = _two_steps(sr.config_for("/tmp/unused", {"model.remat": "layer",
                                                       "model.remat_policy": policy}), init)
   for (p1, l1), (p2, l2) in zip(plain, remat):
     np.testing.assert_allclose(l2, l1, rtol=1e-6)
@@ -258,8 +257,8 @@ def test_bf16_tracks_float32(enwik8_head, tmp_path):
 
 
 def _config_file(tmp_path, workdir, overrides) -> pathlib.Path:
-  """A config file for main.py: tests/test_distributed.py's tiny synthetic run."""
-  ov = dict(td.TINY, workdir=str(workdir), **overrides)
+  """A config file for main.py: tests/synthetic_run.py's tiny synthetic run."""
+  ov = dict(sr.TINY, workdir=str(workdir), **overrides)
   path = tmp_path / f"config_{len(list(tmp_path.glob('config_*.py')))}.py"
   path.write_text("from span_lm import config as config_lib\n\n"
                   f"def get_config():\n  return config_lib.load_config('configs/tiny.py:smoke', "
@@ -269,7 +268,7 @@ def _config_file(tmp_path, workdir, overrides) -> pathlib.Path:
 
 def _main(config_file, *flags, **popen):
   return subprocess.Popen([sys.executable, "main.py", f"--config={config_file}", *flags],
-                          cwd=REPO, env=dict(td.worker_env(1), PYTHONUNBUFFERED="1"),
+                          cwd=REPO, env=dict(sr.worker_env(1), PYTHONUNBUFFERED="1"),
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
@@ -282,7 +281,7 @@ def _error_lines(stderr: str) -> list:
 def _wait_for_row(proc, workdir, step, timeout=180):
   deadline = time.time() + timeout
   while time.time() < deadline and proc.poll() is None:
-    if max(td._train_losses(workdir), default=0) >= step:  # pylint: disable=protected-access
+    if max(sr.train_losses(workdir), default=0) >= step:
       return
     time.sleep(0.2)
   out, err = proc.communicate(timeout=30) if proc.poll() is not None else ("", "")
@@ -355,7 +354,7 @@ def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_pat
   from span_lm import cli  # pylint: disable=g-import-not-at-top
   common = {"train.checkpoint_every": 2, "train.eval_every": 100, "train.full_eval_at_end": False}
   base = tmp_path / "base"
-  loop.train(td.config_for(base, common, {"train.steps": 4}))
+  loop.train(sr.config_for(base, common, {"train.steps": 4}))
 
   def truncate(step_dir):
     data = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
@@ -374,7 +373,7 @@ def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_pat
     corrupt(workdir / "checkpoints" / "4")
     files = _tree_files(workdir / "checkpoints" / "4")
     capsys.readouterr()
-    assert cli.main(td.config_for(workdir, common, {"train.steps": 6})) == 0, corrupt.__name__
+    assert cli.main(sr.config_for(workdir, common, {"train.steps": 6})) == 0, corrupt.__name__
     out = capsys.readouterr().out
     assert f"checkpoint step 4 in {workdir / 'checkpoints' / '4'} cannot be read" in out, out
     assert f"resumed from {workdir / 'checkpoints'} at step 2" in out
@@ -390,7 +389,7 @@ def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_pat
     garbage_meta(workdir / "checkpoints" / str(step))
   before = _tree_files(workdir)
   capsys.readouterr()
-  assert cli.main(td.config_for(workdir, common, {"train.steps": 6})) == cli.EXIT_ERROR
+  assert cli.main(sr.config_for(workdir, common, {"train.steps": 6})) == cli.EXIT_ERROR
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith("error: checkpoint step 4 in ") and \
       "none of its 2 checkpoints can be read" in err[0], err
@@ -474,7 +473,7 @@ def test_full_disk_by_fault_injection_is_one_line(tmp_path, capsys, monkeypatch)
     return real_save(self, step, *args, **kwargs)
 
   monkeypatch.setattr(ckpt_lib.Checkpointer, "save", save)
-  config = td.config_for(tmp_path, {"train.steps": 6, "train.checkpoint_every": 2,
+  config = sr.config_for(tmp_path, {"train.steps": 6, "train.checkpoint_every": 2,
                                     "train.eval_every": 100, "train.full_eval_at_end": False})
   capsys.readouterr()
   assert cli.main(config) == cli.EXIT_ERROR

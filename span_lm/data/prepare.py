@@ -4,7 +4,7 @@ The reference (facebookresearch/adaptive-span) prepares data with the transforme
 awd-lstm-lm scripts: each split is written as text, then read back line by line with
 `line.split() + ['<eos>']`, one dictionary growing over train, valid and test in that order.
 For the byte and character corpora we never write that text: the same ids follow from numpy on
-the raw bytes (tests/test_data.py checks this against a plain port of the reference).
+the raw bytes (tests/data/test_data.py checks this against a plain port of the reference).
 
 Rules this reproduces:
   enwik8  token = byte; newline (10) -> <eos>; one extra <eos> ends a non-empty split that does

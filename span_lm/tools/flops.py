@@ -20,7 +20,7 @@ layers, an upper bound: XLA removes part of that recomputation (tiny test model:
 `xla_costs` compiles the real train step and reads XLA's cost and memory analyses;
 `hlo_dot_flops` sums its dot instructions, which equal 2 x our matmul count exactly (tested).
 XLA's total `flops` also counts elementwise work (softmax, masks, layer norms, the optimizer), a
-few percent above the matmul count on tiny models (4-8% in tests/test_tools.py), less as D grows.
+few percent above the matmul count on tiny models (4-8% in tests/tools/test_tools.py), less as D grows.
 """
 import dataclasses
 import functools

@@ -198,7 +198,7 @@ def test_local_file_errors(tmp_path):
 
 # ----------------------------------------------------------------------- packaged demo data
 
-SHARED_HEAD = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "enwik8_head.bin"
+SHARED_HEAD = pathlib.Path(__file__).resolve().parents[3] / "shared" / "data" / "enwik8_head.bin"
 
 
 def test_packaged_head_is_the_first_bytes_of_enwik8():

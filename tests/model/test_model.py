@@ -414,7 +414,7 @@ def test_causality_by_gradient(mode, n_pers):
 
 # ----------------------------------------------------------------------------------------------
 # 6. The span loss gradient (the soft mask: tests/kernels/test_span_mask.py; the clamp after
-# each update: tests/test_optimizer.py).
+# each update: tests/train/test_optimizer.py).
 
 def test_span_loss_gradient():
   cfg = make_cfg(span_mode="adaptive", span=16)

@@ -25,7 +25,7 @@ from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import loop, steps
 from span_lm.train.metrics import read_metrics
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 K = 6  # the resume test's checkpoint step; the run trains 2K steps
 # Synthetic splits of 640/480/480 tokens: 8 training streams of 80 tokens, so with blocks of 16

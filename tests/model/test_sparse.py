@@ -21,7 +21,7 @@ from span_lm.train import loop
 from span_lm.train import min_context
 from span_lm.train import optimizer as optimizer_lib
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 L, C, H = 8, 2, 4  # stride, summary width, heads of the attention tests
 

@@ -355,7 +355,7 @@ def test_main_import_refuses_other_vocabulary(tmp_path):
 # bench/golden_trajectory.py wrote these with torch 2.13 through the reference's own
 # utils.save_checkpoint (zip) and torch.save(..., _use_new_zipfile_serialization=False) (legacy),
 # after 3 Adagrad steps of a 1-layer model; expected.npz holds their tensors as numpy arrays.
-TORCH_FILES = pathlib.Path(__file__).resolve().parent / "fixtures" / "golden" / "torch_files"
+TORCH_FILES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "golden" / "torch_files"
 
 
 def _expected(case):

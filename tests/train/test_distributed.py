@@ -1,7 +1,7 @@
 """Multi-process data parallelism: two real processes on localhost equal one process.
 
-Each worker process is this file run as a script (`python tests/test_distributed.py JSON`) with 4
-fake CPU devices; they meet through jax.distributed at a localhost coordinator, read their own
+Each worker process is tests/synthetic_run.py run as a script (`python tests/synthetic_run.py
+JSON`) with 4 fake CPU devices; they meet through jax.distributed at a localhost coordinator, read their own
 halves of the streams and train the global batch together. The same run in this (8-device)
 process gives the same losses, and the checkpoint the pair wrote restores here.
 """
@@ -15,40 +15,9 @@ import sys
 import time
 
 import synthetic_run
+from synthetic_run import TINY, config_for, train_losses, worker_command, worker_env
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-# The tiny synthetic run of tests/synthetic_run.py; SGD keeps the updates linear in the gradient,
-# so all-reduce rounding stays at rounding size.
-TINY = dict(synthetic_run.SMALL, **{
-    "optim.name": "sgd",
-    "optim.lr": 0.1,
-    "train.steps": 6,
-    "train.eval_every": 3,
-    "train.checkpoint_every": 3,
-    "train.compilation_cache": "",
-})
-
-
-def config_for(workdir, *overrides: dict):
-  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-  ov = dict(TINY, workdir=str(workdir))
-  for o in overrides:
-    ov.update(o)
-  return config_lib.load_config("configs/tiny.py:smoke", ov)
-
-
-def worker_command(overrides: dict) -> list:
-  return [sys.executable, str(pathlib.Path(__file__).resolve()), json.dumps(overrides)]
-
-
-def worker_env(devices: int) -> dict:
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  env["JAX_PLATFORMS"] = "cpu"
-  env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-  return env
-
+REPO = synthetic_run.REPO
 
 def _free_port() -> int:
   with socket.socket() as s:
@@ -91,11 +60,6 @@ def _run_worker(overrides: dict, env: dict) -> tuple[str, dict]:
                      timeout=150, check=False)
   assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
   return p.stdout, json.loads(p.stdout.split("RESULT ")[-1])
-
-
-def _train_losses(workdir):
-  from span_lm.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
-  return {r["step"]: r["loss"] for r in read_metrics(str(workdir)) if r["split"] == "train"}
 
 
 def _split_lines(workdir, split):
@@ -154,7 +118,7 @@ def test_two_processes_equal_one(tmp_path):
 
   one = tmp_path / "one"
   result = loop.train(config_for(one))
-  losses_two, losses_one = _train_losses(two), _train_losses(one)
+  losses_two, losses_one = train_losses(two), train_losses(one)
   assert sorted(losses_two) == sorted(losses_one) == list(range(1, 7))
   np.testing.assert_allclose([losses_two[s] for s in range(1, 7)],
                              [losses_one[s] for s in range(1, 7)], rtol=1e-5)
@@ -227,7 +191,7 @@ def test_cpu_devices_split_trains_as_one_device(tmp_path):
   assert result["devices"] == 2
   one = tmp_path / "one"
   loop.train(config_for(one, {"train.full_eval_at_end": False}))
-  a, b = _train_losses(split), _train_losses(one)
+  a, b = train_losses(split), train_losses(one)
   assert sorted(a) == sorted(b) == list(range(1, 7))
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
 
@@ -256,7 +220,7 @@ def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
   try:
     deadline = time.time() + 120
     while time.time() < deadline and all(p.poll() is None for p, _ in procs):
-      if max(_train_losses(workdir), default=0) >= 3:
+      if max(train_losses(workdir), default=0) >= 3:
         break
       time.sleep(0.2)
     procs[1][0].send_signal(signal.SIGTERM)  # process 1 only
@@ -270,26 +234,3 @@ def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   with ckpt_lib.Checkpointer(workdir / "checkpoints") as ckpt:
     assert ckpt.all_steps() == [results[0]["step"]]
-
-
-if __name__ == "__main__":  # a worker: train the config given as JSON overrides
-  sys.path.insert(0, str(REPO))
-  from jax import monitoring  # pylint: disable=g-import-not-at-top
-  CACHE_HITS = [0]
-
-  def _count(event, **kw):
-    del kw
-    if event == "/jax/compilation_cache/cache_hits":
-      CACHE_HITS[0] += 1
-
-  monitoring.register_event_listener(_count)
-  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-  from span_lm.train import loop  # pylint: disable=g-import-not-at-top
-  overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(sys.argv[1]).items()}
-  cfg = config_lib.load_config(overrides.pop("config", "configs/tiny.py:smoke"), overrides)
-  out = loop.train(cfg)
-  import jax  # pylint: disable=g-import-not-at-top
-  print("RESULT " + json.dumps({"step": out["step"], "preempted": out["preempted"],
-                                "skipped": out["skipped"], "devices": jax.device_count(),
-                                "cache_hits": CACHE_HITS[0]}),
-        flush=True)
