@@ -75,7 +75,7 @@ def main(argv):
   config = cli.run_config(_CONFIG.value, _override_names(sys.argv))
   if config.get("mode") in ("train", "eval", "sample"):
     from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
-    cpu_host.exec_with_huge_pages(config, sys.argv)  # CPU runs: once, before JAX starts
+    cpu_host.exec_with_huge_pages(config)  # CPU runs: once, before JAX starts
   sys.exit(cli.main(config))
 
 

@@ -24,8 +24,11 @@ Two settings make the comparison fair (the first on by default; the second follo
   caches the reference's fixed-span backward produces denormal floats, and PyTorch, which keeps
   them by default, then took 3.0-5.6 s per step instead of 0.80-0.92 s on the 2-core CPU
   (`--keep_denormals` to see it).
-- glibc malloc as span_lm's run uses it: glibc's defaults, or `--keep_freed_memory` for
-  span_lm/train/cpu_host.py's settings (`bench/train_step.py` passes its own choice on).
+- glibc malloc as span_lm's run uses it: `bench/train_step.py` runs this script with span_lm's
+  workers' environment (GLIBC_TUNABLES=glibc.malloc.hugetlb=1 unless --no_huge_pages; the
+  reference measured no different with it) and passes --keep_freed_memory on when it is set.
+Device: CUDA when torch has it (span_lm's step then runs on that GPU too), else the CPU;
+`--device` picks one.
 Cases:
   short  adaptive span, every z' at (64 - R) / S (span + ramp = 64, `--short_span`): the
          reference trims each layer to 64 keys and a 128-state cache, as after ~1000 steps of
@@ -80,9 +83,9 @@ def check_reference(reference_dir: str, files=MODEL_FILES) -> None:
 def measure_step(reference_dir: str, *, layers: int = 4, heads: int = 4, d_model: int = 256,
                  d_ff: int = 1024, dropout: float = 0.0, span: int = 1024, ramp: int = 32,
                  ratios=None, batch: int = 16, block: int = 128, reps: int = 10, warmup: int = 3,
-                 seed: int = 0, flush_denormal: bool = True) -> dict:
-  """Median and fastest seconds per training step of the reference model, on CUDA when torch has
-  it, else the CPU. ratios: None for a fixed span, else per layer the per-head span parameters z
+                 seed: int = 0, flush_denormal: bool = True, device: str = "auto") -> dict:
+  """Median and fastest seconds per training step of the reference model on `device` (auto: CUDA
+  when torch has it, else the CPU). ratios: None for a fixed span, else per layer the per-head span parameters z
   (span fractions) at which the adaptive spans are held after each step, so that the cache
   trimming stays put. bench/gpu_suite.py times the reference through this function too."""
   check_reference(reference_dir)
@@ -92,7 +95,9 @@ def measure_step(reference_dir: str, *, layers: int = 4, heads: int = 4, d_model
   from adagrad_with_grad_clip import AdagradWithGradClip  # pylint: disable=g-import-not-at-top
   from models import TransformerSeq  # pylint: disable=g-import-not-at-top
 
-  dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+  if device == "auto":
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+  dev = torch.device(device)
   torch.manual_seed(seed)
   torch.set_flush_denormal(flush_denormal)
   adaptive = ratios is not None
@@ -177,6 +182,8 @@ def main():
   p.add_argument("--short_span", type=int, default=64,
                  help="span + ramp of every head in the short case (1024: all spans long)")
   p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+  p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                 help="auto: CUDA when torch has it, else the CPU")
   p.add_argument("--keep_denormals", action="store_true",
                  help="PyTorch's default: denormal floats computed in full (slow on x86)")
   p.add_argument("--keep_freed_memory", dest="system_malloc", action="store_false",
@@ -198,7 +205,7 @@ def main():
   print("|---|---|---|---|---|---|")
   for case in args.cases:
     r = measure(args.reference_dir, case, args.reps, short_span=args.short_span,
-                flush_denormal=not args.keep_denormals)
+                flush_denormal=not args.keep_denormals, device=args.device)
     rows.append(r)
     print(f"| reference {case} | {r['seconds']:.3f} | {r['min_seconds']:.3f} | "
           f"{r['tokens_per_s']:.0f} | {r['cache_sizes']} | {r['torch']}, {r['threads']} |",

@@ -180,8 +180,8 @@ def run_reference(args, case: str) -> dict:
   if not args.system_malloc:
     cmd.append("--keep_freed_memory")
   env = None  # the same malloc as span_lm's workers: huge pages unless --no_huge_pages
-  if args.huge_pages:
-    from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
+  from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
+  if args.huge_pages and cpu_host.cpu_only():
     env = cpu_host.huge_pages_env()
   with tempfile.NamedTemporaryFile(suffix=".json") as f:
     out = subprocess.run(cmd + ["--json", f.name], capture_output=True, text=True, cwd=REPO,
@@ -243,7 +243,7 @@ def main():
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-  if args.huge_pages:  # as main.py runs on a CPU host (span_lm/train/cpu_host.py)
+  if args.huge_pages and cpu_host.cpu_only(env):  # as main.py on a CPU host (train/cpu_host.py)
     env = cpu_host.huge_pages_env(env) or env
   for case in args.cases:
     reference_s = None if args.config else REFERENCE_S[case]

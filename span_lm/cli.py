@@ -124,8 +124,10 @@ class _QuietOrbax(logging.Filter):
     marker = f"{os.sep}orbax{os.sep}"
     if marker in (record.pathname or ""):
       return False
-    # asyncio's "Task exception was never retrieved" for an Orbax write task: logged by asyncio
-    # (its own pathname) when the failed task is collected, naming Orbax's coroutine and frames.
+    # asyncio's "Task exception was never retrieved" for an Orbax write task that failed on the
+    # file system (full disk, permissions): logged by asyncio (its own pathname) when the task is
+    # collected, naming Orbax's coroutine and frames; the loop reports that error in one line.
+    # Other failures of Orbax tasks are kept.
     if record.name == "asyncio":
       try:
         text = record.getMessage()
@@ -133,7 +135,9 @@ class _QuietOrbax(logging.Filter):
         text = str(record.msg)
       tb = record.exc_info[2] if record.exc_info else None
       frames = traceback.extract_tb(tb) if tb is not None else []
-      if marker in text or any(marker in f.filename for f in frames):
+      exc = str(record.exc_info[1]) if record.exc_info else ""
+      orbax = marker in text or any(marker in f.filename for f in frames)
+      if orbax and any(os.strerror(code) in text + exc for code in _FS_HINTS):
         return False
     return True
 

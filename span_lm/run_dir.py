@@ -4,6 +4,7 @@ overrides need not be repeated. Also a config file for `--config=span_lm/run_dir
 """
 import json
 import os
+import sys
 from typing import Any, Iterable
 
 import ml_collections
@@ -12,6 +13,7 @@ from span_lm import config as config_lib
 
 CONFIG_NAME = "config.json"
 RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its checkpoints
+QUIET_DEFAULTS = ("dist.",)  # host and launch settings: a default changes no result
 
 
 def config_path(workdir: str) -> str:
@@ -42,21 +44,29 @@ def load_saved(workdir: str) -> ml_collections.ConfigDict:
   if not isinstance(data, dict) or "model" not in data:
     raise ValueError(f"{path} is not a span_lm run config; pass --config=configs/FILE.py instead")
   config = ml_collections.ConfigDict(_tuples(data))
-  _fill_missing(config, config_lib.base_config())
+  filled = [n for n in _fill_missing(config, config_lib.base_config())
+            if not n.startswith(QUIET_DEFAULTS)]
+  if filled:  # fields that can change results: say which defaults stand in
+    print(f"note: {path} predates config field(s) {', '.join(filled)}; their defaults are used "
+          "(pass them as --config.FIELD=V if the run used other values)", file=sys.stderr)
   config.workdir = workdir  # the directory as given now (the run may have moved)
   config.lock()
   return config
 
 
-def _fill_missing(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict) -> None:
+def _fill_missing(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict,
+                  prefix: str = "") -> list[str]:
   """Fields added to the schema after the run started take their defaults (a run from an older
-  span_lm stays readable); what the run saved is kept."""
+  span_lm stays readable); what the run saved is kept. Returns the dotted names filled."""
+  filled = []
   for key, value in defaults.items():
     if key not in config:
       config[key] = value
+      filled.append(prefix + key)
     elif isinstance(value, ml_collections.ConfigDict) and \
         isinstance(config[key], ml_collections.ConfigDict):
-      _fill_missing(config[key], value)
+      filled += _fill_missing(config[key], value, f"{prefix}{key}.")
+  return filled
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

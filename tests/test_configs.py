@@ -377,3 +377,24 @@ def test_validated_once_per_command(tmp_path, monkeypatch):
   with pytest.raises(config_lib.ConfigError, match=r"config\.optim\.lr=0\.0"):
     loop.train(c)
   assert calls == ["train", "train"]
+
+
+def test_a_saved_run_config_from_an_older_span_lm_takes_defaults_and_names_them(tmp_path, capsys):
+  """A run's config.json written before a field existed still loads: the field takes its default;
+  fields that can change results (not dist.*) are named on stderr, and saved values stand."""
+  import json  # pylint: disable=g-import-not-at-top
+  from span_lm import run_dir  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.load_config("configs/tiny.py:smoke", {"workdir": str(tmp_path),
+                                                        "data.block": 48})
+  data = json.loads(cfg.to_json())
+  del data["dist"]["cpu_huge_pages"], data["data"]["align"], data["model"]["attn_impl"]
+  (tmp_path / "config.json").write_text(json.dumps(data))
+  capsys.readouterr()
+  saved = run_dir.load_saved(str(tmp_path))
+  config_lib.validate(saved)
+  base = config_lib.base_config()
+  assert saved.dist.cpu_huge_pages == base.dist.cpu_huge_pages
+  assert saved.data.align == base.data.align and saved.model.attn_impl == base.model.attn_impl
+  assert saved.data.block == 48  # what the run saved is kept
+  err = capsys.readouterr().err
+  assert "data.align" in err and "model.attn_impl" in err and "cpu_huge_pages" not in err

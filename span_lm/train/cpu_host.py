@@ -68,18 +68,36 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
-def huge_pages_env(env: Mapping[str, str] | None = None) -> dict | None:
-  """The environment with glibc's huge-page tunable added to GLIBC_TUNABLES, or None where it
-  would change nothing: not glibc, the kernel's transparent huge pages off (or absent), or a
-  glibc.malloc.hugetlb setting already there (the user's own choice stands)."""
-  env = dict(os.environ if env is None else env)
-  if _glibc() is None:
-    return None
+_REEXECUTED = "SPAN_LM_HUGE_PAGES_EXEC"  # set in the re-executed process: never a second exec
+
+
+def _thp_mode() -> str:
+  """The kernel's transparent huge page mode (always, madvise, never), or '' where unknown."""
   try:
     with open(_THP) as f:
-      if "[never]" in f.read():
-        return None
+      text = f.read()
   except OSError:
+    return ""
+  return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
+
+
+def _glibc_version() -> tuple[int, ...]:
+  libc = _glibc()
+  if libc is None:
+    return ()
+  try:
+    return tuple(int(p) for p in libc.gnu_get_libc_version().decode().split(".")[:2])
+  except ValueError:
+    return ()
+
+
+def huge_pages_env(env: Mapping[str, str] | None = None) -> dict | None:
+  """The environment with glibc's huge-page tunable added to GLIBC_TUNABLES, or None where it
+  would change nothing: not glibc 2.35+ (which has the tunable), the kernel's transparent huge
+  pages off or unknown, already re-executed once, or a glibc.malloc.hugetlb setting already
+  there (the user's own choice stands)."""
+  env = dict(os.environ if env is None else env)
+  if _glibc_version() < (2, 35) or _thp_mode() not in ("always", "madvise") or env.get(_REEXECUTED):
     return None
   tunables = env.get("GLIBC_TUNABLES", "")
   if "glibc.malloc.hugetlb" in tunables:
@@ -89,26 +107,28 @@ def huge_pages_env(env: Mapping[str, str] | None = None) -> dict | None:
 
 
 def huge_pages_active() -> bool:
-  return HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+  return (HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
+          and _glibc_version() >= (2, 35) and _thp_mode() in ("always", "madvise"))
 
 
-def exec_with_huge_pages(config, argv: list[str]) -> None:
-  """Replaces this process by `python argv...` with huge pages for malloc, when config asks for
-  them (dist.cpu_huge_pages), JAX will run on the CPU and the tunable is not set yet; returns
-  (doing nothing) otherwise. Call before anything that must not run twice; the PID, open
-  terminal and signals stay the same."""
+def exec_with_huge_pages(config) -> None:
+  """Replaces this process by the same command (the interpreter's own options included) with huge
+  pages for malloc, when config asks for them (dist.cpu_huge_pages), JAX will run on the CPU and
+  the tunable is not set yet; returns (doing nothing) otherwise. Call before anything that must
+  not run twice; the PID, open terminal and signals stay the same."""
   if config.dist.get("cpu_huge_pages", False):
-    reexec_with_huge_pages(argv)
+    reexec_with_huge_pages()
 
 
-def reexec_with_huge_pages(argv: list[str]) -> None:
-  """exec_with_huge_pages without a config (the benchmark scripts): on CPU hosts only."""
+def reexec_with_huge_pages() -> None:
+  """exec_with_huge_pages without a config (the benchmark scripts): on CPU hosts only, once."""
   env = huge_pages_env() if cpu_only() else None
   if env is None:
     return
+  env[_REEXECUTED] = "1"
   sys.stdout.flush()
   sys.stderr.flush()
-  os.execve(sys.executable, [sys.executable] + list(argv), env)
+  os.execve(sys.executable, [sys.executable] + list(sys.orig_argv[1:]), env)
 
 
 def keep_freed_memory() -> tuple[bool, str]:
@@ -145,7 +165,7 @@ AUTO_MAX_CPU_DEVICES = 8  # a cap: more devices mean a wider all-reduce (docs/be
 def apply_flags(args) -> None:
   """What add_flag's flags ask for, before the JAX backend starts (huge pages: re-executes)."""
   if args.huge_pages:
-    reexec_with_huge_pages(sys.argv)
+    reexec_with_huge_pages()
   if not args.system_malloc:
     keep_freed_memory()
 

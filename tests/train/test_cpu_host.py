@@ -196,8 +196,11 @@ def test_huge_pages_fault_a_large_temporary_in_with_a_fraction_of_the_faults():
   system, huge = results["system"], results["huge"]
   assert huge["tunables"] == "glibc.malloc.hugetlb=1" and system["tunables"] == ""
   assert huge["out"] == system["out"]
-  assert system["faults"] > 8000, system  # 64 MiB in 4 KiB pages: 16,384 faults by default
-  assert huge["faults"] < system["faults"] / 4, (huge, system)
+  assert huge["faults"] < 2000, huge  # 64 MiB in 2 MiB pages: 32 faults (40 measured)
+  with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+    madvise = "[madvise]" in f.read()
+  if madvise:  # no huge pages unless asked for: 64 MiB in 4 KiB pages, 16,384 faults
+    assert system["faults"] > 8000 and huge["faults"] < system["faults"] / 4, (huge, system)
 
 
 def _main_lines(tmp_path, *flags):
