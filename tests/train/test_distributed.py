@@ -1,17 +1,14 @@
 """Multi-process data parallelism: two real processes on localhost equal one process.
 
 Each worker process is tests/synthetic_run.py run as a script (`python tests/synthetic_run.py
-JSON`) with 4 fake CPU devices; they meet through jax.distributed at a localhost coordinator, read their own
-halves of the streams and train the global batch together. The same run in this (8-device)
+JSON`) with 4 fake CPU devices; they meet through jax.distributed at a localhost coordinator,
+read their own halves of the streams and train the global batch together. The same run in this (8-device)
 process gives the same losses, and the checkpoint the pair wrote restores here.
 """
 import json
-import os
-import pathlib
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import synthetic_run
