@@ -6,11 +6,15 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _reference_step(reference_dir):
+  return subprocess.run([sys.executable, os.path.join(REPO, "bench", "reference_step.py"),
+                         "--reference_dir", str(reference_dir)], capture_output=True, text=True,
+                        cwd=REPO, timeout=120)
+
+
 def test_refuses_a_directory_that_is_not_the_reference(tmp_path):
   (tmp_path / "README.md").write_text("not adaptive-span")
-  out = subprocess.run([sys.executable, os.path.join(REPO, "bench", "reference_step.py"),
-                        "--reference_dir", str(tmp_path)], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
+  out = _reference_step(tmp_path)
   assert out.returncode != 0
   assert "has no models.py" in out.stderr and "facebookresearch/adaptive-span" in out.stderr
   assert "Traceback" not in out.stderr  # a clear message, not a crash in torch's import
@@ -19,9 +23,7 @@ def test_refuses_a_directory_that_is_not_the_reference(tmp_path):
 def test_refuses_a_modified_reference(tmp_path):
   """Ratios are quoted against the reference's own code: a changed file is refused in one line."""
   (tmp_path / "models.py").write_text("# not the reference's models.py\n")
-  out = subprocess.run([sys.executable, os.path.join(REPO, "bench", "reference_step.py"),
-                        "--reference_dir", str(tmp_path)], capture_output=True, text=True,
-                       cwd=REPO, timeout=120)
+  out = _reference_step(tmp_path)
   assert out.returncode != 0
   assert "models.py is modified" in out.stderr and "27b815f" in out.stderr
   assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
