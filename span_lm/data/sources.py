@@ -1,10 +1,11 @@
 """Where token ids come from: the benchmark corpora, a local raw file, or a synthetic task.
 
 `load_splits(config.data)` is the one entry point. `dataset='enwik8_head'` reads the head of
-enwik8 packaged in span_lm/data/demo (the demo and the tests: no download, no path). The benchmark corpora are prepared once into
-`<data_dir>/<name>/` ({train,valid,test}.npy + vocab.json, written atomically, vocab.json last as
-the completion marker); later runs only read that cache. The archive is downloaded only when
-the cache is missing and the zip is not already in `data_dir`.
+enwik8 packaged in span_lm/data/demo (the demo and the tests: no download, no path). The
+benchmark corpora are prepared once into `<data_dir>/<name>/` ({train,valid,test}.npy +
+vocab.json, written atomically, vocab.json last as the completion marker); later runs only read
+that cache. The archive is downloaded only when the cache is missing and the zip is not already
+in `data_dir`.
 
 Optional `config.data` fields (a hand-built config.data may lack them; defaults in brackets):
   vocab_order     [auto] first | frequency | auto (frequency for wikitext103, else first)
