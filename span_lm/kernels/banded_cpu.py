@@ -20,6 +20,7 @@ from span_lm.kernels import matmul
 from span_lm.kernels import span_mask
 from span_lm.kernels.banded_reference import choose_chunk
 from span_lm.kernels.banded_reference import skew as _skew_pad
+from span_lm.kernels.banded_reference import split_kv as _split_kv_rows
 from span_lm.kernels.banded_reference import unskew as _unskew_pad
 
 
@@ -492,9 +493,10 @@ def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, g: int, positions_last: 
 
 def split_kv(kv_BxTx2Z, g: int, positions_last: bool):
   """Already projected [keys | values] rows (B, T, 2 G Dh) -> (keys, values) as project_kv's."""
+  if not positions_last:
+    return _split_kv_rows(kv_BxTx2Z, g)
   b, t, z = kv_BxTx2Z.shape
-  kv = kv_BxTx2Z.reshape(b, t, 2, g, z // (2 * g))
-  kv = kv.transpose(2, 0, 3, 4, 1) if positions_last else kv.transpose(2, 0, 3, 1, 4)
+  kv = kv_BxTx2Z.reshape(b, t, 2, g, z // (2 * g)).transpose(2, 0, 3, 4, 1)
   return kv[0], kv[1]
 
 

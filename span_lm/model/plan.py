@@ -60,12 +60,14 @@ def full_plan(cfg: ModelConfig) -> SpanPlan:
   return SpanPlan(layers=(lp,) * cfg.n_layers)
 
 
-def needed_tokens(cfg: ModelConfig, z_ratio: np.ndarray) -> np.ndarray:
-  """Distances with a non-zero mask for each head: ceil(z' S) + R, capped at S (as the reference)."""
+def needed_tokens(cfg: ModelConfig, z_ratio, xp=np):
+  """Distances with a non-zero mask for each head: ceil(z' S) + R, capped at S (as the reference).
+  xp=jnp: the same on the device (train/steps.py checks a plan's coverage in the step)."""
   # The mask is non-zero iff d - 1 < R + z, i.e. d <= ceil(z) + R; z is formed in float32 as the
   # model forms it, so the host and the device agree on the boundary.
-  z = np.asarray(z_ratio, np.float32) * np.float32(cfg.span)
-  return np.minimum(cfg.span, np.ceil(z).astype(np.int64) + cfg.ramp).clip(1)
+  z = xp.asarray(z_ratio, xp.float32) * xp.float32(cfg.span)
+  ints = np.int64 if xp is np else xp.int32
+  return xp.minimum(cfg.span, xp.ceil(z).astype(ints) + cfg.ramp).clip(1)
 
 
 def _round_up(n: int, g: int, cap: int) -> int:

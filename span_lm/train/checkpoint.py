@@ -237,7 +237,7 @@ class Checkpointer:
     self._check_compatible(step, _leaves_by_path(target), stored)
     # StandardRestore has no partial mode and the manager's 'state' handler only accepts
     # Standard args, so read the item directory with a PyTree checkpointer (partial_restore).
-    path = self._name_format.find_step(self._manager.directory, step).path / "state"
+    path = os.path.join(self.step_path(step), "state")
 
     def read():
       with ocp.PyTreeCheckpointer() as ckptr:

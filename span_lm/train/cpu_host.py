@@ -91,13 +91,18 @@ def _glibc_version() -> tuple[int, ...]:
     return ()
 
 
+def _huge_pages_supported() -> bool:
+  """glibc 2.35+ (which has the tunable) and the kernel's transparent huge pages on."""
+  return _glibc_version() >= (2, 35) and _thp_mode() in ("always", "madvise")
+
+
 def huge_pages_env(env: Mapping[str, str] | None = None) -> dict | None:
   """The environment with glibc's huge-page tunable added to GLIBC_TUNABLES, or None where it
   would change nothing: not glibc 2.35+ (which has the tunable), the kernel's transparent huge
   pages off or unknown, already re-executed once, or a glibc.malloc.hugetlb setting already
   there (the user's own choice stands)."""
   env = dict(os.environ if env is None else env)
-  if _glibc_version() < (2, 35) or _thp_mode() not in ("always", "madvise") or env.get(_REEXECUTED):
+  if not _huge_pages_supported() or env.get(_REEXECUTED):
     return None
   tunables = env.get("GLIBC_TUNABLES", "")
   if "glibc.malloc.hugetlb" in tunables:
@@ -108,7 +113,7 @@ def huge_pages_env(env: Mapping[str, str] | None = None) -> dict | None:
 
 def huge_pages_active() -> bool:
   return (HUGE_PAGES_TUNABLE in os.environ.get("GLIBC_TUNABLES", "").split(":")
-          and _glibc_version() >= (2, 35) and _thp_mode() in ("always", "madvise"))
+          and _huge_pages_supported())
 
 
 def exec_with_huge_pages(config) -> None:

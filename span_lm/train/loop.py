@@ -412,25 +412,23 @@ def _train(run: Run) -> dict[str, Any]:
   last: dict[str, Any] = {}
   window_t0, window_steps, window_loss = time.perf_counter(), 0, []
   # Dispatched steps whose flags (non-finite, plan too short) and span ratios are not read yet,
-  # and the data position before the first of them (to replay from).
-  pending: list[tuple[int, dict]] = []
-  data_before_pending = train_batcher.state
+  # each with the data position before it (to replay from).
+  pending: list[tuple[int, dict, Any]] = []
   stopped = None
   step = start
 
   def read_pending() -> bool:
     """Reads the flags and span ratios of every pending step, in order; returns True when the
     run went back (a step ran on a plan its spans outgrew: it and all later ones were no-ops)."""
-    nonlocal skipped, step, state, window_steps, data_before_pending
+    nonlocal skipped, step, state, window_steps
     if not pending:
       return False
     fields = ("skipped", "short", "span_ratio")
-    got = jax.device_get([{k: m[k] for k in fields if k in m} for _, m in pending])
+    got = jax.device_get([{k: m[k] for k in fields if k in m} for _, m, _ in pending])
     plan_changed = back = False
-    for i, ((s, _), g) in enumerate(zip(pending, got)):
+    for i, ((s, _, data_before), g) in enumerate(zip(pending, got)):
       if int(g.get("short", 0)):
-        refused = [p[0] for p, f in zip(pending[i:], got[i:]) if int(f["short"])]
-        if len(refused) != len(pending) - i:  # a later step applied on a state missing this one
+        if not all(int(f["short"]) for f in got[i:]):  # a later step applied on a missing state
           raise RuntimeError(f"internal: step {s} was refused but a later step was applied")
         ratios = list(np.asarray(g["span_ratio"]))  # the spans step s starts from
         planner.update(ratios, s - 1)  # grows the plan unless an earlier pending step did
@@ -445,9 +443,7 @@ def _train(run: Run) -> dict[str, Any]:
         step = s - 1
         del window_loss[len(window_loss) - n:]
         window_steps -= n
-        train_batcher.state = data_before_pending
-        for _ in range(i):  # the data position after the last applied step
-          next(train_batcher)
+        train_batcher.state = data_before
         break
       if int(g["skipped"]):
         if t.nonfinite == "stop":
@@ -465,7 +461,6 @@ def _train(run: Run) -> dict[str, Any]:
         plan_changed = True
         _echo(f"step {s}: span plan change #{planner.changes}: {planner.plan.describe()}")
     pending.clear()
-    data_before_pending = train_batcher.state
     if plan_changed:
       state = _fit_caches(run, state, planner.plan)
     if bar is not None:
@@ -474,6 +469,7 @@ def _train(run: Run) -> dict[str, Any]:
 
   try:
     while step < t.steps:
+      data_before = train_batcher.state
       blk = next(train_batcher)
       batch = run.put_batch(steps_lib.host_batch(blk.x, blk.y, blk.reset))
       fn = run.compiler.train(planner.plan, state, batch)
@@ -481,7 +477,7 @@ def _train(run: Run) -> dict[str, Any]:
       step += 1
       window_steps += 1
       window_loss.append(metrics["loss"])
-      pending.append((step, metrics))
+      pending.append((step, metrics, data_before))
       if len(window_loss) > MAX_IN_FLIGHT:
         jax.block_until_ready(window_loss[-MAX_IN_FLIGHT - 1])
       if bar is not None:

@@ -18,6 +18,7 @@ import optax
 
 from span_lm.model import build_model
 from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
 from span_lm.model import spans as spans_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.plan import SpanPlan
@@ -77,8 +78,7 @@ def _plan_covers(cfg: ModelConfig, plan: SpanPlan, params) -> jax.Array | None:
     return None
   ok = jnp.asarray(True)
   for i, lp in enumerate(plan.layers):
-    z = params[f"layers_{i}"]["attn"]["span_ratio"].astype(jnp.float32) * jnp.float32(cfg.span)
-    need = jnp.minimum(cfg.span, jnp.ceil(z).astype(jnp.int32) + cfg.ramp)
+    need = plan_lib.needed_tokens(cfg, params[f"layers_{i}"]["attn"]["span_ratio"], xp=jnp)
     ok &= jnp.all(need <= jnp.asarray(lp.head_windows(cfg.n_heads), jnp.int32))
   return ok
 

@@ -15,7 +15,6 @@ import lzma
 
 import numpy as np
 
-NAME = "enwik8_head"
 FILE = "enwik8_head.xz"
 SIZE = 4_154_000  # bytes, decompressed
 MD5 = "7007cce93037fb4e59c3b2c8dc6db975"  # of the decompressed bytes
