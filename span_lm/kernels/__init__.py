@@ -8,7 +8,8 @@ Implementations (`model.attn_impl`):
   cpu               banded_cpu: the same maths laid out for XLA:CPU (docs/benchmarks.md). CPU default.
   pallas            pallas_gpu: the fused Triton kernel, spans as runtime values. GPU default.
   pallas_interpret  the same kernel interpreted (any backend; slow: for tests).
-  auto              one of the above by jax.default_backend() and what the kernel supports.
+  auto              one of the above by the target platform (kernels/target.py: the host's
+                    backend, or the chip a deviceless compile names) and what the kernel supports.
 """
 import logging
 from typing import Any, Callable, NamedTuple
@@ -20,6 +21,7 @@ from span_lm.kernels import banded_cpu
 from span_lm.kernels import banded_reference
 from span_lm.kernels import decode as decode_lib
 from span_lm.kernels import pallas_gpu
+from span_lm.kernels import target
 
 IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret")
 FUSED = ("pallas", "pallas_interpret")
@@ -50,14 +52,10 @@ def fused_fits(cfg, m: int | None = None, w: int | None = None) -> str:
   return ""
 
 
-def _gpu_runs_triton() -> bool:
+def _gpu_runs_triton(platform: target.Platform) -> bool:
   """Pallas' Triton backend: NVIDIA GPUs of compute capability >= 8.0 (Ampere and later)."""
-  dev = jax.devices()[0]
-  cc = getattr(dev, "compute_capability", None)
-  try:
-    return dev.platform == "gpu" and float(cc) >= 8.0
-  except (TypeError, ValueError):
-    return False
+  cc = platform.compute_capability
+  return platform.name == "gpu" and cc is not None and cc >= 8.0
 
 
 def choose(cfg, m: int | None = None, w: int | None = None) -> str:
@@ -67,10 +65,11 @@ def choose(cfg, m: int | None = None, w: int | None = None) -> str:
   one-token block); `auto` picks by backend. Logged once per distinct choice and shape."""
   impl, why = cfg.attn_impl, ""
   if impl == "auto":
-    backend = jax.default_backend()
+    platform = target.current()
+    backend = platform.name
     if backend == "cpu":
       impl = "cpu"
-    elif backend == "gpu" and _gpu_runs_triton():
+    elif backend == "gpu" and _gpu_runs_triton(platform):
       why = fused_fits(cfg, m, w)
       impl = "reference" if why else "pallas"
     else:

@@ -9,6 +9,11 @@ so every matmul of a training step is bf16 x bf16 -> f32 on every backend. On th
 `contract` also lays out each dot the way XLA:CPU's fast kernels need (cpu_matmul.py). Float32
 operands take the plain path (no custom VJP, identical to jnp.einsum: there the layout copies
 cost a float32 step more than they save).
+
+Weights: the second operand may be a float32 parameter with a bf16/f16 first operand. The cast
+to the compute dtype happens inside the custom VJP, whose weight cotangent is then the float32
+product of the f32-accumulating backward dot, never rounded to bf16: parameters are float32 and
+their gradients are summed (across pieces and devices) in float32, as the reference does.
 """
 import functools
 from typing import Any, Callable
@@ -18,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm.kernels import cpu_matmul
+from span_lm.kernels import target
 
 LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -36,17 +42,18 @@ def contract(spec: str, a, b):
   """jnp.einsum(spec, a, b) accumulated and returned in float32. On the CPU (bf16/f32 operands)
   through cpu_matmul's layouts; elsewhere, and for float16 (which YNNPACK does not take), the
   plain einsum that GPU and TPU compilers lay out themselves."""
-  if jax.default_backend() == "cpu" and a.dtype != jnp.float16:
+  if target.name() == "cpu" and a.dtype != jnp.float16:
     return cpu_matmul.contract(spec, *specs(spec), a, b)
   return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
 def _einsum(spec, a, b, out_dtype):
-  return contract(spec, a, b).astype(out_dtype)
+  return contract(spec, a, b.astype(a.dtype)).astype(out_dtype)
 
 
 def _einsum_fwd(spec, a, b, out_dtype):
+  # b as given (a float32 weight is the parameter itself: no extra buffer), cast again below.
   return _einsum(spec, a, b, out_dtype), (a, b)
 
 
@@ -55,8 +62,8 @@ def _einsum_bwd(spec, out_dtype, res, g):
   a, b = res
   sa, sb, so = specs(spec)
   g = g.astype(a.dtype)
-  da = contract(f"{so},{sb}->{sa}", g, b)
-  db = contract(f"{sa},{so}->{sb}", a, g)
+  da = contract(f"{so},{sb}->{sa}", g, b.astype(a.dtype))
+  db = contract(f"{sa},{so}->{sb}", a, g)  # float32: a float32 weight's gradient stays so
   return da.astype(a.dtype), db.astype(b.dtype)
 
 
@@ -68,8 +75,10 @@ def einsum(spec: str, a, b, out_dtype=None):
 
   With bf16/f16 operands the backward pass is bf16 x bf16 -> f32 too (cotangent cast to the
   operand dtype); with float32 operands this is jnp.einsum with float32 accumulation.
+  b may also be a float32 weight with a bf16/f16 `a`: it is cast to a's dtype inside the VJP and
+  its gradient is the float32 accumulated product (not rounded to a's dtype).
   """
-  if a.dtype != b.dtype:
+  if a.dtype != b.dtype and not (a.dtype in LOW and b.dtype == jnp.float32):
     raise ValueError(f"einsum {spec!r}: operand dtypes differ ({a.dtype}, {b.dtype})")
   out_dtype = jnp.dtype(out_dtype or a.dtype)
   if a.dtype not in LOW:
@@ -78,8 +87,17 @@ def einsum(spec: str, a, b, out_dtype=None):
   return _einsum(spec, a, b, out_dtype)
 
 
+def weight(w, dtype):
+  """w as `einsum` takes it next to an operand of `dtype`: a float32 weight next to bf16/f16 stays
+  float32 (cast inside the VJP, float32 gradient); anything else is cast to dtype, as before."""
+  if jnp.dtype(dtype) in LOW and w.dtype == jnp.float32:
+    return w
+  return w.astype(dtype)
+
+
 def dot(x, w, out_dtype=None):
-  """x (..., K) @ w (K, N) as `einsum` (float32: jnp.dot itself)."""
+  """x (..., K) @ w (K, N) as `einsum` (float32: jnp.dot itself); w may be a float32 weight with
+  a bf16/f16 x (cast inside, float32 gradient: see `einsum`)."""
   if x.dtype not in LOW:
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
   lead = x.shape[:-1]
@@ -89,7 +107,8 @@ def dot(x, w, out_dtype=None):
 
 def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
   """For nn.Dense(dot_general=...): its (..., K) x (K, N) contraction through `dot` (float32:
-  lax.dot_general itself)."""
+  lax.dot_general itself). nn.Dense casts its float32 kernel to bf16 before calling this, which
+  rounds the kernel's gradient to bf16: the model's bf16 layers call `dot` with the f32 kernel."""
   if lhs.dtype not in LOW:
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type)
@@ -117,5 +136,6 @@ class Dense(nn.Module):
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
     bias = self.param("bias", self.bias_init, (self.features,))
     dt = jnp.dtype(self.dtype)
-    y = dot(x.astype(dt), kernel.astype(dt), out_dtype=jnp.float32)
+    # bf16/f16: the float32 kernel itself, cast inside `dot`, so its gradient stays float32.
+    y = dot(x.astype(dt), kernel if dt in LOW else kernel.astype(dt), out_dtype=jnp.float32)
     return (y + bias.reshape((1,) * (y.ndim - 1) + (-1,))).astype(dt)

@@ -338,11 +338,12 @@ def _padded_pe(pe_DxW, block):
   return jnp.pad(pe_DxW, ((0, 0), (block, block)))
 
 
-def _pers_inputs(pk, pv, h, dh, block):
-  """(keys (H, Dh, N), values (H, N, Dh), N, their BlockSpecs); placeholders when N = 0."""
+def _pers_inputs(pk, pv, h, dh, block, dtype):
+  """(keys (H, Dh, N), values (H, N, Dh), N, their BlockSpecs); placeholders when N = 0, in the
+  queries' dtype: their loop never runs, but Triton still types its dots (bf16 x f32 is refused)."""
   n = 0 if pk is None else pk.shape[-1]
   if pk is None:
-    pk, pv = jnp.zeros((h, dh, block), jnp.float32), jnp.zeros((h, block, dh), jnp.float32)
+    pk, pv = jnp.zeros((h, dh, block), dtype), jnp.zeros((h, block, dh), dtype)
   width = pk.shape[-1]
   specs = (pl.BlockSpec((None, dh, width), lambda i, hh, x: (hh, 0, 0)),
            pl.BlockSpec((None, width, dh), lambda i, hh, x: (hh, 0, 0)))
@@ -356,7 +357,7 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_w
   w = pe.shape[-1]
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
-  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block)
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block, q.dtype)
   row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, w + m, dh, w + 2 * block, block)
   kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
                              bk=block, eps=eps, interpret=interpret, rate=rate, n_heads=h,
@@ -385,7 +386,7 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
   delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
   pe_pad = _padded_pe(pe, block)
   row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, t, dh, w + 2 * block, block)
-  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block)
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block, q.dtype)
   static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block, eps=eps,
                 interpret=interpret, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers, scale=scale)
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
@@ -489,14 +490,16 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
                        pers_k_HxDxN, pers_v_HxNxD)
   args = (*args[:4], z_BxHxM, seed, *args[4:])
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  # Axes that are already manual (inside a shard_map: the train step with batch_split > 1 runs the
+  # model per device over the batch axes) hold this device's rows already, and its dropout keys
+  # differ per device: shard over the other axes only, none left: the kernel itself.
+  axes = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+  if math.prod(mesh.shape[a] for a in axes) == 1:
     return _span_attention(*args, *static)[..., :dh]
 
   # A pallas_call is opaque to XLA's partitioner, which would gather the whole batch onto every
   # device; under a mesh (the trainer sets one; it shards batches over all of its axes, 'data'
   # and 'fsdp') each device runs the kernel on its own streams.
-  axes = tuple(mesh.axis_names)
-
   def local(q, k, v, pe, z, seed, pk, pv):
     shard = lax.convert_element_type(lax.axis_index(axes), jnp.uint32)
     seed = seed ^ (shard * jnp.uint32(0x9E3779B9))  # distinct dropout masks per shard
@@ -506,8 +509,8 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   maybe = lambda x, spec: None if x is None else spec
   in_specs = (rows, rows, rows, rep, maybe(z_BxHxM, rows), rep, maybe(pers_k_HxDxN, rep),
               maybe(pers_v_HxNxD, rep))
-  return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False,
-                       in_specs=in_specs)(*args)[..., :dh]
+  return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False, in_specs=in_specs,
+                       axis_names=frozenset(axes))(*args)[..., :dh]
 
 
 def padded_head_dim(dh: int) -> int:

@@ -1,0 +1,55 @@
+"""The platform the code is being compiled for: the host's backend, or a chip named for a
+deviceless compile (`compiling_for`, used by the compile mode: span_lm/tools/compile.py).
+
+Every platform choice (the attention implementation in `kernels.choose`, the matmul layouts in
+`kernels.matmul.contract`, the fused kernel's tiles) asks here instead of jax.default_backend(),
+so a step compiled on a CPU host for an H100 or a TPU traces the code that chip would run.
+"""
+import contextlib
+import dataclasses
+import threading
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+  """'cpu', 'gpu' or 'tpu', and for NVIDIA GPUs the compute capability (e.g. 9.0), else None."""
+  name: str
+  compute_capability: float | None = None
+
+
+_state = threading.local()
+
+
+def current() -> Platform:
+  """The target of the code being traced now."""
+  forced = getattr(_state, "platform", None)
+  if forced is not None:
+    return forced
+  backend = jax.default_backend()
+  cc = None
+  if backend == "gpu":
+    try:
+      cc = float(getattr(jax.devices()[0], "compute_capability", None))
+    except (TypeError, ValueError):
+      cc = None
+  return Platform(backend, cc)
+
+
+def name() -> str:
+  return current().name
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str, compute_capability: float | None = None):
+  """Trace for `platform` ('cpu', 'gpu', 'tpu'; 'cuda' is read as 'gpu') whatever this host has."""
+  platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+  if platform not in ("cpu", "gpu", "tpu"):
+    raise ValueError(f"unknown platform {platform!r}: cpu, gpu or tpu")
+  old = getattr(_state, "platform", None)
+  _state.platform = Platform(platform, compute_capability)
+  try:
+    yield _state.platform
+  finally:
+    _state.platform = old
