@@ -66,28 +66,16 @@ BUDGET_S = {"env": 25, "correctness": 110, "train_enwik8": 170, "reference": 70,
             "train_issue8": 30, "train_enwik8_large": 70, "sampling": 35}
 PLANS = ("short", "mixed", "all_S")  # in order of growing memory (a child's peak is cumulative)
 
-# Dense peak TFLOP/s by device_kind (first match wins): bf16 tensor cores, float32 without tensor
-# cores, TF32 tensor cores. NVIDIA's data sheets, without sparsity. V100 has no bf16 units: its
-# entry is fp16's (XLA emulates bf16 there).
-PEAK_TFLOPS = (
-    ("H100 PCIe", {"bfloat16": 756.0, "float32": 51.2, "tf32": 378.0}),
-    ("H100 NVL", {"bfloat16": 835.0, "float32": 60.0, "tf32": 418.0}),
-    ("H100", {"bfloat16": 989.4, "float32": 66.9, "tf32": 494.7}),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("H200", {"bfloat16": 989.4, "float32": 66.9, "tf32": 494.7}),
-    ("A100", {"bfloat16": 312.0, "float32": 19.5, "tf32": 156.0}),
-    ("V100-PCIE", {"bfloat16": 112.0, "float32": 14.0, "tf32": None}),
-    ("V100", {"bfloat16": 125.0, "float32": 15.7, "tf32": None}),
-)
 # Worst |got - want| / max|want| per tensor that passes. float32 allows TF32-level rounding (XLA
 # may run float32 dots on TF32 tensor cores); bf16 is compared with the float32 definition.
 TOL = {"float32": 5e-3, "bfloat16": 5e-2}
 
 
 def peak_tflops(device_kind: str) -> dict | None:
-  for key, peaks in PEAK_TFLOPS:
-    if key.lower() in device_kind.lower():
-      return dict(peaks, matched=key)
-  return None
+  """Dense peak TFLOP/s by dtype (bf16 tensor cores, float32 without, TF32): span_lm/tools/chips.py,
+  the table the compile mode's rooflines use too."""
+  from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
+  return chips.peak_tflops(device_kind)
 
 
 # ------------------------------------------------------------------ span_lm's API, where it lives

@@ -26,6 +26,11 @@ def run(config):
     if config.mode == "import":
       return reference_checkpoint.import_reference(config)
     return reference_checkpoint.export_reference(config)
+  if config.mode == "compile":
+    from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
+    config_lib.validate(config)
+    compile_lib.report(config)
+    return 0
   if config.mode in config_lib.TOOL_MODES:
     from span_lm.tools import flops_report, sample, spans_report  # pylint: disable=g-import-not-at-top
     return {"spans": spans_report.report, "flops": flops_report.report,

@@ -24,7 +24,9 @@ from span_lm.train import optimizer as optimizer_lib
 
 MODES = ("train", "eval", "import", "export")
 TOOL_MODES = ("spans", "flops", "sample")  # inspection of a run (span_lm/tools)
-MODES += TOOL_MODES
+MODES += TOOL_MODES + ("compile",)  # compile: for named chips, no device (span_lm/tools/compile.py)
+COMPILE_PLANS = ("full", "initial")
+COMPILE_STEPS = ("train", "eval")
 DIST_MODES = ("auto", "on", "off")  # span_lm/train/distributed.py
 
 
@@ -135,6 +137,14 @@ def base_config() -> ml_collections.ConfigDict:
   tl.step = config_dict.placeholder(int)  # checkpoint step to inspect; None: the latest
   tl.text = config_dict.placeholder(str)  # spans, dynamic span (Fig. 5): the text; None: valid split
   tl.xla = True  # flops: also compile the train step and report XLA's cost and memory analyses
+  # --config.mode=compile: the train and eval steps compiled for chips this host does not have
+  # (span_lm/tools/compile.py). targets: comma-separated; GPUs as chip[:count] (h100:8, a100_40:8,
+  # v100_16:8), TPUs as chip[:topology] (v5e:4x4, v5p:2x2x2, v6e:2x4, v4:2x2x2).
+  c.compile = cp = ml_collections.ConfigDict()
+  cp.targets = "h100:8,v5p:2x2x2"
+  cp.plan = "full"  # full (every head at model.span: the worst case) | initial (the run's start)
+  cp.steps = "train,eval"
+  cp.out = ""  # report directory; "": config.workdir, else ./compile_report
   c.sample = s = ml_collections.ConfigDict()
   s.prompt = ""  # text to continue ("": start a new line)
   s.length = 200  # tokens to generate
@@ -359,6 +369,12 @@ def _validate(config):
     _bad("data.block", block,
          f"must be a multiple of model.attn_block={model.attn_block} with the fused kernel")
   _validate_data(config)
+  if mode == "compile":  # the targets' names are checked by tools/compile.py, before compiling
+    _check_choice(config, "compile.plan", COMPILE_PLANS)
+    for step in str(_get(config, "compile.steps")).split(","):
+      if step.strip() not in COMPILE_STEPS:
+        _bad("compile.steps", _get(config, "compile.steps"),
+             f"comma-separated steps out of {COMPILE_STEPS}")
   optimizer_lib.check_config(_get(config, "optim"))
   _validate_train(config)
   _validate_faults_and_dist(config)

@@ -1,0 +1,437 @@
+"""The compile mode: the real train and eval steps compiled for named chips on this host, no
+device needed (as MaxText's train_compile.py does for TPUs; here for NVIDIA GPUs too).
+
+  python main.py --config=configs/enwik8_large.py --config.mode=compile \
+      --config.compile.targets=h100:8,a100_40:8,v5p:2x2x2
+
+For each target it compiles exactly what `train` would run there (the step builder of
+span_lm/train/steps.py, the run's sharding, batch split and remat; the attention implementation
+and matmul path the chip would take: kernels/target.py) and reports, as JSON and markdown:
+compiled or the compiler's one-line reason; per-device memory (arguments, outputs, temporaries,
+peak) against the chip's; XLA's FLOPs and bytes (TPU) and the roofline they imply; for GPUs the
+registers, spills and shared memory ptxas reports per kernel; compile time.
+
+Toolchains (optional extras, pip from the package index; see README "What fits where"):
+  GPUs: `pip install "jax[cuda12]==<jax version>"` (CUDA plugin and ptxas)
+  TPUs: `pip install "jax[tpu]==<jax version>"` (libtpu)
+Each target compiles in a child process: the GPU and TPU plugins, their logging (ptxas reports
+come through XLA's log) and their memory stay out of this one.
+"""
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from span_lm.tools import chips
+
+KNOWN_VOCAB = {"enwik8": 256, "text8": 28, "wikitext103": 267735}  # enwik8: bytes (an upper bound)
+DEFAULT_GPUS = 8  # per host, as the reference's experiments (8 GPUs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  spec: str  # as given: h100:8, v5p:2x2x2
+  chip: chips.Chip
+  topology: str  # GPU: 1x1xN; TPU: libtpu's topology name
+  chips: int  # chips in the topology
+
+
+def parse_target(spec: str) -> Target:
+  """'h100' (8 GPUs), 'h100:4', 'v5p' (its default topology), 'v5e:4x4', 'v5p:2x2x2'."""
+  name, _, rest = spec.strip().partition(":")
+  chip = chips.get(name)
+  if chip.platform == "gpu":
+    try:
+      n = int(rest) if rest else DEFAULT_GPUS
+    except ValueError:
+      raise ValueError(f"compile target {spec!r}: GPUs take a count (h100:8)") from None
+    if n < 1:
+      raise ValueError(f"compile target {spec!r}: at least one GPU")
+    return Target(spec, chip, f"1x1x{n}", n)
+  topo = f"{chip.default_topology.split(':')[0]}:{rest}" if rest else chip.default_topology
+  dims = topo.split(":")[1].split("x")
+  if not all(d.isdigit() and int(d) > 0 for d in dims):
+    raise ValueError(f"compile target {spec!r}: a TPU topology is AxB or AxBxC (v5p:2x2x2)")
+  return Target(spec, chip, topo, math.prod(int(d) for d in dims))
+
+
+def parse_targets(specs: str) -> list[Target]:
+  out = [parse_target(s) for s in specs.split(",") if s.strip()]
+  if not out:
+    raise ValueError("config.compile.targets is empty: name chips, e.g. h100:8,v5p:2x2x2")
+  return out
+
+
+def missing_toolchain(platform: str) -> str:
+  """'' when the compiler for `platform` is installed, else the one line saying what to install."""
+  import jax  # pylint: disable=g-import-not-at-top
+  v = jax.__version__
+  if platform == "gpu":
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+      return ""
+    return (f"compiling for NVIDIA GPUs needs the CUDA toolchain (plugin and ptxas, about 5 GB): "
+            f"pip install \"jax[cuda12]=={v}\"  (or: pip install -e .[gpu-compile])")
+  if importlib.util.find_spec("libtpu"):
+    return ""
+  return (f"compiling for TPUs needs libtpu (about 0.5 GB): pip install \"jax[tpu]=={v}\"  "
+          f"(or: pip install -e .[tpu-compile])")
+
+
+def child_env(platform: str) -> dict:
+  env = dict(os.environ)
+  env["JAX_PLATFORMS"] = "cpu"  # the host runs nothing; the target is compiled for only
+  env["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # or the CUDA plugin stops at cuInit
+  env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"  # several compiles at once (libtpu's lockfile)
+  env.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")  # quiets libtpu's host probing; not the target
+  env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  if platform == "gpu":  # ptxas' per-kernel report (registers, spills, shared memory) in the log
+    env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+    env["TF_CPP_VMODULE"] = "subprocess_compilation=2"
+  env.pop("XLA_FLAGS", None)  # e.g. a host device count meant for CPU runs
+  env["PYTHONPATH"] = os.pathsep.join(
+      [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))] +
+      [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+  return env
+
+
+# ---------------------------------------------------------------------------- ptxas' reports
+
+_PTXAS_FN = re.compile(r"Compiling entry function '([^']+)' for '(sm_\w+)'")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_USED = re.compile(r"Used (\d+) registers(?:.*?, (\d+) bytes smem)?")
+
+
+def parse_ptxas(log: str) -> list[dict]:
+  """Per compiled kernel: name, arch, registers, spill store/load bytes, static shared memory
+  (ptxas -v as XLA logs it). Triton kernels' dynamic shared memory is reported by XLA's error
+  when it overflows; static smem here is what ptxas sees."""
+  out, cur = [], None
+  for line in log.splitlines():
+    m = _PTXAS_FN.search(line)
+    if m:
+      cur = {"kernel": m.group(1), "arch": m.group(2), "registers": None, "spill_store": 0,
+             "spill_load": 0, "stack": 0, "smem": 0}
+      out.append(cur)
+      continue
+    if cur is None:
+      continue
+    m = _PTXAS_SPILL.search(line)
+    if m:
+      cur["stack"], cur["spill_store"], cur["spill_load"] = map(int, m.groups())
+      continue
+    m = _PTXAS_USED.search(line)
+    if m:
+      cur["registers"] = int(m.group(1))
+      if m.group(2):
+        cur["smem"] = int(m.group(2))
+  return out
+
+
+# --------------------------------------------------------------------------- the child's work
+
+def _vocab(config) -> tuple[int, str]:
+  if config.model.vocab_size:
+    return int(config.model.vocab_size), "config"
+  from span_lm.data import sources  # pylint: disable=g-import-not-at-top
+  try:
+    return sources.load_splits(config.data, allow_download=False).vocab_size, "local data"
+  except (OSError, ValueError, RuntimeError):
+    pass
+  if config.data.dataset in KNOWN_VOCAB:
+    return KNOWN_VOCAB[config.data.dataset], f"{config.data.dataset} (known size)"
+  return 256, "assumed (bytes)"
+
+
+def _one_line(e: BaseException) -> str:
+  text = str(e).strip()
+  for pat in (r"RESOURCE_EXHAUSTED[^\n]*", r"Shared memory size limit exceeded[^\n]*",
+              r"Ran out of memory[^\n]*", r"INTERNAL[^\n]*", r"INVALID_ARGUMENT[^\n]*"):
+    m = re.search(pat, text)
+    if m:
+      return m.group(0)[:400]
+  first = text.splitlines()[0] if text else type(e).__name__
+  return f"{type(e).__name__}: {first[:400]}"
+
+
+def _memory(compiled, capacity: int) -> dict:
+  m = compiled.memory_analysis()
+  if m is None:
+    return {}
+  mem = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+         for k in ("argument", "output", "alias", "temp", "generated_code")}
+  peak = getattr(m, "peak_memory_in_bytes", 0) or 0
+  mem["peak"] = int(peak) or mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
+  mem["capacity"] = capacity
+  mem["fits"] = mem["peak"] <= capacity
+  return mem
+
+
+def _cost(compiled) -> dict:
+  try:
+    c = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except
+    return {}
+  if isinstance(c, (list, tuple)):
+    c = c[0] if c else None
+  if not c:
+    return {}
+  return {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
+
+
+def compile_target(config, tgt: Target) -> dict:
+  """Compiles the train and eval steps for one target in this process (the child)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import target as target_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
+
+  chip = tgt.chip
+  row: dict[str, Any] = {"target": tgt.spec, "chip": chip.name, "platform": chip.platform,
+                         "topology": tgt.topology, "chips": tgt.chips}
+  t0 = time.perf_counter()
+  if chip.platform == "gpu":
+    topo = topologies.get_topology_desc(platform="cuda", topology=tgt.topology,
+                                        target_config=chips.gpu_target_config(chip))
+  else:
+    topo = topologies.get_topology_desc(topology_name=tgt.topology, platform="tpu")
+  devices = list(topo.devices)
+  n = len(devices)
+  per_chip = max(1, n // tgt.chips)  # TPU topologies may list TensorCores, not chips
+  row.update(devices=n, device_kind=devices[0].device_kind,
+             device_memory=chip.memory_bytes // per_chip)
+  vocab, vocab_from = _vocab(config)
+  cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
+  row.update(vocab=vocab, vocab_from=vocab_from, dtype=cfg.dtype)
+  d = config.data
+  split = config.optim.batch_split
+  for what, b in (("data.batch", d.batch), ("data.eval_batch", d.eval_batch)):
+    if b % n:
+      row["error"] = f"config.{what}={b} does not divide over {n} devices"
+      return row
+  tx, _ = optimizer_lib.make_optimizer(config.optim)
+  plan = plan_lib.full_plan(cfg) if config.compile.plan == "full" else plan_lib.initial_plan(cfg)
+  row["plan"] = config.compile.plan
+  row["attention_keys"] = plan.attention_keys()
+  fsdp = config.dist.fsdp
+  if fsdp > 1:
+    mesh = Mesh(np.asarray(devices).reshape(n // fsdp, fsdp), dist_lib.BATCH_AXES,
+                axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rule, axes = dist_lib.fsdp_state_rule(), dist_lib.BATCH_AXES
+  else:
+    mesh = Mesh(np.asarray(devices), (sharding_lib.DATA_AXIS,),
+                axis_types=(jax.sharding.AxisType.Auto,))
+    rule, axes = sharding_lib.default_state_rule, sharding_lib.DATA_AXIS
+  replicated = NamedSharding(mesh, P())
+  rows = NamedSharding(mesh, P(axes, None))
+  shardings = lambda st: sharding_lib.state_shardings(st, mesh, rule)
+  log = []
+  compiler = steps_lib.StepCompiler(cfg, tx, mesh, shardings, rows, replicated,
+                                    batch_split=split, log=log.append)
+  with target_lib.compiling_for(chip.platform, chip.cc):
+    row["attention"] = kernels.choose(cfg, d.block, max(cfg.span, d.block))
+    abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
+                                                           config.seed))
+    state = sharding_lib.with_shardings(abstract, shardings(abstract))
+    sds = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    batch = {"x": sds((d.batch, d.block), jnp.int32, rows),
+             "y": sds((d.batch, d.block), jnp.int32, rows),
+             "reset": sds((), jnp.bool_, replicated)}
+    steps = [s.strip() for s in config.compile.steps.split(",") if s.strip()]
+    for kind in steps:
+      r: dict[str, Any] = {}
+      t1 = time.perf_counter()
+      try:
+        if kind == "train":
+          compiled = compiler.train(plan, state, batch)
+          tokens = d.batch * d.block
+          ours = flops_lib.train_step_flops(cfg, plan, d.batch, d.block) / n
+        else:
+          eb = {"x": sds((d.eval_batch, d.block), jnp.int32, rows),
+                "y": sds((d.eval_batch, d.block), jnp.int32, rows),
+                "reset": sds((), jnp.bool_, replicated)}
+          compiled = compiler.eval(plan, state["params"], state["eval_caches"], eb)
+          tokens = d.eval_batch * d.block
+          ours = 2 * sum(flops_lib.forward_macs(cfg, plan, d.block, d.eval_batch).values()) / n
+      except Exception as e:  # pylint: disable=broad-except
+        r.update(compiled=False, error=_one_line(e), compile_s=time.perf_counter() - t1)
+        row[kind] = r
+        continue
+      r.update(compiled=True, compile_s=time.perf_counter() - t1,
+               memory=_memory(compiled, row["device_memory"]), tokens=tokens,
+               matmul_flops=ours)
+      cost = _cost(compiled)
+      if cost:
+        scale = split if kind == "train" else 1  # XLA counts the batch-split loop body once
+        r["xla"] = dict(cost, loop_scale=scale)
+      r["roofline"] = roofline(chip, cfg.dtype, per_chip, ours, cost, split if kind == "train" else 1,
+                               tokens)
+      row[kind] = r
+  row["total_s"] = time.perf_counter() - t0
+  return row
+
+
+def roofline(chip: chips.Chip, dtype: str, per_chip: int, matmul_flops: float, cost: dict,
+             scale: int, tokens: int) -> dict:
+  """Seconds per step if bound by compute (matmul FLOPs / peak) or by HBM traffic (XLA's bytes,
+  times the batch-split pieces / bandwidth), per device, and the tokens/s of the binding one."""
+  peak = chip.peak_flops.get("bfloat16" if dtype != "float32" else "float32") / per_chip
+  bw = chip.hbm_bytes_per_s / per_chip
+  out = {"compute_s": matmul_flops / peak}
+  if cost.get("bytes"):
+    out["hbm_s"] = cost["bytes"] * scale / bw
+  bound = max(out.values())
+  out["bound"] = "hbm" if out.get("hbm_s", 0) > out["compute_s"] else "compute"
+  out["tokens_per_s"] = tokens / bound if bound else None
+  return out
+
+
+# ------------------------------------------------------------------------------ the parent
+
+def _suggest(row: dict, kind: str) -> str:
+  return ("try --config.optim.batch_split=" + str(2 * max(1, row.get("batch_split", 1))) +
+          ", --config.model.remat=layer, or more chips")
+
+
+def report(config) -> dict:
+  """The compile mode: every target in its own child process; JSON and markdown written to
+  config.compile.out (default: config.workdir, else ./compile_report)."""
+  from span_lm import run_dir  # pylint: disable=g-import-not-at-top
+  targets = parse_targets(config.compile.targets)
+  missing = {missing_toolchain(t.chip.platform) for t in targets} - {""}
+  if missing:
+    raise ValueError(" ; ".join(sorted(missing)))
+  out_dir = config.compile.out or config.get("workdir") or "compile_report"
+  os.makedirs(out_dir, exist_ok=True)
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    with open(run_dir.config_path(tmp), "w") as f:
+      f.write(config.to_json_best_effort(indent=1))
+    for tgt in targets:
+      out_json = os.path.join(tmp, "row.json")
+      log_path = os.path.join(tmp, "child.log")
+      t0 = time.perf_counter()
+      with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "span_lm.tools.compile", tmp, tgt.spec,
+                               out_json], env=child_env(tgt.chip.platform), stdout=log,
+                              stderr=subprocess.STDOUT, check=False)
+      text = open(log_path, errors="replace").read()
+      if proc.returncode == 0 and os.path.exists(out_json):
+        row = json.load(open(out_json))
+        os.remove(out_json)
+      else:
+        tail = [l for l in text.splitlines() if l.strip()][-1:] or ["no output"]
+        row = {"target": tgt.spec, "chip": tgt.chip.name, "platform": tgt.chip.platform,
+               "error": f"the compiler process failed (status {proc.returncode}): {tail[0][:300]}"}
+      row["wall_s"] = time.perf_counter() - t0
+      row["batch_split"] = config.optim.batch_split
+      if tgt.chip.platform == "gpu":
+        row["kernels"] = parse_ptxas(text)
+      rows.append(row)
+      print(format_row(row), flush=True)
+  result = {"config": config.get("config_name", ""), "rows": rows,
+            "model": {"n_layers": config.model.n_layers, "d_model": config.model.d_model,
+                      "span": config.model.span, "dtype": config.model.dtype,
+                      "batch": config.data.batch, "block": config.data.block,
+                      "batch_split": config.optim.batch_split, "remat": config.model.remat}}
+  with open(os.path.join(out_dir, "compile_report.json"), "w") as f:
+    json.dump(result, f, indent=1)
+  md = markdown(result)
+  with open(os.path.join(out_dir, "compile_report.md"), "w") as f:
+    f.write(md + "\n")
+  print(f"wrote {os.path.join(out_dir, 'compile_report.md')} and compile_report.json")
+  return result
+
+
+def _gib(x) -> str:
+  return f"{x / 2**30:.1f}"
+
+
+def format_row(row: dict) -> str:
+  """One line per step: target, compiled or why, peak/capacity, roofline."""
+  head = f"{row['target']:>12}"
+  if "error" in row:
+    return f"{head}: not compiled: {row['error']}"
+  parts = []
+  for kind in ("train", "eval"):
+    r = row.get(kind)
+    if not r:
+      continue
+    if not r["compiled"]:
+      hint = f" ({_suggest(row, kind)})" if "memory" in r["error"].lower() or \
+          "RESOURCE_EXHAUSTED" in r["error"] else ""
+      parts.append(f"{kind}: FAILED {r['error']}{hint}")
+      continue
+    m, rf = r["memory"], r["roofline"]
+    fit = "fits" if m.get("fits") else f"DOES NOT FIT ({_suggest(row, kind)})"
+    tps = f", bound {rf['tokens_per_s'] / 1e3:.0f}k tok/s ({rf['bound']})" if rf.get(
+        "tokens_per_s") else ""
+    parts.append(f"{kind}: peak {_gib(m['peak'])} of {_gib(m['capacity'])} GiB per device, {fit}"
+                 f"{tps}, compiled in {r['compile_s']:.0f}s")
+  return f"{head}: " + "; ".join(parts)
+
+
+def markdown(result: dict) -> str:
+  lines = ["| target | devices | attention | step | compiled | peak GiB / device | of | args | "
+           "temps | compute ms | HBM ms | bound tok/s | compile s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  kern = []
+  for row in result["rows"]:
+    if "error" in row:
+      lines.append(f"| {row['target']} | | | | no: {row['error']} | | | | | | | | |")
+      continue
+    for kind in ("train", "eval"):
+      r = row.get(kind)
+      if not r:
+        continue
+      if not r["compiled"]:
+        lines.append(f"| {row['target']} | {row['devices']} | {row.get('attention', '')} | {kind} "
+                     f"| no: {r['error']} | | | | | | | | {r['compile_s']:.0f} |")
+        continue
+      m, rf = r["memory"], r["roofline"]
+      hbm = f"{rf['hbm_s'] * 1e3:.1f}" if "hbm_s" in rf else "n/a"
+      lines.append(
+          f"| {row['target']} | {row['devices']} | {row.get('attention', '')} | {kind} | yes | "
+          f"{_gib(m['peak'])}{'' if m['fits'] else ' (too big)'} | {_gib(m['capacity'])} | "
+          f"{_gib(m['argument'])} | {_gib(m['temp'])} | {rf['compute_s'] * 1e3:.1f} | {hbm} | "
+          f"{(rf['tokens_per_s'] or 0) / 1e3:.0f}k | {r['compile_s']:.0f} |")
+    for k in row.get("kernels", []):
+      if "span_attention" in k["kernel"] or k["spill_store"] or k["spill_load"]:
+        kern.append(f"| {row['target']} | {k['kernel'][:60]} | {k['arch']} | {k['registers']} | "
+                    f"{k['spill_store']} / {k['spill_load']} | {k['smem']} |")
+  out = "\n".join(lines)
+  if kern:
+    out += ("\n\nGPU kernels (ptxas: ours, and XLA's that spill):\n\n| target | kernel | arch | "
+            "registers | spill stores / loads B | static smem B |\n|---|---|---|---|---|---|\n" +
+            "\n".join(kern))
+  return out
+
+
+def _child(argv) -> int:
+  config_dir, spec, out_json = argv
+  from span_lm import run_dir  # pylint: disable=g-import-not-at-top
+  config = run_dir.load_saved(config_dir)
+  row = compile_target(config, parse_target(spec))
+  with open(out_json, "w") as f:
+    json.dump(row, f, indent=1, default=float)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(_child(sys.argv[1:]))
