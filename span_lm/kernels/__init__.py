@@ -132,12 +132,15 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
   z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
   seed = None if dropout is None else dropout_seed()
   dt = q_BxGxMxD.dtype
+  cc = target.current().compute_capability if impl == "pallas" else None
+  tile, warps, stages = pallas_gpu.tiles(cc, cfg.head_dim, dt, cfg.attn_block)
   return pallas_gpu.span_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(dt), z, ramp=cfg.ramp, block=cfg.attn_block,
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(dt), z, ramp=cfg.ramp, block=tile,
+      num_warps=warps, num_stages=stages,
       pers_k_HxDxN=None if pers_k_GxDxN is None else pers_k_GxDxN.astype(dt),
       pers_v_HxNxD=None if pers_v_GxNxD is None else pers_v_GxNxD.astype(dt),
       dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
-      interpret=impl == "pallas_interpret")
+      interpret=impl == "pallas_interpret", precision=cfg.attn_precision)
 
 
 def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_k_HxDxN=None,

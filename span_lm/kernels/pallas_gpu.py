@@ -27,6 +27,7 @@ backward pass regenerates it instead of storing it. Persistent memory (all-atten
 the softmax as extra key blocks with mask 1 and no position term. Interpret mode
 (`interpret=True`) runs the same kernels on CPU for tests.
 """
+import contextlib
 import functools
 import math
 
@@ -42,13 +43,31 @@ from span_lm.kernels import span_mask
 NEG = -1e30
 
 
+PRECISIONS = ("default", "highest")
+_exact_f32 = [False]  # set while a pallas_call traces its kernel (`_precision`)
+
+
+@contextlib.contextmanager
+def _precision(precision: str):
+  """float32 dots of the kernels traced inside: 'default' lets Triton use TF32 tensor cores
+  (sm_80+), as XLA does for float32 matmuls by default; 'highest' is exact float32, which
+  Triton runs as scalar FMAs (no tensor cores; docs/kernels.md)."""
+  if precision not in PRECISIONS:
+    raise ValueError(f"fused attention: precision={precision!r}: choose one of {PRECISIONS}")
+  old, _exact_f32[0] = _exact_f32[0], precision == "highest"
+  try:
+    yield
+  finally:
+    _exact_f32[0] = old
+
+
 def _dot(a, b, trans_a=False, trans_b=False):
-  """f32-accumulating matmul; exact f32 (no TF32) for f32 operands."""
+  """f32-accumulating matmul; float32 operands at the precision `_precision` set."""
   if trans_a:
     a = a.T
   if trans_b:
     b = b.T
-  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 and _exact_f32[0] else None
   return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
 
 
@@ -351,7 +370,7 @@ def _pers_inputs(pk, pv, h, dh, block, dtype):
 
 
 def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_warps,
-             num_stages, rate, scale):
+             num_stages, rate, scale, precision):
   _check(q, k, pe, block)
   b, h, m, dh = q.shape
   w = pe.shape[-1]
@@ -362,7 +381,7 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_w
   kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
                              bk=block, eps=eps, interpret=interpret, rate=rate, n_heads=h,
                              n_rows=m, n_pers=n_pers, scale=scale)
-  out, mx, den, _ = pl.pallas_call(
+  call = pl.pallas_call(
       kernel, grid=(b, h, m // block),
       in_specs=[row, keys, keys, pe_spec, stat, seed_spec, *pers_specs],
       out_specs=[row, stat, stat, scr],
@@ -371,13 +390,14 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_w
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32)],
       interpret=interpret, name="span_attention_fwd",
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-  )(q, k, v, _padded_pe(pe, block), z_in, seed, pk_in, pv_in)
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+  with _precision(precision):
+    out, mx, den, _ = call(q, k, v, _padded_pe(pe, block), z_in, seed, pk_in, pv_in)
   return out, mx, den
 
 
 def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block, interpret,
-              num_warps, num_stages, rate, scale):
+              num_warps, num_stages, rate, scale, precision):
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   t = w + m
@@ -392,7 +412,7 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   zeros_pe = jnp.zeros((dh, w + 2 * block), jnp.float32)
   zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
-  dq, dz, _, dpe, dpk, dpv = pl.pallas_call(
+  call_q = pl.pallas_call(
       functools.partial(_bwd_q_kernel, **static), grid=(b, h, m // block),
       in_specs=[row, keys, keys, pe_spec, stat, seed_spec, *pers_specs, row, stat, stat, stat,
                 pe_spec, *pers_specs],
@@ -404,8 +424,10 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
                  jax.ShapeDtypeStruct(zeros_pk.shape, jnp.float32),
                  jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)],
       input_output_aliases={12: 3, 13: 4, 14: 5}, interpret=interpret,
-      name="span_attention_bwd_q", compiler_params=params,
-  )(q, k, v, pe_pad, z_in, seed, pk_in, pv_in, g, mx, den, delta, zeros_pe, zeros_pk, zeros_pv)
+      name="span_attention_bwd_q", compiler_params=params)
+  with _precision(precision):
+    dq, dz, _, dpe, dpk, dpv = call_q(q, k, v, pe_pad, z_in, seed, pk_in, pv_in, g, mx, den,
+                                      delta, zeros_pe, zeros_pk, zeros_pv)
 
   # Per key block: every row of its (b, h), and the largest row window there.
   all_rows = pl.BlockSpec((None, None, m, dh), lambda i, hh, kb: (i, hh, 0, 0))
@@ -416,7 +438,7 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
   scr_k = pl.BlockSpec((None, None, None, block, 2 * block), lambda i, hh, kb: (i, hh, kb, 0, 0))
   seed_k = pl.BlockSpec((1,), lambda i, hh, kb: (0,))
   wmax = _row_windows(jnp.max(z_in, axis=-1, keepdims=True), w=w, ramp=ramp, bq=1)
-  dk, dv, _ = pl.pallas_call(
+  call_kv = pl.pallas_call(
       functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block),
       in_specs=[all_rows, key_blk, key_blk, pe_all, all_stat, seed_k, all_rows, all_stat,
                 all_stat, all_stat, wmax_spec],
@@ -424,8 +446,9 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype),
                  jax.ShapeDtypeStruct((b, h, t // block, block, 2 * block), jnp.float32)],
-      interpret=interpret, name="span_attention_bwd_kv", compiler_params=params,
-  )(q, k, v, pe_pad, z_in, seed, g, mx, den, delta, wmax)
+      interpret=interpret, name="span_attention_bwd_kv", compiler_params=params)
+  with _precision(precision):
+    dk, dv, _ = call_kv(q, k, v, pe_pad, z_in, seed, g, mx, den, delta, wmax)
   dpe = dpe[:, block:block + w].astype(pe.dtype)
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
   dpk = None if pk is None else dpk.astype(pk.dtype)
@@ -433,12 +456,12 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
   return dq, dk, dv, dpe, (dz if has_mask else None), dseed, dpk, dpv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15, 16))
 def _span_attention(q, k, v, pe, z, seed, pk, pv, ramp, eps, block, interpret, num_warps,
-                    num_stages, rate, scale):
+                    num_stages, rate, scale, precision):
   return _forward(q, k, v, pe, z, seed, pk, pv, ramp=ramp, eps=eps, block=block,
                   interpret=interpret, num_warps=num_warps, num_stages=num_stages, rate=rate,
-                  scale=scale)[0]
+                  scale=scale, precision=precision)[0]
 
 
 def _span_attention_fwd(q, k, v, pe, z, seed, pk, pv, *static):
@@ -451,14 +474,16 @@ def _span_attention_bwd(*args):
   return _backward(*res, g, **dict(zip(_STATIC, static)))
 
 
-_STATIC = ("ramp", "eps", "block", "interpret", "num_warps", "num_stages", "rate", "scale")
+_STATIC = ("ramp", "eps", "block", "interpret", "num_warps", "num_stages", "rate", "scale",
+           "precision")
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
 
 
 def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *, ramp: int = 32,
-                   pers_k_HxDxN=None, pers_v_HxNxD=None, eps: float = 1e-8, block: int = 64,
+                   pers_k_HxDxN=None, pers_v_HxNxD=None, eps: float = span_mask.EPS,
+                   block: int = 64,
                    dropout_rate: float = 0.0, dropout_seed=None, interpret: bool = False,
-                   num_warps: int = 4, num_stages: int = 2):
+                   num_warps: int = 4, num_stages: int = 2, precision: str = "default"):
   """Banded attention over the W distances before each query, spans given at run time.
 
   Args:
@@ -471,6 +496,8 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
       mask 1; or None.
     dropout_rate, dropout_seed: dropout on the attention weights (after the mask), the keep
       mask drawn by `dropout_scale` from a uint32 seed; a rate of 0 compiles no dropout.
+    precision: float32 dots: 'default' (TF32 tensor cores on sm_80+, XLA's own default for
+      float32 matmuls) or 'highest' (exact float32, no tensor cores). bf16 is unaffected.
   Returns:
     (B, H, M, Dh) in the dtype of q.
   """
@@ -485,7 +512,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
       jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
   dh = q_BxHxMxD.shape[-1]
   static = (ramp, eps, block, interpret, num_warps, num_stages, float(dropout_rate),
-            1.0 / math.sqrt(dh))
+            1.0 / math.sqrt(dh), precision)
   args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW,
                        pers_k_HxDxN, pers_v_HxNxD)
   args = (*args[:4], z_BxHxM, seed, *args[4:])
@@ -511,6 +538,27 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
               maybe(pers_v_HxNxD, rep))
   return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False, in_specs=in_specs,
                        axis_names=frozenset(axes))(*args)[..., :dh]
+
+
+# Tiles per target: (compute capability major, padded head size, dtype) -> (tile, warps, stages),
+# chosen from a deviceless ptxas sweep for the fewest spills within shared memory
+# (bench/kernel_sweep.py; results and command in docs/kernels.md). The tile divides attn_block.
+TILES = {
+    (9, 64, "bfloat16"): (32, 8, 2), (9, 128, "bfloat16"): (32, 8, 1),
+    (9, 64, "float32"): (32, 8, 2), (9, 128, "float32"): (32, 8, 2),
+    (8, 64, "bfloat16"): (32, 8, 2), (8, 128, "bfloat16"): (32, 8, 1),
+    (8, 64, "float32"): (32, 8, 2), (8, 128, "float32"): (32, 8, 1),
+}
+DEFAULT_TILES = (64, 4, 2)  # elsewhere (interpret mode, unknown targets): the attn_block itself
+
+
+def tiles(compute_capability: float | None, head_dim: int, dtype, block: int):
+  """(tile, num_warps, num_stages) for a target (None: not a GPU) and an attn_block."""
+  dp = padded_head_dim(head_dim)
+  key = (None if compute_capability is None else int(compute_capability), min(dp, 128),
+         jnp.dtype(dtype).name)
+  tile, warps, stages = TILES.get(key, (block, *DEFAULT_TILES[1:]))
+  return min(tile, block), warps, stages
 
 
 def padded_head_dim(dh: int) -> int:

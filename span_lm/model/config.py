@@ -12,6 +12,7 @@ from typing import Any
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret")  # span_lm/kernels
+ATTN_PRECISIONS = ("default", "highest")  # float32 dots of the fused kernel (pallas_gpu)
 REMAT = ("none", "layer")
 ARCHS = ("span", "sparse")  # span_lm/model/transformer.py | span_lm/model/sparse_transformer.py
 SPARSE_PATTERNS = ("fixed", "strided", "local", "dense")  # span_lm/model/sparse.py
@@ -57,6 +58,9 @@ class ModelConfig:
   # cpu | pallas | pallas_interpret: see span_lm/kernels/__init__.py. "xla" is read as "cpu".
   attn_impl: str = "auto"
   attn_block: int = 64  # pallas: query/key tile; divides the block length and the plan windows
+  # pallas, float32 models: default (TF32 tensor cores on Ampere and later, as XLA's own float32
+  # matmuls) | highest (exact float32, no tensor cores). bf16 models are unaffected.
+  attn_precision: str = "default"
   adapt_io: bool = False  # adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)
   adapt_io_cutoffs: tuple[int, ...] = (20000, 40000, 200000)  # cluster boundaries (frequency order)
   adapt_io_div: int = 4  # cluster i has dimension d_model // div**i
@@ -125,6 +129,8 @@ class ModelConfig:
       object.__setattr__(self, "attn_impl", "cpu")
     if self.attn_impl not in ATTN_IMPLS:
       bad("attn_impl", f"choose one of {ATTN_IMPLS}")
+    if self.attn_precision not in ATTN_PRECISIONS:
+      bad("attn_precision", f"choose one of {ATTN_PRECISIONS}")
     if self.attn_impl in ("pallas", "pallas_interpret"):
       self._check_fused(bad)
     # Hashable (the config is a jit static argument) whatever sequence the config held.

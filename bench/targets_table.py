@@ -1,0 +1,124 @@
+"""docs/targets.md: the paper configs compiled for every chip we name, at the paper's global batch.
+
+For each (config, target) the compile mode (span_lm/tools/compile.py) compiles the training step
+as the config ships; a step that does not fit is compiled again with the batch split doubled
+(up to `--max_split`), then with remat='layer', and the table gives the first setting that fits.
+Needs the toolchains: pip install "jax[cuda12]==<jax version>" "jax[tpu]==<jax version>".
+
+  python bench/targets_table.py --configs configs/enwik8.py configs/enwik8_large.py \
+      --targets h100:8 a100_80:8 a100_40:8 v100_32:8 v5e:4x4 v5p:2x2x2 v6e:2x4 v4:2x2x2 \
+      --out docs/targets
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from span_lm import config as config_lib  # pylint: disable=wrong-import-position
+from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
+
+
+def attempts(split: int, batch: int, devices: int, max_split: int):
+  """(batch_split, remat) settings to try, in order: as shipped, more pieces, then remat."""
+  out, s = [(split, "none")], split
+  while s * 2 <= max_split and batch % (s * 2) == 0 and (batch // (s * 2)) % devices == 0:
+    s *= 2
+    out.append((s, "none"))
+  out.append((s, "layer"))
+  return out
+
+
+def one(path: str, target: str, split: int, remat: str, plan: str) -> dict:
+  overrides = {"mode": "compile", "compile.targets": target, "compile.steps": "train",
+               "compile.plan": plan, "optim.batch_split": split, "model.remat": remat}
+  config = config_lib.load_config(path, overrides)
+  with tempfile.TemporaryDirectory() as tmp:
+    config.compile.out = tmp
+    row = compile_lib.report(config)["rows"][0]
+  row["command"] = (f"python main.py --config={path} --config.mode=compile "
+                    f"--config.compile.targets={target} --config.optim.batch_split={split} "
+                    f"--config.model.remat={remat} --config.compile.plan={plan}")
+  return row
+
+
+def fits(row: dict) -> bool:
+  r = row.get("train") or {}
+  return bool(r.get("compiled") and r["memory"].get("fits"))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--configs", nargs="+", default=["configs/enwik8.py", "configs/enwik8_large.py"])
+  p.add_argument("--targets", nargs="+", default=["h100:8", "a100_80:8", "v5p:2x2x2"])
+  p.add_argument("--plan", default="full", choices=["full", "initial"])
+  p.add_argument("--max_split", type=int, default=8)
+  p.add_argument("--out", default="docs/targets")
+  args = p.parse_args()
+  results = []
+  if os.path.exists(args.out + ".json"):  # resume: keep rows already measured
+    results = json.load(open(args.out + ".json"))["rows"]
+  done = {(r["config"], r["target"]) for r in results}
+  for path in args.configs:
+    base = config_lib.load_config(path)
+    for target in args.targets:
+      if (path, target) in done:
+        continue
+      tgt = compile_lib.parse_target(target)
+      devices = tgt.chips * (tgt.chip.cores_per_chip if tgt.chip.name == "v4" else 1)
+      tried = []
+      for split, remat in attempts(base.optim.batch_split, base.data.batch, devices,
+                                   args.max_split):
+        t0 = time.perf_counter()
+        row = one(path, target, split, remat, args.plan)
+        row["wall_s"] = time.perf_counter() - t0
+        tried.append(row)
+        if fits(row) or "error" in row:
+          break
+      results.append({"config": path, "target": target, "shipped": tried[0],
+                      "fitting": tried[-1] if fits(tried[-1]) else None,
+                      "tried": [(r["batch_split"], r["command"].split("remat=")[1].split()[0])
+                                for r in tried]})
+      with open(args.out + ".json", "w") as f:
+        json.dump({"command": " ".join(sys.argv), "rows": results}, f, indent=1)
+  with open(args.out + ".md", "w") as f:
+    f.write(markdown(results) + "\n")
+
+
+def _cell(row: dict) -> tuple[str, str, str, str]:
+  """(compiled, peak/capacity GiB, roofline tok/s and bound, compile s)."""
+  if "error" in row:
+    return f"no: {row['error'][:120]}", "", "", ""
+  r = row["train"]
+  if not r["compiled"]:
+    return f"no: {r['error'][:120]}", "", "", f"{r['compile_s']:.0f}"
+  m, rf = r["memory"], r["roofline"]
+  return ("yes", f"{m['peak'] / 2**30:.1f} / {m['capacity'] / 2**30:.0f}",
+          f"{(rf['tokens_per_s'] or 0) / 1e3:.0f}k ({rf['bound']})", f"{r['compile_s']:.0f}")
+
+
+def markdown(results) -> str:
+  lines = ["| config | target | attention | compiles as shipped | peak / HBM GiB per device | "
+           "smallest setting that fits | its peak GiB | roofline tok/s (bound) | compile s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for res in results:
+    s = res["shipped"]
+    comp, peak, _, _ = _cell(s)
+    f = res["fitting"]
+    if f is None:
+      fit, fpeak, roof, csec = "none tried fits: " + ", ".join(
+          f"split {a} remat {b}" for a, b in res["tried"]), "", "", ""
+    else:
+      _, fpeak, roof, csec = _cell(f)
+      fit = "as shipped" if f is s else f"batch_split={f['batch_split']}, remat=" + \
+          f["command"].split("remat=")[1].split()[0]
+    lines.append(f"| {res['config']} | {res['target']} | {s.get('attention', '')} | {comp} | "
+                 f"{peak} | {fit} | {fpeak} | {roof} | {csec} |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,156 @@
+"""The compile mode (span_lm/tools/compile.py) and the per-chip facts it reads (tools/chips.py).
+
+Without the toolchains (CI's main environment) the mode must say in one line what to install;
+with them (`pytest -m compile`, run by .ci/run in a second environment that has libtpu, and by
+hand where the CUDA plugin is installed) it compiles a small config for real, deviceless."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from span_lm.kernels import pallas_gpu
+from span_lm.tools import chips
+from span_lm.tools import compile as compile_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAS_TPU = importlib.util.find_spec("libtpu") is not None
+HAS_CUDA = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+# ptxas -v as XLA logs it (TF_CPP_VMODULE=subprocess_compilation=2), two kernels interleaved
+# with XLA's own log lines, as a real deviceless A100 compile printed them.
+PTXAS_LOG = """\
+I1126 14:26:48.948611   13247 subprocess_compilation.cc:356] ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'span_attention_fwd' for 'sm_80'
+ptxas info    : Function properties for span_attention_fwd
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 448 bytes cmem[0]
+I1126 14:26:48.985025   13248 subprocess_compilation.cc:182] Looking for ptxas
+I1126 14:26:58.507807   13248 subprocess_compilation.cc:349] ptxas warning : Registers are spilled
+ptxas info    : Compiling entry function 'span_attention_bwd_q' for 'sm_80'
+ptxas info    : Function properties for span_attention_bwd_q
+    6664 bytes stack frame, 9360 bytes spill stores, 9644 bytes spill loads
+ptxas info    : Used 32 registers, used 1 barriers, 6664 bytes cumulative stack size, 520 bytes cmem[0]
+ptxas info    : Compiling entry function 'fusion_3' for 'sm_80'
+ptxas info    : Used 40 registers, used 1 barriers, 4096 bytes smem, 368 bytes cmem[0]
+"""
+
+
+def test_parse_ptxas_reads_every_kernel():
+  ks = compile_lib.parse_ptxas(PTXAS_LOG)
+  assert [k["kernel"] for k in ks] == ["span_attention_fwd", "span_attention_bwd_q", "fusion_3"]
+  assert ks[0] == dict(kernel="span_attention_fwd", arch="sm_80", registers=128, spill_store=0,
+                       spill_load=0, stack=0, smem=0)
+  assert (ks[1]["registers"], ks[1]["spill_store"], ks[1]["spill_load"]) == (32, 9360, 9644)
+  assert ks[2]["smem"] == 4096
+
+
+def test_targets_parse_and_bad_names_are_one_line():
+  t = compile_lib.parse_target("h100")
+  assert (t.chip.name, t.topology, t.chips) == ("h100", "1x1x8", 8)
+  assert compile_lib.parse_target("a100:4").chip.name == "a100_80"
+  assert compile_lib.parse_target("v5p").topology == "v5p:2x2x2"
+  assert compile_lib.parse_target("v5e:4x4").chips == 16
+  with pytest.raises(ValueError, match="unknown chip 'b9000'"):
+    compile_lib.parse_target("b9000")
+  with pytest.raises(ValueError, match="topology"):
+    compile_lib.parse_target("v5p:2xx2")
+  with pytest.raises(ValueError, match="empty"):
+    compile_lib.parse_targets(" , ")
+
+
+def test_gpu_target_config_describes_the_chip():
+  text = chips.gpu_target_config(chips.get("a100_80"))
+  assert "core_count: 108" in text and "shared_memory_per_block_optin: 166912" in text
+  assert "major: 8 minor: 0" in text and 'platform_name: "CUDA"' in text
+  assert "ACCELERATED_FEATURES" in chips.gpu_target_config(chips.get("h100"))  # sm_90a
+  with pytest.raises(ValueError):
+    chips.gpu_target_config(chips.get("v5p"))
+
+
+def test_one_table_of_peaks_for_the_gpu_suite_and_the_rooflines():
+  assert chips.peak_tflops("NVIDIA H100 80GB HBM3")["bfloat16"] == pytest.approx(989.4)
+  assert chips.peak_tflops("NVIDIA H100 PCIe")["matched"] == "h100_pcie"
+  assert chips.peak_tflops("NVIDIA A100-SXM4-40GB")["matched"] == "a100_40"
+  assert chips.peak_tflops("Tesla V100-SXM2-16GB")["float32"] == pytest.approx(15.7)
+  assert chips.peak_tflops("cpu") is None
+  rf = compile_lib.roofline(chips.get("v5p"), "bfloat16", 2, 459e12, {"bytes": 2.765e12}, 2,
+                            1000)
+  # v5p devices here are TensorCores (2 per chip): half the chip's peak and bandwidth each.
+  assert rf["compute_s"] == pytest.approx(2.0) and rf["hbm_s"] == pytest.approx(4.0)
+  assert rf["bound"] == "hbm" and rf["tokens_per_s"] == pytest.approx(250)
+
+
+def test_fused_kernel_tiles_per_target_fit_the_block():
+  assert pallas_gpu.tiles(None, 64, "float32", 64) == (64, 4, 2)  # interpret mode: unchanged
+  for cc in (8.0, 9.0):
+    for dh in (64, 96):
+      for dtype in ("bfloat16", "float32"):
+        tile, warps, stages = pallas_gpu.tiles(cc, dh, dtype, 64)
+        assert 64 % tile == 0 and warps in (4, 8) and stages >= 1
+  assert pallas_gpu.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
+
+
+@pytest.mark.skipif(HAS_TPU and HAS_CUDA, reason="both toolchains installed")
+def test_missing_toolchain_is_one_line(tmp_path):
+  target = "v5p:2x2x2" if not HAS_TPU else "h100:1"
+  r = subprocess.run([sys.executable, "main.py", "--config=configs/tiny.py",
+                      "--config.mode=compile", f"--config.compile.targets={target}",
+                      f"--config.compile.out={tmp_path}"], cwd=REPO, capture_output=True,
+                     text=True, timeout=300, check=False)
+  assert r.returncode == 1, r.stderr
+  lines = [l for l in r.stderr.splitlines() if l.strip()]
+  assert len(lines) == 1 and "pip install" in lines[0] and "jax[" in lines[0], r.stderr
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+def test_compile_mode_for_a_tpu_topology(tmp_path):
+  """The real train and eval steps of a small config compiled for a v5e-4, no TPU here."""
+  r = subprocess.run([sys.executable, "main.py", "--config=configs/tiny.py",
+                      "--config.mode=compile", "--config.compile.targets=v5e:2x2",
+                      "--config.model.dtype=bfloat16", f"--config.compile.out={tmp_path}"],
+                     cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+  assert r.returncode == 0, r.stdout + r.stderr
+  report = json.load(open(tmp_path / "compile_report.json"))
+  row = report["rows"][0]
+  assert row["platform"] == "tpu" and row["devices"] == 4 and row["attention"] == "reference"
+  for kind in ("train", "eval"):
+    step = row[kind]
+    assert step["compiled"] and step["memory"]["fits"], step
+    assert 0 < step["memory"]["peak"] < 16 * 2**30
+    assert step["xla"]["flops"] > 0 and step["roofline"]["tokens_per_s"] > 0
+  assert "| v5e:2x2 | 4 | reference | train | yes |" in open(tmp_path / "compile_report.md").read()
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+def test_compile_mode_for_an_h100(tmp_path):
+  """A bf16 model with the fused kernel compiled for one H100: ptxas' report of our kernels."""
+  r = subprocess.run([sys.executable, "main.py", "--config=configs/tiny.py",
+                      "--config.mode=compile", "--config.compile.targets=h100:1",
+                      "--config.model.dtype=bfloat16", "--config.compile.steps=train",
+                      f"--config.compile.out={tmp_path}"],
+                     cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+  assert r.returncode == 0, r.stdout + r.stderr
+  row = json.load(open(tmp_path / "compile_report.json"))["rows"][0]
+  assert row["attention"] == "pallas" and row["train"]["compiled"]
+  ours = {k["kernel"]: k for k in row["kernels"] if k["kernel"].startswith("span_attention")}
+  assert set(ours) == {"span_attention_fwd", "span_attention_bwd_q", "span_attention_bwd_kv"}
+  assert all(k["arch"] == "sm_90a" and k["registers"] > 0 for k in ours.values())
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+@pytest.mark.parametrize("target", ["h100", "a100_80"])
+def test_fused_kernel_fits_shared_memory_for_every_head_size_and_dtype(target):
+  """The tiles the door picks (pallas_gpu.TILES) compile within the target's shared memory; with
+  the single 64/4/2 tile of before, head size 128 (the large models' 96) and float32 did not."""
+  r = subprocess.run([sys.executable, "bench/kernel_sweep.py", "--targets", target, "--dtypes",
+                      "bfloat16", "float32", "--head_dims", "64", "128", "--tiles", "0"],
+                     cwd=REPO, capture_output=True, text=True, timeout=1200, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  lines = [l for l in r.stdout.splitlines() if l.startswith(target)]
+  assert len(lines) == 4 and all(": ok " in l for l in lines), r.stdout
