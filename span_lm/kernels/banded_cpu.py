@@ -197,7 +197,10 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   # times the row-wise work). Short bands (W + C up to 2W) take band coordinates.
   keyed = long_band(c, w)
   cont = matmul.einsum(f"bgncd,bgn{kd}->bgnck", q, k_win, jnp.float32)
-  pos = matmul.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
+  # float32 parameters (key_pe, persistent vectors) go in as they are: matmul.einsum (and
+  # _keyed_attention) cast them to q's dtype and keep their gradients in float32
+  pe = matmul.weight(key_pe_DxW, q.dtype)
+  pos = matmul.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
   scores = cont + skew(pos) if keyed else unskew(cont, w) + pos
   kw = scores.shape[-1]  # W + C keyed, W in bands
   per_key = False  # the mask already 5-D in key coordinates (see _key_mask)
@@ -223,7 +226,8 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
 
   if pers_k_GxDxN is not None:
     n_pers = pers_k_GxDxN.shape[-1]
-    pers = matmul.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype), jnp.float32)
+    pers = matmul.einsum("bgncd,gdp->bgncp", q, matmul.weight(pers_k_GxDxN, q.dtype),
+                         jnp.float32)
     probs = jax.nn.softmax(jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1), axis=-1)
     if mask is not None:
       ones = jnp.ones((b, g, n, c, n_pers), probs.dtype)
@@ -241,7 +245,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
 
   if keyed and pers_k_GxDxN is None:  # one custom VJP (the scores above are for `probs` only)
     keep = None if dropout is None else dropout(jnp.ones(probs.shape, jnp.float32))
-    out = _keyed_attention(q, k_win, v_win, key_pe_DxW.astype(q.dtype), mask, keep, kd, eps)
+    out = _keyed_attention(q, k_win, v_win, pe, mask, keep, kd, eps)
   else:
     dropped = dropout(probs) if dropout is not None else probs
     dropped = dropped.astype(v.dtype)
@@ -249,7 +253,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     out = matmul.einsum(f"bgnck,bgn{kd}->bgncd", p_band, v_win, jnp.float32)
   if pers_k_GxDxN is not None:
     out = out + matmul.einsum("bgncp,gpd->bgncd", dropped[..., kw:],
-                                 pers_v_GxNxD.astype(dropped.dtype), jnp.float32)
+                                 matmul.weight(pers_v_GxNxD, dropped.dtype), jnp.float32)
   if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
     probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
   return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
@@ -292,7 +296,8 @@ def _keyed_attention(q, k_win, v_win, pe, mask, keep, kd: str, eps: float):
   logits = (q k^T + skew(q pe)) / sqrt(Dh), -inf off the band; p = softmax(logits), masked and
   renormalised (p m / (sum p m + eps)) when mask is given, times keep (the dropout's scaled keep
   mask) when given; out = p @ v. k_win/v_win are (B, G, N, Dh, W + C) for kd = "dk" (positions
-  last), else (B, G, N, W + C, Dh); pe is (Dh, W).
+  last), else (B, G, N, W + C, Dh); pe is (Dh, W) (float32 next to bf16/f16 q: the position
+  parameter itself, cast inside; its gradient stays float32).
 
   Why a custom VJP: (1) the softmax backward needs each row's sum(dP * p), which is dO . out
   (FlashAttention's identity, also with the mask and dropout): a sum over Dh columns instead of
@@ -411,18 +416,22 @@ def _rows_dot(spec, a, b):
 
 
 def _rows_fwd(cache_BxWxD, h_BxMxD, w_DxZ):
+  """w_DxZ may be a float32 weight (bf16/f16 rows): cast here, its gradient kept float32."""
   x_BxTxD = jnp.concatenate([cache_BxWxD, h_BxMxD], axis=1)
-  return _rows_dot("btd,dz->zbt", x_BxTxD, w_DxZ), (cache_BxWxD, h_BxMxD, w_DxZ)
+  return (_rows_dot("btd,dz->zbt", x_BxTxD, w_DxZ.astype(x_BxTxD.dtype)),
+          (cache_BxWxD, h_BxMxD, w_DxZ))
 
 
 def _rows_bwd(res, g_ZxBxT):
   cache_BxWxD, h_BxMxD, w_DxZ = res
-  g_ZxBxT = g_ZxBxT.astype(w_DxZ.dtype)
+  w_low = w_DxZ.astype(h_BxMxD.dtype)
+  g_ZxBxT = g_ZxBxT.astype(w_low.dtype)
   x_BxTxD = jnp.concatenate([cache_BxWxD, h_BxMxD], axis=1)  # saved as its parts: the cache is
-  dw = _rows_dot("btd,zbt->dz", x_BxTxD, g_ZxBxT)  # the step's argument, no extra buffer
+  # the step's argument, no extra buffer; dw in float32 (a float32 weight's gradient stays so)
+  dw = matmul.contract("btd,zbt->dz", x_BxTxD, g_ZxBxT).astype(w_DxZ.dtype)
   w = cache_BxWxD.shape[1]
-  dcache = _rows_dot("zbw,dz->bwd", g_ZxBxT[:, :, :w], w_DxZ)
-  dh = _rows_dot("zbm,dz->bmd", g_ZxBxT[:, :, w:], w_DxZ)
+  dcache = _rows_dot("zbw,dz->bwd", g_ZxBxT[:, :, :w], w_low)
+  dh = _rows_dot("zbm,dz->bmd", g_ZxBxT[:, :, w:], w_low)
   return dcache, dh, dw
 
 

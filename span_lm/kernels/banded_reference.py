@@ -92,10 +92,13 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, span_z=None
   k_win, v_win = key_windows(k_BxGxTxD, w, c), key_windows(v_BxGxTxD, w, c)  # B G n (W+C) Dh
 
   cont = matmul.einsum("bgncd,bgnkd->bgnck", q, k_win, jnp.float32)
-  pos = matmul.einsum("bgncd,dw->bgncw", q, key_pe_DxW.astype(q.dtype), jnp.float32)
+  # float32 parameters (key_pe, persistent vectors) go in as they are: matmul.einsum casts them
+  # to q's dtype and keeps their gradients in float32
+  pos = matmul.einsum("bgncd,dw->bgncw", q, matmul.weight(key_pe_DxW, q.dtype), jnp.float32)
   logits = (unskew(cont, w) + pos) / math.sqrt(dh)  # B G n C W
   if pers_k_GxDxN is not None:
-    pers = matmul.einsum("bgncd,gdp->bgncp", q, pers_k_GxDxN.astype(q.dtype), jnp.float32)
+    pers = matmul.einsum("bgncd,gdp->bgncp", q, matmul.weight(pers_k_GxDxN, q.dtype),
+                         jnp.float32)
     logits = jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1)
   probs = jax.nn.softmax(logits, axis=-1)
   if span_z is not None:
@@ -113,19 +116,22 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, span_z=None
   out = matmul.einsum("bgnck,bgnkd->bgncd", skew(probs[..., :w]), v_win, jnp.float32)
   if pers_v_GxNxD is not None:
     out = out + matmul.einsum("bgncp,gpd->bgncd", probs[..., w:],
-                                 pers_v_GxNxD.astype(probs.dtype), jnp.float32)
+                              matmul.weight(pers_v_GxNxD, probs.dtype), jnp.float32)
   return out.reshape(b, g, m, dh).astype(q_BxGxMxD.dtype)
 
 
 def residual_bytes(span_mode: str, pers_mem: int, dtype, batch: int, m: int, g: int, w: int,
                    dh: int, chunk: int, dropout: bool) -> dict:
-  """Bytes one head group keeps for the backward pass, estimated from what autodiff saves here:
-  the key/value windows, float32 score bands (logits, probabilities and, with a span mask, the
-  masked copies and the mask) and the skewed weights."""
+  """Bytes one head group keeps for the backward pass, as autodiff saves them here (jax's
+  saved_residuals; tests/tools/test_tools.py): the key/value windows, the float32 score bands (the
+  softmax's output; with a span mask its exponentials and the masked copy, the dynamic mask's two
+  more; dropout's output and its boolean keep mask) and the skewed weights. XLA may keep fewer:
+  XLA:TPU recomputes most of the elementwise chain (docs/benchmarks.md, issue 26)."""
   act, f32 = jnp.dtype(dtype).itemsize, 4
   c = choose_chunk(m, w, chunk)
   rows = batch * g * m
-  bands = {"fixed": 2, "adaptive": 4, "dynamic": 5}[span_mode] + (1 if dropout else 0)
+  band_bytes = {"fixed": 1, "adaptive": 3, "dynamic": 5}[span_mode] * f32 + (
+      f32 + 1 if dropout else 0)
   return {"keys_values": 2 * batch * g * (m // c) * (w + c) * dh * act,
-          "score_bands": rows * (w + pers_mem) * bands * f32,
+          "score_bands": rows * (w + pers_mem) * band_bytes,
           "weights": rows * (w + c + pers_mem) * act}

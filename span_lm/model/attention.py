@@ -72,15 +72,19 @@ class SeqAttention(nn.Module):
     dt = jnp.dtype(cfg.dtype)
     b, m, d = h_BxMxD.shape
     nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span
-    dense = lambda name: nn.Dense(d, use_bias=False, kernel_init=torch_linear_init(), dtype=dt,
-                                  dot_general=matmul.dense_dot_general, name=name)
+    if dt in matmul.LOW:  # the float32 kernel into the matmul, which casts it: float32 gradient
+      dense = lambda name: lambda x: matmul.dot(x.astype(dt), _DenseKernel(d, name=name)())
+    else:
+      dense = lambda name: nn.Dense(d, use_bias=False, kernel_init=torch_linear_init(), dtype=dt,
+                                    dot_general=matmul.dense_dot_general, name=name)
     w_max = max(w for _, w in self.plan.groups)
     cache_len = cache_BxLxD[0].shape[2] if ring_pos is not None else cache_BxLxD.shape[1]
     if cache_len < w_max:
       raise ValueError(f"cache of {cache_len} states is shorter than the window {w_max}")
     q = dense("proj_query")(h_BxMxD).reshape(b, m, nh, dh).transpose(0, 2, 1, 3)  # B H M Dh
-    k_kernel = _DenseKernel(d, name="proj_key")().astype(dt)
-    v_kernel = _DenseKernel(d, name="proj_val")().astype(dt)
+    # float32 kernels: the matmuls cast them to dt and keep their gradients in float32
+    k_kernel = _DenseKernel(d, name="proj_key")()
+    v_kernel = _DenseKernel(d, name="proj_val")()
     h_in = h_BxMxD.astype(dt)
     cache = cache_BxLxD if ring_pos is not None else cache_BxLxD.astype(dt)
 

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec as P
 
 from span_lm.model import build_model
 from span_lm.model import caches as caches_lib
@@ -83,8 +84,79 @@ def _plan_covers(cfg: ModelConfig, plan: SpanPlan, params) -> jax.Array | None:
   return ok
 
 
+def _per_device_split(mesh, batch_axes, rows: int, batch_split: int) -> tuple | None:
+  """The mesh's batch axes (a tuple) when gradient accumulation runs per device (`_local_grads`),
+  else None: one device, batch_split 1 (one reduction per step already), or fewer rows per device
+  than pieces (each device's rows must split into batch_split equal pieces)."""
+  if mesh is None or batch_split == 1 or batch_axes is None:
+    return None
+  axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+  n = int(np.prod([mesh.shape[a] for a in axes]))
+  if n == 1 or rows % (n * batch_split):
+    if n > 1:
+      logging.info("batch_split=%d: %d rows over %d devices do not split per device; the "
+                   "gradients are reduced in every piece", batch_split, rows, n)
+    return None
+  return axes
+
+
+def _local_grads(grad_fn, params, x, y, caches, step_key, *, mesh, axes: tuple, batch_split: int):
+  """Gradient accumulation over batch_split pieces per device, reduced once after the loop.
+
+  Under GSPMD the partitioner all-reduces each piece's gradients inside the scan (batch_split
+  reductions per step); here each device accumulates the float32 gradients of its own rows over
+  the pieces (a shard_map over the batch axes) and they cross the network once, as a float32
+  pmean. Local losses are means over local tokens, equal in count on every device, so their
+  pmean is the global mean. Parameters enter replicated (in_specs P()): FSDP-sharded ones are
+  gathered once at the entry. Dropout: each device folds its index along the batch axes into the
+  pieces' keys, so with batch_split > 1 on several devices the masks depend on the device count
+  (as they depend on batch_split); single-device and batch_split=1 runs are unaffected.
+  Returns grads, loss, new caches (rows sharded), aux (dyn_spans rows sharded; the per-token
+  span statistics are left to the caller, which recomputes them over the whole batch).
+  """
+  rows, rep = P(axes), P()
+
+  def local(params, x, y, caches, key_data):
+    key = jax.random.fold_in(jax.random.wrap_key_data(key_data), jax.lax.axis_index(axes))
+    xs, ys = _split(x, batch_split), _split(y, batch_split)
+    cs = tuple(_split(c, batch_split) for c in caches)
+    keys = jax.random.split(key, batch_split)
+
+    def piece(acc, inp):
+      x, y, c, key = inp
+      (_, (loss, nc, aux)), g = grad_fn(params, x, y, c, key)
+      acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32) / batch_split, acc, g)
+      return acc, (loss, nc, aux)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    acc, (losses, ncs, auxes) = jax.lax.scan(piece, zeros, (xs, ys, cs, keys))
+    grads = jax.lax.pmean(acc, axes)  # the step's one gradient reduction, in float32
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+    loss = jax.lax.pmean(jnp.mean(losses), axes)
+    new_caches = tuple(_merge(c) for c in ncs)
+    by_rows = {}
+    if "dyn_spans" in auxes:  # token-dependent: rows stay sharded, span loss a mean over tokens
+      by_rows["dyn_spans"] = tuple(_merge(a) for a in auxes.pop("dyn_spans"))
+      span_loss = jax.lax.pmean(jnp.mean(auxes.pop("span_loss")), axes)
+      for k in ("span_avg", "span_max"):
+        auxes.pop(k)
+      replicated_aux = dict(jax.tree.map(lambda a: a[0], auxes), span_loss=span_loss)
+    else:  # fixed/adaptive span statistics: parameter-only, the same on every device
+      replicated_aux = jax.tree.map(lambda a: a[0], auxes)
+    return grads, loss, new_caches, replicated_aux, by_rows
+
+  # check_vma=False: with it, autodiff of the replicated params inside the body would psum
+  # their gradients in every piece, the very reduction this moves out of the loop.
+  grads, loss, new_caches, aux, by_rows = jax.shard_map(
+      local, mesh=mesh, in_specs=(rep, rows, rows, rows, rep),
+      out_specs=(rep, rep, rows, rep, rows), check_vma=False)(
+          params, x, y, caches, jax.random.key_data(step_key))
+  return grads, loss, new_caches, dict(aux, **by_rows)
+
+
 def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, plan: SpanPlan,
-               tx: optax.GradientTransformation, batch_split: int = 1, debug_nan_at_step: int = 0):
+               tx: optax.GradientTransformation, batch_split: int = 1, debug_nan_at_step: int = 0,
+               mesh=None, batch_axes=None):
   """One update: loss = mean NLL + span loss, reference gradient accumulation over batch_split.
 
   batch: x, y (B, M) int; reset () bool: the stream restarts after this block, so the carried
@@ -96,6 +168,8 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
   all (step, params, optimizer state, caches) and reports metrics['short'] = 1; the host widens
   the plan and replays it, so attention is never truncated although ratios are read late.
   debug_nan_at_step (testing aid): step number (1-based) whose loss is made NaN; 0: off.
+  mesh, batch_axes: the mesh and its axes the batch is sharded over; with several devices and
+  batch_split > 1 the accumulation runs per device and reduces once (`_local_grads`).
   Returns the new state and metrics (sums, so averages over steps and hosts are exact).
   """
   model = build_model(cfg, plan)
@@ -114,8 +188,17 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   params = state["params"]
+  axes = _per_device_split(mesh, batch_axes, batch["x"].shape[0], batch_split)
   if batch_split == 1:
     (_, (loss, new_caches, aux)), grads = grad_fn(params, batch["x"], batch["y"], caches, step_rng)
+  elif axes is not None:
+    grads, loss, new_caches, aux = _local_grads(
+        grad_fn, params, batch["x"], batch["y"], caches, step_rng, mesh=mesh, axes=axes,
+        batch_split=batch_split)
+    if "dyn_spans" in aux:  # statistics over the whole batch, as one piece would report them
+      stats = [spans_lib.span_stats(z, cfg) for z in aux["dyn_spans"]]
+      aux["span_avg"] = jnp.stack([avg for avg, _ in stats])
+      aux["span_max"] = jnp.stack([mx for _, mx in stats])
   else:
     xs, ys = _split(batch["x"], batch_split), _split(batch["y"], batch_split)
     cs = tuple(_split(c, batch_split) for c in caches)
@@ -218,7 +301,8 @@ class StepCompiler:
   def train(self, plan: SpanPlan, state: State, batch):
     fn = functools.partial(train_step, cfg=self.cfg, plan=plan, tx=self.tx,
                            batch_split=self.batch_split,
-                           debug_nan_at_step=self.debug_nan_at_step)
+                           debug_nan_at_step=self.debug_nan_at_step, mesh=self.mesh,
+                           batch_axes=self._batch_sharding.spec[0])
     st_sh = self._state_shardings(state)
     b_sh = {"x": self._batch_sharding, "y": self._batch_sharding, "reset": self._replicated}
     return self._compile("train", plan, fn, (state, batch), (st_sh, b_sh),

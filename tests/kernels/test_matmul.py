@@ -69,8 +69,10 @@ def test_self_summed_index_is_refused():
   a = jnp.ones((2, 3), jnp.bfloat16)
   with pytest.raises(ValueError, match="summed on its own"):
     matmul.einsum("ij,jk->k", a, jnp.ones((3, 4), jnp.bfloat16))
+  with pytest.raises(ValueError, match="dtypes differ"):  # (a float32 second operand is a weight)
+    matmul.einsum("ij,jk->ik", a.astype(jnp.float32), jnp.ones((3, 4), jnp.bfloat16))
   with pytest.raises(ValueError, match="dtypes differ"):
-    matmul.einsum("ij,jk->ik", a, jnp.ones((3, 4), jnp.float32))
+    matmul.einsum("ij,jk->ik", a, jnp.ones((3, 4), jnp.float16))
 
 
 def test_dense_dot_general_matches_dense():
@@ -124,6 +126,82 @@ def test_precision_dense_is_nn_dense_and_sums_its_bias_gradient_in_float32():
   ours_err = np.max(np.abs(bias_grad(ours, jnp.bfloat16) - exact) / np.abs(exact))
   plain_err = np.max(np.abs(bias_grad(plain, jnp.bfloat16) - exact) / np.abs(exact))
   assert ours_err < 5e-3 < plain_err, (ours_err, plain_err)
+
+
+def _bf16_rounded(x):
+  x = np.asarray(x, np.float32)
+  return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32))
+
+
+def test_bf16_weight_gradient_is_the_float32_product():
+  """A bf16 layer's float32 kernel gets the float32-accumulated x^T g as its gradient, not that
+  product rounded to bf16: parameters are float32 and the reference sums float32 gradients (over
+  pieces and devices), so the weight gradient stays float32 from the backward dot on."""
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((4, 32, 24)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((4, 32, 16)), jnp.float32)
+  dense = matmul.Dense(16, nn.initializers.lecun_normal(), nn.initializers.zeros, jnp.bfloat16)
+  params = dense.init(jax.random.key(0), x)
+  got = jax.grad(lambda p: jnp.sum(dense.apply(p, x).astype(jnp.float32) * g))(params)
+  got = np.asarray(got["params"]["kernel"])
+  assert got.dtype == np.float32
+  # The operands as the matmuls see them: x and the output cotangent in bf16.
+  xb = np.asarray(x.astype(jnp.bfloat16), np.float64).reshape(-1, 24)
+  gb = np.asarray(g.astype(jnp.bfloat16), np.float64).reshape(-1, 16)
+  exact = xb.T @ gb
+  err, bf16_err = np.abs(got - exact).max(), np.abs(_bf16_rounded(exact) - exact).max()
+  assert err < 1e-4 < bf16_err / 10, (err, bf16_err)
+  # The same through einsum/dot directly: a float32 weight next to bf16 is cast inside, and its
+  # cotangent is float32; the activation's stays bf16.
+  w = jnp.asarray(rng.standard_normal((24, 16)), jnp.float32)
+  xl = x.astype(jnp.bfloat16)
+  dx, dw = jax.grad(lambda x, w: jnp.sum(matmul.dot(x, w, jnp.float32) * g), (0, 1))(xl, w)
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  np.testing.assert_allclose(dw, exact, rtol=1e-5, atol=1e-4)
+  np.testing.assert_array_equal(matmul.dot(xl, w), matmul.dot(xl, w.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("impl", ["cpu", "reference"])
+@pytest.mark.parametrize("kind", ["fixed", "adaptive_short", "persistent"])
+def test_bf16_model_parameter_gradients_are_not_rounded_to_bf16(impl, kind):
+  """Every float32 parameter of a bf16 model that a matmul reads (projections, feed-forward and
+  output kernels, key_pe, persistent vectors) gets an unrounded float32 gradient: it passes the
+  float32 parameter into the matmul, which casts it (nn.Dense(dtype=bf16) and `.astype` before
+  the matmul rounded every such gradient to bf16). Both attention implementations; cpu 'fixed'
+  takes the positions-last projection and the keyed custom VJP, 'adaptive_short' the banded one."""
+  fields = dict(vocab_size=23, d_model=32, n_layers=1, n_heads=2, d_ff=64, span=32, ramp=4,
+                attn_impl=impl, dtype="bfloat16")
+  fields.update({"fixed": dict(span_mode="fixed"),
+                 "adaptive_short": dict(span_mode="adaptive", span_init=0.1, plan_granularity=8),
+                 "persistent": dict(span_mode="fixed", pers_mem=16)}[kind])
+  cfg = ModelConfig(**fields)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.integers(0, 23, (4, 16)), jnp.int32)
+  full = plan_lib.full_plan(cfg)
+  params = SpanTransformer(cfg, full).init(jax.random.key(0), x,
+                                           caches_lib.init_caches(cfg, full, 4))["params"]
+  model = SpanTransformer(cfg, plan_lib.plan_from_params(cfg, params))
+  caches = tuple(jnp.asarray(rng.standard_normal(c.shape), jnp.float32)
+                 for c in caches_lib.init_caches(cfg, model.plan, 4))
+
+  def loss(p):
+    logp, _, aux = model.apply({"params": p}, x, caches)
+    return -jnp.mean(jnp.take_along_axis(logp, x[..., None], -1)) + aux["span_loss"]
+
+  grads = jax.jit(jax.grad(loss))(params)
+  checked = []
+  for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    name = "/".join(str(getattr(k, "key", k)) for k in path)
+    if not (name.endswith("kernel") or name.split("/")[-1] in ("key_pe", "pers_key", "pers_val")):
+      continue
+    g = np.asarray(g)
+    assert g.dtype == np.float32, name
+    nz = g[g != 0]
+    assert nz.size and np.mean(_bf16_rounded(nz) == nz) < 0.1, name  # random f32: ~2^-16
+    checked.append(name.split("/")[-2] if name.endswith("kernel") else name.split("/")[-1])
+  want = {"proj_query", "proj_key", "proj_val", "proj_out", "key_pe", "out_emb"}
+  want |= {"pers_key", "pers_val"} if kind == "persistent" else {"fc1", "fc2"}
+  assert set(checked) == want, checked
 
 
 # Contractions whose natural layout XLA:CPU's fast matmul kernel refuses: weight gradients

@@ -238,6 +238,29 @@ def test_batch_split_equals_one_batch(tmp_path, span_mode):
         np.testing.assert_allclose(cs[row], cw[row], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("span_mode, extra", [("adaptive", {}), ("dynamic", {}),
+                                              ("adaptive", {"dist.fsdp": 2})],
+                         ids=["adaptive", "dynamic", "fsdp"])
+def test_per_device_batch_split_equals_one_device(tmp_path, span_mode, extra):
+  """batch_split=2 on 2 devices accumulates per device and reduces once (steps._local_grads;
+  tests/train/test_steps_hlo.py checks the program): without dropout, the same step as on one
+  device, span statistics of the whole batch and caches in row order included."""
+  common = dict(LINEAR_UPDATES, **{"model.dropout": 0.0, "model.span_mode": span_mode,
+                                   "optim.batch_split": 2})
+  _, init, one = _train_steps(_config(tmp_path / "one", common), num_devices=1)
+  mesh2, _, two = _train_steps(_config(tmp_path / "two", common, extra), num_devices=2,
+                               init=init)
+  assert mesh2.devices.size == 2 and mesh2.axis_names == (
+      ("data", "fsdp") if extra else ("data",))
+  for (s2, m2), (s1, m1) in zip(two, one):
+    np.testing.assert_allclose(m2["loss"], m1["loss"], rtol=1e-6)
+    _assert_close(m2, m1)
+    _assert_close(s2["params"], s1["params"])
+    _assert_close(s2["opt_state"], s1["opt_state"])
+    _assert_close(s2["caches"], s1["caches"])
+    assert s2["step"] == s1["step"]
+
+
 # ------------------------------------------------------------------------------------ evaluation
 
 
