@@ -8,6 +8,9 @@ Implementations (`model.attn_impl`):
   cpu               banded_cpu: the same maths laid out for XLA:CPU (docs/benchmarks.md). CPU default.
   pallas            pallas_gpu: the fused Triton kernel, spans as runtime values. GPU default.
   pallas_interpret  the same kernel interpreted (any backend; slow: for tests).
+  pallas_tpu        pallas_tpu: the fused Mosaic kernel, spans as runtime values. TPU default
+                    (v5e and later) where it applies: no persistent memory, no attention dropout yet.
+  pallas_tpu_interpret  the TPU kernel interpreted (any backend; slow: for tests).
   auto              one of the above by the target platform (kernels/target.py: the host's
                     backend, or the chip a deviceless compile names) and what the kernel supports.
 """
@@ -21,10 +24,14 @@ from span_lm.kernels import banded_cpu
 from span_lm.kernels import banded_reference
 from span_lm.kernels import decode as decode_lib
 from span_lm.kernels import pallas_gpu
+from span_lm.kernels import pallas_tpu
 from span_lm.kernels import target
 
-IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret")
-FUSED = ("pallas", "pallas_interpret")
+IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret", "pallas_tpu",
+         "pallas_tpu_interpret")
+GPU_FUSED = ("pallas", "pallas_interpret")
+TPU_FUSED = ("pallas_tpu", "pallas_tpu_interpret")
+FUSED = GPU_FUSED + TPU_FUSED
 log = logging.getLogger("span_lm")
 _logged: set = set()
 
@@ -36,11 +43,16 @@ class KV(NamedTuple):
   positions_last: bool = False  # cpu: (B, G, Dh, T) instead of (B, G, T, Dh)
 
 
-def fused_fits(cfg, m: int | None = None, w: int | None = None) -> str:
-  """'' when the fused kernel runs this layer (block of m queries, window w), else why not."""
+def fused_fits(cfg, m: int | None = None, w: int | None = None, tpu: bool = False) -> str:
+  """'' when the fused kernel (tpu: the TPU one) runs this layer (block of m queries, window w),
+  else why not."""
   b = cfg.attn_block
   if cfg.arch != "span":
     return "the sparse model has its own attention"
+  if tpu and cfg.pers_mem:
+    return "persistent memory is not in the TPU kernel yet"
+  if tpu and cfg.dropout:
+    return "attention dropout is not in the TPU kernel yet"
   if not isinstance(b, int) or b < 16 or b & (b - 1):
     return f"attn_block={b} is not a power of two >= 16"
   if cfg.head_dim < 16:
@@ -72,10 +84,15 @@ def choose(cfg, m: int | None = None, w: int | None = None) -> str:
     elif backend == "gpu" and _gpu_runs_triton(platform):
       why = fused_fits(cfg, m, w)
       impl = "reference" if why else "pallas"
+    elif backend == "tpu" and "v4" in platform.kind:
+      impl, why = "reference", "TPU v4: Mosaic has no strided rotate (the kernel's skew)"
+    elif backend == "tpu":
+      why = fused_fits(cfg, m, w, tpu=True)
+      impl = "reference" if why else "pallas_tpu"
     else:
       impl, why = "reference", f"backend {backend}"
   elif impl in FUSED:
-    why = fused_fits(cfg, m, w)
+    why = fused_fits(cfg, m, w, tpu=impl in TPU_FUSED)
     impl = "reference" if why else impl
   key = (cfg.attn_impl, impl, m, w, why)
   if key not in _logged:
@@ -130,15 +147,23 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
     raise ValueError(f"attention: unknown implementation {impl!r}; choose one of {IMPLS}")
   b, g, m, _ = q_BxGxMxD.shape
   z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
+  if impl in TPU_FUSED:
+    if pers_k_GxDxN is not None or dropout is not None:
+      raise ValueError("attention: the TPU kernel has no persistent memory or dropout yet "
+                       "(kernels.choose falls back to reference for such layers)")
+    return pallas_tpu.span_attention(
+        q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(jnp.float32), z, ramp=cfg.ramp,
+        block=cfg.attn_block, interpret=impl == "pallas_tpu_interpret",
+        precision=cfg.attn_precision)
   seed = None if dropout is None else dropout_seed()
   dt = q_BxGxMxD.dtype
   cc = target.current().compute_capability if impl == "pallas" else None
   tile, warps, stages = pallas_gpu.tiles(cc, cfg.head_dim, dt, cfg.attn_block)
   return pallas_gpu.span_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(dt), z, ramp=cfg.ramp, block=tile,
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=cfg.ramp, block=tile,
       num_warps=warps, num_stages=stages,
-      pers_k_HxDxN=None if pers_k_GxDxN is None else pers_k_GxDxN.astype(dt),
-      pers_v_HxNxD=None if pers_v_GxNxD is None else pers_v_GxNxD.astype(dt),
+      # float32 parameters go in as such: the kernel casts them, their gradients stay float32
+      pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
       dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
       interpret=impl == "pallas_interpret", precision=cfg.attn_precision)
 
@@ -157,7 +182,7 @@ def residual_bytes(cfg, impl: str, batch: int, m: int, heads: int, w: int, train
   drop = train and cfg.dropout > 0
   if impl in FUSED:  # the kernel saves its inputs, its output and two row statistics
     dt = jnp.dtype(cfg.dtype).itemsize
-    dp = pallas_gpu.padded_head_dim(cfg.head_dim)
+    dp = (pallas_tpu if impl in TPU_FUSED else pallas_gpu).padded_head_dim(cfg.head_dim)
     return {"keys_values": 2 * batch * heads * (w + m) * dp * dt,
             "score_bands": 2 * batch * heads * m * 4, "weights": batch * heads * m * dp * dt}
   if impl == "reference":

@@ -363,6 +363,7 @@ def _pers_inputs(pk, pv, h, dh, block, dtype):
   n = 0 if pk is None else pk.shape[-1]
   if pk is None:
     pk, pv = jnp.zeros((h, dh, block), dtype), jnp.zeros((h, block, dh), dtype)
+  pk, pv = pk.astype(dtype), pv.astype(dtype)  # float32 parameters: their gradients stay float32
   width = pk.shape[-1]
   specs = (pl.BlockSpec((None, dh, width), lambda i, hh, x: (hh, 0, 0)),
            pl.BlockSpec((None, width, dh), lambda i, hh, x: (hh, 0, 0)))
@@ -392,7 +393,8 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_w
       interpret=interpret, name="span_attention_fwd",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
   with _precision(precision):
-    out, mx, den, _ = call(q, k, v, _padded_pe(pe, block), z_in, seed, pk_in, pv_in)
+    out, mx, den, _ = call(q, k, v, _padded_pe(pe.astype(q.dtype), block), z_in, seed, pk_in,
+                           pv_in)
   return out, mx, den
 
 
@@ -404,7 +406,7 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
   delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
-  pe_pad = _padded_pe(pe, block)
+  pe_pad = _padded_pe(pe.astype(q.dtype), block)  # pe may be float32: d pe is returned as such
   row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, t, dh, w + 2 * block, block)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block, q.dtype)
   static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block, eps=eps,

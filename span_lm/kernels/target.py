@@ -14,9 +14,11 @@ import jax
 
 @dataclasses.dataclass(frozen=True)
 class Platform:
-  """'cpu', 'gpu' or 'tpu', and for NVIDIA GPUs the compute capability (e.g. 9.0), else None."""
+  """'cpu', 'gpu' or 'tpu'; for NVIDIA GPUs the compute capability (e.g. 9.0), else None; the
+  device kind as jax reports it ('TPU v5 lite', 'NVIDIA H100 80GB HBM3'), or '' if unknown."""
   name: str
   compute_capability: float | None = None
+  kind: str = ""
 
 
 _state = threading.local()
@@ -28,13 +30,14 @@ def current() -> Platform:
   if forced is not None:
     return forced
   backend = jax.default_backend()
+  dev = jax.devices()[0]
   cc = None
   if backend == "gpu":
     try:
-      cc = float(getattr(jax.devices()[0], "compute_capability", None))
+      cc = float(getattr(dev, "compute_capability", None))
     except (TypeError, ValueError):
       cc = None
-  return Platform(backend, cc)
+  return Platform(backend, cc, getattr(dev, "device_kind", ""))
 
 
 def name() -> str:
@@ -42,13 +45,13 @@ def name() -> str:
 
 
 @contextlib.contextmanager
-def compiling_for(platform: str, compute_capability: float | None = None):
+def compiling_for(platform: str, compute_capability: float | None = None, kind: str = ""):
   """Trace for `platform` ('cpu', 'gpu', 'tpu'; 'cuda' is read as 'gpu') whatever this host has."""
   platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
   if platform not in ("cpu", "gpu", "tpu"):
     raise ValueError(f"unknown platform {platform!r}: cpu, gpu or tpu")
   old = getattr(_state, "platform", None)
-  _state.platform = Platform(platform, compute_capability)
+  _state.platform = Platform(platform, compute_capability, kind)
   try:
     yield _state.platform
   finally:

@@ -11,7 +11,8 @@ from typing import Any
 
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret")  # span_lm/kernels
+ATTN_IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret", "pallas_tpu",
+              "pallas_tpu_interpret")  # span_lm/kernels
 ATTN_PRECISIONS = ("default", "highest")  # float32 dots of the fused kernel (pallas_gpu)
 REMAT = ("none", "layer")
 ARCHS = ("span", "sparse")  # span_lm/model/transformer.py | span_lm/model/sparse_transformer.py
@@ -54,7 +55,8 @@ class ModelConfig:
   plan_growth: float = 1.5
   head_grouping: bool = True  # group heads by span bucket (False: per-layer max, as the reference)
   attn_chunk: int = 0
-  # auto (by backend: cpu on CPUs, pallas on GPUs where it fits, else reference) | reference |
+  # auto (by target: cpu on CPUs, pallas on GPUs and pallas_tpu on TPUs where they fit, else
+  # reference) | reference |
   # cpu | pallas | pallas_interpret: see span_lm/kernels/__init__.py. "xla" is read as "cpu".
   attn_impl: str = "auto"
   attn_block: int = 64  # pallas: query/key tile; divides the block length and the plan windows
@@ -131,7 +133,7 @@ class ModelConfig:
       bad("attn_impl", f"choose one of {ATTN_IMPLS}")
     if self.attn_precision not in ATTN_PRECISIONS:
       bad("attn_precision", f"choose one of {ATTN_PRECISIONS}")
-    if self.attn_impl in ("pallas", "pallas_interpret"):
+    if self.attn_impl.startswith("pallas"):
       self._check_fused(bad)
     # Hashable (the config is a jit static argument) whatever sequence the config held.
     object.__setattr__(self, "adapt_io_cutoffs", tuple(self.adapt_io_cutoffs))

@@ -244,7 +244,7 @@ def compile_target(config, tgt: Target) -> dict:
   log = []
   compiler = steps_lib.StepCompiler(cfg, tx, mesh, shardings, rows, replicated,
                                     batch_split=split, log=log.append)
-  with target_lib.compiling_for(chip.platform, chip.cc):
+  with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
     row["attention"] = kernels.choose(cfg, d.block, max(cfg.span, d.block))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
                                                            config.seed))

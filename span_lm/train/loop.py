@@ -113,6 +113,10 @@ class Run:
       _echo(f"CPU host split into {n_cpu} devices for data parallelism ({why})")
     if cpu_host.huge_pages_active() and jax.default_backend() == "cpu":
       _echo(f"CPU host: malloc with transparent huge pages ({cpu_host.HUGE_PAGES_TUNABLE})")
+    if config.model.attn_impl == "pallas_tpu" and jax.default_backend() != "tpu":
+      raise ValueError(f"config.model.attn_impl='pallas_tpu' runs a Mosaic kernel, which needs a "
+                       f"TPU; this process has {jax.default_backend()} devices: use 'auto' (or "
+                       f"'pallas_tpu_interpret' to run the kernel interpreted)")
     if config.model.attn_impl == "pallas" and jax.default_backend() != "gpu":
       raise ValueError(f"config.model.attn_impl='pallas' runs a Triton kernel, which needs a GPU "
                        f"(Ampere or newer); this process has {jax.default_backend()} devices: use "

@@ -1,13 +1,14 @@
 """The span model's training gradient lowers for the chips we ship to (jax.export for 'cuda' and
 'tpu', no device and no extra package needed), through the implementation each chip runs (`auto`
-under kernels.target.compiling_for: the fused kernel on an H100, `reference` on TPU, as on a
-V100), for every kernel variant:
+under kernels.target.compiling_for: the fused Triton kernel on an H100, the Mosaic kernel on a
+TPU where it applies, else `reference`), for every kernel variant:
 float32/bfloat16, head size 64/96 (96 runs padded to 128 in the fused kernel), fixed/adaptive/
 dynamic spans, with and without persistent memory and attention dropout.
 
 Lowering catches what the Pallas->Triton lowering rejects (operand types, block shapes); what
 only ptxas or libtpu can see (shared memory, registers, VMEM) is the compile mode's job:
 `python main.py --config=... --config.mode=compile` (span_lm/tools/compile.py)."""
+import dataclasses
 import itertools
 
 import jax
@@ -23,8 +24,10 @@ from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 
 BLOCK = 64
-# The fused kernel's Triton call carries no export compatibility guarantee: we only lower it.
-_TRITON = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+# The fused kernels' Triton and Mosaic calls carry no export compatibility guarantee: we only
+# lower them.
+_KERNELS = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
+            export.DisabledSafetyCheck.custom_call("tpu_custom_call")]
 
 
 def _grad_and_args(cfg):
@@ -62,14 +65,15 @@ def test_training_gradient_lowers_for_every_variant(platform, dtype, head_dim):
       chosen.add(kernels.choose(cfg, 2 * BLOCK, 2 * BLOCK))
       try:
         exp = export.export(jax.jit(grad), platforms=(platform,),
-                            disabled_checks=[_TRITON])(*args)
+                            disabled_checks=_KERNELS)(*args)
       except Exception as e:  # pylint: disable=broad-except
         failures.append(f"{mode} pers={pers} dropout={drop}: "
                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         continue
     assert exp.platforms == (platform,)
-  # The chip's own choice was exercised: the fused kernel on Hopper, the plain path on TPU.
-  assert chosen == ({"pallas"} if platform == "cuda" else {"reference"})
+  # The chip's own choice was exercised: the fused kernel on Hopper; on TPU the Mosaic kernel,
+  # and the plain path for what it lacks (persistent memory, dropout).
+  assert chosen == ({"pallas"} if platform == "cuda" else {"pallas_tpu", "reference"})
   assert not failures, "\n".join(failures)
 
 
@@ -82,6 +86,10 @@ def test_auto_follows_the_target_not_the_host():
     assert kernels.choose(cfg, 64, 128) == "pallas"
   with target.compiling_for("gpu", 7.0):  # V100: no Triton backend in Pallas
     assert kernels.choose(cfg, 64, 128) == "reference"
-  with target.compiling_for("tpu"):
+  with target.compiling_for("tpu", kind="TPU v5 lite"):
+    assert kernels.choose(cfg, 64, 128) == "pallas_tpu"
+  with target.compiling_for("tpu", kind="TPU v4"):  # no strided rotate for the kernel's skew
     assert kernels.choose(cfg, 64, 128) == "reference"
+  with target.compiling_for("tpu"):  # dropout: not in the TPU kernel yet
+    assert kernels.choose(dataclasses.replace(cfg, dropout=0.1), 64, 128) == "reference"
   assert target.name() == "cpu"

@@ -1,0 +1,212 @@
+"""The fused TPU kernel (span_lm/kernels/pallas_tpu.py) against the reference implementation.
+
+Interpret mode on CPU: values and every gradient (q, k, v, key_pe, spans) against
+banded_reference.banded_attention, float32 tight and bfloat16 loose, for fixed, adaptive and
+dynamic spans (two slow tests: under a mesh, and in the TPU interpreter, which simulates VMEM and
+the pipeline). With libtpu (`pytest -m compile` in the tpu-compile environment), the kernels
+compiled by Mosaic for a v5e, deviceless, at the enwik8 shape of one head group.
+
+The functions are jitted once at module level, so the cases share their (slow, interpreted)
+compiles: spans are runtime values and do not recompile.
+"""
+import functools
+import importlib.util
+import os
+import time
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from span_lm.kernels import banded_reference
+from span_lm.kernels import pallas_tpu as ft
+
+B, H, M, D, W, R, BLOCK = 2, 2, 32, 32, 48, 8, 16
+D_FIXED = 16  # the fixed-span case runs zero-padded to 128 lanes; the others run as they are
+HAS_TPU = importlib.util.find_spec("libtpu") is not None
+
+
+def _inputs(seed=0, dtype=jnp.float32, d=D):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  q = jax.random.normal(ks[0], (B, H, M, d), dtype)
+  k = jax.random.normal(ks[1], (B, H, W + M, d), dtype)
+  v = jax.random.normal(ks[2], (B, H, W + M, d), dtype)
+  pe = jax.random.normal(ks[3], (d, W), jnp.float32)
+  ct = jax.random.normal(ks[4], (B, H, M, d), jnp.float32)
+  return q, k, v, pe, ct, ks[5]
+
+
+def _spans(kind, key):
+  if kind == "fixed":
+    return None
+  if kind == "adaptive":  # one span per head, broadcast over the rows, as the model passes it
+    return jnp.broadcast_to(jnp.array([3.3, 27.5], jnp.float32)[None, :, None], (B, H, M))
+  if kind == "dynamic":
+    return jax.random.uniform(key, (B, H, M), minval=0.0, maxval=45.0)
+  if kind == "integer":  # z = 0 and whole numbers: the clamp's ends, where torch.clamp's slope is 1
+    return jnp.broadcast_to(jnp.array([0.0, 16.0], jnp.float32)[None, :, None], (B, H, M))
+  if kind == "beyond":  # spans past the window: every key visited, the mask is 1 everywhere
+    return jnp.full((B, H, M), 100.0, jnp.float32)
+  raise ValueError(kind)
+
+
+def _value_and_grads(f, q, k, v, pe, z, ct):
+  out, vjp = jax.vjp(f, q, k, v, pe, z)
+  return out, vjp(ct.astype(out.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("block", "block_k"))
+def _fused(q, k, v, pe, z, ct, block=BLOCK, block_k=None):
+  f = lambda q, k, v, pe, z: ft.span_attention(q, k, v, pe, z, ramp=R, block=block,
+                                               block_k=block_k, interpret=True)
+  return _value_and_grads(f, q, k, v, pe, z, ct)
+
+
+@jax.jit
+def _plain(q, k, v, pe, z, ct):
+  f = lambda q, k, v, pe, z: banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R)
+  return _value_and_grads(f, q, k, v, pe, z, ct)
+
+
+def _check(got, want, atol, rtol, z):
+  (out_g, grads_g), (out_w, grads_w) = got, want
+  np.testing.assert_allclose(np.asarray(out_g, np.float32), out_w, atol=atol[0], rtol=rtol)
+  names = "q k v pe z".split()[:4 if z is None else 5]
+  for name, g, w in zip(names, grads_g, grads_w):
+    assert float(jnp.max(jnp.abs(w))) > 0 or name == "z", name  # "beyond": mask 1, no slope
+    np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=atol[1], rtol=rtol,
+                               err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("kind", ["fixed", "adaptive", "dynamic", "integer", "beyond"])
+def test_matches_banded_attention_values_and_gradients(kind):
+  q, k, v, pe, ct, key = _inputs(d=D_FIXED if kind == "fixed" else D)
+  z = _spans(kind, key)
+  _check(_fused(q, k, v, pe, z, ct), _plain(q, k, v, pe, z, ct), (1e-5, 2e-5), 1e-4, z)
+
+
+def test_bfloat16_unequal_tiles_unpadded_head_follow_float32():
+  """bf16 operands, f32 accumulation, with bq = 8 query rows by bk = 16 keys and head size 32
+  (run as it is, no lane padding; one interpreted compile for the three): values and gradients
+  near the f32 reference of the same (rounded) inputs; key_pe and its gradient stay float32."""
+  assert ft.padded_head_dim(D) == D and ft.padded_head_dim(D_FIXED) == 128
+  q, k, v, pe, ct, key = _inputs(seed=1)
+  z = _spans("dynamic", key)
+  lo = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  out, grads = _fused(*lo, pe, z, ct, block=8, block_k=16)
+  assert out.dtype == jnp.bfloat16 and grads[0].dtype == jnp.bfloat16
+  assert grads[3].dtype == jnp.float32 and grads[4].dtype == jnp.float32
+  want_out, want_grads = _plain(*[x.astype(jnp.float32) for x in lo], pe, z, ct)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=3e-2, rtol=3e-2)
+  for name, g, w in zip("q k v pe z".split(), grads, want_grads):
+    scale = float(jnp.max(jnp.abs(w)))
+    err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w)))
+    assert err < 2e-2 * scale, (name, err, scale)
+
+
+def test_key_blocks_outside_every_span_are_never_read():
+  """NaN keys and values beyond all spans leave outputs and gradients unchanged; the same NaNs
+  one key later (inside a visited block) reach the output, so the test can fail."""
+  q, k, v, pe, ct, _ = _inputs()
+  z = jnp.full((B, H, M), 2.0, jnp.float32)  # rows see d <= floor(2) + R + 1 = 11 distances
+  # query block 0 (rows 0..15) starts at key W - 11 = 37, in key block 2: keys < 32 unused
+  nan_k, nan_v = k.at[:, :, :32].set(jnp.nan), v.at[:, :, :32].set(jnp.nan)
+  clean_out, clean_grads = _fused(q, k, v, pe, z, ct)
+  out, grads = _fused(q, nan_k, nan_v, pe, z, ct)
+  np.testing.assert_array_equal(out, clean_out)
+  for name, g, c in zip("q k v pe z".split(), grads, clean_grads):
+    np.testing.assert_array_equal(g, c, err_msg=f"d{name}")
+  reached, _ = _fused(q, k, v.at[:, :, :33].set(jnp.nan), pe, z, ct)
+  assert bool(jnp.any(jnp.isnan(reached)))
+
+
+def test_visited_key_blocks_follow_the_spans():
+  """The scalar-prefetched bounds the index maps and the skips read: [first, last + 1) key block
+  per (batch, head, query block), computed from the spans at run time."""
+  static = ft._Static(  # pylint: disable=protected-access
+      w=W, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0, precision="default", interpret=True,
+      vmem_limit_bytes=None)
+  n = B * H * (M // BLOCK)
+  for span, first in ((2.0, [2, 3]), (100.0, [0, 1])):
+    z = jnp.full((B, H, M), span, jnp.float32)
+    bounds = ft._key_bounds(z, B, H, M, static)  # pylint: disable=protected-access
+    np.testing.assert_array_equal(bounds[:n], np.tile(first, B * H))
+    np.testing.assert_array_equal(bounds[n:], np.tile([4, 5], B * H))  # last + 1: distance 1
+
+
+@pytest.mark.slow  # its own interpreted compile (one batch row per device): ~15 s more
+def test_runs_per_shard_under_a_mesh():
+  """Under a mesh the kernel runs in a shard_map over the batch axes (XLA cannot partition an
+  opaque kernel): the same values and gradients."""
+  from span_lm.train import sharding  # pylint: disable=g-import-not-at-top
+  q, k, v, pe, ct, key = _inputs()
+  z = _spans("dynamic", key)
+  want = _fused(q, k, v, pe, z, ct)
+  step = jax.jit(_fused.__wrapped__)
+  with jax.set_mesh(sharding.make_mesh(2)):
+    assert "shard_map" in str(jax.make_jaxpr(step)(q, k, v, pe, z, ct))
+    got = step(q, k, v, pe, z, ct)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+  for g_got, g_want in zip(got[1], want[1]):
+    np.testing.assert_allclose(g_got, g_want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.slow  # the TPU interpreter simulates VMEM, DMAs and the pipeline: ~45 s
+def test_tpu_interpreter_with_uninitialised_memory_as_nan():
+  """pltpu.InterpretParams runs the kernels as Mosaic would schedule them (blocks copied in and
+  out of simulated VMEM, scratch and resident output blocks, such as d pe's, kept between grid
+  steps; uninitialised memory NaN, races looked for): values and gradients as before."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+  q, k, v, pe, ct, key = _inputs()
+  z = _spans("dynamic", key)
+  params = pltpu.InterpretParams(uninitialized_memory="nan", detect_races=True)
+  f = lambda q, k, v, pe, z: ft.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK,
+                                               interpret=params)
+  _check(_value_and_grads(f, q, k, v, pe, z, ct), _plain(q, k, v, pe, z, ct), (1e-5, 2e-5),
+         1e-4, z)
+  assert not interpret_pallas_call.races.races_found
+
+
+def test_unsupported_features_say_so():
+  q, k, v, pe, _, _ = _inputs()
+  with pytest.raises(ValueError, match="persistent memory"):
+    ft.span_attention(q, k, v, pe, pers_k_HxDxN=jnp.zeros((H, D, 16)),
+                      pers_v_HxNxD=jnp.zeros((H, 16, D)), block=BLOCK, interpret=True)
+  with pytest.raises(ValueError, match="dropout"):
+    ft.span_attention(q, k, v, pe, dropout_rate=0.1, dropout_seed=1, block=BLOCK, interpret=True)
+  with pytest.raises(ValueError, match="multiple"):
+    ft.span_attention(q, k, v, pe, block=24, interpret=True)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+@pytest.mark.parametrize("w,d,dtype,kind", [
+    (1024, 64, "bfloat16", "dynamic"), (1024, 128, "bfloat16", "dynamic"),
+    (8192, 64, "bfloat16", "dynamic"), (8192, 128, "bfloat16", "dynamic"),
+    (8192, 128, "float32", "dynamic"), (8192, 128, "bfloat16", "fixed")])
+def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind):
+  """Forward and backward of one head group (B=2, H=8, M=512, W, Dh) compiled by Mosaic for a
+  v5e, no TPU here: block shapes, VMEM and the strided rolls are checked as on a TPU host."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  b, h, m = 2, 8, 512
+  sd = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=rep)
+  z = None if kind == "fixed" else sd((b, h, m), "float32")
+  args = (sd((b, h, m, d)), sd((b, h, w + m, d)), sd((b, h, w + m, d)), sd((d, w), "float32"))
+
+  def loss(q, k, v, pe, z):
+    out = ft.span_attention(q, k, v, pe, z, ramp=32, block=128)
+    return jnp.sum(out.astype(jnp.float32))
+
+  start = time.time()
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args, z).compile()
+  text = compiled.as_text()
+  assert text.count("tpu_custom_call") >= 3, "forward, dq and dk/dv kernels"
+  print(f"v5e compile W={w} Dh={d} {dtype} {kind}: {time.time() - start:.1f} s")
