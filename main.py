@@ -55,7 +55,14 @@ def _prepare_argv(argv):
 
 
 def _parse_flags(argv):
-  """absl's parser, with a config override naming no field reported in one line."""
+  """absl's parser, with a missing config file and a config override naming no field reported in
+  one line (absl defers a config file's load error to a 35-line traceback in main)."""
+  config = _flag_value(argv, "config")
+  file = None if config is None else config.partition(":")[0]  # as config_flags: FILE[:ARG]
+  if file is not None and not os.path.isfile(file):
+    why = "is a directory, not a config file" if os.path.isdir(file) else "no such file"
+    raise SystemExit(f"error: --config={config}: {why} (relative to {os.getcwd()}; e.g. "
+                     "--config=configs/tiny.py)")
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

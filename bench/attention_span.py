@@ -16,6 +16,7 @@ the compile time of each plan is reported too (the cost of one plan change).
   python bench/attention_span.py                       # S = 1024 2048 4096 8192
   python bench/attention_span.py --spans 1024 --reps 5 --json out.json
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import time

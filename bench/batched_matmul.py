@@ -10,6 +10,7 @@ shapes so that drift hits all of them alike.
   python bench/batched_matmul.py
   taskset -c 0 python bench/batched_matmul.py   # one core
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import time
 

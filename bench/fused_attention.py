@@ -13,6 +13,7 @@ attention FLOPs it would do if it skipped exactly the keys outside each head's s
   python bench/fused_attention.py --interpret --batch 1 --heads 2 --block 64 --span 256 --reps 1
       # CPU: the kernel interpreted (a smoke run: interpret-mode times mean nothing)
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import time

@@ -12,20 +12,27 @@ XLA:GPU fuses and schedules differently).
   python bench/memory_estimate.py                              # all paper configs, float32
   python bench/memory_estimate.py --configs=enwik8_large --dtype=bfloat16 --remat=layer
   python bench/memory_estimate.py --gpu_less=float32:none,float32:layer,bfloat16:layer
+  python bench/memory_estimate.py --configs=enwik8_large --dtype=bfloat16 --topology=v5p:2x2x1
+
+--topology compiles for one TPU chip without one (jax[tpu]'s libtpu; the compile mode,
+span_lm/tools/compile.py, does the same for whole topologies and GPUs). Each row also gives
+tools/flops.py's analytic estimate for one batch piece beside XLA's temporaries, for the target
+compiled for: the residuals JAX saves (what XLA:CPU keeps; peak within 1.35x at small sizes), or
+on a TPU the two score bands XLA:TPU keeps of the reference attention (0.78-1.09x of the
+compiled temporaries measured; tests/tools/test_tools.py, docs/benchmarks.md).
 
 On CPU, XLA schedules a recomputed layer's forward pass early, so the compiled temp does not
 shrink with model.remat='layer'; --gpu_less adds an estimate built from JAX's saved residuals
 and one layer's compiled working set instead (gpu_less()), checked against the compiled figure
 with remat='none'.
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)
 import argparse
+import contextlib
 import functools
 import json
 import os
-import sys
 import time
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -33,7 +40,9 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from span_lm.kernels import target  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
+from span_lm.tools import flops  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm.train import steps  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -45,8 +54,23 @@ VOCAB = {"enwik8": 206, "text8": 28, "wikitext103": 267736}
 GIB = 2.0 ** 30
 
 
+def _config_file(name: str) -> str:
+  """configs/NAME.py of this checkout, whatever the working directory."""
+  return os.path.join(_repo.ROOT, "configs", f"{name}.py")
+
+
+def _tpu_chip(topology: str):
+  """The first chip of a TPU topology (libtpu, no TPU needed): a deviceless compile target."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return topologies.get_topology_desc(topology_name=topology, platform="tpu").devices[0]
+
+
 def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str | None = None,
-             remat_policy: str | None = None, plan: str = "full") -> dict:
+             remat_policy: str | None = None, plan: str = "full", topology: str = "") -> dict:
+  """Compiles one device's train step: on this host's backend, or with `topology` (e.g.
+  'v5p:2x2x1') for one chip of that TPU topology, deviceless (jax[tpu] installed). Beside XLA's
+  figures: the analytic estimate of tools/flops.py for one batch piece (activation_bytes, the
+  residuals JAX saves; peak_activation_bytes adds the widest group's score block and gradient)."""
   overrides = {}
   if dtype:
     overrides["model.dtype"] = dtype
@@ -54,27 +78,41 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
     overrides["model.remat"] = remat
   if remat_policy:
     overrides["model.remat_policy"] = remat_policy
-  config = config_lib.load_config(f"configs/{name}.py", overrides)
+  config = config_lib.load_config(_config_file(name), overrides)
   cfg = ModelConfig.from_config(config.model, vocab_size=VOCAB[config.data.dataset])
   tx, _ = optimizer_lib.make_optimizer(config.optim)
   d = config.data
   batch, eval_batch = max(1, d.batch // devices), max(1, d.eval_batch // devices)
   span_plan = plan_lib.full_plan(cfg) if plan == "full" else plan_lib.initial_plan(cfg)
-  state = jax.eval_shape(functools.partial(steps.init_state, cfg, tx, span_plan, batch,
-                                           eval_batch, config.seed))
-  host_batch = {"x": jax.ShapeDtypeStruct((batch, d.block), jnp.int32),
-                "y": jax.ShapeDtypeStruct((batch, d.block), jnp.int32),
-                "reset": jax.ShapeDtypeStruct((), jnp.bool_)}
-  fn = functools.partial(steps.train_step, cfg=cfg, plan=span_plan, tx=tx,
-                         batch_split=config.optim.batch_split)
-  t0 = time.perf_counter()
-  compiled = jax.jit(fn, donate_argnums=(0,)).lower(state, host_batch).compile()
-  secs = time.perf_counter() - t0
+  chip = _tpu_chip(topology) if topology else None
+  where = target.compiling_for("tpu") if chip else contextlib.nullcontext()
+  sharding = jax.sharding.SingleDeviceSharding(chip) if chip else None
+  placed = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+  piece = max(1, batch // config.optim.batch_split)
+  with where:
+    state = jax.eval_shape(functools.partial(steps.init_state, cfg, tx, span_plan, batch,
+                                             eval_batch, config.seed))
+    host_batch = {"x": jax.ShapeDtypeStruct((batch, d.block), jnp.int32),
+                  "y": jax.ShapeDtypeStruct((batch, d.block), jnp.int32),
+                  "reset": jax.ShapeDtypeStruct((), jnp.bool_)}
+    fn = functools.partial(steps.train_step, cfg=cfg, plan=span_plan, tx=tx,
+                           batch_split=config.optim.batch_split)
+    t0 = time.perf_counter()
+    if chip:
+      compiled = jax.jit(fn, donate_argnums=(0,), out_shardings=sharding).lower(
+          placed(state), placed(host_batch)).compile()
+    else:
+      compiled = jax.jit(fn, donate_argnums=(0,)).lower(state, host_batch).compile()
+    secs = time.perf_counter() - t0
+    kept = sum(flops.activation_bytes(cfg, span_plan, piece, d.block).values())
+    peak_est = flops.peak_activation_bytes(cfg, span_plan, piece, d.block)
   ma = compiled.memory_analysis()
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   arg, out = ma.argument_size_in_bytes, ma.output_size_in_bytes
   alias, temp = ma.alias_size_in_bytes, ma.temp_size_in_bytes
-  return {"config": name, "backend": jax.default_backend(), "dtype": cfg.dtype,
+  backend = f"tpu {topology} (deviceless)" if chip else jax.default_backend()
+  return {"config": name, "backend": backend, "dtype": cfg.dtype,
           "remat": cfg.remat if cfg.remat == "none" else f"{cfg.remat}/{cfg.remat_policy}",
           "plan": plan, "attention_keys": span_plan.attention_keys(),
           "params_M": n_params / 1e6, "batch_per_device": batch,
@@ -82,6 +120,7 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
           "layers": cfg.n_layers, "d_model": cfg.d_model,
           "arguments_GiB": arg / GIB, "outputs_GiB": out / GIB, "aliased_GiB": alias / GIB,
           "temp_GiB": temp / GIB, "peak_GiB": (arg + out - alias + temp) / GIB,
+          "estimate_activation_GiB": kept / GIB, "estimate_peak_activation_GiB": peak_est / GIB,
           "compile_s": secs}
 
 
@@ -125,7 +164,7 @@ def gpu_less(name: str, devices: int = 8, dtype: str | None = None, remat: str =
   if dtype:
     overrides["model.dtype"] = dtype
   one = _estimate_with(name, devices, dict(overrides, **{"model.remat": "none"}), plan)
-  config = config_lib.load_config(f"configs/{name}.py", {k: v for k, v in (
+  config = config_lib.load_config(_config_file(name), {k: v for k, v in (
       ("model.dtype", dtype), ("model.remat", remat), ("model.remat_policy", remat_policy)) if v})
   cfg = ModelConfig.from_config(config.model, vocab_size=VOCAB[config.data.dataset])
   span_plan = plan_lib.full_plan(cfg) if plan == "full" else plan_lib.initial_plan(cfg)
@@ -173,20 +212,24 @@ def main():
   p.add_argument("--remat", default="", help="override model.remat (none | layer)")
   p.add_argument("--remat_policy", default="", help="override model.remat_policy")
   p.add_argument("--plan", default="full", choices=("full", "initial"))
+  p.add_argument("--topology", default="",
+                 help="compile for one chip of this TPU topology (e.g. v5p:2x2x1), deviceless: "
+                      "needs jax[tpu] (libtpu), no TPU")
   p.add_argument("--json", default="", help="also append one JSON line per config here")
   p.add_argument("--gpu_less", default="",
                  help="dtype:remat,... e.g. float32:none,bfloat16:layer: add the estimate that "
                       "does not rely on XLA:CPU's schedule (see gpu_less())")
   args = p.parse_args()
   print("| config | dtype | remat | B/dev x split | M | S | params | args GiB | temp GiB | "
-        "peak GiB | compile s |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+        "peak GiB | estimate: kept / peak GiB | compile s |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|---|")
   for name in args.configs.split(","):
     r = estimate(name, args.devices, args.dtype or None, args.remat or None,
-                 args.remat_policy or None, args.plan)
+                 args.remat_policy or None, args.plan, args.topology)
     print(f"| {r['config']} | {r['dtype']} | {r['remat']} | {r['batch_per_device']} x "
           f"{r['batch_split']} | {r['block']} | {r['span']} | {r['params_M']:.1f}M | "
           f"{r['arguments_GiB']:.2f} | {r['temp_GiB']:.2f} | {r['peak_GiB']:.2f} | "
+          f"{r['estimate_activation_GiB']:.2f} / {r['estimate_peak_activation_GiB']:.2f} | "
           f"{r['compile_s']:.0f} |", flush=True)
     if args.json:
       with open(args.json, "a", encoding="utf-8") as f:

@@ -11,6 +11,7 @@ step on z' x S), clipped to [0, S] as the reference clamps z'. Real runs log the
   python bench/plan_changes.py                         # 200k steps, growth 1.0 / 1.25 / 1.5
   python bench/plan_changes.py --steps 600000 --growth 1.25
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import dataclasses
 

@@ -12,6 +12,7 @@ times to find where to look, and whole-step times of alternating variants to dec
 
   python bench/profile_step.py --case short --dtype bfloat16
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import collections
 import glob

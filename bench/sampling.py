@@ -10,6 +10,7 @@ weights, B streams; fixed span S (every window sees S cached states) or adaptive
 Also times one evaluation block (--eval_batch x --block tokens, caches full), the unit of the full
 evaluation, which caches keys/values too.
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import time
 

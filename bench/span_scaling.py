@@ -19,6 +19,7 @@ Adaptive spans (z in tokens per layer and head, capped at each S):
   python bench/span_scaling.py --spans 256 512 --layers 2 --d_model 64 --heads 4 --d_ff 256 \\
       --block 64 --batch 2 --reps 1 --out /tmp/scaling    # smoke test, a minute on a CPU
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import os

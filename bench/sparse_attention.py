@@ -11,6 +11,7 @@ log(n) over the lengths measured (on a shared CPU the flop and byte exponents ar
   python bench/sparse_attention.py                            # n = 1024 2048 4096 (CPU-sized)
   python bench/sparse_attention.py --n 1024 4096 12288 --json out.json   # the issue's lengths
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import time

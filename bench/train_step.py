@@ -27,6 +27,7 @@ FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instru
 The peak is a 4096^3 (CPU: 2048^3) jitted matmul on the default device in --dtype with float32
 accumulation, measured in the same run; "of peak" is the step's achieved FLOP rate over it (MFU).
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import ast
 import dataclasses

@@ -18,9 +18,9 @@ from typing import Any, Mapping
 import ml_collections
 from ml_collections import config_dict
 
+from span_lm import optim_config
 from span_lm.data.sources import DATASETS
 from span_lm.model.config import ModelConfig
-from span_lm.train import optimizer as optimizer_lib
 
 MODES = ("train", "eval", "import", "export")
 TOOL_MODES = ("spans", "flops", "sample")  # inspection of a run (span_lm/tools)
@@ -77,6 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
   o.grad_clip = 0.03  # adagrad: per-tensor step clip; sgd/adam: global-norm clip; 0: off
   o.warmup = 8000
   o.batch_split = 1  # gradient accumulation pieces (the reference's memory knob)
+  # (several devices: each accumulates its own rows and the gradients are reduced once per step,
+  # when each device's rows divide into the pieces; dropout masks then depend on the device count)
   o.weight_decay = 0.0  # adam only: decoupled (AdamW) decay of weight matrices
   o.schedule = "warmup"  # warmup (linear, then constant) | cosine (warmup, then cosine to 0)
   o.decay_steps = 0  # cosine: the update where the rate reaches 0 (usually train.steps)
@@ -327,7 +329,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ConfigError (a ValueError) naming the first bad field of a run config.
 
   Checks the schema (no unknown fields), the model (ModelConfig), data, optimizer
-  (train/optimizer.py's check) and train settings, the mode, and that a training run has a
+  (span_lm/optim_config.py's check) and train settings, the mode, and that a training run has a
   workdir. Files named by config.data.path and config.train.init_from must exist
   (ConfigPathError: also a FileNotFoundError). Starts no JAX backend: the device-count
   divisibility of the batch is checked where the mesh is built.
@@ -364,7 +366,7 @@ def _validate(config):
   vocab = _get(config, "model.vocab_size")
   model = ModelConfig.from_config(_get(config, "model"), vocab_size=None if vocab else 1)
   block = _get(config, "data.block")
-  if model.attn_impl in ("pallas", "pallas_interpret") and isinstance(block, int) and (
+  if model.attn_impl.startswith("pallas") and isinstance(block, int) and (
       block % model.attn_block):
     _bad("data.block", block,
          f"must be a multiple of model.attn_block={model.attn_block} with the fused kernel")
@@ -375,7 +377,7 @@ def _validate(config):
       if step.strip() not in COMPILE_STEPS:
         _bad("compile.steps", _get(config, "compile.steps"),
              f"comma-separated steps out of {COMPILE_STEPS}")
-  optimizer_lib.check_config(_get(config, "optim"))
+  optim_config.check_config(_get(config, "optim"))
   _validate_train(config)
   _validate_faults_and_dist(config)
 

@@ -443,6 +443,19 @@ def test_user_errors_are_one_line(tmp_path, flags, message):
   assert len(lines) == 1 and lines[0].startswith(message), err[-3000:]
 
 
+@pytest.mark.parametrize("config, why", [("configs/nonexistent.py", "no such file"),
+                                         ("configs/nonexistent.py:smoke", "no such file"),
+                                         ("configs", "is a directory")])
+def test_missing_config_file_is_one_line(config, why):
+  """absl defers a config file's load error to a 35-line traceback; main.py names the file."""
+  proc = subprocess.run([sys.executable, "main.py", f"--config={config}"], cwd=REPO,
+                        env=sr.worker_env(1), capture_output=True, text=True, timeout=120,
+                        check=False)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  lines = _error_lines(proc.stderr)
+  assert len(lines) == 1 and lines[0].startswith(f"error: --config={config}: {why}"), proc.stderr
+
+
 def test_resumed_run_drops_metric_rows_past_its_checkpoint_and_a_torn_row(tmp_path):
   from span_lm.train.metrics import MetricWriter, read_metrics  # pylint: disable=g-import-not-at-top
   writer = MetricWriter(str(tmp_path), tensorboard=False)

@@ -5,6 +5,7 @@ This is what a new user does after `pip install -r requirements.txt`; it fails i
 file that is not committed (data beside the checkout, an untracked module) or if the README's
 commands drift from what runs. The only change to the README's commands is a short run.
 """
+import ast
 import json
 import os
 import pathlib
@@ -72,3 +73,45 @@ def test_fresh_clone_runs_the_readme_demo_and_eval(tmp_path_factory):
   rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   kinds = {(r.get("split") or r.get("kind"), r.get("step")) for r in rows}
   assert ("eval_test", STEPS) in kinds and ("train", STEPS) in kinds, kinds
+
+
+# ------------------------------------------------------------------ bench scripts from a checkout
+
+
+def _env_without_span_lm():
+  """Interpreter flags and environment in which only this venv's site-packages are importable: no
+  .pth files (-S: an editable install of span_lm is a .pth finder), no checkout on sys.path."""
+  import site  # pylint: disable=g-import-not-at-top
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "JAX_", "XLA_"))}
+  env.update(PYTHONPATH=os.pathsep.join(site.getsitepackages()), JAX_PLATFORMS="cpu")
+  return [sys.executable, "-S"], env
+
+
+def test_bench_script_runs_from_a_checkout_without_install(tmp_path):
+  """`python bench/X.py` from a checkout that was never `pip install -e .`d (issue 26 item 7)."""
+  python, env = _env_without_span_lm()
+  probe = subprocess.run(python + ["-c", "import span_lm"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, check=False)
+  if probe.returncode == 0:
+    pytest.skip("span_lm is installed in site-packages itself: nothing to hide it from")
+  proc = subprocess.run(python + [str(REPO / "bench" / "plan_changes.py"), "--help"], cwd=tmp_path,
+                        env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0 and "usage" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_every_bench_script_that_uses_span_lm_puts_the_checkout_first():
+  """Each bench script importing span_lm (function-local imports included) starts with
+  `import _repo` (bench/_repo.py), or puts the root on sys.path itself before its import."""
+  missing = []
+  for path in sorted((REPO / "bench").glob("*.py")):
+    source = path.read_text()
+    tree = ast.parse(source, str(path))
+    uses = any((isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "span_lm")
+               or (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "span_lm"
+                                                     for a in n.names))
+               for n in ast.walk(tree))
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    first = bool(top) and isinstance(top[0], ast.Import) and top[0].names[0].name == "_repo"
+    if uses and not first and "sys.path.insert" not in source:
+      missing.append(path.name)
+  assert not missing, f"bench scripts that need `import _repo` first: {missing}"

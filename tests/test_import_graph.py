@@ -93,6 +93,23 @@ def test_no_import_cycles():
   assert _cycles(graph) == []
 
 
+def test_run_config_imports_nothing_above_it():
+  """span_lm/config.py (the schema and validate) sits below the trainer and the tools: it checks
+  the optim fields with span_lm/optim_config.py, which train/optimizer.py imports too, and reaches
+  nothing in span_lm/train, span_lm/tools or span_lm/cli, directly or through another module."""
+  graph = _graph()
+  assert "span_lm.optim_config" in graph["span_lm.config"]
+  assert "span_lm.optim_config" in graph["span_lm.train.optimizer"]
+  reached, todo = set(), ["span_lm.config"]
+  while todo:
+    for target in graph[todo.pop()] - reached:
+      reached.add(target)
+      todo.append(target)
+  above = sorted(n for n in reached if n.split(".")[:2] in (
+      ["span_lm", "train"], ["span_lm", "tools"], ["span_lm", "cli"]))
+  assert not above, f"span_lm.config reaches {above}"
+
+
 def test_package_imports_nothing_from_the_repository_around_it():
   """An installed span_lm has no configs/, bench/ or tests/ beside it."""
   around = {p.stem for p in REPO.iterdir()

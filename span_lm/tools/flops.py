@@ -18,7 +18,9 @@ constant of the step and is projected by its own matmul, so it gets a weight gra
 layers, an upper bound: XLA removes part of that recomputation (tiny test model: 466M of 575M).
 
 `xla_costs` compiles the real train step and reads XLA's cost and memory analyses;
-`hlo_dot_flops` sums its dot instructions, which equal 2 x our matmul count exactly (tested).
+`hlo_dot_flops` sums its matmuls (dot instructions; on TPU the convolutions XLA writes them as),
+which equal 2 x our matmul count exactly (tested on XLA:CPU, and on XLA:TPU HLO kept in
+tests/fixtures/tpu_hlo). arch='sparse' has its own count (sparse_forward_macs), equally exact.
 XLA's total `flops` also counts elementwise work (softmax, masks, layer norms, the optimizer), a
 few percent above the matmul count on tiny models (4-8% in tests/tools/test_tools.py), less as D grows.
 """
@@ -32,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm import kernels
+from span_lm.kernels import target
 from span_lm.kernels.banded_reference import choose_chunk
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
@@ -45,6 +48,8 @@ COMPONENTS = ATTENTION + OTHER
 
 def forward_macs(cfg: ModelConfig, plan: SpanPlan | None, block: int, batch: int = 1) -> dict:
   """Multiply-adds of one forward pass over a (batch, block) input, by component (Python ints)."""
+  if cfg.arch == "sparse":
+    return sparse_forward_macs(cfg, block, batch)
   plan = plan or plan_lib.full_plan(cfg)
   d, dh, m = cfg.d_model, cfg.head_dim, block
   out = dict.fromkeys(COMPONENTS, 0)
@@ -62,6 +67,52 @@ def forward_macs(cfg: ModelConfig, plan: SpanPlan | None, block: int, batch: int
       out["span_predictor"] += m * d * cfg.n_heads
     if cfg.pers_mem == 0:
       out["ff"] += 2 * m * d * cfg.d_ff
+  out["output"] = m * d * cfg.vocab_size
+  return {k: v * batch for k, v in out.items()}
+
+
+def sparse_attention_macs(cfg: ModelConfig, layer: int, n: int) -> tuple[int, int]:
+  """(score, value) multiply-adds of one sequence's factorized attention in residual block
+  `layer`, as span_lm/model/sparse.py computes them: heads grouped by pattern, the length padded
+  to a multiple of the stride l (nb = n / l blocks), and per head
+    dense          n x n keys (and every head under sparse_impl='dense', the masked reference);
+    local  (A1)    strided: each block's l queries x the 2l keys of blocks b-1 and b; fixed: l x l;
+    strided (A2)   the (l, nb) transpose: each column's nb queries x nb keys;
+    summary (A2)   fixed: every query x the c summary keys of all nb blocks.
+  Scores are d_qk / H long, values head_dim; masked products are computed (and counted) too."""
+  from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
+  h, dk, dv = cfg.n_heads, cfg.d_qk // cfg.n_heads, cfg.head_dim
+  heads = sparse.layer_heads(cfg.sparse_pattern, cfg.sparse_combine, h, layer, cfg.sparse_stride,
+                             cfg.sparse_c, cfg.sparse_distinct)
+  keys = 0  # (query, key) pairs computed, summed over heads
+  for head in heads:
+    if cfg.sparse_impl == "dense" or head.kind == "dense":
+      keys += n * n
+      continue
+    l = head.stride
+    nb = -(-n // l)
+    if head.local:
+      keys += nb * l * (2 * l if head.kind == "strided" else l)
+    if head.summary:
+      keys += l * nb * nb if head.kind == "strided" else nb * l * nb * head.c
+  return keys * dk, keys * dv
+
+
+def sparse_forward_macs(cfg: ModelConfig, block: int, batch: int = 1) -> dict:
+  """forward_macs of arch='sparse' (span_lm/model/sparse_transformer.py): per residual block the
+  query/key projections (d_qk wide) and value/output ones (D), the feed-forward, and the
+  factorized attention (sparse_attention_macs); the output layer. No cache, no span predictor;
+  the embeddings are gathers."""
+  m, d = block, cfg.d_model
+  out = dict.fromkeys(COMPONENTS, 0)
+  for layer in range(cfg.n_layers):
+    out["q_proj"] += m * d * cfg.d_qk
+    out["kv_proj"] += m * d * (cfg.d_qk + cfg.n_heads * cfg.head_dim)
+    out["out_proj"] += m * cfg.n_heads * cfg.head_dim * d
+    scores, values = sparse_attention_macs(cfg, layer, m)
+    out["attn_content"] += scores
+    out["attn_value"] += values
+    out["ff"] += 2 * m * d * cfg.d_ff
   out["output"] = m * d * cfg.vocab_size
   return {k: v * batch for k, v in out.items()}
 
@@ -92,7 +143,8 @@ def train_step_flops(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   layers = total - f["output"]
   plan = plan or plan_lib.full_plan(cfg)
   d, dh = cfg.d_model, cfg.head_dim
-  cache_kv = batch * sum(w * d * 2 * len(heads) * dh for lp in plan.layers for heads, w in lp.groups)
+  cache_kv = 0 if cfg.arch == "sparse" else batch * sum(  # sparse: no cache
+      w * d * 2 * len(heads) * dh for lp in plan.layers for heads, w in lp.groups)
   return 2 * (3 * total - cache_kv + (layers if cfg.remat == "layer" else 0))
 
 
@@ -108,7 +160,14 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   residuals in tests); per layer this adds the key/value input rows, layer-norm and feed-forward
   intermediates. Dropout masks (train and dropout > 0) are approximate: a byte per element plus
   the dropped copy. With remat='layer' only the layer inputs and one layer's residuals are kept.
+  These are JAX's residuals, which XLA:CPU keeps (tests/tools/test_tools.py). XLA:TPU does not:
+  of the reference attention it keeps two float32 bands per head row whatever the span mode and
+  dropout, and recomputes the rest in the backward pass (xla_tpu_score_bands), so where the target
+  is a TPU (kernels.target) that is the score_bands entry.
+  arch='sparse': JAX's own list of saved residuals for the model (one kind, 'residuals').
   """
+  if cfg.arch == "sparse":
+    return {"residuals": _saved_residual_bytes(cfg, batch, block, train)}
   plan = plan or plan_lib.full_plan(cfg)
   b, m, d = batch, block, cfg.d_model
   act, f32 = jnp.dtype(cfg.dtype).itemsize, 4
@@ -123,7 +182,10 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
       # The block rows, and the cache rows unless the window is the whole cache (then the
       # residual is the step's input itself, not a new buffer).
       it["kv_input"] += b * (m + (w if w < lp.cache_len else 0)) * d * act
-      for k, v in kernels.residual_bytes(cfg, impl, b, m, g, w, train).items():
+      res = kernels.residual_bytes(cfg, impl, b, m, g, w, train)
+      if impl == "reference" and target.name() == "tpu":
+        res["score_bands"] = xla_tpu_score_bands(cfg, b, m, g, w)
+      for k, v in res.items():
         it[k] += v
     n_norms = 1 if cfg.pers_mem else 2
     it["layer"] += n_norms * (4 * b * m * d + 4 * b * m) * f32
@@ -140,11 +202,45 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
 
 def param_bytes(cfg: ModelConfig) -> int:
   """Bytes of the float32 parameters (the same again for their gradients)."""
-  from span_lm.model.transformer import SpanTransformer  # pylint: disable=g-import-not-at-top
+  from span_lm.model import build_model  # pylint: disable=g-import-not-at-top
   plan = plan_lib.full_plan(cfg)
-  shapes = jax.eval_shape(lambda: SpanTransformer(cfg, plan).init(
+  shapes = jax.eval_shape(lambda: build_model(cfg, plan).init(
       jax.random.key(0), jnp.zeros((1, 1), jnp.int32), caches_lib.init_caches(cfg, plan, 1)))
   return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+def xla_tpu_score_bands(cfg: ModelConfig, batch: int, m: int, g: int, w: int) -> int:
+  """Bytes of score bands XLA:TPU keeps of one head group's reference attention: the float32
+  content scores over each chunk's W + C keys and one float32 band over the W (+ N persistent)
+  columns, per query row, whatever the span mode and dropout. It recomputes the rest of what
+  JAX saves (softmax, span mask, renormalisation, dropout and its keep mask) in the backward
+  pass. Measured on deviceless v5p compiles (libtpu, jax 0.10.2): the compiled temporaries of
+  1- and 3-layer models (fixed/adaptive, with and without dropout) and of configs/enwik8_large.py
+  and enwik8_pers.py (tests/fixtures/tpu_hlo/memory.json, docs/benchmarks.md)."""
+  c = choose_chunk(m, w, cfg.attn_chunk)
+  return batch * g * m * ((w + c) + (w + cfg.pers_mem)) * 4
+
+
+def _saved_residual_bytes(cfg: ModelConfig, batch: int, block: int, train: bool) -> int:
+  """Bytes of jax's saved residuals of a (batch, block) training forward (abstract: nothing is
+  computed), parameters and caches excluded (the step holds them anyway)."""
+  from jax._src import ad_checkpoint  # pylint: disable=g-import-not-at-top
+  from span_lm.model import build_model  # pylint: disable=g-import-not-at-top
+  plan = plan_lib.full_plan(cfg)
+  model = build_model(cfg, plan)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
+                                             caches_lib.init_caches(cfg, plan, 1))["params"])
+  caches = jax.eval_shape(lambda: caches_lib.init_caches(cfg, plan, batch))
+  tokens = jax.ShapeDtypeStruct((batch, block), jnp.int32)
+
+  def loss(p, c, x):
+    logp, _, aux = model.apply({"params": p}, x, c, train=train,
+                               rngs={"dropout": jax.random.key(0)})
+    return jnp.mean(logp) + aux["span_loss"]
+
+  return int(sum(a.size * a.dtype.itemsize for a, why in
+                 ad_checkpoint.saved_residuals(loss, params, caches, tokens)
+                 if "from the argument" not in why))
 
 
 def peak_activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int,
@@ -152,8 +248,14 @@ def peak_activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int,
   """Residuals plus the backward pass's working set at the widest head group.
 
   The working set is an estimate, not XLA's schedule: the float32 (M, W + C) score block of the
-  widest group and its gradient, live together while that group's backward runs.
+  widest group and its gradient, live together while that group's backward runs (arch='sparse':
+  the score block of its widest layer, over all heads).
   """
+  if cfg.arch == "sparse":
+    widest = max(sum(sparse_attention_macs(cfg, i, block)) // (cfg.d_qk // cfg.n_heads
+                                                                + cfg.head_dim)
+                 for i in range(cfg.n_layers))
+    return sum(activation_bytes(cfg, plan, batch, block).values()) + 2 * batch * widest * 4
   plan = plan or plan_lib.full_plan(cfg)
   widest = max(len(h) * (w + choose_chunk(block, w, cfg.attn_chunk) + cfg.pers_mem)
                for lp in plan.layers for h, w in lp.groups)
@@ -162,28 +264,158 @@ def peak_activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int,
 
 # --------------------------------------------------------------------------------------------- XLA
 
-_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\w+\[([\d,]*)\]")
-_DOT = re.compile(r"\sdot\(%?([\w.\-]+),\s*%?([\w.\-]+)\)")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_ARRAY = re.compile(r"\w+\[([\d,]*)\]")
+_CALLS = re.compile(r"\b(calls|to_apply|body|branch_computations|true_computation|"
+                    r"false_computation)=(\{[^}]*\}|%?[\w.\-]+)")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _closing(s: str, i: int) -> int:
+  """The index of the bracket closing the one at s[i] (any of ( [ {)."""
+  depth = 0
+  for j in range(i, len(s)):
+    if s[j] in "([{":
+      depth += 1
+    elif s[j] in ")]}":
+      depth -= 1
+      if depth == 0:
+        return j
+  return len(s)
+
+
+def _split_top(s: str) -> list[str]:
+  """s split at the commas outside brackets."""
+  out, depth, start = [], 0, 0
+  for j, ch in enumerate(s):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if ch == "," and depth == 0:
+      out.append(s[start:j].strip())
+      start = j + 1
+  out.append(s[start:].strip())
+  return [x for x in out if x]
+
+
+def _parse_instruction(rhs: str):
+  """'f32[2,3]{1,0} dot(%a, %b), attrs' -> (dims or None for a tuple, opcode, operands, attrs)."""
+  if rhs.startswith("("):
+    dims, end = None, _closing(rhs, 0) + 1
+  else:
+    m = _ARRAY.match(rhs)
+    dims = [int(x) for x in m.group(1).split(",") if x] if m else None
+    end = rhs.find(" ")
+  rest = rhs[end:].lstrip() if end > 0 else ""
+  paren = rest.find("(")
+  if paren <= 0:
+    return dims, rest, [], ""
+  close = _closing(rest, paren)
+  return dims, rest[:paren], _split_top(rest[paren + 1:close]), rest[close + 1:]
+
+
+def _window_hits(n: int, step: int, off: int, last: int, dil: int) -> int:
+  """#{j in [0, n): q = j * step + off lies in [0, last] and q % dil == 0}."""
+  lo, hi = max(0, -(off // step)), min(n - 1, (last - off) // step)  # -(a // b) = ceil(-a / b)
+  if hi < lo:
+    return 0
+  if dil == 1:
+    return hi - lo + 1
+  period = dil // math.gcd(step, dil)
+  first = next((j for j in range(lo, lo + period) if (j * step + off) % dil == 0), None)
+  return 0 if first is None or first > hi else (hi - first) // period + 1
+
+
+def _conv_pairs(n_out, n_win, n_in, stride, pad_lo, lhs_dil, rhs_dil) -> int:
+  """(output position, window position) pairs of one spatial dimension that meet an input element
+  (not padding, not a hole left by lhs dilation): the products that are not zero by position."""
+  last = (n_in - 1) * lhs_dil
+  if n_win <= n_out:
+    return sum(_window_hits(n_out, stride, k * rhs_dil - pad_lo, last, lhs_dil)
+               for k in range(n_win))
+  return sum(_window_hits(n_win, rhs_dil, p * stride - pad_lo, last, lhs_dil)
+             for p in range(n_out))
+
+
+def _conv_macs(out, lhs, rhs, attrs) -> int:
+  """Multiply-adds of an HLO convolution: output elements x input features (rhs 'i') x the window
+  positions that meet input data. XLA:TPU writes matmuls as convolutions, batch dimensions as
+  spatial ones whose window walks a dilated input (size=n stride=n-1 lhs_dilate=n: one hit per
+  output position), so the window is counted position by position, not as its size."""
+  labels = _DIM_LABELS.search(attrs)
+  lhs_l, rhs_l, out_l = labels.groups()
+  spatial = sorted(c for c in out_l if c.isdigit())
+  found = _WINDOW.search(attrs)
+  window = dict(f.split("=", 1) for f in (found.group(1) if found else "").split() if "=" in f)
+
+  def field(name, k, default):
+    vals = window.get(name)
+    return int(vals.split("x")[k]) if vals else default
+
+  pads = window.get("pad", "").split("x") if window.get("pad") else None
+  macs = rhs[rhs_l.index("i")] * math.prod(out[out_l.index(c)] for c in out_l if not c.isdigit())
+  for k, c in enumerate(spatial):
+    macs *= _conv_pairs(out[out_l.index(c)], rhs[rhs_l.index(c)], lhs[lhs_l.index(c)],
+                        field("stride", k, 1), int(pads[k].split("_")[0]) if pads else 0,
+                        field("lhs_dilate", k, 1), field("rhs_dilate", k, 1))
+  return macs
 
 
 def hlo_dot_flops(hlo_text: str) -> int:
-  """2 x MACs of every dot instruction in an (optimised) HLO module's text."""
-  shapes = {}
+  """2 x MACs of the matmuls in an (optimised) HLO module's text: its dot instructions, and the
+  convolutions XLA:TPU writes matmuls as, inside fusions or not. Each computation counts once per
+  call: fusions and calls by the call graph from ENTRY, while-loop bodies times their known trip
+  count (once where XLA knows none), every branch of a conditional. Matmuls inside custom calls
+  (a fused Pallas kernel) are not visible here."""
+  comps, entry, cur = {}, None, None
   for line in hlo_text.splitlines():
-    m = _DEF.match(line)
-    if m:
-      shapes[m.group(1)] = [int(x) for x in m.group(2).split(",") if x]
-  total = 0
-  for line in hlo_text.splitlines():
-    dot = _DOT.search(line)
-    if not dot or not _DEF.match(line):
+    head = _COMPUTATION.match(line)
+    if head and not line.startswith((" ", "HloModule")):
+      cur = head.group(2)
+      comps[cur], entry = [], cur if head.group(1) else entry
       continue
-    out = shapes[_DEF.match(line).group(1)]
-    lhs = shapes[dot.group(1)]
-    contract = [int(i) for i in _CONTRACT.search(line).group(1).split(",") if i]
-    total += 2 * math.prod(out) * math.prod(lhs[i] for i in contract)
-  return total
+    ins = _INSTRUCTION.match(line)
+    if ins:
+      if cur is None:  # a fragment without computation headers: one computation
+        cur = entry = ""
+        comps[cur] = []
+      comps[cur].append((ins.group(1),) + _parse_instruction(ins.group(2)))
+  shapes = {name: dims for body in comps.values() for name, dims, *_ in body}
+
+  def dims_of(operand):
+    m = _ARRAY.match(operand)  # newer text writes the operand's shape before its name
+    if m:
+      return [int(x) for x in m.group(1).split(",") if x]
+    return shapes[operand.split()[-1].lstrip("%")]
+
+  def own(body):
+    total = 0
+    for _, out, op, args, attrs in body:
+      if op == "dot":
+        contract = _CONTRACT.search(attrs).group(1)
+        lhs = dims_of(args[0])
+        total += math.prod(out) * math.prod(lhs[int(i)] for i in contract.split(",") if i)
+      elif op == "convolution":
+        total += _conv_macs(out, dims_of(args[0]), dims_of(args[1]), attrs)
+    return total
+
+  @functools.cache
+  def macs(name):
+    total = own(comps[name])
+    for *_, attrs in comps[name]:
+      trips = _TRIP_COUNT.search(attrs)
+      for kind, callees in _CALLS.findall(attrs):
+        for callee in re.findall(r"%?([\w.\-]+)", callees):
+          if callee in comps:
+            total += (int(trips.group(1)) if kind == "body" and trips else 1) * macs(callee)
+    return total
+
+  if entry is None:
+    return 2 * sum(own(body) for body in comps.values())
+  return 2 * macs(entry)
 
 
 def default_optimizer():
@@ -227,7 +459,9 @@ def account(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
   plan = plan or plan_lib.full_plan(cfg)
   out = {"plan": plan.describe(), "attention_keys": plan.attention_keys(),
          "per_token_block": dataclasses.asdict(per_token(cfg, plan, block)),
-         "per_token_generation": dataclasses.asdict(per_token(cfg, plan, 1)),
+         # arch='sparse' attends within its block, no cache: no one-token generation step
+         "per_token_generation": (None if cfg.arch == "sparse"
+                                  else dataclasses.asdict(per_token(cfg, plan, 1))),
          "forward_macs": forward_macs(cfg, plan, block, batch),
          "train_step_flops": train_step_flops(cfg, plan, batch, block),
          "activation_bytes": activation_bytes(cfg, plan, batch, block),

@@ -26,6 +26,8 @@ def format_account(name: str, acc: dict) -> str:
   pt, gen = acc["per_token_block"], acc["per_token_generation"]
   lines = [f"{name}: {acc['plan']}"]
   for what, t in ((f"blocks of {acc['block']}", pt), ("generation (blocks of 1)", gen)):
+    if t is None:
+      continue
     lines.append(f"  per token, {what}: attention {_m(t['attention'])} MACs, k/v projection "
                  f"{_m(t['kv_proj'])}, other {_m(t['other'])}, total {_m(sum(t.values()))}")
   lines.append(f"  train step (batch {acc['batch']}): {acc['train_step_flops'] / 1e9:,.3f} GFLOP "
@@ -82,15 +84,22 @@ def report(config) -> dict:
         meta = ckpt.restore_meta(restore_lib.tools_field(config, "step"))
   vocab, vocab_from = _run_vocab(config, meta)
   cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
-  if meta is not None:
+  if cfg.arch == "sparse":  # no spans, no plan: the factorized attention against the dense one
+    plan = plan_lib.full_plan(cfg)
+    source = f"{cfg.sparse_combine} heads, stride {cfg.sparse_stride}"
+    base_name, base_cfg = f"dense attention n={cfg.span}", dataclasses.replace(
+        cfg, sparse_pattern="dense")
+  elif meta is not None:
     plan, source = plan_lib.plan_from_json(meta["planner"]["plan"]), f"step {meta['step']}"
   else:
     plan, source = plan_lib.initial_plan(cfg), "initial plan, no checkpoint"
+  if cfg.arch != "sparse":
+    base_name, base_cfg = f"fixed span S={cfg.span}", dataclasses.replace(cfg, span_mode="fixed")
   b, m = config.data.batch, config.data.block
   xla = bool(restore_lib.tools_field(config, "xla", True))
-  fixed_cfg = dataclasses.replace(cfg, span_mode="fixed")
-  rows = [(f"fixed span S={cfg.span}", flops_lib.account(fixed_cfg, None, b, m, xla)),
-          (f"this run ({cfg.span_mode}, {source})", flops_lib.account(cfg, plan, b, m, xla))]
+  mode = cfg.sparse_pattern if cfg.arch == "sparse" else cfg.span_mode
+  rows = [(base_name, flops_lib.account(base_cfg, None, b, m, xla)),
+          (f"this run ({mode}, {source})", flops_lib.account(cfg, plan, b, m, xla))]
   print(f"vocabulary {vocab} ({vocab_from}); batch {b}, block {m}; MACs = multiply-adds")
   for name, acc in rows:
     print(format_account(name, acc))
