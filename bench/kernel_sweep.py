@@ -17,8 +17,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 from span_lm.tools import chips  # pylint: disable=wrong-import-position
 from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
 

@@ -221,9 +221,12 @@ def compile_target(config, tgt: Target) -> dict:
   row.update(vocab=vocab, vocab_from=vocab_from, dtype=cfg.dtype)
   d = config.data
   split = config.optim.batch_split
-  for what, b in (("data.batch", d.batch), ("data.eval_batch", d.eval_batch)):
-    if b % n:
-      row["error"] = f"config.{what}={b} does not divide over {n} devices"
+  steps = [s.strip() for s in config.compile.steps.split(",") if s.strip()]
+  for what, b, kind in (("data.batch", d.batch // split, "train"),
+                        ("data.eval_batch", d.eval_batch, "eval")):
+    if kind in steps and b % n:
+      per = " / optim.batch_split" if kind == "train" else ""
+      row["error"] = f"config.{what}{per} = {b} does not divide over {n} devices"
       return row
   tx, _ = optimizer_lib.make_optimizer(config.optim)
   plan = plan_lib.full_plan(cfg) if config.compile.plan == "full" else plan_lib.initial_plan(cfg)
@@ -253,7 +256,6 @@ def compile_target(config, tgt: Target) -> dict:
     batch = {"x": sds((d.batch, d.block), jnp.int32, rows),
              "y": sds((d.batch, d.block), jnp.int32, rows),
              "reset": sds((), jnp.bool_, replicated)}
-    steps = [s.strip() for s in config.compile.steps.split(",") if s.strip()]
     for kind in steps:
       r: dict[str, Any] = {}
       t1 = time.perf_counter()
