@@ -314,6 +314,30 @@ def _query_steps(m, s: _Static):
   return max(1, max(sum(lo[q] <= kb < hi[q] for q in range(nq)) for kb in range(nkb)))
 
 
+def _cost(kind: str, q, k, s: _Static, steps: int, has_mask: bool) -> pl.CostEstimate:
+  """What one call does if every span is W (the grid's worst case; shorter spans skip tiles), so
+  XLA's scheduler and the compile mode's roofline see the kernel: its matmul FLOPs per visited
+  tile (content, position over the tile's bq + bk distances, values; the backward's recompute and
+  gradients), exp per score, and HBM bytes (blocks as the index maps fetch them)."""
+  b, h, m, dp = q.shape
+  isz, t = jnp.dtype(q.dtype).itemsize, k.shape[2]
+  nq, nkb = m // s.bq, t // s.bk
+  qk, pos = 2 * s.bq * s.bk * dp, 2 * s.bq * (s.bq + s.bk) * dp
+  row, key, stat = s.bq * dp * isz, s.bk * dp * isz, s.bq * LANES * 4
+  pe = (s.w + 2 * (s.bq + s.bk)) * dp * 4
+  if kind == "fwd":  # per tile: content, position, values
+    tiles, flops = b * h * nq * steps, 2 * qk + pos
+    byts = b * h * nq * (2 * row + 2 * stat + stat * has_mask + steps * 2 * key) + pe
+  elif kind == "bwd_q":  # recompute, g.v, dq (content and position), d pe
+    tiles, flops = b * h * nq * steps, 3 * qk + 3 * pos
+    byts = b * h * nq * (3 * row + 3 * stat + 2 * stat * has_mask + steps * 2 * key) + 2 * pe * b
+  else:  # bwd_kv, per (key block, query step): recompute, g.v, dk, dv
+    tiles, flops = b * h * nkb * steps, 4 * qk + pos
+    byts = b * h * nkb * (4 * key + steps * (2 * row + 3 * stat + stat * has_mask)) + pe
+  return pl.CostEstimate(flops=int(tiles * flops), transcendentals=int(tiles * s.bq * s.bk),
+                         bytes_accessed=int(byts))
+
+
 def _params(s: _Static, semantics):
   return pltpu.CompilerParams(dimension_semantics=semantics,
                               vmem_limit_bytes=s.vmem_limit_bytes)
@@ -352,6 +376,7 @@ def _forward(q, k, v, pe_t, z, s: _Static):
                  jax.ShapeDtypeStruct((b, h, m, LANES), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, m, LANES), jnp.float32)],
       compiler_params=_params(s, ("parallel", "parallel", "parallel", "arbitrary")),
+      cost_estimate=_cost("fwd", q, k, s, steps, has_mask),
       interpret=s.interpret, name="span_attention_fwd")(bounds, *args)
   return out, mx[..., 0], den[..., 0]
 
@@ -396,6 +421,7 @@ def _backward(s: _Static, res, g):
       out_shape=out_shape,
       # d pe stays resident per batch row over heads, query blocks and key steps
       compiler_params=_params(s, ("parallel", "arbitrary", "arbitrary", "arbitrary")),
+      cost_estimate=_cost("bwd_q", q, k, s, steps, has_mask),
       interpret=s.interpret, name="span_attention_bwd_q")(
           bounds, q, k, v, pe_t, *zr, g, *stats)
   dq, dpe = outs[0], outs[-1]
@@ -425,6 +451,7 @@ def _backward(s: _Static, res, g):
           scratch_shapes=[pltpu.VMEM((s.bk, dp), jnp.float32)] * 2),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_params(s, ("parallel", "parallel", "parallel", "arbitrary")),
+      cost_estimate=_cost("bwd_kv", q, k, s, qsteps, has_mask),
       interpret=s.interpret, name="span_attention_bwd_kv")(
           bounds, qbounds, q, k, v, pe_t, *zr, g, *stats)
   return dq, dk, dv, jnp.sum(dpe, axis=0).astype(pe_t.dtype), dz

@@ -210,3 +210,31 @@ def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind):
   text = compiled.as_text()
   assert text.count("tpu_custom_call") >= 3, "forward, dq and dk/dv kernels"
   print(f"v5e compile W={w} Dh={d} {dtype} {kind}: {time.time() - start:.1f} s")
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+def test_xla_sees_the_kernel_cost_of_its_tile_schedule():
+  """The forward's pl.CostEstimate reaches XLA's cost analysis (the compile mode's roofline) and
+  its FLOPs equal an independent count: every (query block, key block) tile with a key some row
+  sees at span W, times the content, position (bq + bk distances) and value matmuls."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  b, h, m, w, d, blk = 1, 2, 256, 512, 128, 128
+  sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+  f = jax.jit(lambda q, k, v, pe: ft.span_attention(q, k, v, pe, None, block=blk))
+  compiled = f.lower(sd((b, h, m, d)), sd((b, h, w + m, d)), sd((b, h, w + m, d)),
+                     sd((d, w), jnp.float32)).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  tiles = 0
+  for i0 in range(0, m, blk):
+    for t0 in range(0, w + m, blk):
+      dist = w + np.arange(i0, i0 + blk)[:, None] - np.arange(t0, t0 + blk)[None, :]
+      tiles += bool(((dist >= 1) & (dist <= w)).any())
+  want = b * h * tiles * (2 * 2 * blk * blk * d + 2 * blk * 2 * blk * d)
+  assert want <= cost["flops"] <= want * 1.001  # the rest: XLA's own padding of the inputs
+  assert cost["bytes accessed"] >= 2 * b * h * (w + m) * d * 2  # keys and values read once
