@@ -45,12 +45,22 @@ def child(target, dtype, dh, tile, warps, stages, precision):
     return jnp.sum(out.astype(jnp.float32))
 
   f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  args = (sds(b, h, m, dh), sds(b, h, w + m, dh), sds(b, h, w + m, dh), sds(dh, w),
+          sds(b, h, m, d=jnp.float32))
+  if precision == "anchor":  # jax's own Pallas flash attention (causal, BTHD), the same tokens
+    from jax.experimental.pallas.ops.gpu import attention  # pylint: disable=g-import-not-at-top
+    sizes = attention.BlockSizes(block_q=tile, block_k=tile, block_q_dkv=tile,
+                                 block_kv_dkv=tile, block_q_dq=tile, block_kv_dq=tile)
+    mha = lambda q, k, v: jnp.sum(attention.mha(q, k, v, None, causal=True, block_sizes=sizes,
+                                                num_warps=warps, num_stages=stages)
+                                  .astype(jnp.float32))
+    f = jax.jit(jax.value_and_grad(mha, argnums=(0, 1, 2)))
+    args = (sds(b, w + m, h, dh),) * 3
   t0 = time.perf_counter()
   row = {"target": target, "dtype": dtype, "head_dim": dh, "tile": tile, "warps": warps,
          "stages": stages, "precision": precision}
   try:
-    f.lower(sds(b, h, m, dh), sds(b, h, w + m, dh), sds(b, h, w + m, dh), sds(dh, w),
-            sds(b, h, m, d=jnp.float32)).compile()
+    f.lower(*args).compile()
     row["compiled"] = True
   except Exception as e:  # pylint: disable=broad-except
     row["compiled"] = False
@@ -75,7 +85,8 @@ def run(args):
              "stages": stages, "compiled": False,
              "error": ([l for l in text.splitlines() if l.strip()] or ["?"])[-1][:300]}
     row["wall_s"] = time.perf_counter() - t0
-    row["kernels"] = [k for k in compile_lib.parse_ptxas(text) if "span_attention" in k["kernel"]]
+    row["kernels"] = [k for k in compile_lib.parse_ptxas(text)
+                      if "span_attention" in k["kernel"] or "mha" in k["kernel"]]
     rows.append(row)
     ks = " ".join(f"{k['kernel'].replace('span_attention_', '')}:{k['registers']}r/"
                   f"{k['spill_store']}s" for k in row["kernels"])
@@ -120,7 +131,9 @@ def main():
                  help="0: the table's choice (pallas_gpu.TILES), whatever --warps/--stages say")
   p.add_argument("--warps", nargs="+", type=int, default=[4])
   p.add_argument("--stages", nargs="+", type=int, default=[2])
-  p.add_argument("--precision", default="default", choices=["default", "highest"])
+  p.add_argument("--precision", default="default", choices=["default", "highest", "anchor"],
+                 help="anchor: compile jax's own Pallas flash attention (causal) instead, for "
+                      "comparison at the same tiles")
   p.add_argument("--out", default="")
   p.add_argument("--md", default="", help="print the markdown table of an --out JSON and exit")
   missing = compile_lib.missing_toolchain("gpu")

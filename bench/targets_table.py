@@ -34,13 +34,20 @@ def attempts(split: int, batch: int, devices: int, max_split: int):
 def one(path: str, target: str, split: int, remat: str, plan: str) -> dict:
   overrides = {"mode": "compile", "compile.targets": target, "compile.steps": "train",
                "compile.plan": plan, "optim.batch_split": split, "model.remat": remat}
+  tgt = compile_lib.parse_target(target)
+  devices = tgt.chips * (tgt.chip.cores_per_chip if tgt.chip.name == "v4" else 1)
+  eval_batch = config_lib.load_config(path).data.eval_batch
+  extra = ""
+  if eval_batch % devices:  # the state holds the evaluation caches: one stream per device at least
+    overrides["data.eval_batch"] = devices
+    extra = f" --config.data.eval_batch={devices}"
   config = config_lib.load_config(path, overrides)
   with tempfile.TemporaryDirectory() as tmp:
     config.compile.out = tmp
     row = compile_lib.report(config)["rows"][0]
   row["command"] = (f"python main.py --config={path} --config.mode=compile "
                     f"--config.compile.targets={target} --config.optim.batch_split={split} "
-                    f"--config.model.remat={remat} --config.compile.plan={plan}")
+                    f"--config.model.remat={remat} --config.compile.plan={plan}{extra}")
   return row
 
 

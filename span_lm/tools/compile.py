@@ -222,11 +222,13 @@ def compile_target(config, tgt: Target) -> dict:
   d = config.data
   split = config.optim.batch_split
   steps = [s.strip() for s in config.compile.steps.split(",") if s.strip()]
+  # The training state carries the evaluation caches too, so eval_batch must divide either way.
   for what, b, kind in (("data.batch", d.batch // split, "train"),
-                        ("data.eval_batch", d.eval_batch, "eval")):
-    if kind in steps and b % n:
+                        ("data.eval_batch", d.eval_batch, "")):
+    if (kind in steps or not kind) and b % n:
       per = " / optim.batch_split" if kind == "train" else ""
-      row["error"] = f"config.{what}{per} = {b} does not divide over {n} devices"
+      row["error"] = (f"config.{what}{per} = {b} does not divide over {n} devices: choose a "
+                      f"multiple of {n}")
       return row
   tx, _ = optimizer_lib.make_optimizer(config.optim)
   plan = plan_lib.full_plan(cfg) if config.compile.plan == "full" else plan_lib.initial_plan(cfg)
