@@ -119,8 +119,8 @@ def markdown(results) -> str:
           f"split {a} remat {b}" for a, b in res["tried"]), "", "", ""
     else:
       _, fpeak, roof, csec = _cell(f)
-      fit = "as shipped" if f is s else f"batch_split={f['batch_split']}, remat=" + \
-          f["command"].split("remat=")[1].split()[0]
+      fit = "as shipped" if len(res["tried"]) == 1 else f"batch_split={f['batch_split']}, " \
+          "remat=" + f["command"].split("remat=")[1].split()[0]
     lines.append(f"| {res['config']} | {res['target']} | {s.get('attention', '')} | {comp} | "
                  f"{peak} | {fit} | {fpeak} | {roof} | {csec} |")
   return "\n".join(lines)

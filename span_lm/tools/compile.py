@@ -295,7 +295,9 @@ def roofline(chip: chips.Chip, dtype: str, per_chip: int, matmul_flops: float, c
              scale: int, tokens: int) -> dict:
   """Seconds per step if bound by compute (matmul FLOPs / peak) or by HBM traffic (XLA's bytes,
   times the batch-split pieces / bandwidth), per device, and the tokens/s of the binding one."""
-  peak = chip.peak_flops.get("bfloat16" if dtype != "float32" else "float32") / per_chip
+  # float32 models: XLA's default matmul precision, TF32 tensor cores on GPUs that have them
+  key = "bfloat16" if dtype != "float32" else ("tf32" if "tf32" in chip.peak_flops else "float32")
+  peak = chip.peak_flops[key] / per_chip
   bw = chip.hbm_bytes_per_s / per_chip
   out = {"compute_s": matmul_flops / peak}
   if cost.get("bytes"):
