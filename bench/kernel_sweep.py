@@ -9,6 +9,7 @@ The table `pallas_gpu.TILES` is chosen from its results (docs/kernels.md).
   python bench/kernel_sweep.py --targets h100 a100_80 --dtypes bfloat16 float32 \
       --head_dims 64 128 --out docs/kernel_sweep.json
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import itertools
 import json
@@ -17,7 +18,6 @@ import subprocess
 import sys
 import time
 
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 from span_lm.tools import chips  # pylint: disable=wrong-import-position
 from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
 

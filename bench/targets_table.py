@@ -9,6 +9,7 @@ Needs the toolchains: pip install "jax[cuda12]==<jax version>" "jax[tpu]==<jax v
       --targets h100:8 a100_80:8 a100_40:8 v100_32:8 v5e:4x4 v5p:2x2x2 v6e:2x4 v4:2x2x2 \
       --out docs/targets
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import os
@@ -16,7 +17,6 @@ import sys
 import tempfile
 import time
 
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 from span_lm import config as config_lib  # pylint: disable=wrong-import-position
 from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
 
