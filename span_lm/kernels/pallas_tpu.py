@@ -347,19 +347,27 @@ def _replicate(x_BxHxM):
   return jnp.broadcast_to(x_BxHxM[..., None], (*x_BxHxM.shape, LANES))
 
 
+def _query_grid_specs(b, h, nq, dp, s: _Static):
+  """BlockSpecs of the (batch, head, query block, key step) grid of the forward and dq kernels:
+  query rows, their row statistics, and the key block of each step, clamped to the block's
+  scalar-prefetched [first, last] (a step past it re-uses the block in VMEM: no DMA)."""
+  def key_map(bi, hi, qi, j, bnd):
+    cell = (bi * h + hi) * nq + qi
+    return bi, hi, jnp.minimum(bnd[cell] + j, bnd[b * h * nq + cell] - 1), 0
+
+  here = lambda bi, hi, qi, j, bnd: (bi, hi, qi, 0)
+  return (pl.BlockSpec((None, None, s.bq, dp), here),
+          pl.BlockSpec((None, None, s.bq, LANES), here),
+          pl.BlockSpec((None, None, s.bk, dp), key_map))
+
+
 def _forward(q, k, v, pe_t, z, s: _Static):
   b, h, m, dp = q.shape
   nq, steps = m // s.bq, _key_steps(m, s)
   has_mask = z is not None
   bounds = _key_bounds(z, b, h, m, s)
 
-  def key_map(bi, hi, qi, j, bnd):
-    cell = (bi * h + hi) * nq + qi
-    return bi, hi, jnp.minimum(bnd[cell] + j, bnd[b * h * nq + cell] - 1), 0
-
-  rows = pl.BlockSpec((None, None, s.bq, dp), lambda bi, hi, qi, j, bnd: (bi, hi, qi, 0))
-  stat = pl.BlockSpec((None, None, s.bq, LANES), lambda bi, hi, qi, j, bnd: (bi, hi, qi, 0))
-  keys = pl.BlockSpec((None, None, s.bk, dp), key_map)
+  rows, stat, keys = _query_grid_specs(b, h, nq, dp, s)
   whole = pl.BlockSpec(memory_space=pltpu.VMEM)
   in_specs = [rows, keys, keys, whole] + ([stat] if has_mask else [])
   args = [q, k, v, pe_t] + ([_replicate(z)] if has_mask else [])
@@ -396,13 +404,7 @@ def _backward(s: _Static, res, g):
   # dq, dz, d pe: the forward's grid
   steps = _key_steps(m, s)
 
-  def key_map(bi, hi, qi, j, bnd):
-    cell = (bi * h + hi) * nq + qi
-    return bi, hi, jnp.minimum(bnd[cell] + j, bnd[b * h * nq + cell] - 1), 0
-
-  rows = pl.BlockSpec((None, None, s.bq, dp), lambda bi, hi, qi, j, bnd: (bi, hi, qi, 0))
-  stat = pl.BlockSpec((None, None, s.bq, LANES), lambda bi, hi, qi, j, bnd: (bi, hi, qi, 0))
-  keys = pl.BlockSpec((None, None, s.bk, dp), key_map)
+  rows, stat, keys = _query_grid_specs(b, h, nq, dp, s)
   dpe_spec = pl.BlockSpec((None, *pe_t.shape), lambda bi, hi, qi, j, bnd: (bi, 0, 0))
   out_specs = [rows] + ([stat] if has_mask else []) + [dpe_spec]
   out_shape = ([jax.ShapeDtypeStruct(q.shape, q.dtype)]

@@ -100,6 +100,14 @@ def _per_device_split(mesh, batch_axes, rows: int, batch_split: int) -> tuple | 
   return axes
 
 
+def _whole_batch_span_stats(aux, cfg: ModelConfig):
+  """Dynamic spans depend on the tokens: their statistics over the whole batch's dyn_spans, as
+  one piece would report them."""
+  stats = [spans_lib.span_stats(z, cfg) for z in aux["dyn_spans"]]
+  return dict(aux, span_avg=jnp.stack([avg for avg, _ in stats]),
+              span_max=jnp.stack([mx for _, mx in stats]))
+
+
 def _local_grads(grad_fn, params, x, y, caches, step_key, *, mesh, axes: tuple, batch_split: int):
   """Gradient accumulation over batch_split pieces per device, reduced once after the loop.
 
@@ -195,10 +203,8 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
     grads, loss, new_caches, aux = _local_grads(
         grad_fn, params, batch["x"], batch["y"], caches, step_rng, mesh=mesh, axes=axes,
         batch_split=batch_split)
-    if "dyn_spans" in aux:  # statistics over the whole batch, as one piece would report them
-      stats = [spans_lib.span_stats(z, cfg) for z in aux["dyn_spans"]]
-      aux["span_avg"] = jnp.stack([avg for avg, _ in stats])
-      aux["span_max"] = jnp.stack([mx for _, mx in stats])
+    if "dyn_spans" in aux:
+      aux = _whole_batch_span_stats(aux, cfg)
   else:
     xs, ys = _split(batch["x"], batch_split), _split(batch["y"], batch_split)
     cs = tuple(_split(c, batch_split) for c in caches)
@@ -219,9 +225,7 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
       # Dynamic spans depend on the tokens: report them over the whole batch, as one piece would.
       aux["dyn_spans"] = tuple(_merge(a) for a in auxes["dyn_spans"])
       aux["span_loss"] = jnp.mean(auxes["span_loss"])
-      stats = [spans_lib.span_stats(z, cfg) for z in aux["dyn_spans"]]
-      aux["span_avg"] = jnp.stack([avg for avg, _ in stats])
-      aux["span_max"] = jnp.stack([mx for _, mx in stats])
+      aux = _whole_batch_span_stats(aux, cfg)
 
   updates, opt_state = tx.update(grads, state["opt_state"], params)
   new_params = optimizer_lib.clamp_spans(optax.apply_updates(params, updates))
