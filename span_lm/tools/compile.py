@@ -310,7 +310,7 @@ def roofline(chip: chips.Chip, dtype: str, per_chip: int, matmul_flops: float, c
 
 # ------------------------------------------------------------------------------ the parent
 
-def _suggest(row: dict, kind: str) -> str:
+def _suggest(row: dict) -> str:
   return ("try --config.optim.batch_split=" + str(2 * max(1, row.get("batch_split", 1))) +
           ", --config.model.remat=layer, or more chips")
 
@@ -380,12 +380,12 @@ def format_row(row: dict) -> str:
     if not r:
       continue
     if not r["compiled"]:
-      hint = f" ({_suggest(row, kind)})" if "memory" in r["error"].lower() or \
+      hint = f" ({_suggest(row)})" if "memory" in r["error"].lower() or \
           "RESOURCE_EXHAUSTED" in r["error"] else ""
       parts.append(f"{kind}: FAILED {r['error']}{hint}")
       continue
     m, rf = r["memory"], r["roofline"]
-    fit = "fits" if m.get("fits") else f"DOES NOT FIT ({_suggest(row, kind)})"
+    fit = "fits" if m.get("fits") else f"DOES NOT FIT ({_suggest(row)})"
     tps = f", bound {rf['tokens_per_s'] / 1e3:.0f}k tok/s ({rf['bound']})" if rf.get(
         "tokens_per_s") else ""
     parts.append(f"{kind}: peak {_gib(m['peak'])} of {_gib(m['capacity'])} GiB per device, {fit}"
