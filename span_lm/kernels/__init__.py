@@ -9,7 +9,7 @@ Implementations (`model.attn_impl`):
   pallas            pallas_gpu: the fused Triton kernel, spans as runtime values. GPU default.
   pallas_interpret  the same kernel interpreted (any backend; slow: for tests).
   pallas_tpu        pallas_tpu: the fused Mosaic kernel, spans as runtime values. TPU default
-                    (v5e and later) where it applies: no persistent memory, no attention dropout yet.
+                    (v5e and later).
   pallas_tpu_interpret  the TPU kernel interpreted (any backend; slow: for tests).
   auto              one of the above by the target platform (kernels/target.py: the host's
                     backend, or the chip a deviceless compile names) and what the kernel supports.
@@ -43,16 +43,11 @@ class KV(NamedTuple):
   positions_last: bool = False  # cpu: (B, G, Dh, T) instead of (B, G, T, Dh)
 
 
-def fused_fits(cfg, m: int | None = None, w: int | None = None, tpu: bool = False) -> str:
-  """'' when the fused kernel (tpu: the TPU one) runs this layer (block of m queries, window w),
-  else why not."""
+def fused_fits(cfg, m: int | None = None, w: int | None = None) -> str:
+  """'' when the fused kernels run this layer (block of m queries, window w), else why not."""
   b = cfg.attn_block
   if cfg.arch != "span":
     return "the sparse model has its own attention"
-  if tpu and cfg.pers_mem:
-    return "persistent memory is not in the TPU kernel yet"
-  if tpu and cfg.dropout:
-    return "attention dropout is not in the TPU kernel yet"
   if not isinstance(b, int) or b < 16 or b & (b - 1):
     return f"attn_block={b} is not a power of two >= 16"
   if cfg.head_dim < 16:
@@ -87,12 +82,12 @@ def choose(cfg, m: int | None = None, w: int | None = None) -> str:
     elif backend == "tpu" and "v4" in platform.kind:
       impl, why = "reference", "TPU v4: Mosaic has no strided rotate (the kernel's skew)"
     elif backend == "tpu":
-      why = fused_fits(cfg, m, w, tpu=True)
+      why = fused_fits(cfg, m, w)
       impl = "reference" if why else "pallas_tpu"
     else:
       impl, why = "reference", f"backend {backend}"
   elif impl in FUSED:
-    why = fused_fits(cfg, m, w, tpu=impl in TPU_FUSED)
+    why = fused_fits(cfg, m, w)
     impl = "reference" if why else impl
   key = (cfg.attn_impl, impl, m, w, why)
   if key not in _logged:
@@ -147,15 +142,14 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
     raise ValueError(f"attention: unknown implementation {impl!r}; choose one of {IMPLS}")
   b, g, m, _ = q_BxGxMxD.shape
   z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
-  if impl in TPU_FUSED:
-    if pers_k_GxDxN is not None or dropout is not None:
-      raise ValueError("attention: the TPU kernel has no persistent memory or dropout yet "
-                       "(kernels.choose falls back to reference for such layers)")
+  seed = None if dropout is None else dropout_seed()
+  rate = cfg.dropout if seed is not None else 0.0
+  if impl in TPU_FUSED:  # float32 parameters go in as such: their gradients stay float32
     return pallas_tpu.span_attention(
         q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(jnp.float32), z, ramp=cfg.ramp,
-        block=cfg.attn_block, interpret=impl == "pallas_tpu_interpret",
+        block=cfg.attn_block, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
+        dropout_rate=rate, dropout_seed=seed, interpret=impl == "pallas_tpu_interpret",
         precision=cfg.attn_precision)
-  seed = None if dropout is None else dropout_seed()
   dt = q_BxGxMxD.dtype
   cc = target.current().compute_capability if impl == "pallas" else None
   tile, warps, stages = pallas_gpu.tiles(cc, cfg.head_dim, dt, cfg.attn_block)
@@ -164,7 +158,7 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
       num_warps=warps, num_stages=stages,
       # float32 parameters go in as such: the kernel casts them, their gradients stay float32
       pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
-      dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
+      dropout_rate=rate, dropout_seed=seed,
       interpret=impl == "pallas_interpret", precision=cfg.attn_precision)
 
 

@@ -22,8 +22,9 @@ one (`padded_head_dim`); the padded columns add nothing to any score and are sli
 Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the plain path sums
 eps e^l over all W distances; the two agree to ~eps relative (1e-8).
 
-Dropout on the attention weights draws its keep mask from a hash of (seed, head, row, key), so the
-backward pass regenerates it instead of storing it. Persistent memory (all-attention layers) joins
+Dropout on the attention weights draws its keep mask from a hash of (seed, head, row, key)
+(kernels/hashed_dropout.py, shared with the TPU kernel), so the backward pass regenerates it
+instead of storing it. Persistent memory (all-attention layers) joins
 the softmax as extra key blocks with mask 1 and no position term. Interpret mode
 (`interpret=True`) runs the same kernels on CPU for tests.
 """
@@ -38,6 +39,7 @@ from jax.experimental.pallas import triton as plt
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm.kernels import hashed_dropout
 from span_lm.kernels import span_mask
 
 NEG = -1e30
@@ -69,26 +71,6 @@ def _dot(a, b, trans_a=False, trans_b=False):
     b = b.T
   prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 and _exact_f32[0] else None
   return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
-
-
-def _fmix32(x):
-  """murmur3's finaliser: a cheap uint32 bijection with good avalanche."""
-  x = x ^ lax.shift_right_logical(x, jnp.uint32(16))
-  x = x * jnp.uint32(0x85EBCA6B)
-  x = x ^ lax.shift_right_logical(x, jnp.uint32(13))
-  x = x * jnp.uint32(0xC2B2AE35)
-  return x ^ lax.shift_right_logical(x, jnp.uint32(16))
-
-
-def dropout_scale(seed, bh, row, key, *, n_rows, n_keys, rate):
-  """keep / (1 - rate) for attention weight (b * H + h, row, key), a pure function of its
-  coordinates and the seed, so the backward pass regenerates the forward's mask without storing
-  it. bh, row and key broadcast; also what the tests give the plain path."""
-  u = lambda x: lax.convert_element_type(x, jnp.uint32)
-  counter = (u(bh) * jnp.uint32(n_rows) + u(row)) * jnp.uint32(n_keys) + u(key)
-  bits = _fmix32(_fmix32(counter) ^ u(seed))
-  keep = lax.shift_right_logical(bits, jnp.uint32(8)) < jnp.uint32(round((1.0 - rate) * (1 << 24)))
-  return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(jnp.float32)
 
 
 def _barrier(interpret):
@@ -130,7 +112,8 @@ def _tile(q, k, pe_ref, scr_ref, t0, i0, win, *, w, bq, bk, scale, interpret):
 def _tile_dropout(seed, bh, t0, i0, *, bq, bk, n_rows, n_keys, rate):
   rows = i0 + jnp.arange(bq)[:, None]
   keys = t0 + jnp.arange(bk)[None, :]
-  return dropout_scale(seed, bh, rows, keys, n_rows=n_rows, n_keys=n_keys, rate=rate)
+  return hashed_dropout.dropout_scale(seed, bh, rows, keys, n_rows=n_rows, n_keys=n_keys,
+                                      rate=rate)
 
 
 def _mask_value(z, dist, ramp):
@@ -497,7 +480,8 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
     pers_k_HxDxN, pers_v_HxNxD: persistent memory (already scaled), in the same softmax with
       mask 1; or None.
     dropout_rate, dropout_seed: dropout on the attention weights (after the mask), the keep
-      mask drawn by `dropout_scale` from a uint32 seed; a rate of 0 compiles no dropout.
+      mask drawn by `hashed_dropout.dropout_scale` from a uint32 seed; a rate of 0 compiles no
+      dropout.
     precision: float32 dots: 'default' (TF32 tensor cores on sm_80+, XLA's own default for
       float32 matmuls) or 'highest' (exact float32, no tensor cores). bf16 is unaffected.
   Returns:

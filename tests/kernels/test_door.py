@@ -38,9 +38,9 @@ _SHAPES = [("fixed", 16, 16, 0), ("adaptive", 16, 32, 0), ("dynamic", 16, 32, 0)
 _CASES = [(impl, *shape, dtype) for impl in ("cpu", "pallas_interpret") for shape in _SHAPES
           for dtype in ("float32", "bfloat16")
           if not (impl == "pallas_interpret" and dtype == "bfloat16" and shape[0] != "adaptive")]
-# The TPU kernel (no persistent memory yet): float32 in every span mode, bf16 adaptive.
-_CASES += [("pallas_tpu_interpret", *shape, dtype) for shape in _SHAPES[:3]
-           for dtype in ("float32", "bfloat16") if dtype == "float32" or shape[0] == "adaptive"]
+# The TPU kernel: float32 in every span mode and with persistent memory, bf16 adaptive.
+_CASES += [("pallas_tpu_interpret", *shape, dtype) for shape in _SHAPES
+           for dtype in ("float32", "bfloat16") if dtype == "float32" or shape == _SHAPES[1]]
 
 
 @pytest.mark.parametrize("impl,mode,m,w,n_pers,dtype", _CASES)

@@ -1,7 +1,7 @@
 """The span model's training gradient lowers for the chips we ship to (jax.export for 'cuda' and
 'tpu', no device and no extra package needed), through the implementation each chip runs (`auto`
 under kernels.target.compiling_for: the fused Triton kernel on an H100, the Mosaic kernel on a
-TPU where it applies, else `reference`), for every kernel variant:
+TPU v5), for every kernel variant:
 float32/bfloat16, head size 64/96 (96 runs padded to 128 in the fused kernel), fixed/adaptive/
 dynamic spans, with and without persistent memory and attention dropout.
 
@@ -71,9 +71,9 @@ def test_training_gradient_lowers_for_every_variant(platform, dtype, head_dim):
                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
         continue
     assert exp.platforms == (platform,)
-  # The chip's own choice was exercised: the fused kernel on Hopper; on TPU the Mosaic kernel,
-  # and the plain path for what it lacks (persistent memory, dropout).
-  assert chosen == ({"pallas"} if platform == "cuda" else {"pallas_tpu", "reference"})
+  # The chip's own choice was exercised: the fused kernel on Hopper, the Mosaic kernel on TPU,
+  # for every variant (persistent memory and dropout included).
+  assert chosen == ({"pallas"} if platform == "cuda" else {"pallas_tpu"})
   assert not failures, "\n".join(failures)
 
 
@@ -90,6 +90,7 @@ def test_auto_follows_the_target_not_the_host():
     assert kernels.choose(cfg, 64, 128) == "pallas_tpu"
   with target.compiling_for("tpu", kind="TPU v4"):  # no strided rotate for the kernel's skew
     assert kernels.choose(cfg, 64, 128) == "reference"
-  with target.compiling_for("tpu"):  # dropout: not in the TPU kernel yet
-    assert kernels.choose(dataclasses.replace(cfg, dropout=0.1), 64, 128) == "reference"
+  with target.compiling_for("tpu", kind="TPU v5"):  # the paper configs: dropout, all-attention
+    paper = dataclasses.replace(cfg, dropout=0.1, pers_mem=128)
+    assert kernels.choose(paper, 64, 128) == "pallas_tpu"
   assert target.name() == "cpu"

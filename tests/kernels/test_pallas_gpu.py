@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from span_lm import config as config_lib
 from span_lm.kernels import banded_reference
+from span_lm.kernels import hashed_dropout
 from span_lm.kernels import pallas_gpu as fa
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
@@ -80,8 +81,9 @@ def test_dropout_matches_plain_path_with_the_same_keep_mask():
     c = p.shape[3]
     rows = jnp.arange(M).reshape(1, 1, M // c, c, 1)
     bh = (jnp.arange(B)[:, None] * H + jnp.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
-    return p * fa.dropout_scale(seed, bh, rows, rows + jnp.arange(W).reshape(1, 1, 1, 1, W),
-                                n_rows=M, n_keys=W + M, rate=rate)
+    keys = rows + jnp.arange(W).reshape(1, 1, 1, 1, W)
+    return p * hashed_dropout.dropout_scale(seed, bh, rows, keys, n_rows=M, n_keys=W + M,
+                                            rate=rate)
 
   def plain(q, k, v, pe, z):
     dist = jnp.arange(W, 0, -1, dtype=jnp.float32)[None, None, None, :]
@@ -100,8 +102,9 @@ def test_dropout_matches_plain_path_with_the_same_keep_mask():
            for f in (fused, plain)]
   for name, g_f, g_p in zip("q k v pe z".split(), *grads):
     np.testing.assert_allclose(g_f, g_p, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
-  keep = fa.dropout_scale(seed, jnp.arange(8)[:, None, None], jnp.arange(128)[None, :, None],
-                          jnp.arange(256)[None, None, :], n_rows=128, n_keys=256, rate=rate)
+  keep = hashed_dropout.dropout_scale(
+      seed, jnp.arange(8)[:, None, None], jnp.arange(128)[None, :, None],
+      jnp.arange(256)[None, None, :], n_rows=128, n_keys=256, rate=rate)
   assert abs(float(jnp.mean(keep > 0)) - (1 - rate)) < 0.01
   np.testing.assert_allclose(float(jnp.max(keep)), 1 / (1 - rate), rtol=1e-6)
 
@@ -123,7 +126,8 @@ def test_persistent_memory_matches_banded_attention(kind, rate):
     bh = (jnp.arange(B)[:, None] * H + jnp.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
     cols = jnp.arange(W + n).reshape(1, 1, 1, 1, W + n)
     keys = jnp.where(cols < W, rows + cols, (W + M) + (cols - W))
-    return p * fa.dropout_scale(seed, bh, rows, keys, n_rows=M, n_keys=W + M + n, rate=rate)
+    return p * hashed_dropout.dropout_scale(seed, bh, rows, keys, n_rows=M, n_keys=W + M + n,
+                                            rate=rate)
 
   def plain(q, k, v, pe, z, pk, pv):
     return banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R, pers_k_GxDxN=pk,

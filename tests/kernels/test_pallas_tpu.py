@@ -1,8 +1,9 @@
 """The fused TPU kernel (span_lm/kernels/pallas_tpu.py) against the reference implementation.
 
-Interpret mode on CPU: values and every gradient (q, k, v, key_pe, spans) against
-banded_reference.banded_attention, float32 tight and bfloat16 loose, for fixed, adaptive and
-dynamic spans (two slow tests: under a mesh, and in the TPU interpreter, which simulates VMEM and
+Interpret mode on CPU: values and every gradient (q, k, v, key_pe, spans, persistent vectors)
+against banded_reference.banded_attention, float32 tight and bfloat16 loose, for fixed, adaptive
+and dynamic spans, persistent memory and attention dropout (the reference given the kernel's
+hashed keep mask) (two slow tests: under a mesh, and in the TPU interpreter, which simulates VMEM and
 the pipeline). With libtpu (`pytest -m compile` in the tpu-compile environment), the kernels
 compiled by Mosaic for a v5e, deviceless, at the enwik8 shape of one head group.
 
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
 from span_lm.kernels import banded_reference
+from span_lm.kernels import hashed_dropout
 from span_lm.kernels import pallas_tpu as ft
 
 B, H, M, D, W, R, BLOCK = 2, 2, 32, 32, 48, 8, 16
@@ -171,26 +173,90 @@ def test_tpu_interpreter_with_uninitialised_memory_as_nan():
   assert not interpret_pallas_call.races.races_found
 
 
-def test_unsupported_features_say_so():
+N_PERS, SEED = 32, 3_000_000_001  # a seed past 2**31: the hash's uint32 bits in int32
+
+
+def _band_dropout(rate, n_pers):
+  """The kernel's keep mask for banded_reference's (B, H, n, C, W + N) bands: band column s of
+  row i is key i + s, persistent vector n is key W + M + n."""
+  def drop(p):
+    c = p.shape[3]
+    rows = jnp.arange(M).reshape(1, 1, M // c, c, 1)
+    bh = (jnp.arange(B)[:, None] * H + jnp.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
+    cols = jnp.arange(W + n_pers).reshape(1, 1, 1, 1, W + n_pers)
+    keys = jnp.where(cols < W, rows + cols, (W + M) + (cols - W))
+    return p * hashed_dropout.dropout_scale(jnp.uint32(SEED), bh, rows, keys, n_rows=M,
+                                            n_keys=W + M + n_pers, rate=rate)
+  return drop
+
+
+@functools.partial(jax.jit, static_argnames=("rate", "impl"))
+def _with_pers_and_dropout(q, k, v, pe, z, pk, pv, ct, rate, impl):
+  def f(q, k, v, pe, z, pk, pv):
+    if impl == "fused":
+      return ft.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK, interpret=True,
+                               pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=rate,
+                               dropout_seed=jnp.uint32(SEED) if rate else None)
+    return banded_reference.banded_attention(
+        q, k, v, pe, span_z=z, ramp=R, pers_k_GxDxN=pk, pers_v_GxNxD=pv,
+        dropout=_band_dropout(rate, 0 if pk is None else pk.shape[-1]) if rate else None)
+  out, vjp = jax.vjp(f, q, k, v, pe, z, pk, pv)
+  return out, vjp(ct)
+
+
+@pytest.mark.parametrize("kind,n_pers,rate", [("dynamic", N_PERS, 0.3), ("fixed", N_PERS, 0.0),
+                                              ("integer", 0, 0.3)])
+def test_persistent_memory_and_dropout_match_the_reference(kind, n_pers, rate):
+  """All-attention layers (N persistent keys and values per head in the same softmax, mask 1)
+  and attention dropout (the reference given the kernel's hashed keep mask, persistent weights
+  included): values and every gradient, the persistent vectors' (float32) among them."""
+  q, k, v, pe, ct, key = _inputs()
+  z = _spans(kind, key)
+  ks = jax.random.split(jax.random.PRNGKey(5), 2)
+  pk, pv = (jax.random.normal(ks[0], (H, D, n_pers)), jax.random.normal(ks[1], (H, n_pers, D))
+            ) if n_pers else (None, None)
+  args = (q, k, v, pe, z, pk, pv, ct)
+  out, grads = _with_pers_and_dropout(*args, rate=rate, impl="fused")
+  want_out, want_grads = _with_pers_and_dropout(*args, rate=rate, impl="reference")
+  np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-4)
+  if rate:  # the mask did something: the output differs from the kernel's without dropout
+    assert float(jnp.max(jnp.abs(out - _with_pers_and_dropout(*args, rate=0.0, impl="reference")[0]
+                                 ))) > 0.1
+  for name, g, w in zip("q k v pe z pk pv".split(), grads, want_grads):
+    if w is None:
+      assert g is None, name
+      continue
+    assert g.dtype == w.dtype, name
+    assert float(jnp.max(jnp.abs(w))) > 0, name
+    np.testing.assert_allclose(g, w, atol=3e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_bad_shapes_say_so():
   q, k, v, pe, _, _ = _inputs()
-  with pytest.raises(ValueError, match="persistent memory"):
-    ft.span_attention(q, k, v, pe, pers_k_HxDxN=jnp.zeros((H, D, 16)),
-                      pers_v_HxNxD=jnp.zeros((H, 16, D)), block=BLOCK, interpret=True)
-  with pytest.raises(ValueError, match="dropout"):
-    ft.span_attention(q, k, v, pe, dropout_rate=0.1, dropout_seed=1, block=BLOCK, interpret=True)
+  with pytest.raises(ValueError, match="come together"):
+    ft.span_attention(q, k, v, pe, pers_k_HxDxN=jnp.zeros((H, D, 16)), block=BLOCK,
+                      interpret=True)
+  with pytest.raises(ValueError, match="persistent vectors"):
+    ft.span_attention(q, k, v, pe, pers_k_HxDxN=jnp.zeros((H, D, 24)),
+                      pers_v_HxNxD=jnp.zeros((H, 24, D)), block=BLOCK, interpret=True)
+  with pytest.raises(ValueError, match="needs a dropout_seed"):
+    ft.span_attention(q, k, v, pe, dropout_rate=0.1, block=BLOCK, interpret=True)
   with pytest.raises(ValueError, match="multiple"):
     ft.span_attention(q, k, v, pe, block=24, interpret=True)
 
 
 @pytest.mark.compile
 @pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
-@pytest.mark.parametrize("w,d,dtype,kind", [
-    (1024, 64, "bfloat16", "dynamic"), (1024, 128, "bfloat16", "dynamic"),
-    (8192, 64, "bfloat16", "dynamic"), (8192, 128, "bfloat16", "dynamic"),
-    (8192, 128, "float32", "dynamic"), (8192, 128, "bfloat16", "fixed")])
-def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind):
-  """Forward and backward of one head group (B=2, H=8, M=512, W, Dh) compiled by Mosaic for a
-  v5e, no TPU here: block shapes, VMEM and the strided rolls are checked as on a TPU host."""
+@pytest.mark.parametrize("w,d,dtype,kind,n_pers,rate", [
+    (1024, 64, "bfloat16", "dynamic", 0, 0.0), (1024, 128, "bfloat16", "dynamic", 0, 0.0),
+    (8192, 64, "bfloat16", "dynamic", 0, 0.0), (8192, 128, "bfloat16", "dynamic", 0, 0.0),
+    (8192, 128, "float32", "dynamic", 0, 0.0), (8192, 128, "bfloat16", "fixed", 0, 0.0),
+    (8192, 64, "bfloat16", "adaptive", 2048, 0.4), (1024, 128, "float32", "fixed", 256, 0.1)])
+def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind, n_pers, rate):
+  """Forward and backward of one head group (B=2, H=8, M=512, W, Dh; enwik8_pers' 2048
+  persistent vectors and dropout 0.4) compiled by Mosaic for a v5e, no TPU here: block shapes,
+  VMEM, the strided rolls and the dropout hash's integer vector ops are checked as on a TPU
+  host."""
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
@@ -200,16 +266,21 @@ def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind):
   sd = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=rep)
   z = None if kind == "fixed" else sd((b, h, m), "float32")
   args = (sd((b, h, m, d)), sd((b, h, w + m, d)), sd((b, h, w + m, d)), sd((d, w), "float32"))
+  pers = (sd((h, d, n_pers), "float32"), sd((h, n_pers, d), "float32")) if n_pers else ()
 
-  def loss(q, k, v, pe, z):
-    out = ft.span_attention(q, k, v, pe, z, ramp=32, block=128)
+  def loss(q, k, v, pe, z, *pers):
+    out = ft.span_attention(q, k, v, pe, z, ramp=32, block=128, pers_k_HxDxN=pers[0] if pers else None,
+                            pers_v_HxNxD=pers[1] if pers else None, dropout_rate=rate,
+                            dropout_seed=jnp.uint32(SEED) if rate else None)
     return jnp.sum(out.astype(jnp.float32))
 
   start = time.time()
-  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).lower(*args, z).compile()
+  argnums = tuple(i for i, a in enumerate((*args, z, *pers)) if a is not None)
+  compiled = jax.jit(jax.grad(loss, argnums=argnums)).lower(*args, z, *pers).compile()
   text = compiled.as_text()
   assert text.count("tpu_custom_call") >= 3, "forward, dq and dk/dv kernels"
-  print(f"v5e compile W={w} Dh={d} {dtype} {kind}: {time.time() - start:.1f} s")
+  print(f"v5e compile W={w} Dh={d} {dtype} {kind} N={n_pers} dropout={rate}: "
+        f"{time.time() - start:.1f} s")
 
 
 @pytest.mark.compile
