@@ -145,9 +145,11 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
   seed = None if dropout is None else dropout_seed()
   rate = cfg.dropout if seed is not None else 0.0
   if impl in TPU_FUSED:  # float32 parameters go in as such: their gradients stay float32
+    bq, bk = pallas_tpu.tiles(cfg.attn_block, m, key_pe_DxW.shape[-1],
+                              0 if pers_k_GxDxN is None else pers_k_GxDxN.shape[-1])
     return pallas_tpu.span_attention(
         q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(jnp.float32), z, ramp=cfg.ramp,
-        block=cfg.attn_block, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
+        block=bq, block_k=bk, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
         dropout_rate=rate, dropout_seed=seed, interpret=impl == "pallas_tpu_interpret",
         precision=cfg.attn_precision)
   dt = q_BxGxMxD.dtype

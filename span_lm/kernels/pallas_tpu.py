@@ -324,12 +324,9 @@ def _bwd_q_kernel(bounds_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, ha
 
 def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, has_mask,
                    n_heads, n_q, n_kb, n_steps):
-  """Per key block: dk and dv, summed over the query blocks that see it (deterministic)."""
-  if has_mask:
-    z_ref, g_ref, mx_ref, den_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
-  else:
-    g_ref, mx_ref, den_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
-    z_ref = None
+  """Per key block: dk and dv, summed over the query blocks that see it (deterministic). The
+  query rows' statistics come packed lane-dense, (8, bq) per step (`_packed_stats`)."""
+  g_ref, st_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
   b, h, kb, j = (pl.program_id(i) for i in range(4))
   n_cells, n_kcells = (pl.num_programs(0) * n_heads * n for n in (n_q, n_kb))
   seed, bh, m = bounds_ref[2 * n_cells], b * n_heads + h, n_q * s.bq  # dropout's hash
@@ -348,10 +345,11 @@ def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _S
   @pl.when(run)
   def _():
     q, k, g = q_ref[...], k_ref[...], g_ref[...]
-    z = _col(z_ref) if has_mask else None
+    st = st_ref[...].T  # (bq, 8): one column per statistic
+    z = st[:, 3:4] if has_mask else None
     keep = _keep(seed, bh, qi * s.bq, kb * s.bk, m, s) if s.rate else None
     ds, a, _, _ = _tile_grads(q, g, k, v_ref[...], pe_ref, kb * s.bk, qi * s.bq, z,
-                              _col(mx_ref), _col(den_ref), _col(delta_ref), keep, s)
+                              st[:, 0:1], st[:, 1:2], st[:, 2:3], keep, s)
     dk_acc[...] += _dot(ds.astype(q.dtype), q, s.precision, trans_a=True)
     dv_acc[...] += _dot(a.astype(g.dtype), g, s.precision, trans_a=True)
 
@@ -438,9 +436,19 @@ def _band_cost(kind: str, q, k, s: _Static, steps: int, has_mask: bool) -> pl.Co
     byts = b * h * nq * (3 * row + 3 * stat + 2 * stat * has_mask + steps * 2 * key) + 2 * pe * b
   else:  # bwd_kv, per (key block, query step): recompute, g.v, dk, dv
     tiles, flops = b * h * nkb * steps, 4 * qk + pos
-    byts = b * h * nkb * (4 * key + steps * (2 * row + 3 * stat + stat * has_mask)) + pe
+    byts = b * h * nkb * (4 * key + steps * (2 * row + 8 * s.bq * 4)) + pe
   return pl.CostEstimate(flops=int(tiles * flops), transcendentals=int(tiles * s.bq * s.bk),
                          bytes_accessed=int(byts))
+
+
+def _packed_stats(mx, den, delta, z, bq):
+  """(B, H, M / bq, 8, bq) float32: per query block, rows max, denominator, delta, span (zeros
+  without), then zeros. Read per step by the dk/dv kernel as one (8, bq) block, 32 bytes per
+  query row where lane-replicated (bq, 128) blocks take 512 per statistic (docs/kernels.md)."""
+  b, h, m = mx.shape
+  rows = [mx, den, delta, jnp.zeros_like(mx) if z is None else z]
+  packed = jnp.stack(rows + [jnp.zeros_like(mx)] * 4, axis=2)  # B H 8 M
+  return jnp.swapaxes(packed.reshape(b, h, 8, m // bq, bq), 2, 3)
 
 
 def _params(s: _Static, semantics):
@@ -560,13 +568,15 @@ def _backward(s: _Static, res, g):
   qbounds = _query_bounds(bounds, b, h, m, s)
   qsteps = _query_steps(m, s)
 
-  def query_map(bi, hi, kb, j, bnd, qbnd):
+  def query_block(bi, hi, kb, j, bnd, qbnd):
     cell = (bi * h + hi) * nkb + kb
     first = qbnd[cell]
-    return bi, hi, jnp.maximum(jnp.minimum(first + j, qbnd[b * h * nkb + cell] - 1), first), 0
+    return jnp.maximum(jnp.minimum(first + j, qbnd[b * h * nkb + cell] - 1), first)
 
-  rows_k = pl.BlockSpec((None, None, s.bq, dp), query_map)
-  stat_k = pl.BlockSpec((None, None, s.bq, LANES), query_map)
+  rows_k = pl.BlockSpec((None, None, s.bq, dp),
+                        lambda bi, hi, *a: (bi, hi, query_block(bi, hi, *a), 0))
+  stat_k = pl.BlockSpec((None, None, None, 8, s.bq),
+                        lambda bi, hi, *a: (bi, hi, query_block(bi, hi, *a), 0, 0))
   keys_k = pl.BlockSpec((None, None, s.bk, dp), lambda bi, hi, kb, j, bnd, qbnd: (bi, hi, kb, 0))
   kernel = functools.partial(_bwd_kv_kernel, s=s, has_mask=has_mask, n_heads=h, n_q=nq,
                              n_kb=nkb, n_steps=qsteps)
@@ -574,15 +584,14 @@ def _backward(s: _Static, res, g):
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2, grid=(b, h, nkb, qsteps),
-          in_specs=[rows_k, keys_k, keys_k, whole] + ([stat_k] if has_mask else [])
-          + [rows_k] + [stat_k] * 3,
+          in_specs=[rows_k, keys_k, keys_k, whole, rows_k, stat_k],
           out_specs=[keys_k, keys_k],
           scratch_shapes=[pltpu.VMEM((s.bk, dp), jnp.float32)] * 2),
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=_params(s, ("parallel", "parallel", "parallel", "arbitrary")),
       cost_estimate=_cost("bwd_kv", q, k, s, qsteps, has_mask),
       interpret=s.interpret, name="span_attention_bwd_kv")(
-          scalars, qbounds, q, k, v, pe_t, *zr, g, *stats)
+          scalars, qbounds, q, k, v, pe_t, g, _packed_stats(mx, den, delta, z, s.bq))
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
   return dq, dk, dv, jnp.sum(dpe, axis=0).astype(pe_t.dtype), dz, dseed, dpk, dpv
 
@@ -692,6 +701,18 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
               maybe(pers[1], rep))
   return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False, in_specs=in_specs,
                        axis_names=frozenset(axes))(*args, z, seed, *pers)[..., :dh]
+
+
+def tiles(attn_block: int, m: int, w: int, n_pers: int = 0) -> tuple[int, int]:
+  """(query tile bq, key tile bk) for a block of m queries, a window of w and n_pers persistent
+  vectors: 128 query rows where m allows (K/V are re-read once per query block), and the widest
+  key tile of 256, 128 that divides w, m and n_pers (the position term's matmul spans bq + bk
+  distances per bk keys: wider key tiles waste less of it); else attn_block. Each compiles for
+  v5e, v5p and v6e (tests/kernels/test_pallas_tpu.py); docs/kernels.md has the cost model."""
+  bq = 128 if m % 128 == 0 and attn_block <= 128 else attn_block
+  bk = next((t for t in (256, 128) if t >= attn_block and not (w % t or m % t or n_pers % t)),
+            attn_block)
+  return bq, bk
 
 
 def vmem_bytes(w: int, dp: int, bq: int, bk: int, dtype, pe_dtype=jnp.float32, n_pers: int = 0,

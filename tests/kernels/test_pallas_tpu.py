@@ -231,6 +231,15 @@ def test_persistent_memory_and_dropout_match_the_reference(kind, n_pers, rate):
     np.testing.assert_allclose(g, w, atol=3e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+def test_tiles_widen_where_the_shapes_allow():
+  """128 query rows and 256 keys at the enwik8 shapes (persistent vectors too); a window of 17
+  attention blocks keeps the key tile at the block; small test shapes keep both."""
+  assert ft.tiles(64, 512, 8192, 2048) == (128, 256)
+  assert ft.tiles(64, 512, 8192 + 128, 0) == (128, 128)
+  assert ft.tiles(64, 512, 17 * 64, 0) == (128, 64)
+  assert ft.tiles(16, 32, 48, 0) == (16, 16)
+
+
 def test_bad_shapes_say_so():
   q, k, v, pe, _, _ = _inputs()
   with pytest.raises(ValueError, match="come together"):
