@@ -26,9 +26,9 @@ from span_lm.kernels import decode as decode_lib
 from span_lm.kernels import pallas_gpu
 from span_lm.kernels import pallas_tpu
 from span_lm.kernels import target
+from span_lm.model import config as model_config
 
-IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret", "pallas_tpu",
-         "pallas_tpu_interpret")
+IMPLS = model_config.ATTN_IMPLS
 GPU_FUSED = ("pallas", "pallas_interpret")
 TPU_FUSED = ("pallas_tpu", "pallas_tpu_interpret")
 FUSED = GPU_FUSED + TPU_FUSED
@@ -43,20 +43,10 @@ class KV(NamedTuple):
   positions_last: bool = False  # cpu: (B, G, Dh, T) instead of (B, G, T, Dh)
 
 
-def fused_fits(cfg, m: int | None = None, w: int | None = None) -> str:
-  """'' when the fused kernels run this layer (block of m queries, window w), else why not."""
-  b = cfg.attn_block
-  if cfg.arch != "span":
-    return "the sparse model has its own attention"
-  if not isinstance(b, int) or b < 16 or b & (b - 1):
-    return f"attn_block={b} is not a power of two >= 16"
-  if cfg.head_dim < 16:
-    return f"head size {cfg.head_dim} < 16"
-  for what, n in (("pers_mem", cfg.pers_mem), ("span", cfg.span),
-                  ("plan_granularity", cfg.plan_granularity), ("block", m), ("window", w)):
-    if n is not None and n % b:
-      return f"{what}={n} is not a multiple of attn_block={b}"
-  return ""
+def _misfit(cfg, m, w) -> str:
+  """Why the fused kernels cannot run this layer ('' when they can): ModelConfig's one rule."""
+  field, rule = cfg.fused_misfit(m, w)
+  return f"{field} {rule}" if field else ""
 
 
 def _gpu_runs_triton(platform: target.Platform) -> bool:
@@ -77,17 +67,17 @@ def choose(cfg, m: int | None = None, w: int | None = None) -> str:
     if backend == "cpu":
       impl = "cpu"
     elif backend == "gpu" and _gpu_runs_triton(platform):
-      why = fused_fits(cfg, m, w)
+      why = _misfit(cfg, m, w)
       impl = "reference" if why else "pallas"
     elif backend == "tpu" and "v4" in platform.kind:
       impl, why = "reference", "TPU v4: Mosaic has no strided rotate (the kernel's skew)"
     elif backend == "tpu":
-      why = fused_fits(cfg, m, w)
+      why = _misfit(cfg, m, w)
       impl = "reference" if why else "pallas_tpu"
     else:
       impl, why = "reference", f"backend {backend}"
   elif impl in FUSED:
-    why = fused_fits(cfg, m, w)
+    why = _misfit(cfg, m, w)
     impl = "reference" if why else impl
   key = (cfg.attn_impl, impl, m, w, why)
   if key not in _logged:

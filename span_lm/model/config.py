@@ -11,8 +11,9 @@ from typing import Any
 
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
+# span_lm/kernels' implementations (its docstring says what each is); the door reads this tuple
 ATTN_IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret", "pallas_tpu",
-              "pallas_tpu_interpret")  # span_lm/kernels
+              "pallas_tpu_interpret")
 ATTN_PRECISIONS = ("default", "highest")  # float32 dots of the fused kernel (pallas_gpu)
 REMAT = ("none", "layer")
 ARCHS = ("span", "sparse")  # span_lm/model/transformer.py | span_lm/model/sparse_transformer.py
@@ -153,17 +154,26 @@ class ModelConfig:
       if self.d_model // self.adapt_io_div ** len(cuts) < 1:
         bad("adapt_io_div", f"leaves the last cluster of d_model={self.d_model} with no dimension")
 
-  def _check_fused(self, bad):
+  def fused_misfit(self, m: int | None = None, w: int | None = None) -> tuple[str, str]:
+    """('', '') when the fused kernels (GPU and TPU) tile a layer with a block of m queries and
+    a window of w (None: the config's own sizes only), else (field, what it must be). The one
+    rule: read by kernels.choose (which falls back to the reference) and by the validation of
+    an explicit fused attn_impl (which refuses)."""
     b = self.attn_block
-    if not isinstance(b, int) or b < 16 or b & (b - 1):
-      bad("attn_block", "must be a power of two >= 16")
     if self.arch != "span":
-      bad("attn_impl", "the fused kernel is for arch='span' (the sparse model has its own)")
-    if self.pers_mem % b:
-      bad("pers_mem", f"must be a multiple of attn_block={b} with attn_impl={self.attn_impl!r}")
-    for f in ("span", "plan_granularity"):
-      if getattr(self, f) % b:
-        bad(f, f"must be a multiple of attn_block={b} with attn_impl={self.attn_impl!r}")
+      return "arch", "must be 'span' (the sparse model has its own attention)"
+    if not isinstance(b, int) or b < 16 or b & (b - 1):
+      return "attn_block", "must be a power of two >= 16"
+    for f, n in (("pers_mem", self.pers_mem), ("span", self.span),
+                 ("plan_granularity", self.plan_granularity), ("block", m), ("window", w)):
+      if n is not None and n % b:
+        return f, f"must be a multiple of attn_block={b}"
+    return "", ""
+
+  def _check_fused(self, bad):
+    field, why = self.fused_misfit()
+    if field:
+      bad(field, f"{why} with attn_impl={self.attn_impl!r}")
 
   def _check_sparse(self, bad):
     if self.span_mode != "fixed":
