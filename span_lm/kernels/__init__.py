@@ -162,6 +162,19 @@ def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_
                                    pers_v_HxNxD=pers_v_HxNxD)
 
 
+def schedule_cost(cfg, impl: str, batch: int, m: int, w: int, span: float | None) -> dict | None:
+  """{kernel: FLOPs, HBM bytes (upper bound) and bytes_min (lower bound)} of one layer's fused
+  GPU kernels (batch streams, all heads, a block of m, window w, every row at `span`), for the
+  compile mode's per-kernel roofline; None for other implementations (XLA's cost analysis sees
+  the TPU kernel through its pl.CostEstimate)."""
+  if impl not in GPU_FUSED:
+    return None
+  cc = target.current().compute_capability if impl == "pallas" else None
+  tile = pallas_gpu.tiles(cc, cfg.head_dim, cfg.dtype, cfg.attn_block)[0]
+  return pallas_gpu.schedule_cost(batch, cfg.n_heads, m, w, cfg.head_dim, cfg.dtype, tile,
+                                  span=span, ramp=cfg.ramp, n_pers=cfg.pers_mem)
+
+
 def residual_bytes(cfg, impl: str, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   """Bytes one head group's attention keeps for the backward pass, by kind (keys_values,
   score_bands, weights), as the implementation saves them (tools/flops asks here)."""

@@ -547,6 +547,46 @@ def tiles(compute_capability: float | None, head_dim: int, dtype, block: int):
   return min(tile, block), warps, stages
 
 
+def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: int,
+                  span: float | None = None, ramp: int = 32, n_pers: int = 0) -> dict:
+  """FLOPs and HBM bytes of the three kernels' tile schedule for one call (B=b, H=h, a block of
+  m queries, window w), every row at `span` (None: a fixed span, every distance to w visited),
+  as {kernel: {"flops", "bytes", "bytes_min"}}. "bytes" counts every block a program loads or
+  stores (keys and values once per query block that visits them, the per-program scratch for the
+  skew, d pe's atomic adds), so re-reads that L2 catches count in full: an upper bound;
+  "bytes_min" each input read and each output written once: the lower bound. The compile mode's
+  per-kernel roofline (tools/compile.py) reads it; cost_analysis has none for a Triton call."""
+  dp, isz = padded_head_dim(head_dim), jnp.dtype(dtype).itemsize
+  bq = bk = tile
+  win = w if span is None else max(1, min(w, int(math.floor(span)) + ramp + 1))
+  tiles = 0  # visited (query block, key block) pairs: _key_blocks' range per query block
+  for i0 in range(0, m, bq):
+    lo, hi = (w + i0 - win) // bk, (w + i0) // bk + 1
+    tiles += hi - lo
+  tiles *= b * h
+  progs_q, progs_k = b * h * (m // bq), b * h * ((w + m) // bk)
+  qk, pos = 2 * bq * bk * dp, 2 * bq * (bq + bk) * dp
+  rows, keys, pe = bq * dp * isz, bk * dp * isz, (bq + bk) * dp * isz
+  scr = bq * (bq + bk) * 4  # G (and ds) through the program's scratch rows
+  pers_mm, pers_io = 2 * bq * n_pers * dp, 2 * n_pers * dp * isz
+  q_all, kv_all = b * h * m * dp * isz, b * h * (w + m) * dp * isz
+  pe_all, stat = (w + 2 * tile) * dp * isz, b * h * m * 4
+  minimum = {"fwd": 2 * q_all + 2 * kv_all + pe_all + 3 * stat + pers_io * h,
+             "bwd_q": 4 * q_all + 2 * kv_all + 2 * pe_all + 4 * stat + pers_io * h * 3,
+             "bwd_kv": 2 * q_all + 4 * kv_all + pe_all + 4 * stat}
+  cost = {
+      "fwd": {"flops": tiles * (2 * qk + pos) + progs_q * 2 * pers_mm,
+              "bytes": tiles * (2 * keys + pe + 2 * scr)
+                       + progs_q * (2 * rows + 3 * bq * 4 + pers_io)},
+      "bwd_q": {"flops": tiles * (3 * qk + 3 * pos) + progs_q * 5 * pers_mm,
+                "bytes": tiles * (2 * keys + pe + 4 * scr + 2 * (bq + bk) * dp * 4)
+                         + progs_q * (3 * rows + 4 * bq * 4 + pers_io + 4 * n_pers * dp * 4)},
+      "bwd_kv": {"flops": tiles * (4 * qk + pos),
+                 "bytes": tiles * (2 * rows + 4 * bq * 4 + pe + 2 * scr) + progs_k * 4 * keys},
+  }
+  return {k: dict(v, bytes_min=minimum[k]) for k, v in cost.items()}
+
+
 def padded_head_dim(dh: int) -> int:
   """The head size the kernels run with: the next power of two >= 16 (Triton's tiles are powers
   of two), e.g. 128 for the large paper models' 96."""

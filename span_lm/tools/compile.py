@@ -251,6 +251,9 @@ def compile_target(config, tgt: Target) -> dict:
                                     batch_split=split, log=log.append)
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
     row["attention"] = kernels.choose(cfg, d.block, max(cfg.span, d.block))
+    row["kernels_roofline"] = kernel_roofline(
+        chip, cfg, lambda span: kernels.schedule_cost(cfg, row["attention"], d.batch // n,
+                                                      d.block, cfg.span, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
                                                            config.seed))
     state = sharding_lib.with_shardings(abstract, shardings(abstract))
@@ -305,6 +308,34 @@ def roofline(chip: chips.Chip, dtype: str, per_chip: int, matmul_flops: float, c
   bound = max(out.values())
   out["bound"] = "hbm" if out.get("hbm_s", 0) > out["compute_s"] else "compute"
   out["tokens_per_s"] = tokens / bound if bound else None
+  return out
+
+
+LEARNED_SPAN = 314  # the paper's average learned span on text8 with spans up to 8192
+
+
+def kernel_roofline(chip: chips.Chip, cfg, cost_at) -> list[dict]:
+  """Per fused GPU kernel, one layer of the step on one device, every head at the full span and
+  at the paper's average learned span: FLOPs and HBM bytes of the tile schedule (an interval:
+  each input once .. every block as the programs load it, L2 catching nothing), the compute and
+  HBM times at the chip's peaks, and which binds ('either' when the time in between depends on
+  the cache). [] where no such kernel runs (TPU: XLA's cost analysis sees its kernel)."""
+  out = []
+  spans = [(f"span {cfg.span}", None)]  # None: every distance up to the window
+  if cfg.span_mode != "fixed":
+    spans.append((f"learned span {LEARNED_SPAN}", LEARNED_SPAN))
+  for label, span in spans:
+    cost = cost_at(span)
+    if not cost:
+      return []
+    key = "bfloat16" if cfg.dtype != "float32" else ("tf32" if "tf32" in chip.peak_flops
+                                                     else "float32")
+    for kernel, c in cost.items():
+      t_mm = c["flops"] / chip.peak_flops[key]
+      lo, hi = (c[k] / chip.hbm_bytes_per_s for k in ("bytes_min", "bytes"))
+      bound = "compute" if t_mm >= hi else "HBM" if t_mm < lo else "either"
+      out.append(dict(spans=label, kernel=kernel, flops=c["flops"], bytes_min=c["bytes_min"],
+                      bytes=c["bytes"], compute_s=t_mm, hbm_min_s=lo, hbm_max_s=hi, bound=bound))
   return out
 
 
@@ -421,7 +452,15 @@ def markdown(result: dict) -> str:
       if "span_attention" in k["kernel"] or k["spill_store"] or k["spill_load"]:
         kern.append(f"| {row['target']} | {k['kernel'][:60]} | {k['arch']} | {k['registers']} | "
                     f"{k['spill_store']} / {k['spill_load']} | {k['smem']} |")
+  roof = [f"| {row['target']} | {k['spans']} | {k['kernel']} | {k['flops'] / 1e9:.0f} | "
+          f"{k['bytes_min'] / 1e9:.2f} .. {k['bytes'] / 1e9:.2f} | {k['compute_s'] * 1e3:.3f} | "
+          f"{k['hbm_min_s'] * 1e3:.3f} .. {k['hbm_max_s'] * 1e3:.3f} | {k['bound']} |"
+          for row in result["rows"] for k in row.get("kernels_roofline", [])]
   out = "\n".join(lines)
+  if roof:
+    out += ("\n\nFused attention kernels, one layer per device (tile schedule; HBM bytes from each "
+            "input once to every block as loaded):\n\n| target | spans | kernel | GFLOP | HBM GB | "
+            "compute ms | HBM ms | bound |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(roof))
   if kern:
     out += ("\n\nGPU kernels (ptxas: ours, and XLA's that spill):\n\n| target | kernel | arch | "
             "registers | spill stores / loads B | static smem B |\n|---|---|---|---|---|---|\n" +

@@ -94,8 +94,9 @@ def _per_device_split(mesh, batch_axes, rows: int, batch_split: int) -> tuple | 
   n = int(np.prod([mesh.shape[a] for a in axes]))
   if n == 1 or rows % (n * batch_split):
     if n > 1:
-      logging.info("batch_split=%d: %d rows over %d devices do not split per device; the "
-                   "gradients are reduced in every piece", batch_split, rows, n)
+      logging.warning("batch_split=%d: %d rows over %d devices do not split per device; the "
+                      "gradients cross the devices in every piece (choose a batch that is a "
+                      "multiple of devices x batch_split)", batch_split, rows, n)
     return None
   return axes
 

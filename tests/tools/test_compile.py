@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
+from span_lm import kernels
 from span_lm.kernels import pallas_gpu
+from span_lm.kernels import target as target_lib
 from span_lm.tools import chips
 from span_lm.tools import compile as compile_lib
 
@@ -93,6 +95,35 @@ def test_fused_kernel_tiles_per_target_fit_the_block():
   assert pallas_gpu.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
 
 
+def test_gpu_kernel_roofline_counts_the_visited_tiles():
+  """The fused GPU kernels' schedule cost (the compile mode's per-kernel roofline): forward FLOPs
+  equal an independent count of the (query block, key block) tiles with a visited distance, a
+  learned span costs less than the full one, and the byte interval is ordered."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  b, h, m, w, dh, t = 2, 4, 256, 1024, 64, 32
+  for span, win in ((None, w), (100.0, 100 + 32 + 1)):
+    cost = pallas_gpu.schedule_cost(b, h, m, w, dh, "bfloat16", t, span=span, ramp=32)
+    tiles = 0
+    for i0 in range(0, m, t):
+      for t0 in range(0, w + m, t):
+        dist = w + np.arange(i0, i0 + t)[:, None] - np.arange(t0, t0 + t)[None, :]
+        tiles += bool(((dist >= 1) & (dist <= win)).any())
+    assert cost["fwd"]["flops"] == b * h * tiles * (2 * 2 * t * t * dh + 2 * t * 2 * t * dh)
+    assert all(c["bytes_min"] <= c["bytes"] for c in cost.values())
+  cfg = ModelConfig(vocab_size=11, d_model=512, n_heads=8, span=8192, span_mode="adaptive",
+                    dtype="bfloat16")
+  with target_lib.compiling_for("cuda", 9.0):
+    rows = compile_lib.kernel_roofline(
+        chips.get("h100"), cfg,
+        lambda span: kernels.schedule_cost(cfg, "pallas", 8, 512, 8192, span))
+  assert [(r["spans"], r["kernel"]) for r in rows][:3] == [
+      ("span 8192", "fwd"), ("span 8192", "bwd_q"), ("span 8192", "bwd_kv")]
+  assert len(rows) == 6 and rows[3]["flops"] < rows[0]["flops"] / 10
+  assert all(r["bound"] in ("compute", "HBM", "either") for r in rows)
+  assert kernels.schedule_cost(cfg, "reference", 8, 512, 8192, None) is None
+
+
 @pytest.mark.skipif(HAS_TPU and HAS_CUDA, reason="both toolchains installed")
 def test_missing_toolchain_is_one_line(tmp_path):
   target = "v5p:2x2x2" if not HAS_TPU else "h100:1"
@@ -141,6 +172,7 @@ def test_compile_mode_for_an_h100(tmp_path):
   ours = {k["kernel"]: k for k in row["kernels"] if k["kernel"].startswith("span_attention")}
   assert set(ours) == {"span_attention_fwd", "span_attention_bwd_q", "span_attention_bwd_kv"}
   assert all(k["arch"] == "sm_90a" and k["registers"] > 0 for k in ours.values())
+  assert {k["kernel"] for k in row["kernels_roofline"]} == {"fwd", "bwd_q", "bwd_kv"}
 
 
 @pytest.mark.compile
