@@ -569,7 +569,8 @@ def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: in
   rows, keys, pe = bq * dp * isz, bk * dp * isz, (bq + bk) * dp * isz
   scr = bq * (bq + bk) * 4  # G (and ds) through the program's scratch rows
   pers_mm, pers_io = 2 * bq * n_pers * dp, 2 * n_pers * dp * isz
-  q_all, kv_all = b * h * m * dp * isz, b * h * (w + m) * dp * isz
+  keys_read = ((w + m - bq) // bk + 1 - (w - win) // bk) * bk  # the span's keys, block-rounded
+  q_all, kv_all = b * h * m * dp * isz, b * h * keys_read * dp * isz
   pe_all, stat = (w + 2 * tile) * dp * isz, b * h * m * 4
   minimum = {"fwd": 2 * q_all + 2 * kv_all + pe_all + 3 * stat + pers_io * h,
              "bwd_q": 4 * q_all + 2 * kv_all + 2 * pe_all + 4 * stat + pers_io * h * 3,
