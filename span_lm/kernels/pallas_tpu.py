@@ -30,9 +30,11 @@ partials are summed by XLA. key_pe (transposed, zero-padded) sits whole in VMEM.
 Head sizes that are not a multiple of 32 are zero-padded to a multiple of 128 lanes
 (`padded_head_dim`; 64 and 96 run as they are); the padded columns add nothing to any score and
 are sliced off. Row statistics (running max, denominator, delta, span, span gradient) travel as
-(rows, 128) lane-replicated blocks, as in jax.experimental.pallas.ops.tpu.flash_attention; the
-residuals saved for the backward pass are (B, H, M) float32 (two of them), plus the inputs and
-the output.
+(rows, 128) lane-replicated blocks into the forward and dq kernels (read once per query block),
+as in jax.experimental.pallas.ops.tpu.flash_attention, and packed lane-dense, (8, bq) per step,
+into the dk/dv kernel, which reads them once per (key block, query block); the residuals saved
+for the backward pass are (B, H, M) float32 (two of them), plus the inputs and the output. Tiles
+per shape: `tiles` (128 query rows, 256-key tiles where the window allows; docs/kernels.md).
 
 Persistent memory (all-attention layers): the head's N persistent keys and values sit whole in
 VMEM and join each query block's softmax at its first grid step (mask 1, no position term), in

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from span_lm import kernels
 from span_lm.model import build_model
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
@@ -294,8 +295,17 @@ class StepCompiler:
       return self._cache[key]
     t0 = time.perf_counter()
     with jax.set_mesh(self.mesh):  # the fused attention kernel shards itself over it
-      compiled = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
-                         donate_argnums=donate).lower(*args).compile()
+      lowered = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
+                        donate_argnums=donate).lower(*args)
+      options = kernels.compiler_options(self.cfg)
+      try:
+        compiled = lowered.compile(compiler_options=options or None)
+      except Exception as e:  # pylint: disable=broad-except
+        if not options or not any(k in str(e) for k in options):
+          raise
+        self._log(f"this jaxlib does not take {options} ({str(e).splitlines()[0][:120]}); "
+                  "compiling without")
+        compiled = lowered.compile()
     secs = time.perf_counter() - t0
     self.compilations.append({"kind": kind, "seconds": secs, "plan": plan.describe()})
     self._log(f"compiled {kind} step #{len(self.compilations)} in {secs:.1f}s "
