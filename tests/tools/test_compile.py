@@ -3,6 +3,7 @@
 Without the toolchains (CI's main environment) the mode must say in one line what to install;
 with them (`pytest -m compile`, run by .ci/run in a second environment that has libtpu, and by
 hand where the CUDA plugin is installed) it compiles a small config for real, deviceless."""
+import dataclasses
 import importlib.util
 import json
 import os
@@ -122,6 +123,23 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
   assert len(rows) == 6 and rows[3]["flops"] < rows[0]["flops"] / 10
   assert all(r["bound"] in ("compute", "HBM", "either") for r in rows)
   assert kernels.schedule_cost(cfg, "reference", 8, 512, 8192, None) is None
+
+
+def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():
+  """ptxas' occupancy floor (docs/kernels.md, the 32-register cap) for a GPU step with the fused
+  kernel; nothing for the reference path, the CPU or a TPU."""
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(vocab_size=11, d_model=128, n_heads=2, span=128, attn_block=64,
+                    plan_granularity=64)
+  with target_lib.compiling_for("cuda", 8.0):
+    assert kernels.compiler_options(cfg) == {
+        "xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
+    assert kernels.compiler_options(dataclasses.replace(cfg, attn_impl="reference")) == {}
+  with target_lib.compiling_for("gpu", 7.0):  # V100: the reference path
+    assert kernels.compiler_options(cfg) == {}
+  with target_lib.compiling_for("tpu", kind="TPU v5"):
+    assert kernels.compiler_options(cfg) == {}
+  assert kernels.compiler_options(cfg) == {}
 
 
 @pytest.mark.skipif(HAS_TPU and HAS_CUDA, reason="both toolchains installed")
