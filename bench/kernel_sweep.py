@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+from span_lm import kernels  # pylint: disable=wrong-import-position
 from span_lm.tools import chips  # pylint: disable=wrong-import-position
 from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
 
@@ -60,7 +61,9 @@ def child(target, dtype, dh, tile, warps, stages, precision):
   row = {"target": target, "dtype": dtype, "head_dim": dh, "tile": tile, "warps": warps,
          "stages": stages, "precision": precision}
   try:
-    f.lower(*args).compile()
+    # as the training step compiles it (kernels.compiler_options: ptxas' occupancy floor)
+    f.lower(*args).compile(compiler_options=None if precision == "anchor" else
+                           dict(kernels.GPU_COMPILER_OPTIONS))
     row["compiled"] = True
   except Exception as e:  # pylint: disable=broad-except
     row["compiled"] = False

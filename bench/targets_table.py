@@ -21,13 +21,15 @@ from span_lm import config as config_lib  # pylint: disable=wrong-import-positio
 from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
 
 
-def attempts(split: int, batch: int, devices: int, max_split: int):
-  """(batch_split, remat) settings to try, in order: as shipped, more pieces, then remat."""
-  out, s = [(split, "none")], split
+def attempts(split: int, remat: str, batch: int, devices: int, max_split: int):
+  """(batch_split, remat) settings to try, in order: as shipped, more pieces, then remat (unless
+  the config ships with it)."""
+  out, s = [(split, remat)], split
   while s * 2 <= max_split and batch % (s * 2) == 0 and (batch // (s * 2)) % devices == 0:
     s *= 2
-    out.append((s, "none"))
-  out.append((s, "layer"))
+    out.append((s, remat))
+  if remat == "none":
+    out.append((s, "layer"))
   return out
 
 
@@ -76,8 +78,8 @@ def main():
       tgt = compile_lib.parse_target(target)
       devices = tgt.chips * (tgt.chip.cores_per_chip if tgt.chip.name == "v4" else 1)
       tried = []
-      for split, remat in attempts(base.optim.batch_split, base.data.batch, devices,
-                                   args.max_split):
+      for split, remat in attempts(base.optim.batch_split, base.model.remat, base.data.batch,
+                                   devices, args.max_split):
         t0 = time.perf_counter()
         row = one(path, target, split, remat, args.plan)
         row["wall_s"] = time.perf_counter() - t0

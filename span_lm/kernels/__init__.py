@@ -165,13 +165,13 @@ def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_
 # ptxas, given a kernel's block size (.reqntid) and no occupancy target, may hold a kernel to 32
 # registers and spill: the float32 kernels at head size 128 (17.6 KB of spills in bwd_q on an
 # A100). One CTA per SM as the floor lets it use what it needs (docs/kernels.md).
-_PTXAS_FLAGS = {"xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
+GPU_COMPILER_OPTIONS = {"xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
 
 
 def compiler_options(cfg) -> dict:
   """XLA compile options for a step of this model on the target platform: ptxas' occupancy
   floor where the fused GPU kernel runs, else none."""
-  return dict(_PTXAS_FLAGS) if choose(cfg) == "pallas" else {}
+  return dict(GPU_COMPILER_OPTIONS) if choose(cfg) == "pallas" else {}
 
 
 def schedule_cost(cfg, impl: str, batch: int, m: int, w: int, span: float | None) -> dict | None:
