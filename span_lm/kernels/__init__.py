@@ -49,6 +49,13 @@ def _misfit(cfg, m, w) -> str:
   return f"{field} {rule}" if field else ""
 
 
+def _tpu_misfit(cfg, m, w) -> str:
+  """Mosaic's lane rule for the TPU kernel's tiles at this layer's shape ('' when unknown)."""
+  if m is None or w is None:
+    return ""
+  return pallas_tpu.misfit(cfg.attn_block, m, w, cfg.pers_mem)
+
+
 def _gpu_runs_triton(platform: target.Platform) -> bool:
   """Pallas' Triton backend: NVIDIA GPUs of compute capability >= 8.0 (Ampere and later)."""
   cc = platform.compute_capability
@@ -72,12 +79,12 @@ def choose(cfg, m: int | None = None, w: int | None = None) -> str:
     elif backend == "tpu" and "v4" in platform.kind:
       impl, why = "reference", "TPU v4: Mosaic has no strided rotate (the kernel's skew)"
     elif backend == "tpu":
-      why = _misfit(cfg, m, w)
+      why = _misfit(cfg, m, w) or _tpu_misfit(cfg, m, w)
       impl = "reference" if why else "pallas_tpu"
     else:
       impl, why = "reference", f"backend {backend}"
   elif impl in FUSED:
-    why = _misfit(cfg, m, w)
+    why = _misfit(cfg, m, w) or (_tpu_misfit(cfg, m, w) if impl == "pallas_tpu" else "")
     impl = "reference" if why else impl
   key = (cfg.attn_impl, impl, m, w, why)
   if key not in _logged:

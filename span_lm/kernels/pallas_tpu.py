@@ -707,14 +707,25 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 
 def tiles(attn_block: int, m: int, w: int, n_pers: int = 0) -> tuple[int, int]:
   """(query tile bq, key tile bk) for a block of m queries, a window of w and n_pers persistent
-  vectors: 128 query rows where m allows (K/V are re-read once per query block), and the widest
-  key tile of 256, 128 that divides w, m and n_pers (the position term's matmul spans bq + bk
-  distances per bk keys: wider key tiles waste less of it); else attn_block. Each compiles for
-  v5e, v5p and v6e (tests/kernels/test_pallas_tpu.py); docs/kernels.md has the cost model."""
-  bq = 128 if m % 128 == 0 and attn_block <= 128 else attn_block
+  vectors: the widest key tile of 256, 128 that divides w, m and n_pers (the position term's
+  matmul spans bq + bk distances per bk keys: wider key tiles waste less of it), else attn_block;
+  then 128 query rows where m allows (K/V are re-read once per query block) and bq + bk stays a
+  multiple of 128 lanes (the in-tile skew's rotation), else bq = bk. Each compiles for v5e, v5p
+  and v6e (tests/kernels/test_pallas_tpu.py); docs/kernels.md has the cost model."""
   bk = next((t for t in (256, 128) if t >= attn_block and not (w % t or m % t or n_pers % t)),
             attn_block)
+  bq = 128 if m % 128 == 0 and bk % 128 == 0 else bk
   return bq, bk
+
+
+def misfit(attn_block: int, m: int, w: int, n_pers: int = 0) -> str:
+  """'' when `tiles` gives Mosaic-legal tiles for this layer, else why not (a TPU then runs the
+  reference): the skew rotates bq + bk lanes, which must be a multiple of 128."""
+  bq, bk = tiles(attn_block, m, w, n_pers)
+  if (bq + bk) % LANES:
+    return (f"TPU tiles {bq} + {bk} are not a multiple of 128 lanes (window {w}, attn_block "
+            f"{attn_block}; attn_block >= 64 tiles every window)")
+  return ""
 
 
 def vmem_bytes(w: int, dp: int, bq: int, bk: int, dtype, pe_dtype=jnp.float32, n_pers: int = 0,

@@ -233,11 +233,14 @@ def test_persistent_memory_and_dropout_match_the_reference(kind, n_pers, rate):
 
 def test_tiles_widen_where_the_shapes_allow():
   """128 query rows and 256 keys at the enwik8 shapes (persistent vectors too); a window of 17
-  attention blocks keeps the key tile at the block; small test shapes keep both."""
+  attention blocks (or the initial plan's 64) keeps both tiles at the block, so that the skew
+  rotates a multiple of 128 lanes; small test shapes keep both; an unaligned pair says why."""
   assert ft.tiles(64, 512, 8192, 2048) == (128, 256)
   assert ft.tiles(64, 512, 8192 + 128, 0) == (128, 128)
-  assert ft.tiles(64, 512, 17 * 64, 0) == (128, 64)
+  assert ft.tiles(64, 512, 17 * 64, 0) == (64, 64)  # bq + bk: a multiple of 128 lanes
+  assert ft.tiles(64, 512, 64, 0) == (64, 64)  # the initial plan's window
   assert ft.tiles(16, 32, 48, 0) == (16, 16)
+  assert not ft.misfit(64, 512, 64) and "128 lanes" in ft.misfit(32, 512, 96)
 
 
 def test_bad_shapes_say_so():
@@ -260,12 +263,13 @@ def test_bad_shapes_say_so():
     (1024, 64, "bfloat16", "dynamic", 0, 0.0), (1024, 128, "bfloat16", "dynamic", 0, 0.0),
     (8192, 64, "bfloat16", "dynamic", 0, 0.0), (8192, 128, "bfloat16", "dynamic", 0, 0.0),
     (8192, 128, "float32", "dynamic", 0, 0.0), (8192, 128, "bfloat16", "fixed", 0, 0.0),
-    (8192, 64, "bfloat16", "adaptive", 2048, 0.4), (1024, 128, "float32", "fixed", 256, 0.1)])
+    (8192, 64, "bfloat16", "adaptive", 2048, 0.4), (1024, 128, "float32", "fixed", 256, 0.1),
+    (64, 128, "bfloat16", "adaptive", 0, 0.4)])
 def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind, n_pers, rate):
   """Forward and backward of one head group (B=2, H=8, M=512, W, Dh; enwik8_pers' 2048
-  persistent vectors and dropout 0.4) compiled by Mosaic for a v5e, no TPU here: block shapes,
-  VMEM, the strided rolls and the dropout hash's integer vector ops are checked as on a TPU
-  host."""
+  persistent vectors and dropout 0.4; the initial plan's window of 64), at the door's tiles,
+  compiled by Mosaic for a v5e, no TPU here: block shapes, VMEM, the strided rolls and the
+  dropout hash's integer vector ops are checked as on a TPU host."""
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
@@ -277,8 +281,11 @@ def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind, n_pers, ra
   args = (sd((b, h, m, d)), sd((b, h, w + m, d)), sd((b, h, w + m, d)), sd((d, w), "float32"))
   pers = (sd((h, d, n_pers), "float32"), sd((h, n_pers, d), "float32")) if n_pers else ()
 
+  bq, bk = ft.tiles(64, m, w, n_pers)  # the door's tiles for attn_block=64
+
   def loss(q, k, v, pe, z, *pers):
-    out = ft.span_attention(q, k, v, pe, z, ramp=32, block=128, pers_k_HxDxN=pers[0] if pers else None,
+    out = ft.span_attention(q, k, v, pe, z, ramp=32, block=bq, block_k=bk,
+                            pers_k_HxDxN=pers[0] if pers else None,
                             pers_v_HxNxD=pers[1] if pers else None, dropout_rate=rate,
                             dropout_seed=jnp.uint32(SEED) if rate else None)
     return jnp.sum(out.astype(jnp.float32))
