@@ -44,3 +44,10 @@ def dropout_scale(seed, bh, row, key, *, n_rows: int, n_keys: int, rate: float):
   threshold = jnp.int32(round((1.0 - rate) * (1 << 24)))
   keep = lax.shift_right_logical(bits, jnp.int32(8)) < threshold
   return jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(jnp.float32)
+
+
+def shard_seed(seed, axes):
+  """The seed a kernel uses inside shard_map over mesh `axes`: each shard's own, so shards that
+  hold different streams draw different masks (their (b * H + h) indices restart at 0)."""
+  shard = lax.convert_element_type(lax.axis_index(axes), jnp.uint32)
+  return seed ^ (shard * jnp.uint32(0x9E3779B9))

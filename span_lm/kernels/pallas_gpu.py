@@ -514,8 +514,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   # device; under a mesh (the trainer sets one; it shards batches over all of its axes, 'data'
   # and 'fsdp') each device runs the kernel on its own streams.
   def local(q, k, v, pe, z, seed, pk, pv):
-    shard = lax.convert_element_type(lax.axis_index(axes), jnp.uint32)
-    seed = seed ^ (shard * jnp.uint32(0x9E3779B9))  # distinct dropout masks per shard
+    seed = hashed_dropout.shard_seed(seed, axes)
     return _span_attention(q, k, v, pe, z, seed, pk, pv, *static)
 
   rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()

@@ -693,8 +693,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   # A pallas_call is opaque to XLA's partitioner: under a mesh each device runs the kernel on
   # its own batch rows (as pallas_gpu.span_attention), with its own dropout masks.
   def local(q, k, v, pe, z, seed, pk, pv):
-    shard = lax.convert_element_type(lax.axis_index(axes), jnp.uint32)
-    seed = seed ^ (shard * jnp.uint32(0x9E3779B9))  # distinct dropout masks per shard
+    seed = hashed_dropout.shard_seed(seed, axes)
     return _attention(q, k, v, pe, z, as_i32(seed), pk, pv, s)
 
   rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()

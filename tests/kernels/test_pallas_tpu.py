@@ -142,7 +142,7 @@ def test_visited_key_blocks_follow_the_spans():
 @pytest.mark.slow  # its own interpreted compile (one batch row per device): ~15 s more
 def test_runs_per_shard_under_a_mesh():
   """Under a mesh the kernel runs in a shard_map over the batch axes (XLA cannot partition an
-  opaque kernel): the same values and gradients."""
+  opaque kernel): the same values and gradients, and dropout masks that differ between shards."""
   from span_lm.train import sharding  # pylint: disable=g-import-not-at-top
   q, k, v, pe, ct, key = _inputs()
   z = _spans("dynamic", key)
@@ -151,6 +151,11 @@ def test_runs_per_shard_under_a_mesh():
   with jax.set_mesh(sharding.make_mesh(2)):
     assert "shard_map" in str(jax.make_jaxpr(step)(q, k, v, pe, z, ct))
     got = step(q, k, v, pe, z, ct)
+    same = [jnp.broadcast_to(x[:1], x.shape) for x in (q, k, v)]  # two identical streams
+    dropped = jax.jit(lambda q, k, v: ft.span_attention(
+        q, k, v, pe, None, ramp=R, block=BLOCK, interpret=True, dropout_rate=0.5,
+        dropout_seed=jnp.uint32(7)))(*same)
+  assert float(jnp.max(jnp.abs(dropped[0] - dropped[1]))) > 0.1
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
   for g_got, g_want in zip(got[1], want[1]):
     np.testing.assert_allclose(g_got, g_want, atol=2e-5, rtol=1e-4)
