@@ -149,9 +149,7 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
         block=bq, block_k=bk, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
         dropout_rate=rate, dropout_seed=seed, interpret=impl == "pallas_tpu_interpret",
         precision=cfg.attn_precision)
-  dt = q_BxGxMxD.dtype
-  cc = target.current().compute_capability if impl == "pallas" else None
-  tile, warps, stages = pallas_gpu.tiles(cc, cfg.head_dim, dt, cfg.attn_block)
+  tile, warps, stages = gpu_tiles(cfg, impl, q_BxGxMxD.dtype)
   return pallas_gpu.span_attention(
       q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=cfg.ramp, block=tile,
       num_warps=warps, num_stages=stages,
@@ -159,6 +157,16 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
       pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
       dropout_rate=rate, dropout_seed=seed,
       interpret=impl == "pallas_interpret", precision=cfg.attn_precision)
+
+
+def gpu_tiles(cfg, impl: str, dtype) -> tuple[int, int, int]:
+  """The GPU kernel's (tile, warps, stages): the config's own 'T,W,S' (or what 'tune' measured:
+  train/loop.py writes it there), else pallas_gpu's table for the target (interpret mode: none)."""
+  explicit = model_config.parse_tiles(cfg.attn_tiles)
+  if explicit is not None:
+    return explicit
+  cc = target.current().compute_capability if impl == "pallas" else None
+  return pallas_gpu.tiles(cc, cfg.head_dim, dtype, cfg.attn_block)
 
 
 def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_k_HxDxN=None,
@@ -188,8 +196,7 @@ def schedule_cost(cfg, impl: str, batch: int, m: int, w: int, span: float | None
   the TPU kernel through its pl.CostEstimate)."""
   if impl not in GPU_FUSED:
     return None
-  cc = target.current().compute_capability if impl == "pallas" else None
-  tile = pallas_gpu.tiles(cc, cfg.head_dim, cfg.dtype, cfg.attn_block)[0]
+  tile = gpu_tiles(cfg, impl, cfg.dtype)[0]
   return pallas_gpu.schedule_cost(batch, cfg.n_heads, m, w, cfg.head_dim, cfg.dtype, tile,
                                   span=span, ramp=cfg.ramp, n_pers=cfg.pers_mem)
 

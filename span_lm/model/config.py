@@ -26,6 +26,18 @@ REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_
                   "everything_saveable")
 
 
+def parse_tiles(text: str) -> tuple[int, int, int] | None:
+  """'T,W,S' as (tile, warps, stages) for the fused GPU kernel, or None if it is not one."""
+  try:
+    tile, warps, stages = (int(x) for x in str(text).split(","))
+  except ValueError:
+    return None
+  pow2 = lambda n: n > 0 and not n & (n - 1)
+  if not (pow2(tile) and tile >= 16 and pow2(warps) and warps <= 16 and stages >= 1):
+    return None
+  return tile, warps, stages
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int  # the run config's 0 means the dataset's vocabulary
@@ -64,6 +76,10 @@ class ModelConfig:
   # pallas, float32 models: default (TF32 tensor cores on Ampere and later, as XLA's own float32
   # matmuls) | highest (exact float32, no tensor cores). bf16 models are unaffected.
   attn_precision: str = "default"
+  # pallas (GPU): the kernel's (tile, warps, stages): table (pallas_gpu.TILES, by compute
+  # capability and head size) | tune (time the candidates on this GPU at startup, cached:
+  # kernels/autotune.py; the run then records what it chose) | "T,W,S", e.g. "32,8,2".
+  attn_tiles: str = "table"
   adapt_io: bool = False  # adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)
   adapt_io_cutoffs: tuple[int, ...] = (20000, 40000, 200000)  # cluster boundaries (frequency order)
   adapt_io_div: int = 4  # cluster i has dimension d_model // div**i
@@ -134,6 +150,13 @@ class ModelConfig:
       bad("attn_impl", f"choose one of {ATTN_IMPLS}")
     if self.attn_precision not in ATTN_PRECISIONS:
       bad("attn_precision", f"choose one of {ATTN_PRECISIONS}")
+    if self.attn_tiles not in ("table", "tune"):
+      tiles = parse_tiles(self.attn_tiles)
+      if tiles is None:
+        bad("attn_tiles", "'table', 'tune', or 'TILE,WARPS,STAGES' (e.g. '32,8,2': a power of "
+            "two >= 16, warps 1-16 a power of two, stages >= 1)")
+      if tiles[0] > self.attn_block or self.attn_block % tiles[0]:
+        bad("attn_tiles", f"its tile must divide attn_block={self.attn_block}")
     if self.attn_impl.startswith("pallas"):
       self._check_fused(bad)
     # Hashable (the config is a jit static argument) whatever sequence the config held.

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
+from span_lm.kernels import autotune
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
@@ -157,6 +158,9 @@ class Run:
     if d.batch % config.optim.batch_split:
       raise ValueError(f"config.data.batch={d.batch} must be divisible by "
                        f"config.optim.batch_split={config.optim.batch_split}")
+    # attn_tiles='tune': time the GPU kernel's tile candidates now, before any step compiles
+    self.model_cfg = autotune.resolve(
+        self.model_cfg, batch=d.batch // n_dev // config.optim.batch_split, m=d.block, echo=_echo)
     self.tx, self.schedule = optimizer_lib.make_optimizer(config.optim)
     self.replicated = sharding_lib.replicated(self.mesh)
     self.batch_sharding = NamedSharding(self.mesh, P(batch_axes, None))

@@ -1,0 +1,93 @@
+"""model.attn_tiles: the GPU kernel's tiles from the table, named, or timed on the device.
+
+The timing itself needs a GPU; here the same code runs the kernel interpreted, which exercises
+everything but the clock's meaning: candidates filtered and compiled, the fastest kept, the
+cache written and read back, and an explicit choice reaching the kernel with the same maths."""
+import json
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from span_lm import kernels
+from span_lm.kernels import autotune
+from span_lm.model import caches as caches_lib
+from span_lm.model.config import ModelConfig
+from span_lm.model.transformer import SpanTransformer
+
+
+def _cfg(**kw):
+  base = dict(vocab_size=13, d_model=32, n_layers=1, n_heads=2, d_ff=24, span=32,
+              span_mode="adaptive", ramp=4, plan_granularity=32, plan_margin=0, attn_block=32)
+  base.update(kw)
+  return ModelConfig(**base)
+
+
+def test_tune_times_the_candidates_that_fit_and_caches_the_fastest(tmp_path):
+  cfg = _cfg(attn_impl="pallas_interpret")
+  path = str(tmp_path / "tiles.json")
+  said = []
+  # 64 > attn_block: never tried; the two others compile and are timed
+  got = autotune.tune(cfg, batch=1, m=32, w=32, candidates=[(16, 4, 1), (32, 4, 1), (64, 4, 1)],
+                      reps=1, path=path, interpret=True, echo=said.append)
+  assert got in ("16,4,1", "32,4,1")
+  (entry,) = json.load(open(path)).values()
+  assert entry["tiles"] == got and sorted(entry["ms"]) == ["16,4,1", "32,4,1"]
+  assert entry["ms"][got] == min(entry["ms"].values())
+  assert not any("64,4,1" in line for line in said)
+  # the second time it is read back, not measured (no candidate left to measure)
+  assert autotune.tune(cfg, batch=1, m=32, w=32, candidates=(), path=path, interpret=True,
+                       echo=said.append) == got
+  # a different shape is a different key: measured, and here nothing is left to measure
+  with pytest.raises(ValueError, match="no candidate tile runs this layer"):
+    autotune.tune(cfg, batch=2, m=32, w=32, candidates=(), path=path, interpret=True)
+  # an unreadable cache is measured again and rewritten, not a crash
+  open(path, "w").write("{not json")
+  assert autotune.tune(cfg, batch=1, m=32, w=32, candidates=[(32, 4, 1)], reps=1, path=path,
+                       interpret=True) == "32,4,1"
+  assert json.load(open(path))
+
+
+def test_resolve_leaves_runs_without_the_gpu_kernel_alone():
+  said = []
+  cfg = _cfg(attn_tiles="tune")  # auto on this CPU host: the cpu implementation
+  assert autotune.resolve(cfg, batch=1, m=32, echo=said.append) is cfg
+  assert "nothing to tune" in said[0]
+  assert kernels.gpu_tiles(cfg, "pallas_interpret", jnp.float32) == (32, 4, 2)  # the table's
+
+
+@pytest.mark.parametrize("bad", ["33,8,2", "32,3,2", "32,8,0", "big", "64,4,1"])
+def test_bad_tiles_are_one_line_naming_the_field(bad):
+  with pytest.raises(ValueError, match=r"config\.model\.attn_tiles="):
+    _cfg(attn_tiles=bad)
+
+
+def test_named_tiles_reach_the_kernel_with_the_same_maths():
+  """attn_tiles='16,4,1' with attn_block=32: the kernel runs 16-row tiles (its schedule's
+  bytes change), and the model's values and gradients still equal the cpu implementation's."""
+  cpu, fused = _cfg(), _cfg(attn_impl="pallas_interpret", attn_tiles="16,4,1")
+  assert kernels.gpu_tiles(fused, "pallas_interpret", jnp.float32) == (16, 4, 1)
+  whole = _cfg(attn_impl="pallas_interpret", attn_tiles="32,4,1")
+  assert (kernels.schedule_cost(fused, "pallas_interpret", 1, 256, 1024, None) !=
+          kernels.schedule_cost(whole, "pallas_interpret", 1, 256, 1024, None))
+  rng = np.random.default_rng(0)
+  b, m = 2, 32
+  tokens = jnp.asarray(rng.integers(cpu.vocab_size, size=(b, m)), jnp.int32)
+  caches = tuple(jnp.asarray(rng.normal(size=c.shape), jnp.float32)
+                 for c in caches_lib.init_caches(cpu, None, b))
+  params = SpanTransformer(cpu).init(jax.random.key(0), tokens, caches, train=False)["params"]
+  params["layers_0"]["attn"]["span_ratio"] = jnp.asarray([0.3, 0.8])
+
+  def run(cfg):
+    def loss(p):
+      logp = SpanTransformer(cfg).apply({"params": p}, tokens, caches, train=False)[0]
+      return -jnp.mean(logp[..., 0]), logp
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+  (_, logp_c), grads_c = run(cpu)
+  (_, logp_f), grads_f = run(fused)
+  np.testing.assert_allclose(logp_f, logp_c, atol=2e-5, rtol=1e-5)
+  for gc, gf in zip(jax.tree.leaves(grads_c), jax.tree.leaves(grads_f)):
+    np.testing.assert_allclose(gf, gc, atol=2e-5, rtol=1e-4)
