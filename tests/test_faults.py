@@ -14,6 +14,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -153,6 +154,26 @@ def test_nan_step_keeps_the_parameters():
     for x, y in zip(jax.tree.leaves(before[key]), jax.tree.leaves(after[key])):
       assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
   assert all(not np.any(c) for c in after["caches"])
+
+
+def test_nan_activations_leave_no_nan_in_the_caches():
+  """A step whose hidden states are NaN (here: a poisoned embedding) is skipped and its caches,
+  which hold those NaN states, restart at 0: a product with 0 would have kept the NaN."""
+  config = sr.config_for("/tmp/unused", {})
+  run = loop.Run(config, need_workdir=False)
+  try:
+    plan = plan_lib.initial_plan(run.model_cfg)
+    state = run.init_state(plan)
+    emb = state["params"]["in_emb"]["embedding"]
+    state["params"]["in_emb"]["embedding"] = jnp.full_like(emb, jnp.nan)
+    blk = next(run.streams(run.splits.train, config.data.batch, config.seed))
+    batch = run.put_batch(steps.host_batch(blk.x, blk.y, blk.reset))
+    state, metrics = run.compiler.train(plan, state, batch)(state, batch)
+    after = jax.device_get(state)
+  finally:
+    run.ckpt.close()
+  assert int(metrics["skipped"]) == 1
+  assert all(np.all(np.asarray(c) == 0) for c in after["caches"])
 
 
 # -------------------------------------------------------------------------- interrupted saves

@@ -30,11 +30,16 @@ def from_ring(rings, pos):
   return tuple(out)
 
 
-def init_caches(cfg: ModelConfig, plan: SpanPlan | None, batch: int, dtype=jnp.float32,
+def init_caches(cfg: ModelConfig, plan: SpanPlan | None, batch: int, dtype=None,
                 kv: bool = False):
-  """Zero caches per layer: (B, L, D) hidden states, or (B, L, 2D) keys|values with kv=True."""
+  """Zero caches per layer: (B, L, D) hidden states, or (B, L, 2D) keys|values with kv=True.
+
+  dtype (default: the model's compute dtype): attention reads a cache only through its key and
+  value projections, in that dtype, so a bf16 model's bf16 caches give the same keys and values
+  as float32 ones, in half the memory and half the per-step cache traffic."""
   plan = plan or full_plan(cfg)
   width = 2 * cfg.d_model if kv else cfg.d_model
+  dtype = jnp.dtype(cfg.dtype) if dtype is None else dtype
   return tuple(jnp.zeros((batch, lp.cache_len, width), dtype) for lp in plan.layers)
 
 

@@ -124,7 +124,7 @@ class SpanTransformer(nn.Module):
                          f"(kv_cache={self.kv_cache})")
       h_in = h
       h, aux = layer_cls(cfg, lp, self.kv_cache, name=f"layers_{i}")(
-          h, cache if ring_pos is not None else cache.astype(h.dtype), key_pe, train, ring_pos)
+          h, cache, key_pe, train, ring_pos)
       new = aux.pop("kv") if self.kv_cache else h_in
       if ring_pos is not None:  # this token's keys|values into its slot, head-major
         slot = jnp.asarray(ring_pos, jnp.int32) % lp.cache_len

@@ -66,6 +66,13 @@ def _reason(e: BaseException) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+def _castable_cache(path: str, stored, expected) -> bool:
+  """Carried caches saved in another float dtype (float32 before bf16 models kept bf16 caches,
+  model/caches.py) restore cast: attention reads them in the model's dtype either way."""
+  floats = all(jax.dtypes.issubdtype(np.dtype(x.dtype), np.floating) for x in (stored, expected))
+  return floats and path.split("/", 1)[0] in ("caches", "eval_caches")
+
+
 class Checkpointer:
   """Saves every `save_every` steps (or when forced), keeps the newest `max_to_keep`."""
 
@@ -187,7 +194,7 @@ class Checkpointer:
       else:
         s = stored[p]
         if (tuple(s.shape) != tuple(np.shape(x))
-            or np.dtype(s.dtype) != np.dtype(x.dtype)):
+            or (np.dtype(s.dtype) != np.dtype(x.dtype) and not _castable_cache(p, s, x))):
           problems.append(f"  {p}: checkpoint {_describe(s)}, expected {_describe(x)}")
     for p in stored:
       if p not in expected:

@@ -57,8 +57,8 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, plan: SpanPla
 
 
 def _zero_if(caches, reset):
-  keep = 1.0 - reset.astype(jnp.float32)
-  return tuple(c * keep.astype(c.dtype) for c in caches)
+  """A select, not a product: caches a non-finite step filled with NaN or inf come back 0."""
+  return tuple(jnp.where(reset, jnp.zeros((), c.dtype), c) for c in caches)
 
 
 def _split(x, k):

@@ -145,6 +145,26 @@ def test_incompatible_checkpoint_names_the_path(saved_8dev):
       ckpt.restore(_target(host_state, mesh), step=7)
 
 
+def test_float32_caches_restore_into_a_bf16_models_caches(saved_8dev):
+  """Checkpoints from before bf16 models kept bf16 caches (float32 caches) resume: the caches
+  are read cast; any other dtype change (a parameter's) is still refused by name."""
+  directory, host_state = saved_8dev
+  mesh = sharding.make_mesh(2)
+  bf16 = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)
+  newer = dict(host_state, caches=bf16(host_state["caches"]),
+               eval_caches=bf16(host_state["eval_caches"]))
+  with Checkpointer(directory) as ckpt:
+    state, _ = ckpt.restore(_target(newer, mesh))
+    for got, want in zip(state["caches"] + state["eval_caches"],
+                         host_state["caches"] + host_state["eval_caches"]):
+      assert got.dtype == jnp.bfloat16
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
+    _assert_bit_identical(state["params"], host_state["params"])
+    with pytest.raises(ValueError, match=r"params/emb: checkpoint \(11, 3\) float32, "
+                                         r"expected \(11, 3\) bfloat16"):
+      ckpt.restore(_target(dict(newer, params=bf16(host_state["params"])), mesh))
+
+
 def test_save_interval_force_and_existing_step(tmp_path, caplog):
   state = {"x": jnp.arange(4.0)}
   with Checkpointer(tmp_path, save_every=5, async_save=False) as ckpt:
