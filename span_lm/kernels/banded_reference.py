@@ -57,8 +57,12 @@ def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, g: int):
   """Keys and values of g heads over the last w cached states and the block: each
   (B, G, W + M, Dh). The cache is a constant of the step: its rows get no input gradient."""
   x = cache_BxLxD[:, cache_BxLxD.shape[1] - w:]
-  kv = jnp.concatenate([matmul.dot(x, w_kv_Dx2Z), matmul.dot(h_BxMxD, w_kv_Dx2Z)], axis=1)
-  return split_kv(kv, g)
+  d, z2 = w_kv_Dx2Z.shape
+  w_Dx2xGxH = matmul.weight(w_kv_Dx2Z, x.dtype).reshape(d, 2, g, z2 // (2 * g))
+  # projected straight into (2, B, G, T, Dh): the layout attention reads, no transpose pass
+  kv = jnp.concatenate([matmul.einsum("btd,dzgh->zbgth", x, w_Dx2xGxH),
+                        matmul.einsum("btd,dzgh->zbgth", h_BxMxD, w_Dx2xGxH)], axis=3)
+  return kv[0], kv[1]
 
 
 def split_kv(kv_BxTx2Z, g: int):
