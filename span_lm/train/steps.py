@@ -61,14 +61,20 @@ def _zero_if(caches, reset):
   return tuple(jnp.where(reset, jnp.zeros((), c.dtype), c) for c in caches)
 
 
-def _split(x, k):
-  """(B, ...) -> (k, B/k, ...) taking rows j::k for piece j, so each piece spans all devices."""
+def _split(x, k, contiguous: bool = False):
+  """(B, ...) -> (k, B/k, ...): piece j takes rows j::k, so that each piece of a batch sharded
+  over devices spans all of them; or, contiguous (x is one device's rows), rows j*B/k onwards:
+  a reshape, where the strided split copies every carried cache on the way in and out."""
   b = x.shape[0]
+  if contiguous:
+    return x.reshape(k, b // k, *x.shape[1:])
   return x.reshape(b // k, k, *x.shape[1:]).swapaxes(0, 1)
 
 
-def _merge(x):
+def _merge(x, contiguous: bool = False):
   k, bk = x.shape[:2]
+  if contiguous:
+    return x.reshape(k * bk, *x.shape[2:])
   return x.swapaxes(0, 1).reshape(k * bk, *x.shape[2:])
 
 
@@ -128,8 +134,8 @@ def _local_grads(grad_fn, params, x, y, caches, step_key, *, mesh, axes: tuple, 
 
   def local(params, x, y, caches, key_data):
     key = jax.random.fold_in(jax.random.wrap_key_data(key_data), jax.lax.axis_index(axes))
-    xs, ys = _split(x, batch_split), _split(y, batch_split)
-    cs = tuple(_split(c, batch_split) for c in caches)
+    xs, ys = _split(x, batch_split, True), _split(y, batch_split, True)
+    cs = tuple(_split(c, batch_split, True) for c in caches)
     keys = jax.random.split(key, batch_split)
 
     def piece(acc, inp):
@@ -143,10 +149,10 @@ def _local_grads(grad_fn, params, x, y, caches, step_key, *, mesh, axes: tuple, 
     grads = jax.lax.pmean(acc, axes)  # the step's one gradient reduction, in float32
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
     loss = jax.lax.pmean(jnp.mean(losses), axes)
-    new_caches = tuple(_merge(c) for c in ncs)
+    new_caches = tuple(_merge(c, True) for c in ncs)
     by_rows = {}
     if "dyn_spans" in auxes:  # token-dependent: rows stay sharded, span loss a mean over tokens
-      by_rows["dyn_spans"] = tuple(_merge(a) for a in auxes.pop("dyn_spans"))
+      by_rows["dyn_spans"] = tuple(_merge(a, True) for a in auxes.pop("dyn_spans"))
       span_loss = jax.lax.pmean(jnp.mean(auxes.pop("span_loss")), axes)
       for k in ("span_avg", "span_max"):
         auxes.pop(k)
@@ -208,8 +214,9 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
     if "dyn_spans" in aux:
       aux = _whole_batch_span_stats(aux, cfg)
   else:
-    xs, ys = _split(batch["x"], batch_split), _split(batch["y"], batch_split)
-    cs = tuple(_split(c, batch_split) for c in caches)
+    one = mesh is None or mesh.devices.size == 1  # else pieces must span the devices
+    xs, ys = _split(batch["x"], batch_split, one), _split(batch["y"], batch_split, one)
+    cs = tuple(_split(c, batch_split, one) for c in caches)
     keys = jax.random.split(step_rng, batch_split)
 
     def piece(acc, inp):
@@ -221,11 +228,11 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
     zeros = jax.tree.map(jnp.zeros_like, params)
     grads, (losses, ncs, auxes) = jax.lax.scan(piece, zeros, (xs, ys, cs, keys))
     loss = jnp.mean(losses)
-    new_caches = tuple(_merge(c) for c in ncs)
+    new_caches = tuple(_merge(c, one) for c in ncs)
     aux = jax.tree.map(lambda a: a[0], auxes)  # fixed/adaptive span statistics: piece-free
     if "dyn_spans" in auxes:
       # Dynamic spans depend on the tokens: report them over the whole batch, as one piece would.
-      aux["dyn_spans"] = tuple(_merge(a) for a in auxes["dyn_spans"])
+      aux["dyn_spans"] = tuple(_merge(a, one) for a in auxes["dyn_spans"])
       aux["span_loss"] = jnp.mean(auxes["span_loss"])
       aux = _whole_batch_span_stats(aux, cfg)
 
