@@ -13,6 +13,7 @@ import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disabl
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +34,14 @@ def attempts(split: int, remat: str, batch: int, devices: int, max_split: int):
   return out
 
 
+def _commit() -> str:
+  """The checkout's commit (with '+changes' when the tree differs), so a row says what it ran."""
+  git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=False,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+  head = git("rev-parse", "--short", "HEAD") or "unknown"
+  return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def one(path: str, target: str, split: int, remat: str, plan: str) -> dict:
   overrides = {"mode": "compile", "compile.targets": target, "compile.steps": "train",
                "compile.plan": plan, "optim.batch_split": split, "model.remat": remat}
@@ -50,6 +59,7 @@ def one(path: str, target: str, split: int, remat: str, plan: str) -> dict:
   # ptxas' report: our kernels and XLA's that spill (the other ~150 per step add nothing here)
   row["kernels"] = [k for k in row.get("kernels", []) if k["kernel"].startswith("span_attention")
                     or k["spill_store"] or k["spill_load"]]
+  row["commit"] = _commit()
   row["command"] = (f"python main.py --config={path} --config.mode=compile "
                     f"--config.compile.targets={target} --config.optim.batch_split={split} "
                     f"--config.model.remat={remat} --config.compile.plan={plan}{extra}")
