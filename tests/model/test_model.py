@@ -133,6 +133,28 @@ def test_init_caches_plan_none():
     assert np.all(np.asarray(c) == 0)
 
 
+@pytest.mark.parametrize("attn_impl", ["cpu", "reference"])
+def test_bf16_models_carry_bf16_caches_with_the_same_outputs(attn_impl):
+  """A bf16 model's caches are bf16: attention reads a cache only through its bf16 key/value
+  projections, so float32 caches (as before) and their bf16 rounding give identical outputs,
+  and the new caches equal the float32 ones rounded."""
+  cfg = make_cfg(span=16, n_layers=2, dtype="bfloat16", attn_impl=attn_impl)
+  assert all(c.dtype == jnp.bfloat16 for c in caches_lib.init_caches(cfg, None, B))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 8)), jnp.int32)
+  f32 = tuple(jnp.asarray(rng.normal(size=c.shape), jnp.float32)
+              for c in caches_lib.init_caches(cfg, None, B))
+  model = SpanTransformer(cfg)
+  params = model.init(jax.random.key(0), tokens, f32)["params"]
+  logp_a, new_a, _ = model.apply({"params": params}, tokens, f32)
+  logp_b, new_b, _ = model.apply({"params": params}, tokens,
+                                 tuple(c.astype(jnp.bfloat16) for c in f32))
+  np.testing.assert_array_equal(np.asarray(logp_a), np.asarray(logp_b))
+  for a, b in zip(new_a, new_b):
+    assert b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
+
+
 # ----------------------------------------------------------------------------------------------
 # 1. Equality with the numpy reference.
 
