@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from span_lm.kernels import pallas_gpu
 
@@ -158,4 +159,9 @@ def resolve(cfg, *, batch: int, m: int, echo: Callable[[str], None] = log.info):
     echo(f"attn_tiles=tune times the fused GPU kernel; this run's attention is {impl!r}: "
          "nothing to tune")
     return cfg
-  return dataclasses.replace(cfg, attn_tiles=tune(cfg, batch=batch, m=m, w=cfg.span, echo=echo))
+  tiles = tune(cfg, batch=batch, m=m, w=cfg.span, echo=echo)
+  if jax.process_count() > 1:  # every process must compile the same kernel: process 0's choice
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    chosen = multihost_utils.broadcast_one_to_all(np.asarray(tiles.split(","), np.int32))
+    tiles = ",".join(str(int(x)) for x in chosen)
+  return dataclasses.replace(cfg, attn_tiles=tiles)
