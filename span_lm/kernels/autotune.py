@@ -91,7 +91,7 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
   ct = jax.random.normal(jax.random.PRNGKey(1), args[0].shape, args[0].dtype)
   times = {}
   for tile, warps, stages in candidates:
-    if tile > cfg.attn_block or cfg.attn_block % tile or w % tile or cfg.pers_mem % tile:
+    if cfg.attn_block % tile or w % tile or cfg.pers_mem % tile:  # as ModelConfig's rule
       continue
 
     def loss(q, k, v, pe, z, pk, pv, tile=tile, warps=warps, stages=stages):

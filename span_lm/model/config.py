@@ -155,7 +155,7 @@ class ModelConfig:
       if tiles is None:
         bad("attn_tiles", "'table', 'tune', or 'TILE,WARPS,STAGES' (e.g. '32,8,2': a power of "
             "two >= 16, warps 1-16 a power of two, stages >= 1)")
-      if tiles[0] > self.attn_block or self.attn_block % tiles[0]:
+      if self.attn_block % tiles[0]:  # a larger tile leaves a remainder too
         bad("attn_tiles", f"its tile must divide attn_block={self.attn_block}")
     if self.attn_impl.startswith("pallas"):
       self._check_fused(bad)

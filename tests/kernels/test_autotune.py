@@ -11,18 +11,16 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from model_helpers import make_cfg
 from span_lm import kernels
 from span_lm.kernels import autotune
 from span_lm.model import caches as caches_lib
-from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 
 
 def _cfg(**kw):
-  base = dict(vocab_size=13, d_model=32, n_layers=1, n_heads=2, d_ff=24, span=32,
-              span_mode="adaptive", ramp=4, plan_granularity=32, plan_margin=0, attn_block=32)
-  base.update(kw)
-  return ModelConfig(**base)
+  return make_cfg(**dict(dict(d_model=32, n_layers=1, n_heads=2, span=32, span_mode="adaptive",
+                              plan_granularity=32, plan_margin=0, attn_block=32), **kw))
 
 
 def test_tune_times_the_candidates_that_fit_and_caches_the_fastest(tmp_path):
