@@ -706,14 +706,18 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 
 def tiles(attn_block: int, m: int, w: int, n_pers: int = 0) -> tuple[int, int]:
   """(query tile bq, key tile bk) for a block of m queries, a window of w and n_pers persistent
-  vectors: the widest key tile of 256, 128 that divides w, m and n_pers (the position term's
-  matmul spans bq + bk distances per bk keys: wider key tiles waste less of it), else attn_block;
-  then 128 query rows where m allows (K/V are re-read once per query block) and bq + bk stays a
-  multiple of 128 lanes (the in-tile skew's rotation), else bq = bk. Each compiles for v5e, v5p
-  and v6e (tests/kernels/test_pallas_tpu.py); docs/kernels.md has the cost model."""
-  bk = next((t for t in (256, 128) if t >= attn_block and not (w % t or m % t or n_pers % t)),
+  vectors: the widest key tile of 512, 256, 128 that divides w, m and n_pers and is at most a
+  quarter of the window (learned spans skip key blocks: a narrow window keeps them fine), else
+  attn_block; then half as many query rows, at least 128, where m allows (K/V are re-read once
+  per query block; the position term's matmul spans bq + bk distances per bk keys, so bq = bk / 2
+  keeps it at 1.5x the content matmul) and bq + bk stays a multiple of 128 lanes (the in-tile
+  skew's rotation), else bq = bk. Each compiles for v5e, v5p and v6e
+  (tests/kernels/test_pallas_tpu.py); docs/kernels.md has the cost model."""
+  bk = next((t for t in (512, 256, 128)
+             if t >= attn_block and 4 * t <= w and not (w % t or m % t or n_pers % t)),
             attn_block)
-  bq = 128 if m % 128 == 0 and bk % 128 == 0 else bk
+  half = max(128, bk // 2)
+  bq = half if m % half == 0 and bk % 128 == 0 else bk
   return bq, bk
 
 

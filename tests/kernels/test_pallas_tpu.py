@@ -237,10 +237,14 @@ def test_persistent_memory_and_dropout_match_the_reference(kind, n_pers, rate):
 
 
 def test_tiles_widen_where_the_shapes_allow():
-  """128 query rows and 256 keys at the enwik8 shapes (persistent vectors too); a window of 17
-  attention blocks (or the initial plan's 64) keeps both tiles at the block, so that the skew
-  rotates a multiple of 128 lanes; small test shapes keep both; an unaligned pair says why."""
-  assert ft.tiles(64, 512, 8192, 2048) == (128, 256)
+  """256 query rows and 512 keys at the enwik8 shapes (persistent vectors too), 128 x 256 where
+  512 does not divide or the window is narrow; a window of 17 attention blocks (or the initial
+  plan's 64) keeps both tiles at the block, so that the skew rotates a multiple of 128 lanes;
+  small test shapes keep both; an unaligned pair says why."""
+  assert ft.tiles(64, 512, 8192, 2048) == (256, 512)
+  assert ft.tiles(64, 512, 8192, 256) == (128, 256)  # N = 256
+  assert ft.tiles(64, 256, 8192, 0) == (128, 256)  # wiki103_pers' block of 256
+  assert ft.tiles(64, 512, 1024, 0) == (128, 256)  # 512 keys: half the window
   assert ft.tiles(64, 512, 8192 + 128, 0) == (128, 128)
   assert ft.tiles(64, 512, 17 * 64, 0) == (64, 64)  # bq + bk: a multiple of 128 lanes
   assert ft.tiles(64, 512, 64, 0) == (64, 64)  # the initial plan's window
