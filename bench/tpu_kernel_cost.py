@@ -7,7 +7,7 @@ The default shape is configs/enwik8.py's layer on one chip of a v5p-8 (8 sequenc
 block of 512, every head at span 8192, head size 64, bfloat16). Needs: pip install
 "jax[tpu]==<jax version>". Runs with JAX_PLATFORMS=cpu.
 
-  JAX_PLATFORMS=cpu python bench/tpu_kernel_cost.py --target v5p --tiles 64x64 128x128 128x256
+  JAX_PLATFORMS=cpu python bench/tpu_kernel_cost.py --target v5p --tiles 128x128 128x256 256x512
 """
 import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
@@ -31,13 +31,14 @@ def measure(target, bq, bk, b, h, m, w, d, dtype, n_pers, rate):
   mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   sd = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=rep)
-  args = [sd((b, h, m, d)), sd((b, h, w + m, d)), sd((b, h, w + m, d)), sd((d, w), "float32"),
+  # keys and values as the door projects them: positions last, the cache's and the block's parts
+  args = [sd((b, h, m, d)), sd((b, 2, h, d, w)), sd((b, 2, h, d, m)), sd((d, w), "float32"),
           sd((b, h, m), "float32")]
   if n_pers:
     args += [sd((h, d, n_pers), "float32"), sd((h, n_pers, d), "float32")]
 
-  def loss(q, k, v, pe, z, pk=None, pv=None):
-    out = pallas_tpu.span_attention(q, k, v, pe, z, ramp=32, block=bq, block_k=bk,
+  def loss(q, kvc, kvb, pe, z, pk=None, pv=None):
+    out = pallas_tpu.span_attention_kv(q, kvc, kvb, pe, z, ramp=32, block=bq, block_k=bk,
                                     pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=rate,
                                     dropout_seed=jnp.uint32(1) if rate else None)
     return jnp.sum(out.astype(jnp.float32))
@@ -56,7 +57,7 @@ def measure(target, bq, bk, b, h, m, w, d, dtype, n_pers, rate):
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--target", default="v5p", choices=sorted(TOPOLOGY))
-  p.add_argument("--tiles", nargs="+", default=["64x64", "128x128", "128x256"])
+  p.add_argument("--tiles", nargs="+", default=["128x128", "128x256", "256x512"])
   p.add_argument("--shape", default="8,8,512,8192,64", help="B,H,M,W,Dh")
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--pers", type=int, default=0)

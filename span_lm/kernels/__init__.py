@@ -37,10 +37,13 @@ _logged: set = set()
 
 
 class KV(NamedTuple):
-  """Keys and values of one head group, as the chosen implementation lays them out."""
+  """Keys and values of one head group, as the chosen implementation lays them out: each
+  (B, G, T, Dh) rows; cpu's positions_last: each (B, G, Dh, T); the TPU kernel's (tpu_parts):
+  k holds the cached positions' [keys; values] (B, 2, G, Dh, W), v the block's (B, 2, G, Dh, M)."""
   k: Any
   v: Any
-  positions_last: bool = False  # cpu: (B, G, Dh, T) instead of (B, G, T, Dh)
+  positions_last: bool = False
+  tpu_parts: bool = False
 
 
 def _misfit(cfg, m, w) -> str:
@@ -106,6 +109,9 @@ def project_kv(cfg, impl: str, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, 
   if impl == "cpu":
     last = banded_cpu.prefer_positions_last(m, window, cfg.attn_chunk, h_BxMxD.dtype)
     return KV(*banded_cpu.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads, last), last)
+  if impl in TPU_FUSED:
+    return KV(*pallas_tpu.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads),
+              tpu_parts=True)
   return KV(*banded_reference.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads))
 
 
@@ -115,6 +121,8 @@ def split_kv(cfg, impl: str, kv_BxTx2Z, *, window: int, heads: int) -> KV:
     last = banded_cpu.prefer_positions_last(kv_BxTx2Z.shape[1] - window, window, cfg.attn_chunk,
                                             kv_BxTx2Z.dtype)
     return KV(*banded_cpu.split_kv(kv_BxTx2Z, heads, last), last)
+  if impl in TPU_FUSED:
+    return KV(*pallas_tpu.split_kv(kv_BxTx2Z, heads, window), tpu_parts=True)
   return KV(*banded_reference.split_kv(kv_BxTx2Z, heads))
 
 
@@ -142,9 +150,11 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
   seed = None if dropout is None else dropout_seed()
   rate = cfg.dropout if seed is not None else 0.0
   if impl in TPU_FUSED:  # float32 parameters go in as such: their gradients stay float32
-    bq, bk = pallas_tpu.tiles(cfg.attn_block, m, key_pe_DxW.shape[-1],
+    cached = kv.k.shape[-1] if kv.tpu_parts else pallas_tpu.layout_window(key_pe_DxW.shape[-1])
+    bq, bk = pallas_tpu.tiles(cfg.attn_block, m, cached,
                               0 if pers_k_GxDxN is None else pers_k_GxDxN.shape[-1])
-    return pallas_tpu.span_attention(
+    fused = pallas_tpu.span_attention_kv if kv.tpu_parts else pallas_tpu.span_attention
+    return fused(
         q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(jnp.float32), z, ramp=cfg.ramp,
         block=bq, block_k=bk, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
         dropout_rate=rate, dropout_seed=seed, interpret=impl == "pallas_tpu_interpret",

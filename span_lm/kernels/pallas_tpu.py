@@ -6,7 +6,8 @@ is the definition): relative positions, the soft span mask and its renormalisati
 FlashAttention-2 backward (one kernel per query block for dq, the span gradient and d pe; one per
 key block for dk, dv). Scores live one (query block, key block) tile at a time in VMEM.
 
-Tiles: keys are the last T = W + M positions; the query at block row i sits at key index W + i
+Tiles: keys are the last T = W + M positions (before the layout's padding, below); the query at
+block row i sits at key index W + i
 and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor(z_i) + R + 1). The position term
 q_i . pe[:, W - d] is Toeplitz in a tile: one matmul G = q_blk @ pe_slice^T over the tile's
 bq + bk distances, then a per-row lane rotation (`pltpu.roll` with stride 1 over the sublanes:
@@ -16,6 +17,14 @@ for v5e: 1, 2, 4, 8, 16; v4 has no strided rotate), so the backward's inverse (d
 ds[r, j - bq + r], a stride of -1) is built as reverse-rows o roll(stride 1) o reverse-rows; a
 row reversal is a reversal of the 8-row groups (static slices) and of the rows within each group
 (an in-vreg sublane gather).
+
+Keys and values come positions last, in two parts: the cache's [keys; values] (B, 2, H, Dh, L)
+and the block's (B, 2, H, Dh, M) (`project_kv`). That is the layout XLA:TPU's projection matmul
+writes (positions on the lanes), so the step has no transpose and no concatenation of the W + M
+keys in HBM; each grid step's key block comes from one part or the other through its own index
+map (the idle part's index stays put: no DMA), and the dk/dv kernel runs once per part, writing
+that part's gradient. L is the window rounded up to 128 lanes (`layout_window`); the L - W
+oldest positions are never visited, and dropout's hash numbers keys as if they were absent.
 
 Work skipping: the grid's key axis (query axis in the dk/dv kernel) counts steps, not blocks.
 Per (batch, head, query block) the first and last visited key block come in as scalar-prefetched
@@ -34,7 +43,8 @@ are sliced off. Row statistics (running max, denominator, delta, span, span grad
 as in jax.experimental.pallas.ops.tpu.flash_attention, and packed lane-dense, (8, bq) per step,
 into the dk/dv kernel, which reads them once per (key block, query block); the residuals saved
 for the backward pass are (B, H, M) float32 (two of them), plus the inputs and the output. Tiles
-per shape: `tiles` (128 query rows, 256-key tiles where the window allows; docs/kernels.md).
+per shape: `tiles` (256 x 512 where the window allows, else 128 x 256 or 128 x 128;
+docs/kernels.md).
 
 Persistent memory (all-attention layers): the head's N persistent keys and values sit whole in
 VMEM and join each query block's softmax at its first grid step (mask 1, no position term), in
@@ -57,6 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from span_lm.kernels import hashed_dropout
+from span_lm.kernels import matmul
 from span_lm.kernels import span_mask
 
 NEG = -1e30
@@ -65,7 +76,7 @@ PRECISIONS = ("default", "highest")
 
 
 class _Static(NamedTuple):
-  w: int
+  w: int  # the cache part's positions, a multiple of bk: the layout's window
   ramp: int
   eps: float
   bq: int
@@ -76,6 +87,7 @@ class _Static(NamedTuple):
   vmem_limit_bytes: int | None
   rate: float = 0.0  # attention dropout
   n_pers: int = 0  # persistent keys and values per head
+  span_w: int = 0  # the window W (<= w): distances beyond it are never visited
 
 
 def padded_head_dim(dh: int) -> int:
@@ -114,24 +126,25 @@ def _unskew(ds, bq, bk):
 def _windows(z, s: _Static):
   """Distances each row visits ((rows, 1) int32; z: (rows, 1) spans or None for fixed)."""
   if z is None:
-    return s.w
-  return jnp.clip(span_mask.visited_distances(z, s.ramp), 1, s.w)
+    return s.span_w
+  return jnp.clip(span_mask.visited_distances(z, s.ramp), 1, s.span_w)
 
 
 def _keep(seed, bh, i0, t0, m, s: _Static):
   """Dropout's keep / (1 - rate) for the tile of rows i0.. and keys t0.. (persistent vector n
   is key W + M + n), as the GPU kernel draws it."""
   rows = i0 + lax.broadcasted_iota(jnp.int32, (s.bq, 1), 0)
-  keys = t0 + lax.broadcasted_iota(jnp.int32, (1, s.bk), 1)
-  return hashed_dropout.dropout_scale(seed, bh, rows, keys, n_rows=m, n_keys=s.w + m + s.n_pers,
+  keys = t0 - (s.w - s.span_w) + lax.broadcasted_iota(jnp.int32, (1, s.bk), 1)  # as if unpadded
+  return hashed_dropout.dropout_scale(seed, bh, rows, keys, n_rows=m,
+                                      n_keys=s.span_w + m + s.n_pers,
                                       rate=s.rate)
 
 
-def _tile(q, k, pe_ref, t0, i0, win, s: _Static):
-  """Scaled logits of one tile, its distances, which entries are visited, and the tile's
-  bq + bk rows of key_pe (in q's dtype)."""
+def _tile(q, k_t, pe_ref, t0, i0, win, s: _Static):
+  """Scaled logits of one tile (k_t: its keys as (Dh, bk) columns), its distances, which entries
+  are visited, and the tile's bq + bk rows of key_pe (in q's dtype)."""
   bq, bk = s.bq, s.bk
-  cont = _dot(q, k, s.precision, trans_b=True)  # bq x bk
+  cont = _dot(q, k_t, s.precision)  # bq x bk
   start = pl.multiple_of(t0 - i0 + bk, math.gcd(bq, bk))  # padded pe rows: distance d at W - d + P
   pe = pe_ref[pl.ds(start, bq + bk), :].astype(q.dtype)
   pos = _skew(_dot(q, pe, s.precision, trans_b=True), bq, bk)
@@ -143,13 +156,13 @@ def _tile(q, k, pe_ref, t0, i0, win, s: _Static):
   return logits, dist, visited, pe
 
 
-def _tile_grads(q, g, k, v, pe_ref, t0, i0, z, mx, den, delta, keep, s: _Static):
+def _tile_grads(q, g, k_t, v_t, pe_ref, t0, i0, z, mx, den, delta, keep, s: _Static):
   """Recomputes one tile: (ds = d logits times the scale, the weights as applied to the values
   (a, times dropout's keep), the span gradient per row (bq, 1) or None, the tile's key_pe
   rows). keep: dropout's keep / (1 - rate) for the tile, or None."""
-  logits, dist, visited, pe = _tile(q, k, pe_ref, t0, i0, _windows(z, s), s)
+  logits, dist, visited, pe = _tile(q, k_t, pe_ref, t0, i0, _windows(z, s), s)
   p = jnp.where(visited, jnp.exp(logits - mx), 0.0) / den
-  gv = _dot(g, v, s.precision, trans_b=True)
+  gv = _dot(g, v_t, s.precision)
   if keep is not None:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
     gv = gv * keep
   gv = gv - delta
@@ -178,6 +191,13 @@ def _rep(x):
   return jnp.broadcast_to(x, (x.shape[0], LANES))
 
 
+def _kv_tile(kvc_ref, kvb_ref, kb, s: _Static):
+  """Key block kb's keys and values, each (Dh, bk): from the cache's part below W / bk, the
+  block's above (both blocks are in VMEM; the index maps fetch each only when it changes)."""
+  kv = jnp.where(kb < s.w // s.bk, kvc_ref[...], kvb_ref[...])
+  return kv[0], kv[1]
+
+
 def _split_refs(refs, has_mask, n_pers):
   """(z_ref or None, pk_ref or None, pv_ref or None, the rest) of a kernel's optional inputs."""
   refs = list(refs)
@@ -186,8 +206,8 @@ def _split_refs(refs, has_mask, n_pers):
   return z_ref, pk_ref, pv_ref, refs
 
 
-def _fwd_kernel(bounds_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, has_mask, n_heads,
-                n_q, n_steps):
+def _fwd_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static, has_mask,
+                n_heads, n_q, n_steps):
   z_ref, pk_ref, pv_ref, refs = _split_refs(refs, has_mask, s.n_pers)
   o_ref, mx_ref, den_ref, acc_ref, m_ref, all_ref, msk_ref = refs
   b, h, qi, j = (pl.program_id(i) for i in range(4))
@@ -223,16 +243,18 @@ def _fwd_kernel(bounds_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, has_
 
   @pl.when(kb < bounds_ref[n_cells + cell])
   def _():
-    q, k, v = q_ref[...], k_ref[...], v_ref[...]
+    q = q_ref[...]
+    k_t, v_t = _kv_tile(kvc_ref, kvb_ref, kb, s)
     z = _col(z_ref) if has_mask else None
-    logits, dist, visited, _ = _tile(q, k, pe_ref, kb * s.bk, qi * s.bq, _windows(z, s), s)
+    logits, dist, visited, _ = _tile(q, k_t, pe_ref, kb * s.bk, qi * s.bq, _windows(z, s), s)
     m_prev = _col(m_ref)
     m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
     corr = jnp.exp(m_prev - m_new)
     p = jnp.where(visited, jnp.exp(logits - m_new), 0.0)
     pm = p * span_mask.soft_mask(z, dist.astype(jnp.float32), s.ramp) if has_mask else p
     kept = pm * _keep(seed, bh, qi * s.bq, kb * s.bk, m, s) if s.rate else pm
-    acc_ref[...] = acc_ref[...] * corr + _dot(kept.astype(v.dtype), v, s.precision)
+    acc_ref[...] = acc_ref[...] * corr + _dot(kept.astype(v_t.dtype), v_t, s.precision,
+                                              trans_b=True)
     m_ref[...] = _rep(m_new)
     all_ref[...] = _rep(_col(all_ref) * corr + jnp.sum(p, axis=1, keepdims=True))
     if has_mask:
@@ -247,8 +269,8 @@ def _fwd_kernel(bounds_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, has_
     den_ref[...] = _rep(den)
 
 
-def _bwd_q_kernel(bounds_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, has_mask, n_heads,
-                  n_q, n_steps):
+def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static, has_mask,
+                  n_heads, n_q, n_steps):
   """Per query block: dq, its rows' span gradient, and d pe (and the persistent vectors'
   gradients) into the batch's (batch and head's) resident blocks."""
   z_ref, pk_ref, pv_ref, refs = _split_refs(refs, has_mask, s.n_pers)
@@ -303,17 +325,18 @@ def _bwd_q_kernel(bounds_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, ha
 
   @pl.when(kb < bounds_ref[n_cells + cell])
   def _():
-    q, k, g = q_ref[...], k_ref[...], g_ref[...]
+    q, g = q_ref[...], g_ref[...]
+    k_t, v_t = _kv_tile(kvc_ref, kvb_ref, kb, s)
     t0, i0 = kb * bk, qi * bq
     z = _col(z_ref) if has_mask else None
     keep = _keep(seed, bh, i0, t0, m, s) if s.rate else None
-    ds, _, dz, pe = _tile_grads(q, g, k, v_ref[...], pe_ref, t0, i0, z, _col(mx_ref),
+    ds, _, dz, pe = _tile_grads(q, g, k_t, v_t, pe_ref, t0, i0, z, _col(mx_ref),
                                 _col(den_ref), _col(delta_ref), keep, s)
     if has_mask:
       dz_acc[...] = _rep(_col(dz_acc) + dz)
     dg = _unskew(ds, bq, bk)  # bq x (bq + bk), over the tile's distances
     start = pl.multiple_of(t0 - i0 + bk, math.gcd(bq, bk))
-    dq_acc[...] += (_dot(ds.astype(k.dtype), k, s.precision)
+    dq_acc[...] += (_dot(ds.astype(k_t.dtype), k_t, s.precision, trans_b=True)
                     + _dot(dg.astype(pe.dtype), pe, s.precision))
     dpe_ref[pl.ds(start, bq + bk), :] += _dot(dg.astype(q.dtype), q, s.precision, trans_a=True)
 
@@ -324,12 +347,13 @@ def _bwd_q_kernel(bounds_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, ha
       dz_ref[...] = dz_acc[...]
 
 
-def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _Static, has_mask,
-                   n_heads, n_q, n_kb, n_steps):
-  """Per key block: dk and dv, summed over the query blocks that see it (deterministic). The
-  query rows' statistics come packed lane-dense, (8, bq) per step (`_packed_stats`)."""
-  g_ref, st_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
-  b, h, kb, j = (pl.program_id(i) for i in range(4))
+def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, g_ref, st_ref, dkv_ref, dk_acc,
+                   dv_acc, *, s: _Static, has_mask, n_heads, n_q, n_kb, kb0, n_steps):
+  """Per key block kb0 + program_id(2) (of n_kb in all): its keys' and values' gradients,
+  (2, Dh, bk), summed over the query blocks that see it (deterministic). The query rows'
+  statistics come packed lane-dense, (8, bq) per step (`_packed_stats`)."""
+  b, h, kbl, j = (pl.program_id(i) for i in range(4))
+  kb = kb0 + kbl
   n_cells, n_kcells = (pl.num_programs(0) * n_heads * n for n in (n_q, n_kb))
   seed, bh, m = bounds_ref[2 * n_cells], b * n_heads + h, n_q * s.bq  # dropout's hash
   qi = qb_ref[(b * n_heads + h) * n_kb + kb] + j
@@ -346,19 +370,20 @@ def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, k_ref, v_ref, pe_ref, *refs, s: _S
 
   @pl.when(run)
   def _():
-    q, k, g = q_ref[...], k_ref[...], g_ref[...]
+    q, g = q_ref[...], g_ref[...]
+    kv = kv_ref[...]
     st = st_ref[...].T  # (bq, 8): one column per statistic
     z = st[:, 3:4] if has_mask else None
     keep = _keep(seed, bh, qi * s.bq, kb * s.bk, m, s) if s.rate else None
-    ds, a, _, _ = _tile_grads(q, g, k, v_ref[...], pe_ref, kb * s.bk, qi * s.bq, z,
+    ds, a, _, _ = _tile_grads(q, g, kv[0], kv[1], pe_ref, kb * s.bk, qi * s.bq, z,
                               st[:, 0:1], st[:, 1:2], st[:, 2:3], keep, s)
-    dk_acc[...] += _dot(ds.astype(q.dtype), q, s.precision, trans_a=True)
-    dv_acc[...] += _dot(a.astype(g.dtype), g, s.precision, trans_a=True)
+    dk_acc[...] += _dot(q, ds.astype(q.dtype), s.precision, trans_a=True)  # Dh x bk
+    dv_acc[...] += _dot(g, a.astype(g.dtype), s.precision, trans_a=True)
 
   @pl.when(j == n_steps - 1)
   def _():
-    dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
-    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+    dkv_ref[0] = dk_acc[...].astype(dkv_ref.dtype)
+    dkv_ref[1] = dv_acc[...].astype(dkv_ref.dtype)
 
 
 def _key_bounds(z, b, h, m, s: _Static):
@@ -366,9 +391,9 @@ def _key_bounds(z, b, h, m, s: _Static):
   last + 1."""
   nq = m // s.bq
   if z is None:
-    win = jnp.full((b, h, m), s.w, jnp.int32)
+    win = jnp.full((b, h, m), s.span_w, jnp.int32)
   else:
-    win = jnp.clip(span_mask.visited_distances(lax.stop_gradient(z), s.ramp), 1, s.w)
+    win = jnp.clip(span_mask.visited_distances(lax.stop_gradient(z), s.ramp), 1, s.span_w)
   r = (jnp.arange(m, dtype=jnp.int32) % s.bq).reshape(1, 1, m)
   i0 = (jnp.arange(nq, dtype=jnp.int32) * s.bq).reshape(1, 1, nq)
   first = s.w + i0 + jnp.min((r - win).reshape(b, h, nq, s.bq), axis=-1)
@@ -379,7 +404,8 @@ def _key_bounds(z, b, h, m, s: _Static):
 
 def _key_steps(m, s: _Static):
   """Grid steps over key blocks: the most a query block can visit (every span = W)."""
-  return max((s.w + i0 + s.bq - 2) // s.bk + 1 - i0 // s.bk for i0 in range(0, m, s.bq))
+  pad = s.w - s.span_w
+  return max((s.w + i0 + s.bq - 2) // s.bk + 1 - (pad + i0) // s.bk for i0 in range(0, m, s.bq))
 
 
 def _query_bounds(bounds, b, h, m, s: _Static):
@@ -395,23 +421,24 @@ def _query_bounds(bounds, b, h, m, s: _Static):
   return jnp.concatenate([first.reshape(-1), (last + 1).reshape(-1)]).astype(jnp.int32)
 
 
-def _query_steps(m, s: _Static):
-  """Grid steps over query blocks: the most query blocks that read one key block (span = W)."""
-  nq, nkb = m // s.bq, (s.w + m) // s.bk
-  lo = [i0 // s.bk for i0 in range(0, m, s.bq)]
+def _query_steps(m, s: _Static, key_blocks: range):
+  """Grid steps over query blocks: the most query blocks that read one of `key_blocks`
+  (span = W)."""
+  nq = m // s.bq
+  lo = [(s.w - s.span_w + i0) // s.bk for i0 in range(0, m, s.bq)]
   hi = [(s.w + i0 + s.bq - 2) // s.bk + 1 for i0 in range(0, m, s.bq)]
-  return max(1, max(sum(lo[q] <= kb < hi[q] for q in range(nq)) for kb in range(nkb)))
+  return max(1, max(sum(lo[q] <= kb < hi[q] for q in range(nq)) for kb in key_blocks))
 
 
-def _cost(kind: str, q, k, s: _Static, steps: int, has_mask: bool,
+def _cost(kind: str, q, nkb: int, s: _Static, steps: int, has_mask: bool,
           pers_itemsize: int = 4) -> pl.CostEstimate:
   """What one call does if every span is W (the grid's worst case; shorter spans skip tiles), so
   XLA's scheduler and the compile mode's roofline see the kernel: its matmul FLOPs per visited
   tile (content, position over the tile's bq + bk distances, values; the backward's recompute and
   gradients), exp per score, and HBM bytes (blocks as the index maps fetch them); persistent
   vectors per query block (forward: logits, values; dq kernel: logits, g.v, dq, their two
-  gradients), fetched once per (batch, head)."""
-  cost = _band_cost(kind, q, k, s, steps, has_mask)
+  gradients), fetched once per (batch, head). nkb: the key blocks of the dk/dv call."""
+  cost = _band_cost(kind, q, nkb, s, steps, has_mask)
   if not s.n_pers or kind == "bwd_kv":
     return cost
   b, h, m, dp = q.shape
@@ -423,10 +450,10 @@ def _cost(kind: str, q, k, s: _Static, steps: int, has_mask: bool,
       bytes_accessed=cost.bytes_accessed + pers_bytes)
 
 
-def _band_cost(kind: str, q, k, s: _Static, steps: int, has_mask: bool) -> pl.CostEstimate:
+def _band_cost(kind: str, q, nkb: int, s: _Static, steps: int, has_mask: bool
+               ) -> pl.CostEstimate:
   b, h, m, dp = q.shape
-  isz, t = jnp.dtype(q.dtype).itemsize, k.shape[2]
-  nq, nkb = m // s.bq, t // s.bk
+  isz, nq = jnp.dtype(q.dtype).itemsize, m // s.bq
   qk, pos = 2 * s.bq * s.bk * dp, 2 * s.bq * (s.bq + s.bk) * dp
   row, key, stat = s.bq * dp * isz, s.bk * dp * isz, s.bq * LANES * 4
   pe = (s.w + 2 * (s.bq + s.bk)) * dp * 4
@@ -464,16 +491,23 @@ def _replicate(x_BxHxM):
 
 def _query_grid_specs(b, h, nq, dp, s: _Static):
   """BlockSpecs of the (batch, head, query block, key step) grid of the forward and dq kernels:
-  query rows, their row statistics, and the key block of each step, clamped to the block's
-  scalar-prefetched [first, last] (a step past it re-uses the block in VMEM: no DMA)."""
-  def key_map(bi, hi, qi, j, bnd):
+  query rows, their row statistics, and the keys and values of each step's key block, clamped to
+  the block's scalar-prefetched [first, last] (a step past it re-uses the block in VMEM: no DMA),
+  from the cache's part (blocks below W / bk) and the block's part (the rest): each part's index
+  stays at its nearest block while the other part is read, so it is fetched once."""
+  n_wb = s.w // s.bk
+
+  def key_block(bi, hi, qi, j, bnd):
     cell = (bi * h + hi) * nq + qi
-    return bi, hi, jnp.minimum(bnd[cell] + j, bnd[b * h * nq + cell] - 1), 0
+    return jnp.minimum(bnd[cell] + j, bnd[b * h * nq + cell] - 1)
 
   here = lambda bi, hi, qi, j, bnd: (bi, hi, qi, 0)
+  kv_block = (None, 2, None, dp, s.bk)
+  cache = lambda *a: (a[0], 0, a[1], 0, jnp.minimum(key_block(*a), n_wb - 1))
+  block = lambda *a: (a[0], 0, a[1], 0, jnp.maximum(key_block(*a) - n_wb, 0))
   return (pl.BlockSpec((None, None, s.bq, dp), here),
           pl.BlockSpec((None, None, s.bq, LANES), here),
-          pl.BlockSpec((None, None, s.bk, dp), key_map))
+          pl.BlockSpec(kv_block, cache), pl.BlockSpec(kv_block, block))
 
 
 def _pers_spec(n, dp):
@@ -481,17 +515,17 @@ def _pers_spec(n, dp):
   return pl.BlockSpec((None, n, dp), lambda bi, hi, *_: (hi, 0, 0))
 
 
-def _forward(q, k, v, pe_t, z, seed, pk_t, pv, s: _Static):
+def _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, s: _Static):
   b, h, m, dp = q.shape
   nq, steps = m // s.bq, _key_steps(m, s)
   has_mask = z is not None
   scalars = jnp.concatenate([_key_bounds(z, b, h, m, s), seed])  # int32s in SMEM
 
-  rows, stat, keys = _query_grid_specs(b, h, nq, dp, s)
+  rows, stat, kv_cache, kv_block = _query_grid_specs(b, h, nq, dp, s)
   whole = pl.BlockSpec(memory_space=pltpu.VMEM)
   pers = [_pers_spec(s.n_pers, dp)] * 2 if s.n_pers else []
-  in_specs = [rows, keys, keys, whole] + ([stat] if has_mask else []) + pers
-  args = ([q, k, v, pe_t] + ([_replicate(z)] if has_mask else [])
+  in_specs = [rows, kv_cache, kv_block, whole] + ([stat] if has_mask else []) + pers
+  args = ([q, kvc, kvb, pe_t] + ([_replicate(z)] if has_mask else [])
           + ([pk_t, pv] if s.n_pers else []))
   kernel = functools.partial(_fwd_kernel, s=s, has_mask=has_mask, n_heads=h, n_q=nq,
                              n_steps=steps)
@@ -506,7 +540,7 @@ def _forward(q, k, v, pe_t, z, seed, pk_t, pv, s: _Static):
                  jax.ShapeDtypeStruct((b, h, m, LANES), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, m, LANES), jnp.float32)],
       compiler_params=_params(s, ("parallel", "parallel", "parallel", "arbitrary")),
-      cost_estimate=_cost("fwd", q, k, s, steps, has_mask, _itemsize(pk_t)),
+      cost_estimate=_cost("fwd", q, 0, s, steps, has_mask, _itemsize(pk_t)),
       interpret=s.interpret, name="span_attention_fwd")(scalars, *args)
   return out, mx[..., 0], den[..., 0]
 
@@ -516,10 +550,9 @@ def _itemsize(x):
 
 
 def _backward(s: _Static, res, g):
-  q, k, v, pe_t, z, seed, pk_t, pv, out, mx, den = res
+  q, kvc, kvb, pe_t, z, seed, pk_t, pv, out, mx, den = res
   b, h, m, dp = q.shape
-  t = k.shape[2]
-  nq, nkb = m // s.bq, t // s.bk
+  nq, n_wb, nkb = m // s.bq, s.w // s.bk, (s.w + m) // s.bk
   has_mask = z is not None
   delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
   bounds = _key_bounds(z, b, h, m, s)
@@ -532,7 +565,7 @@ def _backward(s: _Static, res, g):
   # dq, dz, d pe (and the persistent vectors' gradients): the forward's grid
   steps = _key_steps(m, s)
 
-  rows, stat, keys = _query_grid_specs(b, h, nq, dp, s)
+  rows, stat, kv_cache, kv_block = _query_grid_specs(b, h, nq, dp, s)
   dpe_spec = pl.BlockSpec((None, *pe_t.shape), lambda bi, hi, qi, j, bnd: (bi, 0, 0))
   pers = [_pers_spec(s.n_pers, dp)] * 2 if s.n_pers else []
   dpers = pl.BlockSpec((None, None, s.n_pers, dp), lambda bi, hi, qi, j, bnd: (bi, hi, 0, 0))
@@ -548,16 +581,16 @@ def _backward(s: _Static, res, g):
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(b, h, nq, steps),
-          in_specs=[rows, keys, keys, whole] + ([stat] if has_mask else []) + pers + [rows]
-          + [stat] * 3,
+          in_specs=[rows, kv_cache, kv_block, whole] + ([stat] if has_mask else []) + pers
+          + [rows] + [stat] * 3,
           out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape,
       # d pe stays resident per batch row over heads, query blocks and key steps (the persistent
       # gradients per batch row and head, over query blocks and key steps)
       compiler_params=_params(s, ("parallel", "arbitrary", "arbitrary", "arbitrary")),
-      cost_estimate=_cost("bwd_q", q, k, s, steps, has_mask, _itemsize(pk_t)),
+      cost_estimate=_cost("bwd_q", q, 0, s, steps, has_mask, _itemsize(pk_t)),
       interpret=s.interpret, name="span_attention_bwd_q")(
-          scalars, q, k, v, pe_t, *zr, *pers_in, g, *stats)
+          scalars, q, kvc, kvb, pe_t, *zr, *pers_in, g, *stats)
   outs = list(outs)
   dq = outs.pop(0)
   dz = outs.pop(0)[..., 0] if has_mask else None
@@ -566,60 +599,116 @@ def _backward(s: _Static, res, g):
   if s.n_pers:
     dpk, dpv = (jnp.sum(x, axis=0).astype(y.dtype) for x, y in zip(outs, (pk_t, pv)))
 
-  # dk, dv: per key block, over the query blocks that read it
+  # dk, dv per key block, over the query blocks that read it: one call for the cache's key
+  # blocks, one for the block's, each writing its own part's gradient
   qbounds = _query_bounds(bounds, b, h, m, s)
-  qsteps = _query_steps(m, s)
+  stats_k = _packed_stats(mx, den, delta, z, s.bq)
 
-  def query_block(bi, hi, kb, j, bnd, qbnd):
-    cell = (bi * h + hi) * nkb + kb
-    first = qbnd[cell]
-    return jnp.maximum(jnp.minimum(first + j, qbnd[b * h * nkb + cell] - 1), first)
+  def dkv(part, kb0):
+    n = part.shape[-1] // s.bk
+    qsteps = _query_steps(m, s, range(kb0, kb0 + n))
 
-  rows_k = pl.BlockSpec((None, None, s.bq, dp),
-                        lambda bi, hi, *a: (bi, hi, query_block(bi, hi, *a), 0))
-  stat_k = pl.BlockSpec((None, None, None, 8, s.bq),
-                        lambda bi, hi, *a: (bi, hi, query_block(bi, hi, *a), 0, 0))
-  keys_k = pl.BlockSpec((None, None, s.bk, dp), lambda bi, hi, kb, j, bnd, qbnd: (bi, hi, kb, 0))
-  kernel = functools.partial(_bwd_kv_kernel, s=s, has_mask=has_mask, n_heads=h, n_q=nq,
-                             n_kb=nkb, n_steps=qsteps)
-  dk, dv = pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2, grid=(b, h, nkb, qsteps),
-          in_specs=[rows_k, keys_k, keys_k, whole, rows_k, stat_k],
-          out_specs=[keys_k, keys_k],
-          scratch_shapes=[pltpu.VMEM((s.bk, dp), jnp.float32)] * 2),
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=_params(s, ("parallel", "parallel", "parallel", "arbitrary")),
-      cost_estimate=_cost("bwd_kv", q, k, s, qsteps, has_mask),
-      interpret=s.interpret, name="span_attention_bwd_kv")(
-          scalars, qbounds, q, k, v, pe_t, g, _packed_stats(mx, den, delta, z, s.bq))
+    def query_block(bi, hi, kbl, j, bnd, qbnd):
+      cell = (bi * h + hi) * nkb + kb0 + kbl
+      first = qbnd[cell]
+      return jnp.maximum(jnp.minimum(first + j, qbnd[b * h * nkb + cell] - 1), first)
+
+    rows_k = pl.BlockSpec((None, None, s.bq, dp),
+                          lambda bi, hi, *a: (bi, hi, query_block(bi, hi, *a), 0))
+    stat_k = pl.BlockSpec((None, None, None, 8, s.bq),
+                          lambda bi, hi, *a: (bi, hi, query_block(bi, hi, *a), 0, 0))
+    kv_k = pl.BlockSpec((None, 2, None, dp, s.bk),
+                        lambda bi, hi, kbl, j, bnd, qbnd: (bi, 0, hi, 0, kbl))
+    kernel = functools.partial(_bwd_kv_kernel, s=s, has_mask=has_mask, n_heads=h, n_q=nq,
+                               n_kb=nkb, kb0=kb0, n_steps=qsteps)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(b, h, n, qsteps),
+            in_specs=[rows_k, kv_k, whole, rows_k, stat_k], out_specs=kv_k,
+            scratch_shapes=[pltpu.VMEM((dp, s.bk), jnp.float32)] * 2),
+        out_shape=jax.ShapeDtypeStruct(part.shape, part.dtype),
+        compiler_params=_params(s, ("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=_cost("bwd_kv", q, n, s, qsteps, has_mask),
+        interpret=s.interpret, name="span_attention_bwd_kv")(
+            scalars, qbounds, q, part, pe_t, g, stats_k)
+
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
-  return dq, dk, dv, jnp.sum(dpe, axis=0).astype(pe_t.dtype), dz, dseed, dpk, dpv
+  return (dq, dkv(kvc, 0), dkv(kvb, n_wb), jnp.sum(dpe, axis=0).astype(pe_t.dtype), dz, dseed,
+          dpk, dpv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
-def _attention(q, k, v, pe_t, z, seed, pk_t, pv, s):
-  return _forward(q, k, v, pe_t, z, seed, pk_t, pv, s)[0]
+def _attention(q, kvc, kvb, pe_t, z, seed, pk_t, pv, s):
+  return _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, s)[0]
 
 
-def _attention_fwd(q, k, v, pe_t, z, seed, pk_t, pv, s):
-  out, mx, den = _forward(q, k, v, pe_t, z, seed, pk_t, pv, s)
-  return out, (q, k, v, pe_t, z, seed, pk_t, pv, out, mx, den)
+def _attention_fwd(q, kvc, kvb, pe_t, z, seed, pk_t, pv, s):
+  out, mx, den = _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, s)
+  return out, (q, kvc, kvb, pe_t, z, seed, pk_t, pv, out, mx, den)
 
 
 _attention.defvjp(_attention_fwd, _backward)
 
 
-def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *, ramp: int = 32,
-                   pers_k_HxDxN=None, pers_v_HxNxD=None, eps: float = span_mask.EPS,
-                   block: int = 128, block_k: int | None = None, dropout_rate: float = 0.0,
-                   dropout_seed=None, interpret: bool = False, precision: str = "default",
-                   vmem_limit_bytes: int | None = None):
+def layout_window(w: int) -> int:
+  """The cached positions the kernel reads for a window of w: w rounded up to 128 lanes (keys
+  lie positions last; the extra, oldest ones are never visited)."""
+  return -(-w // LANES) * LANES
+
+
+def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, g: int):
+  """The kernel's keys and values of g heads (w_kv: their [key | value] columns): the last
+  `layout_window(w)` cached states' (B, 2, G, Dh, L) and the block's (B, 2, G, Dh, M),
+  positions last. This is the layout XLA:TPU's projection matmul writes (positions on the
+  lanes), so no transpose or concatenation pass follows it. A cache shorter than L is padded
+  with zero states on the left. The cache rows get no input gradient (a constant of the step)."""
+  n = layout_window(w)
+  x = cache_BxLxD[:, max(0, cache_BxLxD.shape[1] - n):]
+  if x.shape[1] < n:
+    x = jnp.pad(x, ((0, 0), (n - x.shape[1], 0), (0, 0)))
+  d, z2 = w_kv_Dx2Z.shape
+  w_Dx2xGxH = matmul.weight(w_kv_Dx2Z, x.dtype).reshape(d, 2, g, z2 // (2 * g))
+  return (matmul.einsum("btd,dzgh->bzght", x, w_Dx2xGxH),
+          matmul.einsum("btd,dzgh->bzght", h_BxMxD, w_Dx2xGxH))
+
+
+def split_kv(kv_BxTx2Z, g: int, w: int):
+  """[keys | values] rows (B, W + M, 2 G Dh) of a key/value cache -> the kernel's two parts (the
+  cache's padded on the left to `layout_window(w)`)."""
+  b, t, z = kv_BxTx2Z.shape
+  kv = kv_BxTx2Z.reshape(b, t, 2, g, z // (2 * g)).transpose(0, 2, 3, 4, 1)
+  pad = [(0, 0)] * 4 + [(layout_window(w) - w, 0)]
+  return jnp.pad(kv[..., :w], pad), kv[..., w:]
+
+
+def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, **kwargs):
+  """`span_attention_kv` for keys and values given as rows, each (B, H, W + M, Dh): the layout
+  of the other implementations (tests, benchmarks); transposed and split here, the cache's part
+  padded on the left to a whole number of key tiles."""
+  w = key_pe_DxW.shape[-1]
+  if k_BxHxTxD.shape != v_BxHxTxD.shape or k_BxHxTxD.shape[:2] + k_BxHxTxD.shape[3:] != (
+      q_BxHxMxD.shape[:2] + q_BxHxMxD.shape[3:]) or k_BxHxTxD.shape[2] <= w:
+    raise ValueError(f"fused attention: keys {k_BxHxTxD.shape}, values {v_BxHxTxD.shape} for "
+                     f"queries {q_BxHxMxD.shape} and window {w}")
+  bk = kwargs.get("block_k") or kwargs.get("block", 128)
+  kv = jnp.swapaxes(jnp.stack([k_BxHxTxD, v_BxHxTxD], axis=1), -1, -2)  # B 2 H Dh T
+  cache = jnp.pad(kv[..., :w], [(0, 0)] * 4 + [(-w % bk, 0)])
+  return span_attention_kv(q_BxHxMxD, cache, kv[..., w:], key_pe_DxW, z_BxHxM, **kwargs)
+
+
+def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_DxW, z_BxHxM=None,
+                      *, ramp: int = 32, pers_k_HxDxN=None, pers_v_HxNxD=None,
+                      eps: float = span_mask.EPS, block: int = 128, block_k: int | None = None,
+                      dropout_rate: float = 0.0, dropout_seed=None, interpret: bool = False,
+                      precision: str = "default", vmem_limit_bytes: int | None = None):
   """Banded attention over the W distances before each query, spans given at run time (TPU).
 
   Args:
-    q_BxHxMxD: queries. k/v_BxHxTxD: keys/values of the last T = W + M positions.
+    q_BxHxMxD: queries.
+    kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM: [keys; values] of the last L >= W cached positions
+      (L a multiple of the key tile; the L - W oldest are never visited) and of the block's M,
+      positions last (`project_kv` writes them so).
     key_pe_DxW: relative position embeddings, column W - d for distance d (its gradient comes
       back in its own dtype; the matmuls run in q's dtype).
     z_BxHxM: span in tokens per query row (broadcast an adaptive span (H,) to it), or None for a
@@ -649,12 +738,15 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   w = key_pe_DxW.shape[-1]
   bq, bk = block, block_k or block
   n_pers = 0 if pers_k_HxDxN is None else pers_k_HxDxN.shape[-1]
-  if k_BxHxTxD.shape != (b, h, w + m, dh) or v_BxHxTxD.shape != (b, h, w + m, dh):
-    raise ValueError(f"fused attention: keys {k_BxHxTxD.shape}, values {v_BxHxTxD.shape} for "
-                     f"queries {q_BxHxMxD.shape} and window {w}")
-  if m % bq or m % bk or w % bk or n_pers % bk:
-    raise ValueError(f"fused attention: block {m} must be a multiple of {bq} and {bk}, window "
-                     f"{w} and {n_pers} persistent vectors of {bk}")
+  n_cached = kv_cache_Bx2xHxDxL.shape[-1]
+  if (kv_cache_Bx2xHxDxL.shape[:4] != (b, 2, h, dh) or n_cached < w
+      or kv_block_Bx2xHxDxM.shape != (b, 2, h, dh, m)):
+    raise ValueError(f"fused attention: keys and values {kv_cache_Bx2xHxDxL.shape} (cache), "
+                     f"{kv_block_Bx2xHxDxM.shape} (block) for queries {q_BxHxMxD.shape} and "
+                     f"window {w}: want {(b, 2, h, dh)} + (L >= {w},) and {(b, 2, h, dh, m)}")
+  if m % bq or m % bk or n_cached % bk or n_pers % bk:
+    raise ValueError(f"fused attention: block {m} must be a multiple of {bq} and {bk}, cached "
+                     f"positions {n_cached} and {n_pers} persistent vectors of {bk}")
   if bq % 8 or bk % 8:
     raise ValueError(f"fused attention: tiles {bq}, {bk} must be multiples of 8")
   if z_BxHxM is not None and z_BxHxM.shape != (b, h, m):
@@ -665,16 +757,18 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   dp = padded_head_dim(dh)
   pers_dtype = None if not n_pers else pers_k_HxDxN.dtype
   if vmem_limit_bytes is None and not interpret:
-    vmem_limit_bytes = vmem_bytes(w, dp, bq, bk, q_BxHxMxD.dtype, key_pe_DxW.dtype, n_pers,
-                                  pers_dtype or jnp.float32)
-  s = _Static(w=w, ramp=int(ramp), eps=float(eps), bq=bq, bk=bk, scale=1.0 / math.sqrt(dh),
-              precision=precision, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes,
-              rate=float(dropout_rate), n_pers=n_pers)
+    vmem_limit_bytes = vmem_bytes(n_cached, dp, bq, bk, q_BxHxMxD.dtype, key_pe_DxW.dtype,
+                                  n_pers, pers_dtype or jnp.float32)
+  s = _Static(w=n_cached, ramp=int(ramp), eps=float(eps), bq=bq, bk=bk,
+              scale=1.0 / math.sqrt(dh), precision=precision, interpret=interpret,
+              vmem_limit_bytes=vmem_limit_bytes, rate=float(dropout_rate), n_pers=n_pers,
+              span_w=w)
   pad = lambda x: x if dp == dh else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - dh)])
-  # key_pe as rows (distance d at row W - d + P), zero rows on both sides so that every tile's
-  # bq + bk distances are one in-bounds slice
+  pad_kv = lambda x: x if dp == dh else jnp.pad(x, [(0, 0)] * 3 + [(0, dp - dh), (0, 0)])
+  # key_pe as rows (distance d at row L - d + P), zero rows on both sides (and for the L - W
+  # distances past the window) so that every tile's bq + bk distances are one in-bounds slice
   p_rows = bq + bk
-  pe_t = jnp.pad(key_pe_DxW.T, ((p_rows, p_rows), (0, dp - dh)))
+  pe_t = jnp.pad(key_pe_DxW.T, ((p_rows + n_cached - w, p_rows), (0, dp - dh)))
   z = None if z_BxHxM is None else z_BxHxM.astype(jnp.float32)
   # persistent keys as rows, like the keys (H, N, Dh); float32 parameters stay float32 here and
   # are cast in the kernel, so their gradients are summed in float32
@@ -682,7 +776,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
                                           pad(pers_v_HxNxD))
   seed = jnp.zeros((1,), jnp.uint32) if dropout_seed is None else (
       jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
-  args = (pad(q_BxHxMxD), pad(k_BxHxTxD), pad(v_BxHxTxD), pe_t)
+  args = (pad(q_BxHxMxD), pad_kv(kv_cache_Bx2xHxDxL), pad_kv(kv_block_Bx2xHxDxM), pe_t)
 
   mesh = jax.sharding.get_abstract_mesh()
   axes = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
@@ -692,9 +786,9 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 
   # A pallas_call is opaque to XLA's partitioner: under a mesh each device runs the kernel on
   # its own batch rows (as pallas_gpu.span_attention), with its own dropout masks.
-  def local(q, k, v, pe, z, seed, pk, pv):
+  def local(q, kvc, kvb, pe, z, seed, pk, pv):
     seed = hashed_dropout.shard_seed(seed, axes)
-    return _attention(q, k, v, pe, z, as_i32(seed), pk, pv, s)
+    return _attention(q, kvc, kvb, pe, z, as_i32(seed), pk, pv, s)
 
   rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
   maybe = lambda x, spec: None if x is None else spec
@@ -705,29 +799,29 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 
 
 def tiles(attn_block: int, m: int, w: int, n_pers: int = 0) -> tuple[int, int]:
-  """(query tile bq, key tile bk) for a block of m queries, a window of w and n_pers persistent
-  vectors: the widest key tile of 512, 256, 128 that divides w, m and n_pers and is at most a
-  quarter of the window (learned spans skip key blocks: a narrow window keeps them fine), else
-  attn_block; then half as many query rows, at least 128, where m allows (K/V are re-read once
-  per query block; the position term's matmul spans bq + bk distances per bk keys, so bq = bk / 2
-  keeps it at 1.5x the content matmul) and bq + bk stays a multiple of 128 lanes (the in-tile
-  skew's rotation), else bq = bk. Each compiles for v5e, v5p and v6e
-  (tests/kernels/test_pallas_tpu.py); docs/kernels.md has the cost model."""
-  bk = next((t for t in (512, 256, 128)
-             if t >= attn_block and 4 * t <= w and not (w % t or m % t or n_pers % t)),
-            attn_block)
-  half = max(128, bk // 2)
-  bq = half if m % half == 0 and bk % 128 == 0 else bk
+  """(query tile bq, key tile bk) for a block of m queries, w cached positions (the layout's:
+  `layout_window`) and n_pers persistent vectors: the widest key tile of 512, 256 that divides
+  w, m and n_pers and is at most a quarter of w (learned spans skip key blocks: a narrow window
+  keeps them fine), else 128 where it divides them, else attn_block; then half as many query
+  rows, at least 128, where m allows (K/V are re-read once per query block; the position term's
+  matmul spans bq + bk distances per bk keys, so bq = bk / 2 keeps it at 1.5x the content
+  matmul), else bq = bk. Each compiles for v5e, v5p and v6e (tests/kernels/test_pallas_tpu.py);
+  docs/kernels.md has the cost model."""
+  fits = lambda t: t >= attn_block and not (w % t or m % t or n_pers % t)
+  bk = next((t for t in (512, 256) if fits(t) and 4 * t <= w), None)
+  bk = bk or (LANES if fits(LANES) else attn_block)
+  half = max(LANES, bk // 2)
+  bq = half if m % half == 0 and bk % LANES == 0 else bk
   return bq, bk
 
 
 def misfit(attn_block: int, m: int, w: int, n_pers: int = 0) -> str:
-  """'' when `tiles` gives Mosaic-legal tiles for this layer, else why not (a TPU then runs the
-  reference): the skew rotates bq + bk lanes, which must be a multiple of 128."""
-  bq, bk = tiles(attn_block, m, w, n_pers)
-  if (bq + bk) % LANES:
-    return (f"TPU tiles {bq} + {bk} are not a multiple of 128 lanes (window {w}, attn_block "
-            f"{attn_block}; attn_block >= 64 tiles every window)")
+  """'' when `tiles` gives Mosaic-legal tiles for this layer (window w), else why not (a TPU then
+  runs the reference): keys lie positions last, so the key tile is a multiple of 128 lanes."""
+  bq, bk = tiles(attn_block, m, layout_window(w), n_pers)
+  if bk % LANES or (bq + bk) % LANES:
+    return (f"TPU tiles {bq} x {bk}: the key tile must be a multiple of 128 lanes (block {m}, "
+            f"{n_pers} persistent vectors, attn_block {attn_block}: multiples of 128 fit)")
   return ""
 
 
@@ -741,6 +835,6 @@ def vmem_bytes(w: int, dp: int, bq: int, bk: int, dtype, pe_dtype=jnp.float32, n
   act = jnp.dtype(dtype).itemsize
   resident = rows * dp * (jnp.dtype(pe_dtype).itemsize + 2 * 4)
   resident += 2 * 2 * n_pers * dp * (jnp.dtype(pers_dtype).itemsize + 4)
-  tiles = 2 * (4 * bq * dp * act + 2 * bk * dp * act + 6 * bq * LANES * 4)
+  tiles = 2 * (4 * bq * dp * act + 4 * bk * dp * act + 6 * bq * LANES * 4)  # K/V: two parts
   temps = 12 * bq * (bq + bk) * 4 + 4 * (bq + bk) * dp * 4
   return int(max(32 << 20, 1.5 * (resident + tiles + temps) + (4 << 20)))

@@ -130,7 +130,7 @@ def test_visited_key_blocks_follow_the_spans():
   per (batch, head, query block), computed from the spans at run time."""
   static = ft._Static(  # pylint: disable=protected-access
       w=W, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0, precision="default", interpret=True,
-      vmem_limit_bytes=None)
+      vmem_limit_bytes=None, span_w=W)
   n = B * H * (M // BLOCK)
   for span, first in ((2.0, [2, 3]), (100.0, [0, 1])):
     z = jnp.full((B, H, M), span, jnp.float32)
@@ -238,18 +238,19 @@ def test_persistent_memory_and_dropout_match_the_reference(kind, n_pers, rate):
 
 def test_tiles_widen_where_the_shapes_allow():
   """256 query rows and 512 keys at the enwik8 shapes (persistent vectors too), 128 x 256 where
-  512 does not divide or the window is narrow; a window of 17 attention blocks (or the initial
-  plan's 64) keeps both tiles at the block, so that the skew rotates a multiple of 128 lanes;
-  small test shapes keep both; an unaligned pair says why."""
+  512 does not divide or the window is narrow, 128 x 128 for windows laid out as odd multiples
+  of 128 (the initial plan's 64 reads 128 cached positions); small test shapes keep the
+  attention block; a block that is no multiple of 128 does not fit Mosaic and says why."""
   assert ft.tiles(64, 512, 8192, 2048) == (256, 512)
   assert ft.tiles(64, 512, 8192, 256) == (128, 256)  # N = 256
   assert ft.tiles(64, 256, 8192, 0) == (128, 256)  # wiki103_pers' block of 256
   assert ft.tiles(64, 512, 1024, 0) == (128, 256)  # 512 keys: half the window
   assert ft.tiles(64, 512, 8192 + 128, 0) == (128, 128)
-  assert ft.tiles(64, 512, 17 * 64, 0) == (64, 64)  # bq + bk: a multiple of 128 lanes
-  assert ft.tiles(64, 512, 64, 0) == (64, 64)  # the initial plan's window
+  assert ft.layout_window(17 * 64) == 1152 and ft.tiles(64, 512, 1152, 0) == (128, 128)
+  assert ft.layout_window(64) == 128 and ft.tiles(64, 512, 128, 0) == (128, 128)
   assert ft.tiles(16, 32, 48, 0) == (16, 16)
-  assert not ft.misfit(64, 512, 64) and "128 lanes" in ft.misfit(32, 512, 96)
+  assert not ft.misfit(64, 512, 64) and not ft.misfit(64, 512, 17 * 64)
+  assert "128 lanes" in ft.misfit(64, 192, 1024)
 
 
 def test_bad_shapes_say_so():
@@ -290,7 +291,7 @@ def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind, n_pers, ra
   args = (sd((b, h, m, d)), sd((b, h, w + m, d)), sd((b, h, w + m, d)), sd((d, w), "float32"))
   pers = (sd((h, d, n_pers), "float32"), sd((h, n_pers, d), "float32")) if n_pers else ()
 
-  bq, bk = ft.tiles(64, m, w, n_pers)  # the door's tiles for attn_block=64
+  bq, bk = ft.tiles(64, m, ft.layout_window(w), n_pers)  # the door's tiles, attn_block=64
 
   def loss(q, k, v, pe, z, *pers):
     out = ft.span_attention(q, k, v, pe, z, ramp=32, block=bq, block_k=bk,
@@ -321,8 +322,8 @@ def test_xla_sees_the_kernel_cost_of_its_tile_schedule():
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   b, h, m, w, d, blk = 1, 2, 256, 512, 128, 128
   sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=rep)
-  f = jax.jit(lambda q, k, v, pe: ft.span_attention(q, k, v, pe, None, block=blk))
-  compiled = f.lower(sd((b, h, m, d)), sd((b, h, w + m, d)), sd((b, h, w + m, d)),
+  f = jax.jit(lambda q, kvc, kvb, pe: ft.span_attention_kv(q, kvc, kvb, pe, None, block=blk))
+  compiled = f.lower(sd((b, h, m, d)), sd((b, 2, h, d, w)), sd((b, 2, h, d, m)),
                      sd((d, w), jnp.float32)).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
@@ -334,3 +335,52 @@ def test_xla_sees_the_kernel_cost_of_its_tile_schedule():
   want = b * h * tiles * (2 * 2 * blk * blk * d + 2 * blk * 2 * blk * d)
   assert want <= cost["flops"] <= want * 1.001  # the rest: XLA's own padding of the inputs
   assert cost["bytes accessed"] >= 2 * b * h * (w + m) * d * 2  # keys and values read once
+
+
+def test_the_model_through_the_tpu_kernel_equals_the_reference(mode="adaptive", n_pers=16):
+  """The door's TPU path end to end: SpanTransformer with attn_impl=pallas_tpu_interpret streams
+  two blocks (the second over a non-zero cache) with the reference's loss and parameter
+  gradients (adaptive spans, per head, and persistent memory). Its keys and values are projected positions last in two parts, the cache's padded
+  to 128 positions (window 48: 80 zero states, never visited); with key/value caches
+  (inference) the same output."""
+  from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model.transformer import SpanTransformer  # pylint: disable=g-import-not-at-top
+  from model_helpers import make_cfg  # pylint: disable=g-import-not-at-top
+  kw = dict(span_mode=mode, span=48, ramp=4, attn_block=16, n_heads=2, pers_mem=n_pers,
+            plan_granularity=16)
+  cfgs = {impl: make_cfg(attn_impl=impl, **kw) for impl in ("pallas_tpu_interpret", "reference")}
+  b, m = 2, 16
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (b, 2 * m), 0, 11)
+  model = SpanTransformer(cfgs["reference"])
+  params = model.init(jax.random.PRNGKey(4), tokens[:, :m],
+                      caches_lib.init_caches(cfgs["reference"], None, b))["params"]
+  if mode == "adaptive":  # spans inside the window, different per head
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: jnp.asarray([0.3, 0.8], x.dtype) if "span_ratio" in str(p) else x, params)
+
+  def loss(params, impl):
+    model = SpanTransformer(cfgs[impl])
+    caches = caches_lib.init_caches(cfgs[impl], None, b)
+    total = 0.0
+    for i in range(2):
+      x = tokens[:, i * m:(i + 1) * m]
+      logp, caches, _ = model.apply({"params": params}, x, caches)
+      total += jnp.mean(logp[..., 0] * jnp.arange(m)[None])
+    return total
+
+  got, g_got = jax.value_and_grad(loss)(params, "pallas_tpu_interpret")
+  want, g_want = jax.value_and_grad(loss)(params, "reference")
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  for path, a in jax.tree_util.tree_leaves_with_path(g_got):
+    w = functools.reduce(lambda t, k: t[k.key], path, g_want)
+    np.testing.assert_allclose(a, w, rtol=2e-4, atol=2e-5, err_msg=jax.tree_util.keystr(path))
+  assert any(float(jnp.max(jnp.abs(a))) > 0 for a in jax.tree.leaves(g_got))
+
+  kv_model = SpanTransformer(cfgs["pallas_tpu_interpret"], kv_cache=True)
+  kc = caches_lib.init_caches(cfgs["pallas_tpu_interpret"], None, b, kv=True)
+  hc = caches_lib.init_caches(cfgs["reference"], None, b)
+  for i in range(2):
+    x = tokens[:, i * m:(i + 1) * m]
+    lk, kc, _ = kv_model.apply({"params": params}, x, kc)
+    lh, hc, _ = model.apply({"params": params}, x, hc)
+    np.testing.assert_allclose(lk, lh, rtol=1e-5, atol=1e-5)
