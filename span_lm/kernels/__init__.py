@@ -218,6 +218,7 @@ def residual_bytes(cfg, impl: str, batch: int, m: int, heads: int, w: int, train
   if impl in FUSED:  # the kernel saves its inputs, its output and two row statistics
     dt = jnp.dtype(cfg.dtype).itemsize
     dp = (pallas_tpu if impl in TPU_FUSED else pallas_gpu).padded_head_dim(cfg.head_dim)
+    w = pallas_tpu.layout_window(w) if impl in TPU_FUSED else w  # its cache part: 128 lanes
     return {"keys_values": 2 * batch * heads * (w + m) * dp * dt,
             "score_bands": 2 * batch * heads * m * 4, "weights": batch * heads * m * dp * dt}
   if impl == "reference":
