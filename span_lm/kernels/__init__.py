@@ -39,7 +39,8 @@ _logged: set = set()
 class KV(NamedTuple):
   """Keys and values of one head group, as the chosen implementation lays them out: each
   (B, G, T, Dh) rows; cpu's positions_last: each (B, G, Dh, T); the TPU kernel's (tpu_parts):
-  k holds the cached positions' [keys; values] (B, 2, G, Dh, W), v the block's (B, 2, G, Dh, M)."""
+  k holds the last L cached positions' [keys; values] (B, 2, G, Dh, L; `cached_rows`), v the
+  block's (B, 2, G, Dh, M)."""
   k: Any
   v: Any
   positions_last: bool = False
@@ -211,6 +212,12 @@ def schedule_cost(cfg, impl: str, batch: int, m: int, w: int, span: float | None
                                   span=span, ramp=cfg.ramp, n_pers=cfg.pers_mem)
 
 
+def cached_rows(impl: str, w: int) -> int:
+  """Cached positions an implementation reads for a window of w: the TPU kernel's cache part is
+  laid out in whole 128-lane tiles (pallas_tpu.layout_window), the others read w."""
+  return pallas_tpu.layout_window(w) if impl in TPU_FUSED else w
+
+
 def residual_bytes(cfg, impl: str, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   """Bytes one head group's attention keeps for the backward pass, by kind (keys_values,
   score_bands, weights), as the implementation saves them (tools/flops asks here)."""
@@ -218,7 +225,7 @@ def residual_bytes(cfg, impl: str, batch: int, m: int, heads: int, w: int, train
   if impl in FUSED:  # the kernel saves its inputs, its output and two row statistics
     dt = jnp.dtype(cfg.dtype).itemsize
     dp = (pallas_tpu if impl in TPU_FUSED else pallas_gpu).padded_head_dim(cfg.head_dim)
-    w = pallas_tpu.layout_window(w) if impl in TPU_FUSED else w  # its cache part: 128 lanes
+    w = cached_rows(impl, w)
     return {"keys_values": 2 * batch * heads * (w + m) * dp * dt,
             "score_bands": 2 * batch * heads * m * 4, "weights": batch * heads * m * dp * dt}
   if impl == "reference":

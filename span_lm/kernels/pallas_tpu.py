@@ -76,7 +76,8 @@ PRECISIONS = ("default", "highest")
 
 
 class _Static(NamedTuple):
-  w: int  # the cache part's positions, a multiple of bk: the layout's window
+  w: int  # the cache part's positions L, a multiple of bk: the layout's window
+  span_w: int  # the window W (<= L): distances beyond it are never visited
   ramp: int
   eps: float
   bq: int
@@ -87,7 +88,6 @@ class _Static(NamedTuple):
   vmem_limit_bytes: int | None
   rate: float = 0.0  # attention dropout
   n_pers: int = 0  # persistent keys and values per head
-  span_w: int = 0  # the window W (<= w): distances beyond it are never visited
 
 
 def padded_head_dim(dh: int) -> int:
@@ -145,7 +145,7 @@ def _tile(q, k_t, pe_ref, t0, i0, win, s: _Static):
   are visited, and the tile's bq + bk rows of key_pe (in q's dtype)."""
   bq, bk = s.bq, s.bk
   cont = _dot(q, k_t, s.precision)  # bq x bk
-  start = pl.multiple_of(t0 - i0 + bk, math.gcd(bq, bk))  # padded pe rows: distance d at W - d + P
+  start = pl.multiple_of(t0 - i0 + bk, math.gcd(bq, bk))  # padded pe rows: distance d at L - d + P
   pe = pe_ref[pl.ds(start, bq + bk), :].astype(q.dtype)
   pos = _skew(_dot(q, pe, s.precision, trans_b=True), bq, bk)
   r = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
@@ -192,7 +192,7 @@ def _rep(x):
 
 
 def _kv_tile(kvc_ref, kvb_ref, kb, s: _Static):
-  """Key block kb's keys and values, each (Dh, bk): from the cache's part below W / bk, the
+  """Key block kb's keys and values, each (Dh, bk): from the cache's part below L / bk, the
   block's above (both blocks are in VMEM; the index maps fetch each only when it changes)."""
   kv = jnp.where(kb < s.w // s.bk, kvc_ref[...], kvb_ref[...])
   return kv[0], kv[1]
@@ -707,8 +707,9 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
   Args:
     q_BxHxMxD: queries.
     kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM: [keys; values] of the last L >= W cached positions
-      (L a multiple of the key tile; the L - W oldest are never visited) and of the block's M,
-      positions last (`project_kv` writes them so).
+      (L a multiple of the key tile; the L - W oldest are never visited, but share tiles with
+      visited ones at zero weight, so they must be finite: `project_kv` pads with zero states)
+      and of the block's M, positions last (`project_kv` writes them so).
     key_pe_DxW: relative position embeddings, column W - d for distance d (its gradient comes
       back in its own dtype; the matmuls run in q's dtype).
     z_BxHxM: span in tokens per query row (broadcast an adaptive span (H,) to it), or None for a

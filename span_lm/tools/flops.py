@@ -179,9 +179,10 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
     it["layer"] = b * m * d * act * 2  # queries, attention output
     for heads, w in lp.groups:
       g = len(heads)
-      # The block rows, and the cache rows unless the window is the whole cache (then the
+      # The block rows, and the cache rows read unless they are the whole cache (then the
       # residual is the step's input itself, not a new buffer).
-      it["kv_input"] += b * (m + (w if w < lp.cache_len else 0)) * d * act
+      rows = kernels.cached_rows(impl, w)
+      it["kv_input"] += b * (m + (rows if rows != lp.cache_len else 0)) * d * act
       res = kernels.residual_bytes(cfg, impl, b, m, g, w, train)
       if impl == "reference" and target.name() == "tpu":
         res["score_bands"] = xla_tpu_score_bands(cfg, b, m, g, w)

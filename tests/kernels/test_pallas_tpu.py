@@ -181,7 +181,7 @@ def test_tpu_interpreter_with_uninitialised_memory_as_nan():
 N_PERS, SEED = 32, 3_000_000_001  # a seed past 2**31: the hash's uint32 bits in int32
 
 
-def _band_dropout(rate, n_pers):
+def _band_dropout(rate, n_pers, W=W):  # pylint: disable=redefined-outer-name
   """The kernel's keep mask for banded_reference's (B, H, n, C, W + N) bands: band column s of
   row i is key i + s, persistent vector n is key W + M + n."""
   def drop(p):
@@ -384,3 +384,39 @@ def test_the_model_through_the_tpu_kernel_equals_the_reference(mode="adaptive", 
     lk, kc, _ = kv_model.apply({"params": params}, x, kc)
     lh, hc, _ = model.apply({"params": params}, x, hc)
     np.testing.assert_allclose(lk, lh, rtol=1e-5, atol=1e-5)
+
+
+def test_a_window_laid_out_in_whole_key_tiles_visits_only_the_window():
+  """A window of 40 in 16-key tiles is laid out as 48 cached positions (the rows API pads) or
+  80 (a caller's longer cache part, its 40 oldest positions set to 1e4): dynamic spans up to
+  past the window, persistent memory and dropout give the reference's values and gradients
+  either way (the padding is never visited; dropout numbers keys as if it were absent), and the
+  key blocks visited start at the window."""
+  w = 40
+  ks = jax.random.split(jax.random.PRNGKey(8), 8)
+  q = jax.random.normal(ks[0], (B, H, M, D))
+  k, v = (jax.random.normal(x, (B, H, w + M, D)) for x in ks[1:3])
+  pe = jax.random.normal(ks[3], (D, w))
+  z = jax.random.uniform(ks[4], (B, H, M), minval=25.0, maxval=45.0)
+  pk, pv = jax.random.normal(ks[5], (H, D, 16)), jax.random.normal(ks[6], (H, 16, D))
+  ct = jax.random.normal(ks[7], (B, H, M, D))
+  kw = dict(ramp=R, block=BLOCK, interpret=True, pers_k_HxDxN=pk, pers_v_HxNxD=pv,
+            dropout_rate=0.3, dropout_seed=jnp.uint32(SEED))
+
+  def long_cache(q, k, v, pe, z):
+    kv = jnp.swapaxes(jnp.stack([k, v], axis=1), -1, -2)  # B 2 H Dh T
+    cache = jnp.concatenate([jnp.full((*kv.shape[:4], 40), 1e4, kv.dtype), kv[..., :w]], -1)
+    return ft.span_attention_kv(q, cache, kv[..., w:], pe, z, **kw)
+
+  def reference(q, k, v, pe, z):
+    return banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R, pers_k_GxDxN=pk,
+                                             pers_v_GxNxD=pv, dropout=_band_dropout(0.3, 16, w))
+
+  want = _value_and_grads(jax.jit(reference), q, k, v, pe, z, ct)
+  for f in (lambda q, k, v, pe, z: ft.span_attention(q, k, v, pe, z, **kw), long_cache):
+    _check(_value_and_grads(jax.jit(f), q, k, v, pe, z, ct), want, (2e-5, 5e-5), 1e-4, z)
+  static = ft._Static(  # pylint: disable=protected-access
+      w=80, span_w=w, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0, precision="default",
+      interpret=True, vmem_limit_bytes=None)
+  bounds = ft._key_bounds(jnp.full((B, H, M), 100.0), B, H, M, static)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(bounds[:B * H * 2], np.tile([2, 3], B * H))  # keys 40 + i0 on
