@@ -194,7 +194,7 @@ def _rep(x):
 def _kv_tile(kvc_ref, kvb_ref, kb, s: _Static):
   """Key block kb's keys and values, each (Dh, bk): from the cache's part below L / bk, the
   block's above (both blocks are in VMEM; the index maps fetch each only when it changes)."""
-  kv = jnp.where(kb < s.w // s.bk, kvc_ref[...], kvb_ref[...])
+  kv = lax.cond(kb < s.w // s.bk, lambda: kvc_ref[...], lambda: kvb_ref[...])  # one load
   return kv[0], kv[1]
 
 
