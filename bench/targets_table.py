@@ -3,6 +3,8 @@
 For each (config, target) the compile mode (span_lm/tools/compile.py) compiles the training step
 as the config ships; a step that does not fit is compiled again with the batch split doubled
 (up to `--max_split`), then with remat='layer', and the table gives the first setting that fits.
+A split that cannot fit by the numbers of those that did not (`hopeless`) is skipped, not
+compiled: each TPU compile of a paper config takes 5 to 20 minutes on a 2-core host.
 Needs the toolchains: pip install "jax[cuda12]==<jax version>" "jax[tpu]==<jax version>".
 
   python bench/targets_table.py --configs configs/enwik8.py configs/enwik8_large.py \
@@ -13,6 +15,7 @@ import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disabl
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -32,6 +35,31 @@ def attempts(split: int, remat: str, batch: int, devices: int, max_split: int):
   if remat == "none":
     out.append((s, "layer"))
   return out
+
+
+_OOM = re.compile(r"Used ([0-9.]+)([KMGT]?) of ([0-9.]+)([KMGT]?) hbm")
+
+
+def need(row: dict) -> tuple[float, float, float] | None:
+  """(fixed bytes, bytes that scale with the batch piece, capacity) of a step that did not fit:
+  XLA's memory analysis where it compiled (GPUs), else the TPU compiler's out-of-memory line
+  ("Used 20.27G of 15.75G hbm"), all of which is counted as scaling."""
+  r = row.get("train") or {}
+  m = r.get("memory") or {}
+  if m.get("capacity") and not m.get("fits", True):
+    return m["argument"] + m["output"] - m["alias"], m["temp"], m["capacity"]
+  hit = _OOM.search(r.get("error", "") or row.get("error", ""))
+  if hit:
+    unit = lambda u: 1024.0 ** " KMGT".index(u or " ")
+    return 0.0, float(hit.group(1)) * unit(hit.group(2)), float(hit.group(3)) * unit(hit.group(4))
+  return None
+
+
+def hopeless(split: int, failed: list) -> bool:
+  """Whether a batch split cannot fit, given the splits that did not: a piece's temporaries
+  shrink at best in proportion to its size, so fixed + scaling * s / split is a lower bound
+  on its peak (saves a 10-minute compile per step skipped; docs/targets.md)."""
+  return any(n is not None and n[0] + n[1] * s / split > n[2] for s, n in failed)
 
 
 def _commit() -> str:
@@ -90,19 +118,24 @@ def main():
         continue
       tgt = compile_lib.parse_target(target)
       devices = tgt.chips * (tgt.chip.cores_per_chip if tgt.chip.name == "v4" else 1)
-      tried = []
-      for split, remat in attempts(base.optim.batch_split, base.model.remat, base.data.batch,
-                                   devices, args.max_split):
+      tried, failed, skipped = [], [], []
+      plan = attempts(base.optim.batch_split, base.model.remat, base.data.batch, devices,
+                      args.max_split)
+      for i, (split, remat) in enumerate(plan):
+        if 0 < i < len(plan) - 1 and remat == plan[0][1] and hopeless(split, failed):
+          skipped.append((split, remat))  # the last setting (remat, or the largest split) runs
+          continue
         t0 = time.perf_counter()
         row = one(path, target, split, remat, args.plan)
         row["wall_s"] = time.perf_counter() - t0
         tried.append(row)
         if fits(row) or "error" in row:
           break
+        failed.append((split, need(row)))
       results.append({"config": path, "target": target, "shipped": tried[0],
                       "fitting": tried[-1] if fits(tried[-1]) else None,
                       "tried": [(r["batch_split"], r["command"].split("remat=")[1].split()[0])
-                                for r in tried]})
+                                for r in tried], "skipped": skipped})
       with open(args.out + ".json", "w") as f:
         json.dump({"command": " ".join(sys.argv), "rows": results}, f, indent=1)
   write_table(args.out + ".md", markdown(results))

@@ -1,0 +1,49 @@
+"""bench/targets_table.py's search for the smallest setting that fits: what it skips, on the numbers
+real out-of-memory compiles gave (docs/targets.json's V100 rows; XLA:TPU's out-of-memory line)."""
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import targets_table  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+GiB = 2**30
+
+
+def _gpu_row(split, argument, temp, capacity):
+  """A compiled step that does not fit, as the compile mode records it."""
+  peak = argument + temp
+  return {"batch_split": split, "train": {"compiled": True, "memory": {
+      "argument": argument, "output": argument, "alias": argument, "temp": temp, "peak": peak,
+      "capacity": capacity, "fits": peak <= capacity}}}
+
+
+def test_a_split_whose_lower_bound_exceeds_the_device_is_skipped():
+  # configs/enwik8.py on a V100 16 GB: split 1 needs 2.1 GB fixed + 35.5 GB temporaries;
+  # split 2 cannot fit (2.1 + 17.8 > 16), split 4 may (2.1 + 8.9).
+  n = targets_table.need(_gpu_row(1, int(2.1 * GiB), int(35.5 * GiB), 16 * GiB))
+  assert n == (int(2.1 * GiB), int(35.5 * GiB), 16 * GiB)
+  failed = [(1, n)]
+  assert targets_table.hopeless(2, failed)
+  assert not targets_table.hopeless(4, failed)
+  # enwik8_large at split 2 (7.1 + 46.3 GB): 4 and 8 are both hopeless on 16 GB; on 32 GB, 4 is.
+  big = [(2, targets_table.need(_gpu_row(2, int(7.1 * GiB), int(46.3 * GiB), 16 * GiB)))]
+  assert targets_table.hopeless(4, big) and targets_table.hopeless(8, big)
+  big32 = [(2, targets_table.need(_gpu_row(2, int(7.1 * GiB), int(46.3 * GiB), 32 * GiB)))]
+  assert not targets_table.hopeless(4, big32)
+
+
+def test_the_tpu_compilers_out_of_memory_line_bounds_the_next_split():
+  err = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
+         "hbm. Used 63.80G of 30.75G hbm. Exceeded hbm capacity by 33.05G.")
+  row = {"batch_split": 1, "train": {"compiled": False, "error": err}}
+  fixed, scaling, capacity = targets_table.need(row)
+  assert fixed == 0 and abs(scaling - 63.80 * GiB) < GiB / 100 and abs(capacity - 30.75 * GiB) < 1e7
+  assert targets_table.hopeless(2, [(1, (fixed, scaling, capacity))])  # 31.9 > 30.75
+  assert not targets_table.hopeless(4, [(1, (fixed, scaling, capacity))])
+
+
+def test_a_failure_that_is_not_memory_prunes_nothing():
+  row = {"batch_split": 1, "train": {"compiled": False, "error": "INTERNAL: Mosaic failed"}}
+  assert targets_table.need(row) is None
+  assert not targets_table.hopeless(8, [(1, None)])
