@@ -37,18 +37,22 @@ def attempts(split: int, remat: str, batch: int, devices: int, max_split: int):
   return out
 
 
-_OOM = re.compile(r"Used ([0-9.]+)([KMGT]?) of ([0-9.]+)([KMGT]?) hbm")
+_OOM = (re.compile(r"Used ([0-9.]+)([KMGT]?) of ([0-9.]+)([KMGT]?) hbm"),  # XLA:TPU's two wordings
+        re.compile(r"required for HLO temporaries \(([0-9.]+)([KMGT]?)\) exceeds available HBM "
+                   r"\(([0-9.]+)([KMGT]?)\)"))
 
 
 def need(row: dict) -> tuple[float, float, float] | None:
   """(fixed bytes, bytes that scale with the batch piece, capacity) of a step that did not fit:
   XLA's memory analysis where it compiled (GPUs), else the TPU compiler's out-of-memory line
-  ("Used 20.27G of 15.75G hbm"), all of which is counted as scaling."""
+  ("Used 63.80G of 30.75G hbm", or "required for HLO temporaries (49.27G) exceeds available HBM
+  (15.25G)"), all of which is counted as scaling."""
   r = row.get("train") or {}
   m = r.get("memory") or {}
   if m.get("capacity") and not m.get("fits", True):
     return m["argument"] + m["output"] - m["alias"], m["temp"], m["capacity"]
-  hit = _OOM.search(r.get("error", "") or row.get("error", ""))
+  err = r.get("error", "") or row.get("error", "")
+  hit = _OOM[0].search(err) or _OOM[1].search(err)
   if hit:
     unit = lambda u: 1024.0 ** " KMGT".index(u or " ")
     return 0.0, float(hit.group(1)) * unit(hit.group(2)), float(hit.group(3)) * unit(hit.group(4))

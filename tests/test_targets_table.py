@@ -43,6 +43,15 @@ def test_the_tpu_compilers_out_of_memory_line_bounds_the_next_split():
   assert not targets_table.hopeless(4, [(1, (fixed, scaling, capacity))])
 
 
+def test_the_other_wording_of_the_tpu_out_of_memory_line():
+  # configs/enwik8_pers.py on v4:2x2x2 (reference attention) at its own split of 2
+  err = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+         "temporaries (49.27G) exceeds available HBM (15.25G).")
+  n = targets_table.need({"batch_split": 2, "train": {"compiled": False, "error": err}})
+  assert abs(n[1] - 49.27 * GiB) < GiB / 100 and abs(n[2] - 15.25 * GiB) < GiB / 100
+  assert targets_table.hopeless(4, [(2, n)]) and not targets_table.hopeless(8, [(2, n)])
+
+
 def test_a_failure_that_is_not_memory_prunes_nothing():
   row = {"batch_split": 1, "train": {"compiled": False, "error": "INTERNAL: Mosaic failed"}}
   assert targets_table.need(row) is None
