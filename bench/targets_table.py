@@ -184,6 +184,9 @@ def markdown(results) -> str:
     if f is None:
       fit, fpeak, roof, csec = "none tried fits: " + ", ".join(
           f"split {a} remat {b}" for a, b in res["tried"]), "", "", ""
+      if res.get("skipped"):
+        fit += " (cannot fit, not compiled: " + ", ".join(
+            f"split {a} remat {b}" for a, b in res["skipped"]) + ")"
     else:
       _, fpeak, roof, csec = _cell(f)
       fit = "as shipped" if len(res["tried"]) == 1 else f"batch_split={f['batch_split']}, " \
