@@ -132,10 +132,17 @@ def main():
         t0 = time.perf_counter()
         row = one(path, target, split, remat, args.plan)
         row["wall_s"] = time.perf_counter() - t0
+        if "(status -" in row.get("error", ""):  # the host killed the compiler: not the chip's answer
+          print(f"{path} on {target}: {row['error'][:120]}; row not recorded (rerun with fewer "
+                "compiles at once)", file=sys.stderr)
+          tried = []
+          break
         tried.append(row)
         if fits(row) or "error" in row:
           break
         failed.append((split, need(row)))
+      if not tried:
+        continue
       results.append({"config": path, "target": target, "shipped": tried[0],
                       "fitting": tried[-1] if fits(tried[-1]) else None,
                       "tried": [(r["batch_split"], r["command"].split("remat=")[1].split()[0])
