@@ -44,13 +44,14 @@ _OOM = (re.compile(r"Used ([0-9.]+)([KMGT]?) of ([0-9.]+)([KMGT]?) hbm"),  # XLA
 
 def need(row: dict) -> tuple[float, float, float] | None:
   """(fixed bytes, bytes that scale with the batch piece, capacity) of a step that did not fit:
-  XLA's memory analysis where it compiled (GPUs), else the TPU compiler's out-of-memory line
+  XLA's memory analysis where it compiled, else XLA:TPU's out-of-memory line
   ("Used 63.80G of 30.75G hbm", or "required for HLO temporaries (49.27G) exceeds available HBM
-  (15.25G)"), all of which is counted as scaling."""
+  (15.25G)"). All of the peak is counted as scaling: XLA's peak can be well below arguments +
+  temporaries (buffers live at different times), so only the peak is a safe bound."""
   r = row.get("train") or {}
   m = r.get("memory") or {}
   if m.get("capacity") and not m.get("fits", True):
-    return m["argument"] + m["output"] - m["alias"], m["temp"], m["capacity"]
+    return 0.0, float(m["peak"]), m["capacity"]
   err = r.get("error", "") or row.get("error", "")
   hit = _OOM[0].search(err) or _OOM[1].search(err)
   if hit:
@@ -60,9 +61,9 @@ def need(row: dict) -> tuple[float, float, float] | None:
 
 
 def hopeless(split: int, failed: list) -> bool:
-  """Whether a batch split cannot fit, given the splits that did not: a piece's temporaries
-  shrink at best in proportion to its size, so fixed + scaling * s / split is a lower bound
-  on its peak (saves a 10-minute compile per step skipped; docs/targets.md)."""
+  """Whether a batch split cannot fit, given the splits that did not fit: a piece's memory
+  shrinks at best in proportion to its size, so fixed + scaling * s / split is a lower bound
+  on its peak (each step skipped saves a 5 to 20 minute compile; docs/targets.md)."""
   return any(n is not None and n[0] + n[1] * s / split > n[2] for s, n in failed)
 
 
@@ -132,7 +133,7 @@ def main():
         t0 = time.perf_counter()
         row = one(path, target, split, remat, args.plan)
         row["wall_s"] = time.perf_counter() - t0
-        if "(status -" in row.get("error", ""):  # the host killed the compiler: not the chip's answer
+        if "(status -9)" in row.get("error", ""):  # SIGKILL: the host ran out of memory, not the chip
           print(f"{path} on {target}: {row['error'][:120]}; row not recorded (rerun with fewer "
                 "compiles at once)", file=sys.stderr)
           tried = []
@@ -198,6 +199,9 @@ def markdown(results) -> str:
       _, fpeak, roof, csec = _cell(f)
       fit = "as shipped" if len(res["tried"]) == 1 else f"batch_split={f['batch_split']}, " \
           "remat=" + f["command"].split("remat=")[1].split()[0]
+      if res.get("skipped"):
+        fit += " (cannot fit, not compiled: " + ", ".join(
+            f"split {a} remat {b}" for a, b in res["skipped"]) + ")"
     lines.append(f"| {res['config']} | {res['target']} | {s.get('attention', '')} | {comp} | "
                  f"{peak} | {fit} | {fpeak} | {roof} | {csec} |")
   return "\n".join(lines)
