@@ -42,29 +42,28 @@ _OOM = (re.compile(r"Used ([0-9.]+)([KMGT]?) of ([0-9.]+)([KMGT]?) hbm"),  # XLA
                    r"\(([0-9.]+)([KMGT]?)\)"))
 
 
-def need(row: dict) -> tuple[float, float, float] | None:
-  """(fixed bytes, bytes that scale with the batch piece, capacity) of a step that did not fit:
-  XLA's memory analysis where it compiled, else XLA:TPU's out-of-memory line
-  ("Used 63.80G of 30.75G hbm", or "required for HLO temporaries (49.27G) exceeds available HBM
-  (15.25G)"). All of the peak is counted as scaling: XLA's peak can be well below arguments +
-  temporaries (buffers live at different times), so only the peak is a safe bound."""
+def need(row: dict) -> tuple[float, float] | None:
+  """(peak bytes, capacity) of a training step that did not fit: XLA's memory analysis where it
+  compiled, else XLA:TPU's out-of-memory line ("Used 63.80G of 30.75G hbm", or "required for HLO
+  temporaries (49.27G) exceeds available HBM (15.25G)"). The peak, not arguments + temporaries:
+  XLA's peak can be well below their sum (buffers live at different times)."""
   r = row.get("train") or {}
   m = r.get("memory") or {}
   if m.get("capacity") and not m.get("fits", True):
-    return 0.0, float(m["peak"]), m["capacity"]
-  err = r.get("error", "") or row.get("error", "")
+    return float(m["peak"]), m["capacity"]
+  err = r.get("error", "")
   hit = _OOM[0].search(err) or _OOM[1].search(err)
   if hit:
     unit = lambda u: 1024.0 ** " KMGT".index(u or " ")
-    return 0.0, float(hit.group(1)) * unit(hit.group(2)), float(hit.group(3)) * unit(hit.group(4))
+    return float(hit.group(1)) * unit(hit.group(2)), float(hit.group(3)) * unit(hit.group(4))
   return None
 
 
 def hopeless(split: int, failed: list) -> bool:
   """Whether a batch split cannot fit, given the splits that did not fit: a piece's memory
-  shrinks at best in proportion to its size, so fixed + scaling * s / split is a lower bound
-  on its peak (each step skipped saves a 5 to 20 minute compile; docs/targets.md)."""
-  return any(n is not None and n[0] + n[1] * s / split > n[2] for s, n in failed)
+  shrinks at best in proportion to its size, so peak * s / split is a lower bound on its peak
+  (each step skipped saves a 5 to 20 minute compile; docs/targets.md)."""
+  return any(n is not None and n[0] * s / split > n[1] for s, n in failed)
 
 
 def _commit() -> str:
@@ -127,7 +126,7 @@ def main():
       plan = attempts(base.optim.batch_split, base.model.remat, base.data.batch, devices,
                       args.max_split)
       for i, (split, remat) in enumerate(plan):
-        if 0 < i < len(plan) - 1 and remat == plan[0][1] and hopeless(split, failed):
+        if 0 < i < len(plan) - 1 and hopeless(split, failed):
           skipped.append((split, remat))  # the last setting (remat, or the largest split) runs
           continue
         t0 = time.perf_counter()
@@ -192,16 +191,13 @@ def markdown(results) -> str:
     if f is None:
       fit, fpeak, roof, csec = "none tried fits: " + ", ".join(
           f"split {a} remat {b}" for a, b in res["tried"]), "", "", ""
-      if res.get("skipped"):
-        fit += " (cannot fit, not compiled: " + ", ".join(
-            f"split {a} remat {b}" for a, b in res["skipped"]) + ")"
     else:
       _, fpeak, roof, csec = _cell(f)
       fit = "as shipped" if len(res["tried"]) == 1 else f"batch_split={f['batch_split']}, " \
           "remat=" + f["command"].split("remat=")[1].split()[0]
-      if res.get("skipped"):
-        fit += " (cannot fit, not compiled: " + ", ".join(
-            f"split {a} remat {b}" for a, b in res["skipped"]) + ")"
+    if res.get("skipped"):
+      fit += " (cannot fit, not compiled: " + ", ".join(
+          f"split {a} remat {b}" for a, b in res["skipped"]) + ")"
     lines.append(f"| {res['config']} | {res['target']} | {s.get('attention', '')} | {comp} | "
                  f"{peak} | {fit} | {fpeak} | {roof} | {csec} |")
   return "\n".join(lines)

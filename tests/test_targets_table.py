@@ -22,7 +22,7 @@ def test_a_split_whose_lower_bound_exceeds_the_device_is_skipped():
   # configs/enwik8.py on a V100 16 GB: split 1 peaks at 2.1 GB + 35.5 GB of temporaries;
   # split 2 cannot fit (37.6 / 2 > 16), split 4 may (37.6 / 4).
   n = targets_table.need(_gpu_row(1, int(2.1 * GiB), int(35.5 * GiB), 16 * GiB))
-  assert n == (0.0, int(2.1 * GiB) + int(35.5 * GiB), 16 * GiB)
+  assert n == (int(2.1 * GiB) + int(35.5 * GiB), 16 * GiB)
   failed = [(1, n)]
   assert targets_table.hopeless(2, failed)
   assert not targets_table.hopeless(4, failed)
@@ -46,10 +46,10 @@ def test_the_tpu_compilers_out_of_memory_line_bounds_the_next_split():
   err = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space "
          "hbm. Used 63.80G of 30.75G hbm. Exceeded hbm capacity by 33.05G.")
   row = {"batch_split": 1, "train": {"compiled": False, "error": err}}
-  fixed, scaling, capacity = targets_table.need(row)
-  assert fixed == 0 and abs(scaling - 63.80 * GiB) < GiB / 100 and abs(capacity - 30.75 * GiB) < 1e7
-  assert targets_table.hopeless(2, [(1, (fixed, scaling, capacity))])  # 31.9 > 30.75
-  assert not targets_table.hopeless(4, [(1, (fixed, scaling, capacity))])
+  peak, capacity = targets_table.need(row)
+  assert abs(peak - 63.80 * GiB) < GiB / 100 and abs(capacity - 30.75 * GiB) < 1e7
+  assert targets_table.hopeless(2, [(1, (peak, capacity))])  # 31.9 > 30.75
+  assert not targets_table.hopeless(4, [(1, (peak, capacity))])
 
 
 def test_the_other_wording_of_the_tpu_out_of_memory_line():
@@ -57,7 +57,7 @@ def test_the_other_wording_of_the_tpu_out_of_memory_line():
   err = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
          "temporaries (49.27G) exceeds available HBM (15.25G).")
   n = targets_table.need({"batch_split": 2, "train": {"compiled": False, "error": err}})
-  assert abs(n[1] - 49.27 * GiB) < GiB / 100 and abs(n[2] - 15.25 * GiB) < GiB / 100
+  assert abs(n[0] - 49.27 * GiB) < GiB / 100 and abs(n[1] - 15.25 * GiB) < GiB / 100
   assert targets_table.hopeless(4, [(2, n)]) and not targets_table.hopeless(8, [(2, n)])
 
 
