@@ -150,3 +150,18 @@ def test_plain_definition_equals_the_float64_numpy_model(mode, pers):
   as32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
   got = gpu_suite.plain_attention(cfg, as32(p), as32(key_pe), as32(h), as32(cache))
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+
+
+def test_gpu_kernel_check_rehearses_on_the_cpu(tmp_path):
+  """bench/gpu_kernel_check.py (the two-minute kernel check for a lent GPU) runs end to end in
+  interpret mode: every case compared every gradient and passed, and the pipelined variant ran."""
+  out = tmp_path / "k.json"
+  r = subprocess.run([sys.executable, "bench/gpu_kernel_check.py", "--interpret", "--small",
+                      "--no_timing", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                     timeout=900, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = [x for x in json.loads(out.read_text()) if "check" in x]
+  shipped = [x for x in rows if x["variant"] == "shipped"]
+  assert len(shipped) == 6 and all(x["status"] == "pass" for x in shipped), rows
+  assert all({"q", "k", "v", "pe"} <= set(x) for x in shipped)
+  assert [x["stages"] for x in rows if x["variant"] == "pipelined"] == [2]

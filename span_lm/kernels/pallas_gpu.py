@@ -13,6 +13,10 @@ derivative is 1, as torch.clamp's). The relative-position term q_i . pe[:, W - d
 a tile: one matmul gives G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
 read pos[r, c] = G[r, bq - r + c] through a per-program scratch buffer (Triton has no register
 shuffle for it). The backward pass reads ds back the other way for the position gradient.
+The scratch round trip needs num_stages=1: Triton's software pipeliner moves a load with
+loop-invariant addresses into the previous iteration's asynchronous copies, ahead of the store
+it reads back, and the gradients come out wrong on the device although interpret mode agrees
+(the GPU suite found it; docs/kernels.md, "Scratch read-back"). `span_attention` refuses more.
 Backward as FlashAttention-2: a kernel per query block (dq, the span gradient; d pe and the
 persistent vectors' gradients by atomic adds) and one per key block (dk, dv: deterministic).
 
@@ -46,6 +50,7 @@ NEG = -1e30
 
 
 PRECISIONS = ("default", "highest")
+_ALLOW_PIPELINING = [False]  # bench/gpu_kernel_check.py sets it to show the wrong gradients
 _exact_f32 = [False]  # set while a pallas_call traces its kernel (`_precision`)
 
 
@@ -468,7 +473,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
                    pers_k_HxDxN=None, pers_v_HxNxD=None, eps: float = span_mask.EPS,
                    block: int = 64,
                    dropout_rate: float = 0.0, dropout_seed=None, interpret: bool = False,
-                   num_warps: int = 4, num_stages: int = 2, precision: str = "default"):
+                   num_warps: int = 4, num_stages: int = 1, precision: str = "default"):
   """Banded attention over the W distances before each query, spans given at run time.
 
   Args:
@@ -482,11 +487,15 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
     dropout_rate, dropout_seed: dropout on the attention weights (after the mask), the keep
       mask drawn by `hashed_dropout.dropout_scale` from a uint32 seed; a rate of 0 compiles no
       dropout.
+    num_stages: Triton's pipeline depth; 1, the only correct one on a GPU (module docstring).
     precision: float32 dots: 'default' (TF32 tensor cores on sm_80+, XLA's own default for
       float32 matmuls) or 'highest' (exact float32, no tensor cores). bf16 is unaffected.
   Returns:
     (B, H, M, Dh) in the dtype of q.
   """
+  if num_stages != 1 and not interpret and not _ALLOW_PIPELINING[0]:
+    raise ValueError(f"fused attention: num_stages={num_stages}: the kernels read back their own "
+                     "scratch stores, which Triton's pipeliner hoists above them; use 1")
   if dropout_rate and dropout_seed is None:
     raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
   if (pers_k_HxDxN is None) != (pers_v_HxNxD is None):
@@ -527,14 +536,15 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 
 # Tiles per target: (compute capability major, padded head size, dtype) -> (tile, warps, stages),
 # chosen from a deviceless ptxas sweep for the fewest spills within shared memory
-# (bench/kernel_sweep.py; results and command in docs/kernels.md). The tile divides attn_block.
+# (bench/kernel_sweep.py; results and command in docs/kernels.md), one pipeline stage (the
+# scratch rule, module docstring). The tile divides attn_block.
 TILES = {
-    (9, 64, "bfloat16"): (32, 8, 2), (9, 128, "bfloat16"): (32, 8, 1),
-    (9, 64, "float32"): (32, 8, 2), (9, 128, "float32"): (32, 8, 2),
-    (8, 64, "bfloat16"): (32, 8, 2), (8, 128, "bfloat16"): (32, 8, 1),
-    (8, 64, "float32"): (32, 8, 2), (8, 128, "float32"): (32, 8, 1),
+    (9, 64, "bfloat16"): (32, 8, 1), (9, 128, "bfloat16"): (32, 8, 1),
+    (9, 64, "float32"): (32, 8, 1), (9, 128, "float32"): (32, 8, 1),
+    (8, 64, "bfloat16"): (32, 8, 1), (8, 128, "bfloat16"): (32, 8, 1),
+    (8, 64, "float32"): (32, 8, 1), (8, 128, "float32"): (32, 8, 1),
 }
-DEFAULT_TILES = (64, 4, 2)  # elsewhere (interpret mode, unknown targets): the attn_block itself
+DEFAULT_TILES = (64, 4, 1)  # elsewhere (interpret mode, unknown targets): the attn_block itself
 
 
 def tiles(compute_capability: float | None, head_dim: int, dtype, block: int):

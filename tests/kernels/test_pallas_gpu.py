@@ -3,6 +3,12 @@
 Runs the kernels in interpret mode on CPU, and lowers them for CUDA (Triton) without a GPU so a
 construct Triton cannot express fails here rather than on the first GPU run.
 """
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -19,6 +25,8 @@ from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 
 B, H, M, D, W, R, BLOCK = 2, 2, 32, 16, 48, 8, 16
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HAS_CUDA = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
 def _inputs(seed=0, dtype=jnp.float32, w=W, m=M):
@@ -428,3 +436,79 @@ def test_head_dim_96_is_padded_and_equals_the_reference(kind, n_pers):
   for name, got, want in zip("q k v pe z".split(), *grads):
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=3e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_deeper_pipelines_are_refused_on_a_gpu():
+  """num_stages > 1 gives wrong gradients on the device (the scratch rule, pallas_gpu's
+  docstring): one clear line before anything is traced; interpret mode ignores the depth."""
+  q, k, v, pe, _ = _inputs()
+  with pytest.raises(ValueError, match="num_stages=2"):
+    fa.span_attention(q, k, v, pe, None, ramp=R, block=BLOCK, num_stages=2)
+  fa.span_attention(q, k, v, pe, None, ramp=R, block=BLOCK, num_stages=2, interpret=True)
+
+
+_PTX_CHILD = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from span_lm.kernels import pallas_gpu
+from span_lm.tools import chips
+stages = int(sys.argv[1])
+pallas_gpu._ALLOW_PIPELINING[0] = stages > 1
+topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                    target_config=chips.gpu_target_config(chips.get("h100")))
+sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+b, h, m, w, dh = 1, 2, 128, 256, 64
+for dt in (jnp.bfloat16, jnp.float32):
+  sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
+  def loss(q, k, v, pe, z, pk, pv):
+    return jnp.sum(pallas_gpu.span_attention(q, k, v, pe, z, ramp=32, block=32, num_warps=8,
+        num_stages=stages, pers_k_HxDxN=pk, pers_v_HxNxD=pv).astype(jnp.float32))
+  jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)))).lower(
+      sds(b, h, m, dh), sds(b, h, w + m, dh), sds(b, h, w + m, dh), sds(dh, w),
+      sds(b, h, m, d=jnp.float32), sds(h, dh, 32, d=jnp.float32),
+      sds(h, 32, dh, d=jnp.float32)).compile()
+"""
+
+
+def _ptx_buffers(ptx: str) -> tuple[set, set]:
+  """(kernel parameters an asynchronous copy reads, parameters the kernel stores to), found by
+  following each address register back to the ld.param it derives from."""
+  src = {}
+  async_read, written = set(), set()
+  for line in ptx.splitlines():
+    line = line.strip()
+    if m := re.match(r"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]", line):
+      src[m.group(1)] = {int(m.group(2))}
+    elif m := re.match(r"(?:add|sub|mad|mul|cvta|mov)[\w.]*\s+(%rd\w+),\s*(.*);", line):
+      src[m.group(1)] = set().union(*[src.get(r, set()) for r in re.findall(r"%\w+", m.group(2))])
+    if "cp.async" in line and ".global" in line:
+      async_read |= src.get(re.search(r"\],\s*\[\s*(%\w+)", line).group(1), set())
+    if m := re.search(r"\b(?:st\.global|red\.global|atom\.global)[\w.]*\s+\[\s*(%\w+)", line):
+      written |= src.get(m.group(1), set())
+  return async_read, written
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+def test_no_asynchronous_copy_reads_a_buffer_the_kernel_writes(tmp_path):
+  """Deviceless H100 PTX of the three kernels (bf16 and float32, spans, persistent memory): with the
+  shipped single stage no cp.async reads a buffer the kernel also stores to (its scratch), which
+  would be read before the store; with num_stages=2 the backward kernels do (the wrong gradients
+  the GPU suite measured), so this test sees the bug it guards against."""
+  found = {}
+  for stages in (1, 2):
+    dump = tmp_path / f"stages{stages}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dump}")
+    r = subprocess.run([sys.executable, "-c", _PTX_CHILD, str(stages)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for f in dump.glob("*.ptx"):
+      text = f.read_text()
+      if m := re.search(r"\.entry (span_attention_\w+)", text):
+        read, written = _ptx_buffers(text)
+        found.setdefault((stages, m.group(1)), set()).update(read & written)
+  kernels = ("span_attention_fwd", "span_attention_bwd_q", "span_attention_bwd_kv")
+  assert all((s, k) in found for s in (1, 2) for k in kernels), sorted(found)
+  assert not any(found[(1, k)] for k in kernels), found
+  assert found[(2, "span_attention_bwd_q")] and found[(2, "span_attention_bwd_kv")], found

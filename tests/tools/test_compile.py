@@ -87,12 +87,12 @@ def test_one_table_of_peaks_for_the_gpu_suite_and_the_rooflines():
 
 
 def test_fused_kernel_tiles_per_target_fit_the_block():
-  assert pallas_gpu.tiles(None, 64, "float32", 64) == (64, 4, 2)  # interpret mode: unchanged
+  assert pallas_gpu.tiles(None, 64, "float32", 64) == (64, 4, 1)  # interpret mode: unchanged
   for cc in (8.0, 9.0):
     for dh in (64, 96):
       for dtype in ("bfloat16", "float32"):
         tile, warps, stages = pallas_gpu.tiles(cc, dh, dtype, 64)
-        assert 64 % tile == 0 and warps in (4, 8) and stages >= 1
+        assert 64 % tile == 0 and warps in (4, 8) and stages == 1  # the scratch rule
   assert pallas_gpu.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
 
 
