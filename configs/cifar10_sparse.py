@@ -5,7 +5,8 @@ feed-forward (2d) and query/key projections, data position embeddings (row, colu
 dropout 0.25, Adam at 0.00035 (warmup, clip 1.0, weight decay, cosine as the enwik8 run), 120
 epochs. Not in the paper, chosen here: stride 96 (one image row of 32 RGB pixels, so A2 is the
 column and channel above), split heads (eq. 8: one local head, one strided head) and 16 images
-per step (48000 / 16 = 3000 steps per epoch).
+per step (48000 / 16 = 3000 steps per epoch). The blocks run as one layer scan (scan_layers),
+so the step compiles one block rather than 128.
 
 Data: the python pickle batches (cifar-10-batches-py) in config.data.data_dir; the last 2000
 training images are the validation set (span_lm/data/cifar.py). The trainer's streams line up
@@ -67,6 +68,7 @@ def get_config(arg=None):
   c.model.sparse_c = 8
   c.model.sparse_pos = "data"
   c.model.sparse_data_shape = (32, 32, 3)
+  c.model.scan_layers = True  # 128 identical blocks: compile one (ModelConfig.scan_layers)
   c.model.dropout = 0.25
   c.data.batch = 16
   c.data.eval_batch = 16

@@ -102,6 +102,11 @@ class ModelConfig:
   sparse_pos: str = "attn"  # attn: row/column in a width-l matrix | data: sparse_data_shape | none
   sparse_data_shape: tuple[int, ...] = ()  # e.g. (32, 32, 3): row, column, channel of an image
   sparse_qk_ratio: float = 1.0  # 0.5: half-size query and key projections
+  # arch='sparse': one nn.scan over the residual blocks (parameters stacked under 'layers', a
+  # leading axis of n_layers) instead of n_layers traced copies: a 128-layer model compiles one
+  # block. False keeps the per-layer 'layers_{i}' parameters (checkpoints of either kind restore
+  # only into the same kind).
+  scan_layers: bool = False
 
   def __post_init__(self):
     def bad(field, why):
@@ -170,6 +175,9 @@ class ModelConfig:
       bad("arch", f"choose one of {ARCHS}")
     if self.arch == "sparse":
       self._check_sparse(bad)
+    elif self.scan_layers:
+      bad("scan_layers", "only arch='sparse' scans its layers (the span model's layers differ: "
+          "each has its own span plan and cache)")
     if self.adapt_io:
       cuts = self.adapt_io_cutoffs
       if not all(isinstance(c, int) and c > 0 for c in cuts) or list(cuts) != sorted(set(cuts)):
@@ -225,6 +233,9 @@ class ModelConfig:
     if not 0 < self.sparse_qk_ratio <= 1 or self.d_qk % self.n_heads or self.d_qk < self.n_heads:
       bad("sparse_qk_ratio", f"must be in (0, 1] with d_model * ratio divisible by "
           f"n_heads={self.n_heads}")
+    if self.scan_layers and self.n_layers % self.scan_period:
+      bad("scan_layers", f"the blocks repeat every {self.scan_period} layers "
+          f"(sparse_combine='interleaved'): n_layers={self.n_layers} must be a multiple")
     shape = self.sparse_data_shape
     if self.sparse_pos == "data":
       if not shape or not all(isinstance(x, int) and x > 0 for x in shape):
@@ -232,6 +243,13 @@ class ModelConfig:
       if math.prod(shape) < self.span:
         bad("sparse_data_shape", f"holds {math.prod(shape)} positions, fewer than the "
             f"context span={self.span}")
+
+  @property
+  def scan_period(self) -> int:
+    """Layers after which the sparse blocks' head patterns repeat (sparse.layer_heads)."""
+    alternating = self.sparse_combine == "interleaved" and self.sparse_pattern in ("fixed",
+                                                                                   "strided")
+    return 2 if alternating else 1
 
   @property
   def d_qk(self) -> int:

@@ -16,6 +16,9 @@ Architecture options (config.model, see ModelConfig):
                      W_out zero (Sec. 6); False drops only the 1/sqrt(2N).
   sparse_pos         attn: one table per coordinate of a width-l matrix (row, column; text);
                      data: one per coordinate of sparse_data_shape (images: row, column, channel).
+  scan_layers        one nn.scan over the blocks (a group of scan_period blocks per step, their
+                     parameters stacked under 'layers'): a 128-layer model compiles one group.
+                     The same function as the unrolled 'layers_{i}' (tests/model/test_sparse*).
   remat='layer'      each residual block is recomputed in the backward pass (jax.checkpoint)
                      under remat_policy: nothing_saveable keeps only block inputs (Sec. 5.4).
   dtype='bfloat16'   matmuls and attention in bf16; params, residual stream, layer norms and
@@ -118,6 +121,20 @@ class ResBlock(nn.Module):
     return norm("norm2")(h + drop(ff(h.astype(dt))))
 
 
+class _BlockGroup(nn.Module):
+  """scan_period consecutive blocks (layers 0..p-1 of the period: their head patterns), one
+  step of the layer scan."""
+  cfg: ModelConfig
+  block_cls: type
+  train: bool
+
+  @nn.compact
+  def __call__(self, h, _):
+    for j in range(self.cfg.scan_period):
+      h = self.block_cls(self.cfg, j, name=f"block_{j}")(h, self.train)
+    return h, None
+
+
 class SparseTransformer(nn.Module):
   """apply(tokens_BxM, caches, train) -> (logprobs_BxMxV, caches, aux); see the module docstring.
 
@@ -151,8 +168,14 @@ class SparseTransformer(nn.Module):
     if cfg.remat == "layer":
       policy = getattr(jax.checkpoint_policies, cfg.remat_policy)
       block_cls = nn.remat(ResBlock, static_argnums=(2,), policy=policy)
-    for i in range(cfg.n_layers):
-      h = block_cls(cfg, i, name=f"layers_{i}")(h, train)
+    if cfg.scan_layers:
+      scanned = nn.scan(_BlockGroup, variable_axes={"params": 0},
+                        split_rngs={"params": True, "dropout": True},
+                        length=cfg.n_layers // cfg.scan_period)
+      h, _ = scanned(cfg, block_cls, train, name="layers")(h, None)
+    else:
+      for i in range(cfg.n_layers):
+        h = block_cls(cfg, i, name=f"layers_{i}")(h, train)
     if cfg.sparse_prenorm:
       h = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32, name="norm_out")(h)
     logits = nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=nn.initializers.zeros,

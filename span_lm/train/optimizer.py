@@ -99,8 +99,12 @@ def cosine_schedule(lr: float, warmup: int, decay_steps: int) -> optax.Schedule:
 
 
 def _decay_mask(params):
-  """Weight decay on matrices only, not on biases, gains or other vectors (as Radford et al.)."""
-  return jax.tree.map(lambda x: jnp.ndim(x) >= 2, params)
+  """Weight decay on matrices only, not on biases, gains or other vectors (as Radford et al.);
+  a layer scan's stacked parameters (under 'layers') count without their leading layer axis."""
+  def matrix(path, x):
+    stacked = any(getattr(k, "key", None) == "layers" for k in path)
+    return jnp.ndim(x) - int(stacked) >= 2
+  return jax.tree_util.tree_map_with_path(matrix, params)
 
 
 def make_optimizer(optim_cfg: Any) -> tuple[optax.GradientTransformation, optax.Schedule]:

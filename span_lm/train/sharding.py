@@ -86,11 +86,13 @@ PARAM_LOGICAL_AXES = (
 
 
 def logical_axes(path: tuple, ndim: int) -> tuple:
-  """Logical axis names of a parameter-shaped leaf (None where nothing is named)."""
+  """Logical axis names of a parameter-shaped leaf (None where nothing is named); a layer
+  scan's stacked parameters (under 'layers/') have an unnamed leading layer axis."""
   name = path_str(path)
+  stacked = int(name.startswith("layers/") or "/layers/" in name)
   for pattern, axes in PARAM_LOGICAL_AXES:
-    if re.search(pattern, name) and len(axes) == ndim:
-      return axes
+    if re.search(pattern, name) and len(axes) == ndim - stacked:
+      return (None,) * stacked + axes
   return (None,) * ndim
 
 

@@ -235,6 +235,9 @@ def test_data_position_embeddings():
     (dict(sparse_pattern="axial"), "sparse_pattern"),
     (dict(sparse_qk_ratio=0.3), "sparse_qk_ratio"),
     (dict(sparse_pos="data"), "sparse_data_shape"),
+    (dict(scan_layers=True, sparse_combine="interleaved", sparse_pattern="fixed", n_layers=3),
+     "scan_layers"),
+    (dict(scan_layers=True, arch="span", span_mode="adaptive"), "scan_layers"),
 ])
 def test_bad_sparse_config_names_the_field(kw, field):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):
@@ -260,6 +263,71 @@ def test_adamw_cosine_optimizer():
   bad.name = "adagrad"
   with pytest.raises(ValueError, match=r"config\.optim\.weight_decay="):
     optimizer_lib.make_optimizer(bad)
+
+
+def _stack(params, cfg):
+  """Unrolled 'layers_{i}' parameters in the layer scan's layout: 'layers/block_j', stacked over
+  the groups of cfg.scan_period blocks."""
+  p = cfg.scan_period
+  out = {k: v for k, v in params.items() if not k.startswith("layers_")}
+  out["layers"] = {f"block_{j}": jax.tree.map(
+      lambda *xs: jnp.stack(xs), *[params[f"layers_{g * p + j}"]
+                                   for g in range(cfg.n_layers // p)]) for j in range(p)}
+  return out
+
+
+@pytest.mark.parametrize("combine,n_layers,remat", [("split", 3, "none"), ("interleaved", 4, "none"),
+                                                    ("interleaved", 4, "layer")])
+def test_layer_scan_is_the_same_function(combine, n_layers, remat):
+  """scan_layers=True with the unrolled model's weights, stacked: the same loss, log-probabilities
+  and gradients (interleaved patterns alternate by layer, so the scan steps over pairs)."""
+  cfg = _cfg(n_layers=n_layers, sparse_combine=combine, sparse_pattern="strided", remat=remat)
+  fresh = _init(cfg, 40)
+  params = dict(fresh, out_emb={"kernel": 0.1 * jax.random.normal(
+      jax.random.key(1), fresh["out_emb"]["kernel"].shape)})
+  loss, logp, grads, _ = _loss_and_grads(cfg, params)
+  scan = dataclasses.replace(cfg, scan_layers=True)
+  assert scan.scan_period == (2 if combine == "interleaved" else 1)
+  assert jax.tree.structure(_init(scan, 40)) == jax.tree.structure(_stack(params, scan))
+  loss_s, logp_s, grads_s, _ = _loss_and_grads(scan, _stack(params, scan))
+  np.testing.assert_allclose(loss_s, loss, rtol=1e-6)
+  np.testing.assert_allclose(logp_s, logp, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads_s,
+               _stack(grads, scan))
+  # Mixing the patterns up changes the function, so the comparison above can fail.
+  if combine == "interleaved":
+    swapped = _stack(params, scan)
+    blocks = swapped["layers"]
+    swapped["layers"] = {"block_0": blocks["block_1"], "block_1": blocks["block_0"]}
+    assert float(_loss_and_grads(scan, swapped)[0]) != pytest.approx(float(loss), rel=1e-6)
+
+
+def test_layer_scan_init_and_training_step():
+  """Stacked init: every layer its own draw from the same distribution (split rngs), biases and
+  gains left out of weight decay and the layer axis out of the sharding names; a train-mode
+  step with dropout runs."""
+  cfg = _cfg(n_layers=4, scan_layers=True, dropout=0.1)
+  params = _init(cfg, 40)
+  fc2 = np.asarray(params["layers"]["block_0"]["ff"]["fc2"]["kernel"])
+  assert fc2.shape == (4, 32, 16) and not np.allclose(fc2[0], fc2[1])
+  assert float(np.std(fc2)) == pytest.approx(0.125 / math.sqrt(32) / math.sqrt(8), rel=0.15)
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  o = ml_collections.ConfigDict(dict(name="adam", lr=1.0, momentum=0.0, grad_clip=1.0, warmup=1,
+                                     batch_split=1, weight_decay=0.01, schedule="cosine",
+                                     decay_steps=10))
+  tx, _ = optimizer_lib.make_optimizer(o)
+  upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  block = upd["layers"]["block_0"]
+  assert float(jnp.max(jnp.abs(block["ff"]["fc2"]["bias"]))) == 0.0  # (4, 16): a stacked vector
+  assert float(jnp.max(jnp.abs(block["ff"]["fc2"]["kernel"]))) > 0.0
+  from span_lm.train import sharding  # pylint: disable=g-import-not-at-top
+  path = tuple(jax.tree_util.DictKey(k) for k in ("layers", "block_0", "ff", "fc1", "kernel"))
+  assert sharding.logical_axes(path, 3) == (None, "embed", "mlp")
+  model = build_model(cfg, plan_lib.full_plan(cfg))
+  tok = jnp.zeros((2, 40), jnp.int32)
+  logp, _, _ = jax.jit(lambda p: model.apply({"params": p}, tok, caches_lib.init_caches(
+      cfg, None, 2), train=True, rngs={"dropout": jax.random.key(3)}))(params)
+  assert bool(jnp.all(jnp.isfinite(logp)))
 
 
 # ------------------------------------------------------------------------- training, evaluation
