@@ -38,6 +38,9 @@ def child(target, dtype, dh, tile, warps, stages, precision):
   dt = jnp.dtype(dtype)
   if tile == 0:  # what the door runs on this target (pallas_gpu.TILES) for attn_block=64
     tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)
+  # Compiler reports only: deeper pipelines compile, but their gradients are wrong on a GPU
+  # (pallas_gpu's scratch rule), so the kernel refuses them outside this sweep.
+  pallas_gpu._ALLOW_PIPELINING[0] = stages > 1  # pylint: disable=protected-access
   sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
 
   def loss(q, k, v, pe, z):
@@ -133,7 +136,8 @@ def main():
   p.add_argument("--tiles", nargs="+", type=int, default=[64],
                  help="0: the table's choice (pallas_gpu.TILES), whatever --warps/--stages say")
   p.add_argument("--warps", nargs="+", type=int, default=[4])
-  p.add_argument("--stages", nargs="+", type=int, default=[2])
+  p.add_argument("--stages", nargs="+", type=int, default=[1],
+                 help="> 1: compiler reports only (the kernel refuses them for running)")
   p.add_argument("--precision", default="default", choices=["default", "highest", "anchor"],
                  help="anchor: compile jax's own Pallas flash attention (causal) instead, for "
                       "comparison at the same tiles")

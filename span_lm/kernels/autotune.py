@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from span_lm.kernels import pallas_gpu
+from span_lm.model import config as model_config
 
 log = logging.getLogger("span_lm")
 
@@ -131,9 +132,12 @@ def tune(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATES, 
   key = cache_key(cfg, jax.devices()[0].device_kind + (" interpret" if interpret else ""),
                   batch, m, w)
   cache = _read(path)
-  if key in cache:
-    echo(f"attn_tiles tune: {cache[key]['tiles']} (cached in {path})")
-    return cache[key]["tiles"]
+  cached = cache.get(key, {}).get("tiles")
+  if cached is not None and model_config.parse_tiles(cached) is not None:
+    echo(f"attn_tiles tune: {cached} (cached in {path})")
+    return cached
+  if cached is not None:  # e.g. a 2-stage entry from before the one-stage rule: measure again
+    echo(f"attn_tiles tune: the cached {cached} is no longer allowed; measuring again")
   times = measure(cfg, batch=batch, m=m, w=w, candidates=candidates, reps=reps,
                   interpret=interpret, echo=echo)
   if not times:

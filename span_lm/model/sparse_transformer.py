@@ -167,7 +167,9 @@ class SparseTransformer(nn.Module):
     block_cls = ResBlock
     if cfg.remat == "layer":
       policy = getattr(jax.checkpoint_policies, cfg.remat_policy)
-      block_cls = nn.remat(ResBlock, static_argnums=(2,), policy=policy)
+      # under a scan, CSE cannot merge recomputation into the forward pass (jax.checkpoint)
+      block_cls = nn.remat(ResBlock, static_argnums=(2,), policy=policy,
+                           prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
       scanned = nn.scan(_BlockGroup, variable_axes={"params": 0},
                         split_rngs={"params": True, "dropout": True},

@@ -253,7 +253,7 @@ class Run:
     saved = meta.get("model_cfg", {})
     mine = json.loads(json.dumps(dataclass_dict(self.model_cfg)))  # tuples as JSON gives them back
     arch = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "span", "span_mode", "pers_mem",
-            "arch")
+            "arch", "scan_layers")
     arch += tuple(k for k in mine if k.startswith(("sparse_", "adapt_io")))
     diff = [f"{k}: checkpoint {saved.get(k)!r}, config {mine[k]!r}" for k in arch
             if k in saved and saved[k] != mine[k]]

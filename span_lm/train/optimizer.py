@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from span_lm.train import sharding
+
 # the accepted names and the field check, below span_lm/config.py (re-exported here)
 from span_lm.optim_config import OPTIMIZERS, SCHEDULES, check_config  # pylint: disable=unused-import
 
@@ -71,14 +73,15 @@ def reference_adagrad(learning_rate: float | optax.Schedule, grad_clip: float,
     lr_t = learning_rate(state.count) if callable(learning_rate) else learning_rate
     new_sum = jax.tree.map(lambda s, g: s + g * g, state.sum, updates)
 
-    def step(g, s):
+    def step(path, g, s):
       clr = lr_t
-      if grad_clip > 0:
-        norm = jnp.sqrt(jnp.sum(g * g))
+      if grad_clip > 0:  # a layer scan's stacked tensor: each layer's own norm, as unrolled
+        axes = tuple(range(1, g.ndim)) if sharding.is_stacked(path) else None
+        norm = jnp.sqrt(jnp.sum(g * g, axis=axes, keepdims=axes is not None))
         clr = jnp.where(norm > grad_clip, lr_t * (grad_clip / (norm + _CLIP_GUARD)), lr_t)
       return (-clr * (g / (jnp.sqrt(s) + eps))).astype(g.dtype)
 
-    new_updates = jax.tree.map(step, updates, new_sum)
+    new_updates = jax.tree_util.tree_map_with_path(step, updates, new_sum)
     return new_updates, ReferenceAdagradState(count=optax.safe_increment(state.count),
                                               sum=new_sum)
 
@@ -102,8 +105,7 @@ def _decay_mask(params):
   """Weight decay on matrices only, not on biases, gains or other vectors (as Radford et al.);
   a layer scan's stacked parameters (under 'layers') count without their leading layer axis."""
   def matrix(path, x):
-    stacked = any(getattr(k, "key", None) == "layers" for k in path)
-    return jnp.ndim(x) - int(stacked) >= 2
+    return jnp.ndim(x) - int(sharding.is_stacked(path)) >= 2
   return jax.tree_util.tree_map_with_path(matrix, params)
 
 

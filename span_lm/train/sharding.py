@@ -55,6 +55,12 @@ def _key_name(key) -> str:
   return str(key)
 
 
+def is_stacked(path: Sequence[Any]) -> bool:
+  """A layer scan's stacked parameter (or a leaf mirroring one): under the scanned module
+  'layers' (sparse_transformer, scan_layers=True), with a leading axis of one entry per step."""
+  return any(_key_name(k) == "layers" for k in path)
+
+
 def path_str(path: Sequence[Any]) -> str:
   """'caches/0' style name for a pytree key path (used in error messages)."""
   return "/".join(_key_name(k) for k in path)
@@ -89,7 +95,7 @@ def logical_axes(path: tuple, ndim: int) -> tuple:
   """Logical axis names of a parameter-shaped leaf (None where nothing is named); a layer
   scan's stacked parameters (under 'layers/') have an unnamed leading layer axis."""
   name = path_str(path)
-  stacked = int(name.startswith("layers/") or "/layers/" in name)
+  stacked = int(is_stacked(path))
   for pattern, axes in PARAM_LOGICAL_AXES:
     if re.search(pattern, name) and len(axes) == ndim - stacked:
       return (None,) * stacked + axes

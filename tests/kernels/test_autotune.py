@@ -41,6 +41,13 @@ def test_tune_times_the_candidates_that_fit_and_caches_the_fastest(tmp_path):
   # a different shape is a different key: measured, and here nothing is left to measure
   with pytest.raises(ValueError, match="no candidate tile runs this layer"):
     autotune.tune(cfg, batch=2, m=32, w=32, candidates=(), path=path, interpret=True)
+  # an entry the config now refuses (2 stages, from before the one-stage rule) is measured again
+  stale = json.load(open(path))
+  stale[next(iter(stale))]["tiles"] = "32,4,2"
+  json.dump(stale, open(path, "w"))
+  assert autotune.tune(cfg, batch=1, m=32, w=32, candidates=[(32, 4, 1)], reps=1, path=path,
+                       interpret=True, echo=said.append) == "32,4,1"
+  assert any("no longer allowed" in line for line in said)
   # an unreadable cache is measured again and rewritten, not a crash
   open(path, "w").write("{not json")
   assert autotune.tune(cfg, batch=1, m=32, w=32, candidates=[(32, 4, 1)], reps=1, path=path,

@@ -471,22 +471,39 @@ for dt in (jnp.bfloat16, jnp.float32):
 """
 
 
-def _ptx_buffers(ptx: str) -> tuple[set, set]:
-  """(kernel parameters an asynchronous copy reads, parameters the kernel stores to), found by
-  following each address register back to the ld.param it derives from."""
+def _ptx_buffers(ptx: str) -> tuple[set, set, list]:
+  """(kernel parameters an asynchronous copy reads, parameters the kernel writes, addresses that
+  lead to no parameter), found by following each 64-bit address register back through the
+  instructions that define it to the ld.param it derives from."""
   src = {}
-  async_read, written = set(), set()
-  for line in ptx.splitlines():
-    line = line.strip()
+  async_read, written, unresolved = set(), set(), []
+
+  def params(reg, line):
+    if reg not in src or not src[reg]:
+      unresolved.append(line)
+      return set()
+    return src[reg]
+
+  statements = [st.strip() + ";" for ln in ptx.splitlines() for st in ln.split(";") if st.strip()]
+  for line in statements:  # Triton's inline asm puts several instructions on one line
+    line = re.sub(r"^@!?%\w+\s+", "", line)  # a predicate guard
     if m := re.match(r"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]", line):
       src[m.group(1)] = {int(m.group(2))}
-    elif m := re.match(r"(?:add|sub|mad|mul|cvta|mov)[\w.]*\s+(%rd\w+),\s*(.*);", line):
-      src[m.group(1)] = set().union(*[src.get(r, set()) for r in re.findall(r"%\w+", m.group(2))])
-    if "cp.async" in line and ".global" in line:
-      async_read |= src.get(re.search(r"\],\s*\[\s*(%\w+)", line).group(1), set())
-    if m := re.search(r"\b(?:st\.global|red\.global|atom\.global)[\w.]*\s+\[\s*(%\w+)", line):
-      written |= src.get(m.group(1), set())
-  return async_read, written
+      continue
+    op = line.split(None, 1)[0] if line else ""
+    addrs = re.findall(r"\[\s*(%rd\w+)", line)
+    if op.startswith("cp.async") and ".global" in op and "prefetch" not in op:
+      if ".global.shared" in op:  # bulk copy shared -> global: a write
+        written |= params(addrs[0], line) if addrs else (unresolved.append(line) or set())
+      else:  # global -> shared: the global address is the second operand
+        async_read |= params(addrs[-1], line) if addrs else (unresolved.append(line) or set())
+    elif op.startswith(("st.global", "red.global", "atom.global")):
+      written |= params(addrs[0], line) if addrs else (unresolved.append(line) or set())
+    elif m := re.match(r"[a-z][\w.]*\s+(%rd\w+),\s*(.*);", line):
+      if not op.startswith(("ld.", "atom.")):  # arithmetic on addresses: union of its operands
+        src[m.group(1)] = set().union(*[src.get(r, set())
+                                        for r in re.findall(r"%\w+", m.group(2))])
+  return async_read, written, unresolved
 
 
 @pytest.mark.compile
@@ -506,7 +523,9 @@ def test_no_asynchronous_copy_reads_a_buffer_the_kernel_writes(tmp_path):
     for f in dump.glob("*.ptx"):
       text = f.read_text()
       if m := re.search(r"\.entry (span_attention_\w+)", text):
-        read, written = _ptx_buffers(text)
+        read, written, unresolved = _ptx_buffers(text)
+        assert not unresolved, (m.group(1), unresolved[:3])  # a PTX shape this reader misses
+        assert written, m.group(1)  # it sees the kernel's stores at all
         found.setdefault((stages, m.group(1)), set()).update(read & written)
   kernels = ("span_attention_fwd", "span_attention_bwd_q", "span_attention_bwd_kv")
   assert all((s, k) in found for s in (1, 2) for k in kernels), sorted(found)

@@ -302,6 +302,24 @@ def test_layer_scan_is_the_same_function(combine, n_layers, remat):
     assert float(_loss_and_grads(scan, swapped)[0]) != pytest.approx(float(loss), rel=1e-6)
 
 
+def test_reference_adagrad_clips_each_layer_of_a_stacked_tensor():
+  """The reference Adagrad clips per tensor; a layer scan's stacked tensor is one tensor per
+  layer, so its updates equal the unrolled layers' (one layer clipped, one not)."""
+  rng = np.random.default_rng(0)
+  a, b = (jnp.asarray(rng.normal(size=(3, 4)), jnp.float32) * s for s in (1.0, 0.01))
+  tx = optimizer_lib.reference_adagrad(0.07, 0.5)
+  unrolled = {"layers_0": {"w": a}, "layers_1": {"w": b}}
+  stacked = {"layers": {"block_0": {"w": jnp.stack([a, b])}}}
+  for _ in range(2):  # the accumulator's second step too
+    u_un, _ = tx.update(unrolled, tx.init(unrolled))
+    u_st, _ = tx.update(stacked, tx.init(stacked))
+  got = u_st["layers"]["block_0"]["w"]
+  np.testing.assert_allclose(got[0], u_un["layers_0"]["w"], rtol=1e-6)
+  np.testing.assert_allclose(got[1], u_un["layers_1"]["w"], rtol=1e-6)
+  whole = tx.update({"w": jnp.stack([a, b])}, tx.init({"w": jnp.stack([a, b])}))[0]["w"]
+  assert not np.allclose(whole, got)  # one norm over both layers would differ: the test can fail
+
+
 def test_layer_scan_init_and_training_step():
   """Stacked init: every layer its own draw from the same distribution (split rngs), biases and
   gains left out of weight decay and the layer axis out of the sharding names; a train-mode
@@ -318,7 +336,8 @@ def test_layer_scan_init_and_training_step():
   tx, _ = optimizer_lib.make_optimizer(o)
   upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
   block = upd["layers"]["block_0"]
-  assert float(jnp.max(jnp.abs(block["ff"]["fc2"]["bias"]))) == 0.0  # (4, 16): a stacked vector
+  assert block["norm1"]["scale"].shape == (4, 16)  # stacked vectors, all ones: no decay
+  assert float(jnp.max(jnp.abs(block["norm1"]["scale"]))) == 0.0
   assert float(jnp.max(jnp.abs(block["ff"]["fc2"]["kernel"]))) > 0.0
   from span_lm.train import sharding  # pylint: disable=g-import-not-at-top
   path = tuple(jax.tree_util.DictKey(k) for k in ("layers", "block_0", "ff", "fc1", "kernel"))
