@@ -284,11 +284,12 @@ def compile_target(config, tgt: Target) -> dict:
                memory=_memory(compiled, row["device_memory"]), tokens=tokens,
                matmul_flops=ours)
       cost = _cost(compiled)
+      scale = split if kind == "train" else 1  # XLA counts the batch-split loop body once
+      if cfg.scan_layers:  # and the layer scan's: scaling the whole step is an upper bound
+        scale *= cfg.n_layers // cfg.scan_period  # on its bytes (docs/targets.md)
       if cost:
-        scale = split if kind == "train" else 1  # XLA counts the batch-split loop body once
         r["xla"] = dict(cost, loop_scale=scale)
-      r["roofline"] = roofline(chip, cfg.dtype, per_chip, ours, cost, split if kind == "train" else 1,
-                               tokens)
+      r["roofline"] = roofline(chip, cfg.dtype, per_chip, ours, cost, scale, tokens)
       row[kind] = r
   row["total_s"] = time.perf_counter() - t0
   return row

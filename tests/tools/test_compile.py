@@ -176,6 +176,31 @@ def test_compile_mode_for_a_tpu_topology(tmp_path):
 
 
 @pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+def test_layer_scan_bytes_are_scaled_to_an_upper_bound(tmp_path):
+  """XLA's cost analysis counts a loop body once: with the sparse model's layer scan, its FLOPs
+  fall to about one layer's. The compile mode scales the step's bytes by the scan length, which
+  must bound the unrolled step's bytes from above (the roofline never looks faster than it is)."""
+  got = {}
+  for scan in (False, True):
+    out = tmp_path / str(scan)
+    r = subprocess.run([sys.executable, "main.py", "--config=configs/cifar10_sparse.py:smoke",
+                        "--config.mode=compile", "--config.compile.targets=v5e:2x2",
+                        "--config.model.n_layers=4", f"--config.model.scan_layers={scan}",
+                        "--config.data.batch=4", "--config.data.eval_batch=4",
+                        "--config.compile.steps=train", f"--config.compile.out={out}"],
+                       cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got[scan] = json.load(open(out / "compile_report.json"))["rows"][0]["train"]
+  unrolled, scanned = got[False], got[True]
+  assert scanned["xla"]["loop_scale"] == 4 and unrolled["xla"]["loop_scale"] == 1
+  assert scanned["xla"]["flops"] < 0.6 * unrolled["xla"]["flops"]  # the body, counted once
+  assert scanned["matmul_flops"] == unrolled["matmul_flops"]  # ours counts every layer
+  assert 4 * scanned["xla"]["bytes"] >= unrolled["xla"]["bytes"]
+  assert scanned["roofline"]["hbm_s"] >= unrolled["roofline"]["hbm_s"]
+
+
+@pytest.mark.compile
 @pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
 def test_compile_mode_for_an_h100(tmp_path):
   """A bf16 model with the fused kernel compiled for one H100: ptxas' report of our kernels."""
