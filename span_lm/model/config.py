@@ -26,6 +26,11 @@ REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_
                   "everything_saveable")
 
 
+# The sparse model's layer scan (scan_layers=True) stacks its blocks' parameters under this name;
+# the optimizer and the sharding rules find stacked leaves by it (train/sharding.is_stacked).
+SCANNED_LAYERS = "layers"
+
+
 def parse_tiles(text: str) -> tuple[int, int, int] | None:
   """'T,W,S' as (tile, warps, stages) for the fused GPU kernel, or None if it is not one. S is
   1: the kernel reads back its own scratch stores, which a deeper Triton pipeline reorders

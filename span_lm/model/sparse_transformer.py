@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm.model import config as model_config
 from span_lm.model import sparse
 from span_lm.model.config import ModelConfig
 
@@ -174,7 +175,7 @@ class SparseTransformer(nn.Module):
       scanned = nn.scan(_BlockGroup, variable_axes={"params": 0},
                         split_rngs={"params": True, "dropout": True},
                         length=cfg.n_layers // cfg.scan_period)
-      h, _ = scanned(cfg, block_cls, train, name="layers")(h, None)
+      h, _ = scanned(cfg, block_cls, train, name=model_config.SCANNED_LAYERS)(h, None)
     else:
       for i in range(cfg.n_layers):
         h = block_cls(cfg, i, name=f"layers_{i}")(h, train)

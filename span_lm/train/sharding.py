@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from span_lm.model import config as model_config
+
 DATA_AXIS = "data"
 # State entries that hold per-sequence (batch-leading) arrays, sharded over the data axis.
 CACHE_KEYS = ("caches", "eval_caches")
@@ -57,8 +59,8 @@ def _key_name(key) -> str:
 
 def is_stacked(path: Sequence[Any]) -> bool:
   """A layer scan's stacked parameter (or a leaf mirroring one): under the scanned module
-  'layers' (sparse_transformer, scan_layers=True), with a leading axis of one entry per step."""
-  return any(_key_name(k) == "layers" for k in path)
+  (sparse_transformer, scan_layers=True), with a leading axis of one entry per step."""
+  return any(_key_name(k) == model_config.SCANNED_LAYERS for k in path)
 
 
 def path_str(path: Sequence[Any]) -> str:
