@@ -1,24 +1,31 @@
 """Fused banded attention with per-head spans as runtime values (Pallas; Triton on GPUs).
 
 The maths of `banded_reference.banded_attention` for one group of heads (relative positions, soft
-span mask, renormalisation: kernels/span_mask.py), as a flash-attention style kernel: scores are formed one (query block,
-key block) tile at a time and never stored. Each query block visits only the key blocks that hold
-a non-zero mask value for one of its rows, and the spans come in as an array, so a span that
-changes changes the work done, not the compiled program.
+span mask, renormalisation: kernels/span_mask.py), as a flash-attention style kernel: scores are
+formed one (query block, key block) tile at a time and never stored. Each query block visits only
+the key blocks that hold a non-zero mask value for one of its rows, and the spans come in as an
+array, so a span that changes changes the work done, not the compiled program.
 
 Tiles: keys are the last T = W + M positions (window + block); the query at block row i sits at
 key index W + i and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor(z_i) + R + 1)
 (every distance with a non-zero mask, plus the clamp's lower end, where the mask is 0 but its
-derivative is 1, as torch.clamp's). The relative-position term q_i . pe[:, W - d] is Toeplitz in
-a tile: one matmul gives G = q_blk @ pe[:, cols] for the tile's bq + bk distances, and the tile's scores are the skewed
-read pos[r, c] = G[r, bq - r + c] through a per-program scratch buffer (Triton has no register
-shuffle for it). The backward pass reads ds back the other way for the position gradient.
-The scratch round trip needs num_stages=1: Triton's software pipeliner moves a load with
-loop-invariant addresses into the previous iteration's asynchronous copies, ahead of the store
-it reads back, and the gradients come out wrong on the device although interpret mode agrees
-(the GPU suite found it; docs/kernels.md, "Scratch read-back"). `span_attention` refuses more.
-Backward as FlashAttention-2: a kernel per query block (dq, the span gradient; d pe and the
-persistent vectors' gradients by atomic adds) and one per key block (dk, dv: deterministic).
+derivative is 1, as torch.clamp's).
+
+Position term as a rel-shift view. Query i's position score for key t is G[i, t - i] with
+G = q @ pe (M x W per head; column W - d is distance d). G is one matmul outside the kernels,
+written with a row pitch of W + 1 (pe gets one zero column), and read with a row stride of W the
+same buffer is the score in key coordinates: flat[i W + t] = G[i, t - i] (Transformer-XL's
+rel_shift, the reference's skew). So a tile's position scores are one plain strided load, read-only
+like the keys and values: every loop pipelines (asynchronous copies) and no kernel reads back what
+it wrote. Entries of the view outside the band alias neighbouring rows: the span mask drops them on
+reads, and the backward pass's stores are masked to visited entries. G is recomputed in the
+backward pass, not saved, so it lives only while one layer's kernels run (B H M (W + 1) elements
+in the queries' dtype).
+
+Backward as FlashAttention-2: a kernel per query block (dq's key term, the span gradient, the
+position-score gradient dG stored once per cell in G's layout: no atomics; the persistent vectors'
+gradients by atomic adds) and one per key block (dk, dv: deterministic). Then dq += dG pe^T and
+d pe = sum q^T dG, two plain matmuls outside.
 
 Head sizes that are not a power of two (the large paper models' 96) run zero-padded to the next
 one (`padded_head_dim`); the padded columns add nothing to any score and are sliced off.
@@ -50,7 +57,6 @@ NEG = -1e30
 
 
 PRECISIONS = ("default", "highest")
-_ALLOW_PIPELINING = [False]  # bench/gpu_kernel_check.py sets it to show the wrong gradients
 _exact_f32 = [False]  # set while a pallas_call traces its kernel (`_precision`)
 
 
@@ -78,9 +84,30 @@ def _dot(a, b, trans_a=False, trans_b=False):
   return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
 
 
-def _barrier(interpret):
-  if not interpret:  # threads of the program exchange values through the scratch buffer
-    plt.debug_barrier()
+def _xla_precision(precision: str, dtype):
+  return lax.Precision.HIGHEST if precision == "highest" and dtype == jnp.float32 else None
+
+
+def _pitched_pe(pe_DxW, dtype):
+  """pe with one zero column: G = q @ it has row pitch W + 1 (the rel-shift layout)."""
+  return jnp.pad(pe_DxW.astype(dtype), ((0, 0), (0, 1)))
+
+
+def position_scores(q_BxHxMxD, pe_Dx1W, precision: str = "default"):
+  """G = q @ pe in the rel-shift layout, flat (B, H, M (W + 1)) in the queries' dtype (f32
+  accumulation): element i W + t is query i's position score for key t (module docstring)."""
+  b, h, m, _ = q_BxHxMxD.shape
+  g = jnp.einsum("bhmd,dw->bhmw", q_BxHxMxD, pe_Dx1W, preferred_element_type=jnp.float32,
+                 precision=_xla_precision(precision, q_BxHxMxD.dtype))
+  return g.astype(q_BxHxMxD.dtype).reshape(b, h, m * pe_Dx1W.shape[-1])
+
+
+def _view(i0, t0, *, w, bq, bk):
+  """Flat indices of a tile's position scores (rows i0 + r, keys t0 + c) in G's layout: a plain
+  tile with row stride W, contiguous along the keys."""
+  r = jnp.arange(bq, dtype=jnp.int32)[:, None]
+  c = jnp.arange(bk, dtype=jnp.int32)[None, :]
+  return (i0 * w + t0) + (r * w + c)
 
 
 def _row_windows(z, *, w, ramp, bq):
@@ -98,16 +125,12 @@ def _key_blocks(win, i0, *, w, bk):
   return lo, hi
 
 
-def _tile(q, k, pe_ref, scr_ref, t0, i0, win, *, w, bq, bk, scale, interpret):
+def _tile(q, k, g_ref, t0, i0, win, *, w, bq, bk, scale):
   """Scaled logits of one tile, its distances and which entries are visited."""
   cont = _dot(q, k, trans_b=True)  # bq x bk
-  pe = pe_ref[:, pl.ds(t0 - i0, bq + bk)]  # padded pe: distances base + bq ... base - bk + 1
-  scr_ref[...] = _dot(q, pe)  # G: bq x (bq + bk)
-  _barrier(interpret)
+  pos = g_ref[_view(i0, t0, w=w, bq=bq, bk=bk)].astype(jnp.float32)
   r = jnp.arange(bq)[:, None]
   c = jnp.arange(bk)[None, :]
-  pos = scr_ref[r, bq - r + c]
-  _barrier(interpret)
   dist = (w + i0 - t0) + r - c
   visited = (dist >= 1) & (dist <= win[:, None])
   logits = jnp.where(visited, (cont + pos) * scale, NEG)
@@ -125,9 +148,8 @@ def _mask_value(z, dist, ramp):
   return span_mask.soft_mask(z[:, None], dist, ramp)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, o_ref, mx_ref,
-                den_ref, scr_ref, *, w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, scale,
-                n_rows, n_pers):
+def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_ref, mx_ref,
+                den_ref, *, w, ramp, has_mask, bq, bk, eps, rate, n_heads, scale, n_rows, n_pers):
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
@@ -142,8 +164,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, o_
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
     v = v_ref[pl.ds(t0, bk), :]
-    logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
-                                  scale=scale, interpret=interpret)
+    logits, dist, visited = _tile(q, k, g_ref, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
     mx_new = jnp.maximum(mx, jnp.max(logits, axis=1))
     corr = jnp.exp(mx - mx_new)
     p = jnp.where(visited, jnp.exp(logits - mx_new[:, None]), 0.0)
@@ -181,16 +202,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, o_
   den_ref[...] = den
 
 
-def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, seed, bh, *,
-                w, ramp, has_mask, bq, bk, eps, interpret, rate, n_rows, n_pers, scale):
-  """Recomputes one tile and returns (ds: d logits before scaling, times the scale; the
-  weights as applied to the values; the tile's span gradient per row)."""
-  logits, dist, visited = _tile(q, k, pe_ref, scr_ref, t0, i0, win, w=w, bq=bq, bk=bk,
-                                scale=scale, interpret=interpret)
+def _tile_grads(q, do, k, v, g_ref, t0, i0, win, z, mx, den, delta, seed, bh, *,
+                w, ramp, has_mask, bq, bk, eps, rate, n_rows, n_pers, scale):
+  """Recomputes one tile and returns (ds: d (q.k + q.pe), the weights as applied to the
+  values, the tile's span gradient per row, which entries are visited)."""
+  logits, dist, visited = _tile(q, k, g_ref, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
   p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
-  gv = _dot(g, v, trans_b=True)
+  gv = _dot(do, v, trans_b=True)
   keep = None
-  if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
+  if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (do . v_j)
     keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
                          n_keys=w + n_rows + n_pers, rate=rate)
     gv = gv * keep
@@ -206,58 +226,48 @@ def _tile_grads(q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx, den, delta, see
     a = p
     dl = a * gv
   kept = a if keep is None else a * keep
-  return dl * scale, kept, dz
+  return dl * scale, kept, dz, visited
 
 
-def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, g_ref, mx_ref,
-                  den_ref, delta_ref, dpe_in, dpk_in, dpv_in, dq_ref, dz_ref, scr_ref, dpe_ref,
-                  dpk_ref, dpv_ref, *, w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, scale,
-                  n_rows, n_pers):
-  """Per query block: dq and the span gradient of its rows, and (atomically) d pe and the
-  persistent keys' and values' gradients."""
-  del dpe_in, dpk_in, dpv_in  # zeros, aliased to dpe_ref, dpk_ref, dpv_ref
+def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, do_ref, mx_ref,
+                  den_ref, delta_ref, dg_in, dpk_in, dpv_in, dq_ref, dz_ref, dg_ref, dpk_ref,
+                  dpv_ref, *, w, ramp, has_mask, bq, bk, eps, rate, n_heads, scale, n_rows,
+                  n_pers):
+  """Per query block: dq's key term, the span gradient of its rows, the position-score
+  gradient of its rows (stored once per visited cell; the buffer comes in zeroed), and
+  (atomically) the persistent keys' and values' gradients."""
+  del dg_in, dpk_in, dpv_in  # zeros, aliased to dg_ref, dpk_ref, dpv_ref: never read
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
   q = q_ref[...]
-  g = g_ref[...]
+  do = do_ref[...]
   dh = q.shape[-1]
   z = z_ref[...].astype(jnp.float32) if has_mask else None
   win = _row_windows(z, w=w, ramp=ramp, bq=bq)
   mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
   lo, hi = _key_blocks(win, i0, w=w, bk=bk)
-  r = jnp.arange(bq)[:, None]
-  j = jnp.arange(bq + bk)[None, :]
 
   def body(kb, carry):
     dq, dz = carry
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
-    ds, _, dz_tile = _tile_grads(
-        q, g, k, v_ref[pl.ds(t0, bk), :], pe_ref, scr_ref, t0, i0, win, z, mx, den, delta,
-        seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
-        interpret=interpret, rate=rate, n_rows=n_rows, n_pers=n_pers, scale=scale)
+    ds, _, dz_tile, visited = _tile_grads(
+        q, do, k, v_ref[pl.ds(t0, bk), :], g_ref, t0, i0, win, z, mx, den, delta, seed, bh,
+        w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate, n_rows=n_rows,
+        n_pers=n_pers, scale=scale)
     if dz_tile is not None:
       dz = dz + dz_tile
-    dq = dq + _dot(ds.astype(k.dtype), k)
-    # Position term: dG[r, j] = ds[r, j - bq + r], the inverse of the forward's skewed read.
-    scr_ref[:, pl.ds(0, bk)] = ds
-    _barrier(interpret)
-    cc = j - bq + r
-    dg = jnp.where((cc >= 0) & (cc < bk), scr_ref[r, jnp.clip(cc, 0, bk - 1)], 0.0)
-    _barrier(interpret)
-    pe = pe_ref[:, pl.ds(t0 - i0, bq + bk)]
-    dq = dq + _dot(dg.astype(pe.dtype), pe, trans_b=True)
-    plt.atomic_add(dpe_ref, (slice(None), pl.ds(t0 - i0, bq + bk)),
-                   _dot(q, dg.astype(q.dtype), trans_a=True))
-    return dq, dz
+    plt.store(dg_ref.at[_view(i0, t0, w=w, bq=bq, bk=bk)], ds.astype(dg_ref.dtype),
+              mask=visited)
+    return dq + _dot(ds.astype(k.dtype), k), dz
 
   def pers_body(c, dq):  # the persistent keys: mask 1, so no span gradient
     n0 = c * bk
     pk = pk_ref[:, pl.ds(n0, bk)]
     pv = pv_ref[pl.ds(n0, bk), :]
     p = jnp.exp(_dot(q, pk) * scale - mx[:, None]) / den[:, None]
-    gv = _dot(g, pv, trans_b=True)
+    gv = _dot(do, pv, trans_b=True)
     kept = p
     if rate:
       keep = _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
@@ -268,20 +278,19 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, pk_ref, pv_ref, 
     ds = dl * scale
     plt.atomic_add(dpk_ref, (slice(None), pl.ds(n0, bk)), _dot(q, ds.astype(q.dtype), trans_a=True))
     plt.atomic_add(dpv_ref, (pl.ds(n0, bk), slice(None)),
-                   _dot(kept.astype(g.dtype), g, trans_a=True))
+                   _dot(kept.astype(do.dtype), do, trans_a=True))
     return dq + _dot(ds.astype(pk.dtype), pk, trans_b=True)
 
   dq, dz = lax.fori_loop(lo, hi, body, (jnp.zeros((bq, dh), jnp.float32),
                                         jnp.zeros((bq,), jnp.float32)))
   dq = lax.fori_loop(0, n_pers // bk, pers_body, dq)
-  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dq_ref[...] = dq
   dz_ref[...] = dz
 
 
-def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, den_ref,
-                   delta_ref, wmax_ref, dk_ref, dv_ref, scr_ref, *,
-                   w, ramp, has_mask, bq, bk, eps, interpret, rate, n_heads, n_rows, n_pers,
-                   scale):
+def _bwd_kv_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, den_ref,
+                   delta_ref, wmax_ref, dk_ref, dv_ref, *, w, ramp, has_mask, bq, bk, eps, rate,
+                   n_heads, n_rows, n_pers, scale):
   """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
   key and value gradients are deterministic)."""
   t0 = pl.program_id(2) * bk
@@ -302,15 +311,15 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, 
     i0 = qb * bq
     rows = pl.ds(i0, bq)
     q = q_ref[rows, :]
-    g = g_ref[rows, :]
+    do = do_ref[rows, :]
     z = z_ref[rows].astype(jnp.float32) if has_mask else None
     win = _row_windows(z, w=w, ramp=ramp, bq=bq)
-    ds, kept, _ = _tile_grads(
-        q, g, k, v, pe_ref, scr_ref, t0, i0, win, z, mx_ref[rows], den_ref[rows],
-        delta_ref[rows], seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps,
-        interpret=interpret, rate=rate, n_rows=n_rows, n_pers=n_pers, scale=scale)
+    ds, kept, _, _ = _tile_grads(
+        q, do, k, v, g_ref, t0, i0, win, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
+        seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
+        n_rows=n_rows, n_pers=n_pers, scale=scale)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
-    dv = dv + _dot(kept.astype(g.dtype), g, trans_a=True)
+    dv = dv + _dot(kept.astype(do.dtype), do, trans_a=True)
     return dk, dv
 
   dk, dv = lax.fori_loop(lo, hi, body, (jnp.zeros((bk, dh), jnp.float32),
@@ -319,14 +328,15 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, pe_ref, z_ref, seed_ref, g_ref, mx_ref, 
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _specs(b, h, m, t, dh, wp, bq):
+def _specs(m, t, dh, w, bq):
+  """BlockSpecs over the grid (batch, head, query block): a block of rows, every key, a block's
+  row statistics, G's flat view (whole), the seed."""
   row = pl.BlockSpec((None, None, bq, dh), lambda i, hh, qi: (i, hh, qi, 0))
   keys = pl.BlockSpec((None, None, t, dh), lambda i, hh, qi: (i, hh, 0, 0))
   stat = pl.BlockSpec((None, None, bq), lambda i, hh, qi: (i, hh, qi))
-  pe = pl.BlockSpec((dh, wp), lambda i, hh, qi: (0, 0))
-  scr = pl.BlockSpec((None, None, None, bq, 2 * bq), lambda i, hh, qi: (i, hh, qi, 0, 0))
+  view = pl.BlockSpec((None, None, m * (w + 1)), lambda i, hh, qi: (i, hh, 0))
   seed = pl.BlockSpec((1,), lambda i, hh, qi: (0,))
-  return row, keys, stat, pe, scr, seed
+  return row, keys, stat, view, seed
 
 
 def _check(q, k, pe, block):
@@ -338,11 +348,6 @@ def _check(q, k, pe, block):
     raise ValueError(f"fused attention: block {m} and window {w} must be multiples of {block}")
   if dh < 16 or dh & (dh - 1):
     raise ValueError(f"fused attention: padded head size {dh} must be a power of two >= 16")
-
-
-def _padded_pe(pe_DxW, block):
-  """Zero columns on both sides, so every tile's bq + bk distances are one in-bounds slice."""
-  return jnp.pad(pe_DxW, ((0, 0), (block, block)))
 
 
 def _pers_inputs(pk, pv, h, dh, block, dtype):
@@ -366,84 +371,86 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_w
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block, q.dtype)
-  row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, w + m, dh, w + 2 * block, block)
+  row, keys, stat, view, seed_spec = _specs(m, w + m, dh, w, block)
   kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
-                             bk=block, eps=eps, interpret=interpret, rate=rate, n_heads=h,
-                             n_rows=m, n_pers=n_pers, scale=scale)
+                             bk=block, eps=eps, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers,
+                             scale=scale)
   call = pl.pallas_call(
       kernel, grid=(b, h, m // block),
-      in_specs=[row, keys, keys, pe_spec, stat, seed_spec, *pers_specs],
-      out_specs=[row, stat, stat, scr],
+      in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs],
+      out_specs=[row, stat, stat],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, m), jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32)],
+                 jax.ShapeDtypeStruct((b, h, m), jnp.float32)],
       interpret=interpret, name="span_attention_fwd",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
+  g = position_scores(q, _pitched_pe(pe, q.dtype), precision)
   with _precision(precision):
-    out, mx, den, _ = call(q, k, v, _padded_pe(pe.astype(q.dtype), block), z_in, seed, pk_in,
-                           pv_in)
+    out, mx, den = call(q, k, v, g, z_in, seed, pk_in, pv_in)
   return out, mx, den
 
 
-def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, g, *, ramp, eps, block, interpret,
+def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, block, interpret,
               num_warps, num_stages, rate, scale, precision):
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   t = w + m
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
-  delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
-  pe_pad = _padded_pe(pe.astype(q.dtype), block)  # pe may be float32: d pe is returned as such
-  row, keys, stat, pe_spec, scr, seed_spec = _specs(b, h, m, t, dh, w + 2 * block, block)
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  pe1 = _pitched_pe(pe, q.dtype)  # pe may be float32: d pe is returned as such
+  g = position_scores(q, pe1, precision)  # recomputed, not saved (module docstring)
+  row, keys, stat, view, seed_spec = _specs(m, t, dh, w, block)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block, q.dtype)
-  static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block, eps=eps,
-                interpret=interpret, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers, scale=scale)
+  static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block, eps=eps, rate=rate,
+                n_heads=h, n_rows=m, n_pers=n_pers, scale=scale)
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  zeros_pe = jnp.zeros((dh, w + 2 * block), jnp.float32)
+  zeros_g = jnp.zeros(g.shape, g.dtype)
   zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
   call_q = pl.pallas_call(
       functools.partial(_bwd_q_kernel, **static), grid=(b, h, m // block),
-      in_specs=[row, keys, keys, pe_spec, stat, seed_spec, *pers_specs, row, stat, stat, stat,
-                pe_spec, *pers_specs],
-      out_specs=[row, stat, scr, pe_spec, *pers_specs],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+      in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs, row, stat, stat, stat,
+                view, *pers_specs],
+      out_specs=[row, stat, view, *pers_specs],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, m // block, block, 2 * block), jnp.float32),
-                 jax.ShapeDtypeStruct(zeros_pe.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(zeros_pk.shape, jnp.float32),
                  jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)],
-      input_output_aliases={12: 3, 13: 4, 14: 5}, interpret=interpret,
+      input_output_aliases={12: 2, 13: 3, 14: 4}, interpret=interpret,
       name="span_attention_bwd_q", compiler_params=params)
   with _precision(precision):
-    dq, dz, _, dpe, dpk, dpv = call_q(q, k, v, pe_pad, z_in, seed, pk_in, pv_in, g, mx, den,
-                                      delta, zeros_pe, zeros_pk, zeros_pv)
+    dq, dz, dg, dpk, dpv = call_q(q, k, v, g, z_in, seed, pk_in, pv_in, do, mx, den, delta,
+                                  zeros_g, zeros_pk, zeros_pv)
 
   # Per key block: every row of its (b, h), and the largest row window there.
   all_rows = pl.BlockSpec((None, None, m, dh), lambda i, hh, kb: (i, hh, 0, 0))
   all_stat = pl.BlockSpec((None, None, m), lambda i, hh, kb: (i, hh, 0))
   key_blk = pl.BlockSpec((None, None, block, dh), lambda i, hh, kb: (i, hh, kb, 0))
   wmax_spec = pl.BlockSpec((None, None, 1), lambda i, hh, kb: (i, hh, 0))
-  pe_all = pl.BlockSpec((dh, w + 2 * block), lambda i, hh, kb: (0, 0))
-  scr_k = pl.BlockSpec((None, None, None, block, 2 * block), lambda i, hh, kb: (i, hh, kb, 0, 0))
-  seed_k = pl.BlockSpec((1,), lambda i, hh, kb: (0,))
   wmax = _row_windows(jnp.max(z_in, axis=-1, keepdims=True), w=w, ramp=ramp, bq=1)
   call_kv = pl.pallas_call(
       functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block),
-      in_specs=[all_rows, key_blk, key_blk, pe_all, all_stat, seed_k, all_rows, all_stat,
+      in_specs=[all_rows, key_blk, key_blk, view, all_stat, seed_spec, all_rows, all_stat,
                 all_stat, all_stat, wmax_spec],
-      out_specs=[key_blk, key_blk, scr_k],
+      out_specs=[key_blk, key_blk],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype),
-                 jax.ShapeDtypeStruct((b, h, t // block, block, 2 * block), jnp.float32)],
+                 jax.ShapeDtypeStruct(v.shape, v.dtype)],
       interpret=interpret, name="span_attention_bwd_kv", compiler_params=params)
   with _precision(precision):
-    dk, dv, _ = call_kv(q, k, v, pe_pad, z_in, seed, g, mx, den, delta, wmax)
-  dpe = dpe[:, block:block + w].astype(pe.dtype)
+    dk, dv = call_kv(q, k, v, g, z_in, seed, do, mx, den, delta, wmax)
+
+  # The position term's share, two plain matmuls over G's layout (its pad column is zero).
+  prec = _xla_precision(precision, q.dtype)
+  dg = dg.reshape(b, h, m, w + 1)
+  dq = dq + jnp.einsum("bhmw,dw->bhmd", dg, pe1, preferred_element_type=jnp.float32,
+                       precision=prec)
+  dpe = jnp.einsum("bhmd,bhmw->dw", q, dg, preferred_element_type=jnp.float32, precision=prec)
+  dpe = dpe[:, :w].astype(pe.dtype)
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
   dpk = None if pk is None else dpk.astype(pk.dtype)
   dpv = None if pv is None else dpv.astype(pv.dtype)
-  return dq, dk, dv, dpe, (dz if has_mask else None), dseed, dpk, dpv
+  return dq.astype(q.dtype), dk, dv, dpe, (dz if has_mask else None), dseed, dpk, dpv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15, 16))
@@ -473,7 +480,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
                    pers_k_HxDxN=None, pers_v_HxNxD=None, eps: float = span_mask.EPS,
                    block: int = 64,
                    dropout_rate: float = 0.0, dropout_seed=None, interpret: bool = False,
-                   num_warps: int = 4, num_stages: int = 1, precision: str = "default"):
+                   num_warps: int = 4, num_stages: int = 2, precision: str = "default"):
   """Banded attention over the W distances before each query, spans given at run time.
 
   Args:
@@ -487,15 +494,15 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
     dropout_rate, dropout_seed: dropout on the attention weights (after the mask), the keep
       mask drawn by `hashed_dropout.dropout_scale` from a uint32 seed; a rate of 0 compiles no
       dropout.
-    num_stages: Triton's pipeline depth; 1, the only correct one on a GPU (module docstring).
+    num_stages: Triton's pipeline depth (2 or more: the loops' loads become asynchronous
+      copies issued ahead of the tile that needs them).
     precision: float32 dots: 'default' (TF32 tensor cores on sm_80+, XLA's own default for
       float32 matmuls) or 'highest' (exact float32, no tensor cores). bf16 is unaffected.
   Returns:
     (B, H, M, Dh) in the dtype of q.
   """
-  if num_stages != 1 and not interpret and not _ALLOW_PIPELINING[0]:
-    raise ValueError(f"fused attention: num_stages={num_stages}: the kernels read back their own "
-                     "scratch stores, which Triton's pipeliner hoists above them; use 1")
+  if num_stages < 1:
+    raise ValueError(f"fused attention: num_stages={num_stages}: Triton's pipeline depth is >= 1")
   if dropout_rate and dropout_seed is None:
     raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
   if (pers_k_HxDxN is None) != (pers_v_HxNxD is None):
