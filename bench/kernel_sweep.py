@@ -1,5 +1,7 @@
 """The fused GPU kernel's tile candidates compiled deviceless for NVIDIA targets: registers, spills
-and shared memory per kernel as ptxas and XLA's Triton pipeline report them, and compile time.
+and shared memory per kernel as ptxas and XLA's Triton pipeline report them, what the PTX does
+(tensor-core instructions, asynchronous copies, loads issued a tile ahead, buffers read back:
+span_lm/tools/ptx.py), and compile time.
 
 Each candidate (target, dtype, head size, tile, warps, stages) compiles value_and_grad of
 `pallas_gpu.span_attention` (B=2, H=8, M=512, W=1024, adaptive spans, no persistent memory) in a
@@ -7,7 +9,7 @@ child process with the CUDA toolchain (pip install "jax[cuda12]==<jax version>";
 The table `pallas_gpu.TILES` is chosen from its results (docs/kernels.md).
 
   python bench/kernel_sweep.py --targets h100 a100_80 --dtypes bfloat16 float32 \
-      --head_dims 64 128 --out docs/kernel_sweep.json
+      --head_dims 64 128 --warps 4 8 --stages 2 3 --out docs/kernel_sweep.json
 """
 import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
@@ -16,11 +18,13 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from span_lm import kernels  # pylint: disable=wrong-import-position
 from span_lm.tools import chips  # pylint: disable=wrong-import-position
 from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
+from span_lm.tools import ptx  # pylint: disable=wrong-import-position
 
 
 def child(target, dtype, dh, tile, warps, stages, precision):
@@ -38,9 +42,6 @@ def child(target, dtype, dh, tile, warps, stages, precision):
   dt = jnp.dtype(dtype)
   if tile == 0:  # what the door runs on this target (pallas_gpu.TILES) for attn_block=64
     tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)
-  # Compiler reports only: deeper pipelines compile, but their gradients are wrong on a GPU
-  # (pallas_gpu's scratch rule), so the kernel refuses them outside this sweep.
-  pallas_gpu._ALLOW_PIPELINING[0] = stages > 1  # pylint: disable=protected-access
   sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
 
   def loss(q, k, v, pe, z):
@@ -82,8 +83,10 @@ def run(args):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", target, dtype, str(dh),
            str(tile), str(warps), str(stages), args.precision]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, env=compile_lib.child_env("gpu"), capture_output=True, text=True,
-                       check=False)
+    env = compile_lib.child_env("gpu")
+    dump = tempfile.mkdtemp(prefix="kernel_sweep_")
+    env["XLA_FLAGS"] = f"--xla_dump_to={dump}"
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     text = p.stdout + p.stderr
     row = next((json.loads(l[4:]) for l in text.splitlines() if l.startswith("ROW ")), None)
     if row is None:
@@ -91,11 +94,15 @@ def run(args):
              "stages": stages, "compiled": False,
              "error": ([l for l in text.splitlines() if l.strip()] or ["?"])[-1][:300]}
     row["wall_s"] = time.perf_counter() - t0
-    row["kernels"] = [k for k in compile_lib.parse_ptxas(text)
+    facts = {f["kernel"]: f for f in ptx.dumped_kernels(dump)}
+    row["kernels"] = [dict(k, ptx=facts.get(k["kernel"], {}))
+                      for k in compile_lib.parse_ptxas(text)
                       if "span_attention" in k["kernel"] or "mha" in k["kernel"]]
+    subprocess.run(["rm", "-rf", dump], check=False)
     rows.append(row)
     ks = " ".join(f"{k['kernel'].replace('span_attention_', '')}:{k['registers']}r/"
-                  f"{k['spill_store']}s" for k in row["kernels"])
+                  f"{k['spill_store']}s/{k['ptx'].get('wgmma', 0) + k['ptx'].get('mma', 0)}tc/"
+                  f"{k['ptx'].get('cp_async', 0)}async" for k in row["kernels"])
     print(f"{target} {dtype} dh={dh} tile={tile} warps={warps} stages={stages}: "
           f"{'ok' if row['compiled'] else 'FAIL ' + row.get('error', '')} {ks} "
           f"({row['compile_s'] if 'compile_s' in row else row['wall_s']:.0f}s)", flush=True)
@@ -105,14 +112,23 @@ def run(args):
   return rows
 
 
+def _tc(kernel: dict) -> str:
+  f = kernel.get("ptx", {})
+  if not f:
+    return "?"
+  return f"{f['wgmma']} wgmma" if f["wgmma"] else f"{f['mma']} mma"
+
+
 def markdown(rows) -> str:
   """One line per candidate: its kernels' registers and spill stores/loads, or the failure."""
-  head = ("| target | dtype | Dh | tile | warps | stages | fwd regs / spills B | bwd_q | bwd_kv | "
+  head = ("| target | dtype | Dh | tile | warps | stages | fwd: regs / spills B / tensor-core ops / "
+          "cp.async | bwd_q | bwd_kv | "
           "compile s |\n|---|---|---|---|---|---|---|---|---|---|")
   out = [head]
   for r in rows:
     ks = {k["kernel"].replace("span_attention_", ""): k for k in r.get("kernels", [])}
-    cell = lambda n: (f"{ks[n]['registers']} / {ks[n]['spill_store']}+{ks[n]['spill_load']}"
+    cell = lambda n: (f"{ks[n]['registers']} / {ks[n]['spill_store']}+{ks[n]['spill_load']} / "
+                      f"{_tc(ks[n])} / {ks[n].get('ptx', {}).get('cp_async', '?')}"
                       if n in ks else "")
     if not r["compiled"]:
       err = r.get("error", "").replace("RESOURCE_EXHAUSTED: ", "").split(", context")[0]
@@ -136,8 +152,7 @@ def main():
   p.add_argument("--tiles", nargs="+", type=int, default=[64],
                  help="0: the table's choice (pallas_gpu.TILES), whatever --warps/--stages say")
   p.add_argument("--warps", nargs="+", type=int, default=[4])
-  p.add_argument("--stages", nargs="+", type=int, default=[1],
-                 help="> 1: compiler reports only (the kernel refuses them for running)")
+  p.add_argument("--stages", nargs="+", type=int, default=[2])
   p.add_argument("--precision", default="default", choices=["default", "highest", "anchor"],
                  help="anchor: compile jax's own Pallas flash attention (causal) instead, for "
                       "comparison at the same tiles")

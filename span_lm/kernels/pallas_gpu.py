@@ -125,10 +125,16 @@ def _key_blocks(win, i0, *, w, bk):
   return lo, hi
 
 
-def _tile(q, k, g_ref, t0, i0, win, *, w, bq, bk, scale):
-  """Scaled logits of one tile, its distances and which entries are visited."""
+def _load_pos(g_ref, i0, t0, *, w, bq, bk):
+  """A tile's position scores, read from G's rel-shift view."""
+  return g_ref[_view(i0, t0, w=w, bq=bq, bk=bk)]
+
+
+def _tile(q, k, pos, t0, i0, win, *, w, bq, bk, scale):
+  """Scaled logits of one tile (pos: its position scores), its distances and which entries are
+  visited."""
   cont = _dot(q, k, trans_b=True)  # bq x bk
-  pos = g_ref[_view(i0, t0, w=w, bq=bq, bk=bk)].astype(jnp.float32)
+  pos = pos.astype(jnp.float32)
   r = jnp.arange(bq)[:, None]
   c = jnp.arange(bk)[None, :]
   dist = (w + i0 - t0) + r - c
@@ -158,13 +164,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
   z = z_ref[...].astype(jnp.float32) if has_mask else None
   win = _row_windows(z, w=w, ramp=ramp, bq=bq)
   lo, hi = _key_blocks(win, i0, w=w, bk=bk)
+  view = functools.partial(_load_pos, g_ref, i0, w=w, bq=bq, bk=bk)
 
   def body(kb, carry):
-    acc, mx, z_all, z_mask = carry
+    acc, mx, z_all, z_mask, pos = carry
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
     v = v_ref[pl.ds(t0, bk), :]
-    logits, dist, visited = _tile(q, k, g_ref, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
+    nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
+    logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
     mx_new = jnp.maximum(mx, jnp.max(logits, axis=1))
     corr = jnp.exp(mx - mx_new)
     p = jnp.where(visited, jnp.exp(logits - mx_new[:, None]), 0.0)
@@ -174,7 +182,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
       kept = pm * _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
                                 n_keys=w + n_rows + n_pers, rate=rate)
     acc = acc * corr[:, None] + _dot(kept.astype(v.dtype), v)
-    return acc, mx_new, z_all * corr + jnp.sum(p, axis=1), z_mask * corr + jnp.sum(pm, axis=1)
+    return (acc, mx_new, z_all * corr + jnp.sum(p, axis=1), z_mask * corr + jnp.sum(pm, axis=1),
+            nxt)
 
   def pers_body(c, carry):  # persistent keys: no position term, mask 1, in the same softmax
     acc, mx, z_all, z_mask = carry
@@ -194,7 +203,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
 
   init = (jnp.zeros((bq, dh), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
           jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32))
-  carry = lax.fori_loop(lo, hi, body, init)
+  carry = lax.fori_loop(lo, hi, body, (*init, view(lo * bk)))[:4]
   acc, mx, z_all, z_mask = lax.fori_loop(0, n_pers // bk, pers_body, carry)
   den = span_mask.online_denominator(z_mask, z_all, eps) if has_mask else z_all
   o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
@@ -202,11 +211,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
   den_ref[...] = den
 
 
-def _tile_grads(q, do, k, v, g_ref, t0, i0, win, z, mx, den, delta, seed, bh, *,
+def _tile_grads(q, do, k, v, pos, t0, i0, win, z, mx, den, delta, seed, bh, *,
                 w, ramp, has_mask, bq, bk, eps, rate, n_rows, n_pers, scale):
   """Recomputes one tile and returns (ds: d (q.k + q.pe), the weights as applied to the
   values, the tile's span gradient per row, which entries are visited)."""
-  logits, dist, visited = _tile(q, k, g_ref, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
+  logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
   p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
   gv = _dot(do, v, trans_b=True)
   keep = None
@@ -247,20 +256,22 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
   win = _row_windows(z, w=w, ramp=ramp, bq=bq)
   mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
   lo, hi = _key_blocks(win, i0, w=w, bk=bk)
+  view = functools.partial(_load_pos, g_ref, i0, w=w, bq=bq, bk=bk)
 
   def body(kb, carry):
-    dq, dz = carry
+    dq, dz, pos = carry
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
+    nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
     ds, _, dz_tile, visited = _tile_grads(
-        q, do, k, v_ref[pl.ds(t0, bk), :], g_ref, t0, i0, win, z, mx, den, delta, seed, bh,
+        q, do, k, v_ref[pl.ds(t0, bk), :], pos, t0, i0, win, z, mx, den, delta, seed, bh,
         w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate, n_rows=n_rows,
         n_pers=n_pers, scale=scale)
     if dz_tile is not None:
       dz = dz + dz_tile
     plt.store(dg_ref.at[_view(i0, t0, w=w, bq=bq, bk=bk)], ds.astype(dg_ref.dtype),
               mask=visited)
-    return dq + _dot(ds.astype(k.dtype), k), dz
+    return dq + _dot(ds.astype(k.dtype), k), dz, nxt
 
   def pers_body(c, dq):  # the persistent keys: mask 1, so no span gradient
     n0 = c * bk
@@ -281,8 +292,8 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
                    _dot(kept.astype(do.dtype), do, trans_a=True))
     return dq + _dot(ds.astype(pk.dtype), pk, trans_b=True)
 
-  dq, dz = lax.fori_loop(lo, hi, body, (jnp.zeros((bq, dh), jnp.float32),
-                                        jnp.zeros((bq,), jnp.float32)))
+  dq, dz, _ = lax.fori_loop(lo, hi, body, (jnp.zeros((bq, dh), jnp.float32),
+                                           jnp.zeros((bq,), jnp.float32), view(lo * bk)))
   dq = lax.fori_loop(0, n_pers // bk, pers_body, dq)
   dq_ref[...] = dq
   dz_ref[...] = dz
@@ -314,8 +325,9 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, 
     do = do_ref[rows, :]
     z = z_ref[rows].astype(jnp.float32) if has_mask else None
     win = _row_windows(z, w=w, ramp=ramp, bq=bq)
+    pos = _load_pos(g_ref, i0, t0, w=w, bq=bq, bk=bk)  # pipelined by Triton: a cp.async
     ds, kept, _, _ = _tile_grads(
-        q, do, k, v, g_ref, t0, i0, win, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
+        q, do, k, v, pos, t0, i0, win, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
         seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
         n_rows=n_rows, n_pers=n_pers, scale=scale)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
