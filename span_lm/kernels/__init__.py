@@ -6,14 +6,18 @@ Implementations (`model.attn_impl`):
   reference         banded_reference: the readable definition, plain autodiff; the numerical
                     reference for the others. Default on TPU, and on GPU where the kernel does not apply.
   cpu               banded_cpu: the same maths laid out for XLA:CPU (docs/benchmarks.md). CPU default.
-  pallas            pallas_gpu: the fused Triton kernel, spans as runtime values. GPU default.
+  pallas            pallas_gpu: the fused Triton kernel, spans as runtime values. On a GPU `auto`
+                    picks it where it was measured faster than `reference` (GPU_TIMINGS), or where
+                    the reference's step does not fit in memory.
   pallas_interpret  the same kernel interpreted (any backend; slow: for tests).
   pallas_tpu        pallas_tpu: the fused Mosaic kernel, spans as runtime values. TPU default
                     (v5e and later).
   pallas_tpu_interpret  the TPU kernel interpreted (any backend; slow: for tests).
   auto              one of the above by the target platform (kernels/target.py: the host's
-                    backend, or the chip a deviceless compile names) and what the kernel supports.
+                    backend, or the chip a deviceless compile names), what the kernel supports,
+                    and on a GPU by evidence (`gpu_preference`) and memory (`fit_fallback`).
 """
+import dataclasses
 import logging
 from typing import Any, Callable, NamedTuple
 
@@ -66,11 +70,67 @@ def _gpu_runs_triton(platform: target.Platform) -> bool:
   return platform.name == "gpu" and cc is not None and cc >= 8.0
 
 
+# Forward + backward of one layer's attention timed on a GPU (docs/gpu/), by (compute capability
+# major, padded head size): the fused kernel's version timed, its milliseconds and the XLA path's
+# (`reference`) in the same run, per span setting. `auto` runs the kernel only where every
+# timing of the current version (pallas_gpu.VERSION) has it faster.
+GPU_TIMINGS = {
+    (9, 64): {"version": "scratch-1", "source": "docs/gpu/kernel_check_h200_2026-11-27.json",
+              "shapes": "B=8 H=8 M=512 W=8192 bf16 (H200)",
+              "ms": {"learned spans": (8.069, 5.685), "all spans at S": (20.27, 5.683)}},
+}
+
+
+def gpu_preference(compute_capability: float, head_dim: int) -> tuple[str, str]:
+  """(implementation, why) `auto` runs on an NVIDIA GPU where the kernel applies, before memory
+  is considered (`fit_fallback`): the one timed faster on this GPU generation at this head size,
+  and `reference` while the current kernel is untimed there."""
+  key = (int(compute_capability), pallas_gpu.padded_head_dim(head_dim))
+  timed = GPU_TIMINGS.get(key)
+  where = f"sm_{int(10 * compute_capability)}, head size {key[1]}"
+  if timed is None or timed["version"] != pallas_gpu.VERSION:
+    return "reference", (f"the fused kernel ({pallas_gpu.VERSION}) is untimed on {where}: the XLA "
+                         "path where the step fits in memory")
+  faster = all(k < x for k, x in timed["ms"].values())
+  rows = ", ".join(f"{n} {k:.3g} vs {x:.3g} ms" for n, (k, x) in timed["ms"].items())
+  return ("pallas" if faster else "reference"), (
+      f"{'fused kernel' if faster else 'XLA path'} timed faster on {where} ({rows}; "
+      f"{timed['source']})")
+
+
+def fit_fallback(cfg):
+  """The model config to compile instead when a step of `cfg` does not fit in device memory:
+  `auto`'s reference on a GPU falls back to the fused kernel (O(block) memory per layer against
+  O(block x window)); None where there is nothing to fall back to."""
+  if cfg.attn_impl != "auto" or choose(cfg) != "reference":
+    return None
+  platform = target.current()
+  if platform.name != "gpu" or not _gpu_runs_triton(platform):
+    return None
+  return dataclasses.replace(cfg, attn_impl="pallas")
+
+
 def choose(cfg, m: int | None = None, w: int | None = None) -> str:
   """The implementation that runs a layer with a block of m queries and windows up to w.
 
   An explicit fused choice falls back to the reference where the kernel does not fit (init's
-  one-token block); `auto` picks by backend. Logged once per distinct choice and shape."""
+  one-token block); `auto` picks by backend, and on a GPU by `gpu_preference`. Logged once per
+  distinct choice and shape."""
+  impl, why = _choose(cfg, m, w)
+  key = (cfg.attn_impl, impl, m, w, why)
+  if key not in _logged:
+    _logged.add(key)
+    log.info("attention: %s (attn_impl=%s, block %s, window %s%s)", impl, cfg.attn_impl, m, w,
+             f"; {why}" if why else "")
+  return impl
+
+
+def why(cfg, m: int | None = None, w: int | None = None) -> str:
+  """Why `choose` picks what it picks ('' where the choice is the config's own or the CPU's)."""
+  return _choose(cfg, m, w)[1]
+
+
+def _choose(cfg, m, w) -> tuple[str, str]:
   impl, why = cfg.attn_impl, ""
   if impl == "auto":
     platform = target.current()
@@ -79,7 +139,10 @@ def choose(cfg, m: int | None = None, w: int | None = None) -> str:
       impl = "cpu"
     elif backend == "gpu" and _gpu_runs_triton(platform):
       why = _misfit(cfg, m, w)
-      impl = "reference" if why else "pallas"
+      if why:
+        impl = "reference"
+      else:
+        impl, why = gpu_preference(platform.compute_capability, cfg.head_dim)
     elif backend == "tpu" and "v4" in platform.kind:
       impl, why = "reference", "TPU v4: Mosaic has no strided rotate (the kernel's skew)"
     elif backend == "tpu":
@@ -90,12 +153,7 @@ def choose(cfg, m: int | None = None, w: int | None = None) -> str:
   elif impl in FUSED:
     why = _misfit(cfg, m, w) or (_tpu_misfit(cfg, m, w) if impl == "pallas_tpu" else "")
     impl = "reference" if why else impl
-  key = (cfg.attn_impl, impl, m, w, why)
-  if key not in _logged:
-    _logged.add(key)
-    log.info("attention: %s (attn_impl=%s, block %s, window %s%s)", impl, cfg.attn_impl, m, w,
-             f"; {why}" if why else "")
-  return impl
+  return impl, why
 
 
 def runtime_spans(cfg) -> bool:

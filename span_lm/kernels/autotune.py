@@ -25,9 +25,8 @@ from span_lm.model import config as model_config
 
 log = logging.getLogger("span_lm")
 
-# (tile, warps, stages): the sweep's axes (docs/kernels.md), every one a legal Triton launch;
-# one pipeline stage only (deeper ones reorder the kernel's scratch reads: kernels/pallas_gpu.py).
-CANDIDATES = tuple(itertools.product((16, 32, 64), (4, 8), (1,)))
+# (tile, warps, stages): the sweep's axes (docs/kernels.md), every one a legal Triton launch.
+CANDIDATES = tuple(itertools.product((32, 64, 128), (4, 8), (2, 3)))
 
 
 def cache_path() -> str:
@@ -37,7 +36,8 @@ def cache_path() -> str:
 
 def cache_key(cfg, device_kind: str, batch: int, m: int, w: int) -> str:
   """What the fastest tile depends on: the chip, the compiler, and the layer's shapes."""
-  return (f"{device_kind}|jax {jax.__version__}|{cfg.dtype}|precision {cfg.attn_precision}|"
+  return (f"{device_kind}|jax {jax.__version__}|kernel {pallas_gpu.VERSION}|{cfg.dtype}|"
+          f"precision {cfg.attn_precision}|"
           f"B{batch} H{cfg.n_heads} M{m} W{w} Dh{cfg.head_dim} N{cfg.pers_mem}|"
           f"dropout {cfg.dropout > 0}|spans {cfg.span_mode != 'fixed'}")
 
@@ -136,7 +136,7 @@ def tune(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATES, 
   if cached is not None and model_config.parse_tiles(cached) is not None:
     echo(f"attn_tiles tune: {cached} (cached in {path})")
     return cached
-  if cached is not None:  # e.g. a 2-stage entry from before the one-stage rule: measure again
+  if cached is not None:  # an entry the config no longer accepts: measure again
     echo(f"attn_tiles tune: the cached {cached} is no longer allowed; measuring again")
   times = measure(cfg, batch=batch, m=m, w=w, candidates=candidates, reps=reps,
                   interpret=interpret, echo=echo)

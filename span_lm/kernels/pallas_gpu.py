@@ -54,6 +54,9 @@ from span_lm.kernels import hashed_dropout
 from span_lm.kernels import span_mask
 
 NEG = -1e30
+# What the kernels compute and how (autotune's cache key): the position term read from G's
+# rel-shift view, pipelined loads.
+VERSION = "relshift-1"
 
 
 PRECISIONS = ("default", "highest")
@@ -563,7 +566,7 @@ TILES = {
     (8, 64, "bfloat16"): (32, 8, 1), (8, 128, "bfloat16"): (32, 8, 1),
     (8, 64, "float32"): (32, 8, 1), (8, 128, "float32"): (32, 8, 1),
 }
-DEFAULT_TILES = (64, 4, 1)  # elsewhere (interpret mode, unknown targets): the attn_block itself
+DEFAULT_TILES = (64, 4, 2)  # elsewhere (interpret mode, unknown targets): the attn_block itself
 
 
 def tiles(compute_capability: float | None, head_dim: int, dtype, block: int):

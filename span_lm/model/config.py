@@ -33,14 +33,13 @@ SCANNED_LAYERS = "layers"
 
 def parse_tiles(text: str) -> tuple[int, int, int] | None:
   """'T,W,S' as (tile, warps, stages) for the fused GPU kernel, or None if it is not one. S is
-  1: the kernel reads back its own scratch stores, which a deeper Triton pipeline reorders
-  (kernels/pallas_gpu.py)."""
+  Triton's pipeline depth, 1 to 4 (kernels/pallas_gpu.py)."""
   try:
     tile, warps, stages = (int(x) for x in str(text).split(","))
   except ValueError:
     return None
   pow2 = lambda n: n > 0 and not n & (n - 1)
-  if not (pow2(tile) and tile >= 16 and pow2(warps) and warps <= 16 and stages == 1):
+  if not (pow2(tile) and tile >= 16 and pow2(warps) and warps <= 16 and 1 <= stages <= 4):
     return None
   return tile, warps, stages
 
@@ -85,8 +84,8 @@ class ModelConfig:
   attn_precision: str = "default"
   # pallas (GPU): the kernel's (tile, warps, stages): table (pallas_gpu.TILES, by compute
   # capability and head size) | tune (time the candidates on this GPU at startup, cached:
-  # kernels/autotune.py; the run then records what it chose) | "T,W,S", e.g. "32,8,1" (S, the
-  # pipeline depth, must be 1: kernels/pallas_gpu.py).
+  # kernels/autotune.py; the run then records what it chose) | "T,W,S", e.g. "64,4,2" (S, the
+  # pipeline depth, 1-4: kernels/pallas_gpu.py).
   attn_tiles: str = "table"
   adapt_io: bool = False  # adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)
   adapt_io_cutoffs: tuple[int, ...] = (20000, 40000, 200000)  # cluster boundaries (frequency order)
@@ -166,9 +165,8 @@ class ModelConfig:
     if self.attn_tiles not in ("table", "tune"):
       tiles = parse_tiles(self.attn_tiles)
       if tiles is None:
-        bad("attn_tiles", "'table', 'tune', or 'TILE,WARPS,STAGES' (e.g. '32,8,1': a power of "
-            "two >= 16, warps 1-16 a power of two, stages 1: deeper pipelines reorder the "
-            "kernel's scratch reads)")
+        bad("attn_tiles", "'table', 'tune', or 'TILE,WARPS,STAGES' (e.g. '64,4,2': a power of "
+            "two >= 16, warps 1-16 a power of two, stages 1-4)")
       if self.attn_block % tiles[0]:  # a larger tile leaves a remainder too
         bad("attn_tiles", f"its tile must divide attn_block={self.attn_block}")
     if self.attn_impl.startswith("pallas"):

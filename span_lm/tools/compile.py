@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,6 +31,7 @@ import time
 from typing import Any
 
 from span_lm.tools import chips
+from span_lm.tools import ptx as ptx_lib
 
 KNOWN_VOCAB = {"enwik8": 256, "text8": 28, "wikitext103": 267735}  # enwik8: bytes (an upper bound)
 DEFAULT_GPUS = 8  # per host, as the reference's experiments (8 GPUs)
@@ -248,9 +250,11 @@ def compile_target(config, tgt: Target) -> dict:
   shardings = lambda st: sharding_lib.state_shardings(st, mesh, rule)
   log = []
   compiler = steps_lib.StepCompiler(cfg, tx, mesh, shardings, rows, replicated,
-                                    batch_split=split, log=log.append)
+                                    batch_split=split, log=log.append,
+                                    capacity=row["device_memory"])
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
     row["attention"] = kernels.choose(cfg, d.block, max(cfg.span, d.block))
+    row["attention_why"] = kernels.why(cfg, d.block, max(cfg.span, d.block))
     row["kernels_roofline"] = kernel_roofline(
         chip, cfg, lambda span: kernels.schedule_cost(cfg, row["attention"], d.batch // n,
                                                       d.block, cfg.span, span))
@@ -280,6 +284,8 @@ def compile_target(config, tgt: Target) -> dict:
         r.update(compiled=False, error=_one_line(e), compile_s=time.perf_counter() - t1)
         row[kind] = r
         continue
+      r["attention"] = compiler.compilations[-1]["attention"]
+      r["attention_log"] = [line for line in log if line.startswith("attention:")]
       r.update(compiled=True, compile_s=time.perf_counter() - t1,
                memory=_memory(compiled, row["device_memory"]), tokens=tokens,
                matmul_flops=ours)
@@ -365,9 +371,13 @@ def report(config) -> dict:
       out_json = os.path.join(tmp, "row.json")
       log_path = os.path.join(tmp, "child.log")
       t0 = time.perf_counter()
+      env = child_env(tgt.chip.platform)
+      dump = os.path.join(tmp, "dump")
+      if tgt.chip.platform == "gpu":  # the PTX, for what our kernels do (tools/ptx.py)
+        env["XLA_FLAGS"] = f"--xla_dump_to={dump}"
       with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", "span_lm.tools.compile", tmp, tgt.spec,
-                               out_json], env=child_env(tgt.chip.platform), stdout=log,
+                               out_json], env=env, stdout=log,
                               stderr=subprocess.STDOUT, check=False)
       text = open(log_path, errors="replace").read()
       if proc.returncode == 0 and os.path.exists(out_json):
@@ -380,7 +390,10 @@ def report(config) -> dict:
       row["wall_s"] = time.perf_counter() - t0
       row["batch_split"] = config.optim.batch_split
       if tgt.chip.platform == "gpu":
-        row["kernels"] = parse_ptxas(text)
+        facts = {f["kernel"]: f for f in ptx_lib.dumped_kernels(dump, "span_attention")}
+        row["kernels"] = [dict(k, ptx=facts[k["kernel"]]) if k["kernel"] in facts else k
+                          for k in parse_ptxas(text)]
+        shutil.rmtree(dump, ignore_errors=True)
       rows.append(row)
       print(format_row(row), flush=True)
   result = {"config": config.get("config_name", ""), "rows": rows,
@@ -420,9 +433,12 @@ def format_row(row: dict) -> str:
     fit = "fits" if m.get("fits") else f"DOES NOT FIT ({_suggest(row)})"
     tps = f", bound {rf['tokens_per_s'] / 1e3:.0f}k tok/s ({rf['bound']})" if rf.get(
         "tokens_per_s") else ""
-    parts.append(f"{kind}: peak {_gib(m['peak'])} of {_gib(m['capacity'])} GiB per device, {fit}"
-                 f"{tps}, compiled in {r['compile_s']:.0f}s")
-  return f"{head}: " + "; ".join(parts)
+    attn = r.get("attention", row.get("attention", "?"))
+    parts.append(f"{kind} (attention {attn}): peak {_gib(m['peak'])} of {_gib(m['capacity'])} GiB "
+                 f"per device, {fit}{tps}, compiled in {r['compile_s']:.0f}s")
+    parts += r.get("attention_log", [])
+  why = f" [attention: {row['attention_why']}]" if row.get("attention_why") else ""
+  return f"{head}: " + "; ".join(parts) + why
 
 
 def markdown(result: dict) -> str:
@@ -439,20 +455,24 @@ def markdown(result: dict) -> str:
       if not r:
         continue
       if not r["compiled"]:
-        lines.append(f"| {row['target']} | {row['devices']} | {row.get('attention', '')} | {kind} "
+        lines.append(f"| {row['target']} | {row['devices']} | {r.get('attention', row.get('attention', ''))} | {kind} "
                      f"| no: {r['error']} | | | | | | | | {r['compile_s']:.0f} |")
         continue
       m, rf = r["memory"], r["roofline"]
       hbm = f"{rf['hbm_s'] * 1e3:.1f}" if "hbm_s" in rf else "n/a"
       lines.append(
-          f"| {row['target']} | {row['devices']} | {row.get('attention', '')} | {kind} | yes | "
+          f"| {row['target']} | {row['devices']} | {r.get('attention', row.get('attention', ''))} "
+          f"| {kind} | yes | "
           f"{_gib(m['peak'])}{'' if m['fits'] else ' (too big)'} | {_gib(m['capacity'])} | "
           f"{_gib(m['argument'])} | {_gib(m['temp'])} | {rf['compute_s'] * 1e3:.1f} | {hbm} | "
           f"{(rf['tokens_per_s'] or 0) / 1e3:.0f}k | {r['compile_s']:.0f} |")
     for k in row.get("kernels", []):
       if "span_attention" in k["kernel"] or k["spill_store"] or k["spill_load"]:
+        f = k.get("ptx", {})
+        facts = (f"{f['wgmma']} wgmma / {f['mma']} mma | {f['cp_async']} | "
+                 f"{f['loop_prefetch'] or '-'} | {f['read_back'] or 'none'}") if f else "| | |"
         kern.append(f"| {row['target']} | {k['kernel'][:60]} | {k['arch']} | {k['registers']} | "
-                    f"{k['spill_store']} / {k['spill_load']} | {k['smem']} |")
+                    f"{k['spill_store']} / {k['spill_load']} | {k['smem']} | {facts} |")
   roof = [f"| {row['target']} | {k['spans']} | {k['kernel']} | {k['flops'] / 1e9:.0f} | "
           f"{k['bytes_min'] / 1e9:.2f} .. {k['bytes'] / 1e9:.2f} | {k['compute_s'] * 1e3:.3f} | "
           f"{k['hbm_min_s'] * 1e3:.3f} .. {k['hbm_max_s'] * 1e3:.3f} | {k['bound']} |"
@@ -463,9 +483,11 @@ def markdown(result: dict) -> str:
             "input once to every block as loaded):\n\n| target | spans | kernel | GFLOP | HBM GB | "
             "compute ms | HBM ms | bound |\n|---|---|---|---|---|---|---|---|\n" + "\n".join(roof))
   if kern:
-    out += ("\n\nGPU kernels (ptxas: ours, and XLA's that spill):\n\n| target | kernel | arch | "
-            "registers | spill stores / loads B | static smem B |\n|---|---|---|---|---|---|\n" +
-            "\n".join(kern))
+    out += ("\n\nGPU kernels (ptxas: ours, and XLA's that spill; for ours the PTX: tensor-core "
+            "instructions, asynchronous copies, parameters loaded a tile ahead in a loop, buffers "
+            "read back):\n\n| target | kernel | arch | registers | spill stores / loads B | "
+            "static smem B | tensor-core ops | cp.async | prefetched | read back |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(kern))
   return out
 
 

@@ -102,6 +102,17 @@ class NonFiniteLossError(FloatingPointError):
   """The loss or gradient went non-finite and config.train.nonfinite='stop'."""
 
 
+def _device_memory() -> int | None:
+  """Bytes one GPU holds (the fit rule of `auto`'s attention: StepCompiler); None elsewhere."""
+  dev = jax.devices()[0]
+  if dev.platform != "gpu":
+    return None
+  try:
+    return int((dev.memory_stats() or {}).get("bytes_limit") or 0) or None
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
 class Run:
   """Everything a run needs, built (and checked) before anything compiles."""
 
@@ -170,7 +181,7 @@ class Run:
         lambda st: sharding_lib.state_shardings(st, self.mesh, self.state_rule),
         self.batch_sharding,
         self.replicated, batch_split=config.optim.batch_split, log=_echo,
-        debug_nan_at_step=config.train.debug_nan_at_step)
+        debug_nan_at_step=config.train.debug_nan_at_step, capacity=_device_memory())
     self.ckpt = None
     if self.workdir:
       self.ckpt = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),

@@ -279,13 +279,28 @@ def eval_step(params, caches, batch: dict[str, jax.Array], *, cfg: ModelConfig, 
           _zero_if(new_caches, batch["reset"]))
 
 
+def peak_bytes(compiled) -> int | None:
+  """A compiled step's peak device memory (XLA's memory analysis; None where it has none)."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return None
+  size = lambda k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+  peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+  return peak or size("argument") + size("output") - size("alias") + size("temp")
+
+
 class StepCompiler:
-  """Compiles the train/eval steps once per (plan, shapes) and records each compilation."""
+  """Compiles the train/eval steps once per (plan, shapes) and records each compilation.
+
+  capacity: device memory in bytes (None: unchecked). A step that `auto` gave the XLA attention
+  and that does not fit in it is compiled again with the fused kernel (kernels.fit_fallback), and
+  the log says so."""
 
   def __init__(self, cfg: ModelConfig, tx, mesh, state_shardings_fn: Callable, batch_sharding,
                replicated, batch_split: int = 1, log: Callable[[str], None] | None = None,
-               debug_nan_at_step: int = 0):
+               debug_nan_at_step: int = 0, capacity: int | None = None):
     self.cfg, self.tx, self.mesh = cfg, tx, mesh
+    self.capacity = capacity
     self.debug_nan_at_step = debug_nan_at_step
     self._state_shardings = state_shardings_fn
     self._batch_sharding = batch_sharding
@@ -295,43 +310,59 @@ class StepCompiler:
     self.compilations: list[dict[str, Any]] = []
     self._log = log or logging.info
 
-  def _compile(self, kind, plan, fn, args, in_shardings, out_shardings, donate):
-    leaves, treedef = jax.tree.flatten(args)
-    key = (kind, plan, treedef, tuple((a.shape, str(a.dtype)) for a in leaves))
-    if key in self._cache:
-      return self._cache[key]
-    t0 = time.perf_counter()
+  def _lower_compile(self, cfg, fn, args, in_shardings, out_shardings, donate):
     with jax.set_mesh(self.mesh):  # the fused attention kernel shards itself over it
       lowered = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                         donate_argnums=donate).lower(*args)
-      options = kernels.compiler_options(self.cfg)
+      options = kernels.compiler_options(cfg)
       try:
-        compiled = lowered.compile(compiler_options=options or None)
+        return lowered.compile(compiler_options=options or None)
       except Exception as e:  # pylint: disable=broad-except
         if not options or not any(k in str(e) for k in options):
           raise
         self._log(f"this jaxlib does not take {options} ({str(e).splitlines()[0][:120]}); "
                   "compiling without")
-        compiled = lowered.compile()
+        return lowered.compile()
+
+  def _compile(self, kind, plan, make_fn, args, in_shardings, out_shardings, donate):
+    """make_fn(cfg): the step function of a model config."""
+    leaves, treedef = jax.tree.flatten(args)
+    key = (kind, plan, treedef, tuple((a.shape, str(a.dtype)) for a in leaves))
+    if key in self._cache:
+      return self._cache[key]
+    t0 = time.perf_counter()
+    cfg = self.cfg
+    compiled = self._lower_compile(cfg, make_fn(cfg), args, in_shardings, out_shardings, donate)
+    alt = kernels.fit_fallback(cfg) if self.capacity else None
+    peak = peak_bytes(compiled) if alt is not None else None
+    if peak is not None and peak > self.capacity:
+      self._log(f"attention: the {kind} step with {kernels.choose(cfg)} attention needs "
+                f"{peak / 2**30:.2f} GiB per device of {self.capacity / 2**30:.2f}: compiling it "
+                f"with attn_impl={alt.attn_impl!r} instead")
+      cfg = alt
+      compiled = self._lower_compile(cfg, make_fn(cfg), args, in_shardings, out_shardings,
+                                     donate)
     secs = time.perf_counter() - t0
-    self.compilations.append({"kind": kind, "seconds": secs, "plan": plan.describe()})
+    self.compilations.append({"kind": kind, "seconds": secs, "plan": plan.describe(),
+                              "attention": kernels.choose(cfg)})
     self._log(f"compiled {kind} step #{len(self.compilations)} in {secs:.1f}s "
-              f"(attention keys per query: {plan.attention_keys()})")
+              f"(attention keys per query: {plan.attention_keys()}; attention "
+              f"{kernels.choose(cfg)})")
     self._cache[key] = compiled
     return compiled
 
   def train(self, plan: SpanPlan, state: State, batch):
-    fn = functools.partial(train_step, cfg=self.cfg, plan=plan, tx=self.tx,
-                           batch_split=self.batch_split,
-                           debug_nan_at_step=self.debug_nan_at_step, mesh=self.mesh,
-                           batch_axes=self._batch_sharding.spec[0])
+    fn = lambda cfg: functools.partial(train_step, cfg=cfg, plan=plan, tx=self.tx,
+                                       batch_split=self.batch_split,
+                                       debug_nan_at_step=self.debug_nan_at_step, mesh=self.mesh,
+                                       batch_axes=self._batch_sharding.spec[0])
     st_sh = self._state_shardings(state)
     b_sh = {"x": self._batch_sharding, "y": self._batch_sharding, "reset": self._replicated}
     return self._compile("train", plan, fn, (state, batch), (st_sh, b_sh),
                          (st_sh, self._replicated), (0,))
 
   def eval(self, plan: SpanPlan, params, caches, batch, kv_cache: bool = False):
-    fn = functools.partial(eval_step, cfg=self.cfg, plan=plan, kv_cache=kv_cache)
+    fn = lambda cfg: functools.partial(eval_step, cfg=cfg, plan=plan, kv_cache=kv_cache)
     p_sh = jax.tree.map(lambda _: self._replicated, params)
     c_sh = tuple(self._batch_sharding for _ in caches)
     b_sh = {k: (self._replicated if k == "reset" else self._batch_sharding) for k in batch}

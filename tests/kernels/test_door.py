@@ -90,6 +90,28 @@ def test_fused_falls_back_to_the_reference_where_it_does_not_tile():
     assert kernels.choose(cfg_for(impl), 16, 32) == impl
 
 
+def test_auto_on_a_gpu_runs_what_was_timed_faster(monkeypatch):
+  """On a GPU `auto` follows kernels.GPU_TIMINGS: the kernel only where every timing of the
+  current version has it faster; a timing of an older version, or none, gives the XLA path."""
+  from span_lm.kernels import pallas_gpu, target  # pylint: disable=g-import-not-at-top
+  cfg = cfg_for("auto", n_heads=2, d_model=128)  # head size 64
+  timing = lambda version, *ms: {(9, 64): {"version": version, "source": "test",
+                                           "ms": dict(zip(("learned", "all S"), ms))}}
+  with target.compiling_for("gpu", 9.0):
+    monkeypatch.setattr(kernels, "GPU_TIMINGS", timing("older", (1.0, 5.0), (2.0, 5.0)))
+    assert kernels.choose(cfg, 16, 32) == "reference" and "untimed" in kernels.why(cfg, 16, 32)
+    monkeypatch.setattr(kernels, "GPU_TIMINGS",
+                        timing(pallas_gpu.VERSION, (1.0, 5.0), (2.0, 5.0)))
+    assert kernels.choose(cfg, 16, 32) == "pallas" and "faster" in kernels.why(cfg, 16, 32)
+    assert kernels.fit_fallback(cfg) is None  # the kernel already
+    monkeypatch.setattr(kernels, "GPU_TIMINGS",
+                        timing(pallas_gpu.VERSION, (1.0, 5.0), (6.0, 5.0)))  # slower at one
+    assert kernels.choose(cfg, 16, 32) == "reference"
+    assert kernels.fit_fallback(cfg).attn_impl == "pallas"  # unless the XLA path does not fit
+  with target.compiling_for("gpu", 8.0):  # another generation: untimed
+    assert kernels.choose(cfg, 16, 32) == "reference"
+
+
 def test_xla_is_read_as_cpu():
   assert cfg_for("xla").attn_impl == "cpu"
   with pytest.raises(ValueError, match="config.model.attn_impl"):

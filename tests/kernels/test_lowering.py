@@ -1,7 +1,8 @@
 """The span model's training gradient lowers for the chips we ship to (jax.export for 'cuda' and
-'tpu', no device and no extra package needed), through the implementation each chip runs (`auto`
-under kernels.target.compiling_for: the fused Triton kernel on an H100, the Mosaic kernel on a
-TPU v5), for every kernel variant:
+'tpu', no device and no extra package needed), through the fused kernel of each chip (under
+kernels.target.compiling_for: the Triton kernel on an H100, named explicitly since `auto` runs
+it only where it was timed faster; the Mosaic kernel, `auto`'s choice on a TPU v5), for every
+kernel variant:
 float32/bfloat16, head size 64/96 (96 runs padded to 128 in the fused kernel), fixed/adaptive/
 dynamic spans, with and without persistent memory and attention dropout.
 
@@ -59,7 +60,8 @@ def test_training_gradient_lowers_for_every_variant(platform, dtype, head_dim):
                                             (0.0, 0.1)):
     cfg = ModelConfig(vocab_size=11, d_model=2 * head_dim, n_layers=1, n_heads=2, d_ff=32,
                       span=2 * BLOCK, ramp=16, span_mode=mode, pers_mem=pers, dropout=drop,
-                      dtype=dtype, attn_block=BLOCK, plan_granularity=BLOCK)
+                      dtype=dtype, attn_block=BLOCK, plan_granularity=BLOCK,
+                      attn_impl="pallas" if platform == "cuda" else "auto")
     grad, args = _grad_and_args(cfg)
     with target.compiling_for(platform, PLATFORMS[platform]):
       chosen.add(kernels.choose(cfg, 2 * BLOCK, 2 * BLOCK))
@@ -82,10 +84,15 @@ def test_auto_follows_the_target_not_the_host():
                     plan_granularity=64)
   assert jax.default_backend() == "cpu"
   assert kernels.choose(cfg, 64, 128) == "cpu"
-  with target.compiling_for("cuda", 9.0):
-    assert kernels.choose(cfg, 64, 128) == "pallas"
+  with target.compiling_for("cuda", 9.0):  # the fused kernel is untimed on a GPU: the XLA path
+    assert kernels.choose(cfg, 64, 128) == "reference"
+    assert "untimed" in kernels.why(cfg, 64, 128)
+    assert kernels.fit_fallback(cfg).attn_impl == "pallas"  # where that does not fit
+    assert kernels.choose(dataclasses.replace(cfg, attn_impl="pallas"), 64, 128) == "pallas"
   with target.compiling_for("gpu", 7.0):  # V100: no Triton backend in Pallas
     assert kernels.choose(cfg, 64, 128) == "reference"
+    assert kernels.fit_fallback(cfg) is None  # nothing to fall back to
+  assert kernels.fit_fallback(cfg) is None  # the CPU
   with target.compiling_for("tpu", kind="TPU v5 lite"):  # keys lie positions last: 128 lanes
     assert kernels.choose(cfg, 128, 128) == "pallas_tpu"
     assert kernels.choose(cfg, 64, 128) == "reference"  # a block of 64 tokens

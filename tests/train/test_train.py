@@ -432,3 +432,41 @@ def test_adaptive_steps_read_from_the_device_only_on_log_eval_checkpoint_steps(t
   plan_lib.check_plan(cfg, result["state"]["params"], result["plan"])
   rows = [(r["step"], r["split"]) for r in read_metrics(str(tmp_path / "lagged"))]
   assert len(rows) == len(set(rows)) and [s for s, sp in rows if sp == "train"] == [6, 12]
+
+
+def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, monkeypatch,
+                                                                       capsys):
+  """StepCompiler's fit rule: a step whose compiled peak exceeds the device's memory is compiled
+  again with kernels.fit_fallback's implementation (on a GPU: `auto`'s XLA path -> the fused
+  kernel), which the log names, and trains; with memory to spare nothing is recompiled."""
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  asked = []
+
+  def fallback(cfg):  # on this CPU: cpu -> reference, the same maths
+    asked.append(cfg.attn_impl)
+    return dataclasses.replace(cfg, attn_impl="reference") if cfg.attn_impl == "cpu" else None
+
+  monkeypatch.setattr(kernels, "fit_fallback", fallback)
+  for capacity, recompiled in ((1, True), (1 << 40, False)):
+    monkeypatch.setattr(loop, "_device_memory", lambda c=capacity: c)
+    work = tmp_path / str(capacity)
+    config = _config(work, {"model.attn_impl": "cpu"})
+    run = loop.Run(config)
+    try:
+      plan = plan_lib.initial_plan(run.model_cfg)
+      _, abstract, shardings = run.abstract_state(plan)
+      state = sharding_lib.with_shardings(abstract, shardings)
+      d = config.data
+      batch = {k: jax.ShapeDtypeStruct((d.eval_batch, d.block), np.int32,
+                                       sharding=run.batch_sharding) for k in ("x", "y")}
+      batch["reset"] = jax.ShapeDtypeStruct((), np.bool_, sharding=run.replicated)
+      run.compiler.eval(plan, state["params"], state["eval_caches"], batch)  # the cheaper step
+    finally:
+      if run.ckpt:
+        run.ckpt.close()
+    said = capsys.readouterr().out
+    assert run.compiler.compilations[-1]["attention"] == ("reference" if recompiled else "cpu")
+    assert ("compiling it with attn_impl='reference' instead" in said) == recompiled, said
+  assert asked == ["cpu", "cpu"]
