@@ -27,7 +27,7 @@ from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import
 from span_lm.tools import ptx  # pylint: disable=wrong-import-position
 
 
-def child(target, dtype, dh, tile, warps, stages, precision):
+def child(target, dtype, dh, tile, warps, stages, precision, key_tile=0):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -42,10 +42,13 @@ def child(target, dtype, dh, tile, warps, stages, precision):
   dt = jnp.dtype(dtype)
   if tile == 0:  # what the door runs on this target (pallas_gpu.TILES) for attn_block=64
     tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)
+    key_tile = pallas_gpu.key_tile(chip.cc, dh, dt, tile)
+  key_tile = key_tile or tile
   sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
 
   def loss(q, k, v, pe, z):
-    out = pallas_gpu.span_attention(q, k, v, pe, z, ramp=32, block=tile, num_warps=warps,
+    out = pallas_gpu.span_attention(q, k, v, pe, z, ramp=32, block=tile, block_k=key_tile,
+                                    num_warps=warps,
                                     num_stages=stages, precision=precision)
     return jnp.sum(out.astype(jnp.float32))
 
@@ -62,8 +65,8 @@ def child(target, dtype, dh, tile, warps, stages, precision):
     f = jax.jit(jax.value_and_grad(mha, argnums=(0, 1, 2)))
     args = (sds(b, w + m, h, dh),) * 3
   t0 = time.perf_counter()
-  row = {"target": target, "dtype": dtype, "head_dim": dh, "tile": tile, "warps": warps,
-         "stages": stages, "precision": precision}
+  row = {"target": target, "dtype": dtype, "head_dim": dh, "tile": tile, "key_tile": key_tile,
+         "warps": warps, "stages": stages, "precision": precision}
   try:
     # as the training step compiles it (kernels.compiler_options: ptxas' occupancy floor)
     f.lower(*args).compile(compiler_options=None if precision == "anchor" else
@@ -78,10 +81,13 @@ def child(target, dtype, dh, tile, warps, stages, precision):
 
 def run(args):
   rows = []
-  for target, dtype, dh, tile, warps, stages in itertools.product(
-      args.targets, args.dtypes, args.head_dims, args.tiles, args.warps, args.stages):
+  for target, dtype, dh, tile, key_tile, warps, stages in itertools.product(
+      args.targets, args.dtypes, args.head_dims, args.tiles, args.key_tiles, args.warps,
+      args.stages):
+    if key_tile > tile > 0:
+      continue
     cmd = [sys.executable, os.path.abspath(__file__), "--child", target, dtype, str(dh),
-           str(tile), str(warps), str(stages), args.precision]
+           str(tile), str(warps), str(stages), args.precision, str(key_tile)]
     t0 = time.perf_counter()
     env = compile_lib.child_env("gpu")
     dump = tempfile.mkdtemp(prefix="kernel_sweep_")
@@ -103,7 +109,8 @@ def run(args):
     ks = " ".join(f"{k['kernel'].replace('span_attention_', '')}:{k['registers']}r/"
                   f"{k['spill_store']}s/{k['ptx'].get('wgmma', 0) + k['ptx'].get('mma', 0)}tc/"
                   f"{k['ptx'].get('cp_async', 0)}async" for k in row["kernels"])
-    print(f"{target} {dtype} dh={dh} tile={tile} warps={warps} stages={stages}: "
+    print(f"{target} {dtype} dh={dh} tile={row.get('tile', tile)}/{row.get('key_tile', key_tile)} "
+          f"warps={row.get('warps', warps)} stages={row.get('stages', stages)}: "
           f"{'ok' if row['compiled'] else 'FAIL ' + row.get('error', '')} {ks} "
           f"({row['compile_s'] if 'compile_s' in row else row['wall_s']:.0f}s)", flush=True)
   if args.out:
@@ -121,7 +128,7 @@ def _tc(kernel: dict) -> str:
 
 def markdown(rows) -> str:
   """One line per candidate: its kernels' registers and spill stores/loads, or the failure."""
-  head = ("| target | dtype | Dh | tile | warps | stages | fwd: regs / spills B / tensor-core ops / "
+  head = ("| target | dtype | Dh | tile / key tile | warps | stages | fwd: regs / spills B / tensor-core ops / "
           "cp.async | bwd_q | bwd_kv | "
           "compile s |\n|---|---|---|---|---|---|---|---|---|---|")
   out = [head]
@@ -132,10 +139,10 @@ def markdown(rows) -> str:
                       if n in ks else "")
     if not r["compiled"]:
       err = r.get("error", "").replace("RESOURCE_EXHAUSTED: ", "").split(", context")[0]
-      out.append(f"| {r['target']} | {r['dtype']} | {r['head_dim']} | {r['tile']} | {r['warps']} "
+      out.append(f"| {r['target']} | {r['dtype']} | {r['head_dim']} | {r['tile']}/{r.get('key_tile', r['tile'])} | {r['warps']} "
                  f"| {r['stages']} | {err} | | | {r.get('compile_s', 0):.0f} |")
       continue
-    out.append(f"| {r['target']} | {r['dtype']} | {r['head_dim']} | {r['tile']} | {r['warps']} | "
+    out.append(f"| {r['target']} | {r['dtype']} | {r['head_dim']} | {r['tile']}/{r.get('key_tile', r['tile'])} | {r['warps']} | "
                f"{r['stages']} | {cell('fwd')} | {cell('bwd_q')} | {cell('bwd_kv')} | "
                f"{r['compile_s']:.0f} |")
   return "\n".join(out)
@@ -144,13 +151,15 @@ def markdown(rows) -> str:
 def main():
   if len(sys.argv) > 1 and sys.argv[1] == "--child":
     a = sys.argv[2:]
-    return child(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), a[6])
+    return child(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), a[6], int(a[7]))
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--targets", nargs="+", default=["h100", "a100_80"])
   p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
   p.add_argument("--head_dims", nargs="+", type=int, default=[64, 128])
   p.add_argument("--tiles", nargs="+", type=int, default=[64],
                  help="0: the table's choice (pallas_gpu.TILES), whatever --warps/--stages say")
+  p.add_argument("--key_tiles", nargs="+", type=int, default=[0],
+                 help="0: the query tile (the table's own with --tiles 0)")
   p.add_argument("--warps", nargs="+", type=int, default=[4])
   p.add_argument("--stages", nargs="+", type=int, default=[2])
   p.add_argument("--precision", default="default", choices=["default", "highest", "anchor"],

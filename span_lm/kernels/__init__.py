@@ -221,7 +221,7 @@ def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k
   tile, warps, stages = gpu_tiles(cfg, impl, q_BxGxMxD.dtype)
   return pallas_gpu.span_attention(
       q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=cfg.ramp, block=tile,
-      num_warps=warps, num_stages=stages,
+      block_k=gpu_key_tile(cfg, impl, q_BxGxMxD.dtype, tile), num_warps=warps, num_stages=stages,
       # float32 parameters go in as such: the kernel casts them, their gradients stay float32
       pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
       dropout_rate=rate, dropout_seed=seed,
@@ -236,6 +236,12 @@ def gpu_tiles(cfg, impl: str, dtype) -> tuple[int, int, int]:
     return explicit
   cc = target.current().compute_capability if impl == "pallas" else None
   return pallas_gpu.tiles(cc, cfg.head_dim, dtype, cfg.attn_block)
+
+
+def gpu_key_tile(cfg, impl: str, dtype, tile: int) -> int:
+  """The GPU kernel's key tile for a query tile (pallas_gpu.TILES; interpret mode: the tile)."""
+  cc = target.current().compute_capability if impl == "pallas" else None
+  return pallas_gpu.key_tile(cc, cfg.head_dim, dtype, tile)
 
 
 def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_k_HxDxN=None,
@@ -267,7 +273,8 @@ def schedule_cost(cfg, impl: str, batch: int, m: int, w: int, span: float | None
     return None
   tile = gpu_tiles(cfg, impl, cfg.dtype)[0]
   return pallas_gpu.schedule_cost(batch, cfg.n_heads, m, w, cfg.head_dim, cfg.dtype, tile,
-                                  span=span, ramp=cfg.ramp, n_pers=cfg.pers_mem)
+                                  span=span, ramp=cfg.ramp, n_pers=cfg.pers_mem,
+                                  key_tile=gpu_key_tile(cfg, impl, cfg.dtype, tile))
 
 
 def cached_rows(impl: str, w: int) -> int:

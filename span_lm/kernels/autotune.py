@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from span_lm.kernels import pallas_gpu
+from span_lm.kernels import target
 from span_lm.model import config as model_config
 
 log = logging.getLogger("span_lm")
@@ -96,9 +97,13 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
     if cfg.attn_block % tile or w % tile or cfg.pers_mem % tile:  # as ModelConfig's rule
       continue
 
-    def loss(q, k, v, pe, z, pk, pv, tile=tile, warps=warps, stages=stages):
+    cc = None if interpret else target.current().compute_capability
+    bk = pallas_gpu.key_tile(cc, cfg.head_dim, cfg.dtype, tile)
+
+    def loss(q, k, v, pe, z, pk, pv, tile=tile, bk=bk, warps=warps, stages=stages):
       out = pallas_gpu.span_attention(
-          q, k, v, pe, z, ramp=cfg.ramp, block=tile, num_warps=warps, num_stages=stages,
+          q, k, v, pe, z, ramp=cfg.ramp, block=tile, block_k=bk, num_warps=warps,
+          num_stages=stages,
           pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=cfg.dropout,
           dropout_seed=jnp.uint32(7) if cfg.dropout else None, interpret=interpret,
           precision=cfg.attn_precision)

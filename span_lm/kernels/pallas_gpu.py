@@ -121,10 +121,11 @@ def _row_windows(z, *, w, ramp, bq):
   return jnp.clip(span_mask.visited_distances(z, ramp), 1, w)
 
 
-def _key_blocks(win, i0, *, w, bk):
-  """[first, last + 1) key blocks with a visited key for some row of the query block."""
+def _key_blocks(win, i0, *, w, bq, bk):
+  """[first, last + 1) key blocks with a visited key for some row of the query block (row r
+  sees keys w + i0 + r - win_r .. w + i0 + r - 1)."""
   lo = lax.div(w + i0 - jnp.max(win), bk)
-  hi = lax.div(w + i0, bk) + 1
+  hi = lax.div(w + i0 + bq - 2, bk) + 1
   return lo, hi
 
 
@@ -166,7 +167,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
   dh = q.shape[-1]
   z = z_ref[...].astype(jnp.float32) if has_mask else None
   win = _row_windows(z, w=w, ramp=ramp, bq=bq)
-  lo, hi = _key_blocks(win, i0, w=w, bk=bk)
+  lo, hi = _key_blocks(win, i0, w=w, bq=bq, bk=bk)
   view = functools.partial(_load_pos, g_ref, i0, w=w, bq=bq, bk=bk)
 
   def body(kb, carry):
@@ -258,7 +259,7 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
   z = z_ref[...].astype(jnp.float32) if has_mask else None
   win = _row_windows(z, w=w, ramp=ramp, bq=bq)
   mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
-  lo, hi = _key_blocks(win, i0, w=w, bk=bk)
+  lo, hi = _key_blocks(win, i0, w=w, bq=bq, bk=bk)
   view = functools.partial(_load_pos, g_ref, i0, w=w, bq=bq, bk=bk)
 
   def body(kb, carry):
@@ -354,13 +355,14 @@ def _specs(m, t, dh, w, bq):
   return row, keys, stat, view, seed
 
 
-def _check(q, k, pe, block):
+def _check(q, k, pe, block, block_k):
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   if k.shape != (b, h, w + m, dh):
     raise ValueError(f"fused attention: keys {k.shape} for queries {q.shape} and window {w}")
-  if m % block or w % block:
-    raise ValueError(f"fused attention: block {m} and window {w} must be multiples of {block}")
+  if m % block or w % block or m % block_k or w % block_k:
+    raise ValueError(f"fused attention: block {m} and window {w} must be multiples of the "
+                     f"tiles {block} and {block_k}")
   if dh < 16 or dh & (dh - 1):
     raise ValueError(f"fused attention: padded head size {dh} must be a power of two >= 16")
 
@@ -378,17 +380,17 @@ def _pers_inputs(pk, pv, h, dh, block, dtype):
   return pk, pv, n, specs
 
 
-def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_warps,
+def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, block_k, interpret, num_warps,
              num_stages, rate, scale, precision):
-  _check(q, k, pe, block)
+  _check(q, k, pe, block, block_k)
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
-  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block, q.dtype)
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
   row, keys, stat, view, seed_spec = _specs(m, w + m, dh, w, block)
   kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
-                             bk=block, eps=eps, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers,
+                             bk=block_k, eps=eps, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers,
                              scale=scale)
   call = pl.pallas_call(
       kernel, grid=(b, h, m // block),
@@ -405,8 +407,8 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, interpret, num_w
   return out, mx, den
 
 
-def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, block, interpret,
-              num_warps, num_stages, rate, scale, precision):
+def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, block, block_k,
+              interpret, num_warps, num_stages, rate, scale, precision):
   b, h, m, dh = q.shape
   w = pe.shape[-1]
   t = w + m
@@ -416,8 +418,8 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
   pe1 = _pitched_pe(pe, q.dtype)  # pe may be float32: d pe is returned as such
   g = position_scores(q, pe1, precision)  # recomputed, not saved (module docstring)
   row, keys, stat, view, seed_spec = _specs(m, t, dh, w, block)
-  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block, q.dtype)
-  static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block, eps=eps, rate=rate,
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
+  static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block_k, eps=eps, rate=rate,
                 n_heads=h, n_rows=m, n_pers=n_pers, scale=scale)
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   zeros_g = jnp.zeros(g.shape, g.dtype)
@@ -441,11 +443,11 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
   # Per key block: every row of its (b, h), and the largest row window there.
   all_rows = pl.BlockSpec((None, None, m, dh), lambda i, hh, kb: (i, hh, 0, 0))
   all_stat = pl.BlockSpec((None, None, m), lambda i, hh, kb: (i, hh, 0))
-  key_blk = pl.BlockSpec((None, None, block, dh), lambda i, hh, kb: (i, hh, kb, 0))
+  key_blk = pl.BlockSpec((None, None, block_k, dh), lambda i, hh, kb: (i, hh, kb, 0))
   wmax_spec = pl.BlockSpec((None, None, 1), lambda i, hh, kb: (i, hh, 0))
   wmax = _row_windows(jnp.max(z_in, axis=-1, keepdims=True), w=w, ramp=ramp, bq=1)
   call_kv = pl.pallas_call(
-      functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block),
+      functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block_k),
       in_specs=[all_rows, key_blk, key_blk, view, all_stat, seed_spec, all_rows, all_stat,
                 all_stat, all_stat, wmax_spec],
       out_specs=[key_blk, key_blk],
@@ -468,11 +470,11 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
   return dq.astype(q.dtype), dk, dv, dpe, (dz if has_mask else None), dseed, dpk, dpv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15, 16))
-def _span_attention(q, k, v, pe, z, seed, pk, pv, ramp, eps, block, interpret, num_warps,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15, 16, 17))
+def _span_attention(q, k, v, pe, z, seed, pk, pv, ramp, eps, block, block_k, interpret, num_warps,
                     num_stages, rate, scale, precision):
   return _forward(q, k, v, pe, z, seed, pk, pv, ramp=ramp, eps=eps, block=block,
-                  interpret=interpret, num_warps=num_warps, num_stages=num_stages, rate=rate,
+                  block_k=block_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages, rate=rate,
                   scale=scale, precision=precision)[0]
 
 
@@ -486,14 +488,14 @@ def _span_attention_bwd(*args):
   return _backward(*res, g, **dict(zip(_STATIC, static)))
 
 
-_STATIC = ("ramp", "eps", "block", "interpret", "num_warps", "num_stages", "rate", "scale",
+_STATIC = ("ramp", "eps", "block", "block_k", "interpret", "num_warps", "num_stages", "rate", "scale",
            "precision")
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
 
 
 def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *, ramp: int = 32,
                    pers_k_HxDxN=None, pers_v_HxNxD=None, eps: float = span_mask.EPS,
-                   block: int = 64,
+                   block: int = 64, block_k: int | None = None,
                    dropout_rate: float = 0.0, dropout_seed=None, interpret: bool = False,
                    num_warps: int = 4, num_stages: int = 2, precision: str = "default"):
   """Banded attention over the W distances before each query, spans given at run time.
@@ -503,7 +505,8 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
     key_pe_DxW: relative position embeddings, column W - d for distance d.
     z_BxHxM: span in tokens per query row (broadcast an adaptive span (H,) to it), or None for a
       fixed span (no mask). Differentiable.
-    ramp: R of the soft mask. block: query and key tile (divides M, W and N).
+    ramp: R of the soft mask. block: the query tile (divides M and W); block_k: the key tile
+      (divides M, W and N; default: block).
     pers_k_HxDxN, pers_v_HxNxD: persistent memory (already scaled), in the same softmax with
       mask 1; or None.
     dropout_rate, dropout_seed: dropout on the attention weights (after the mask), the keep
@@ -522,13 +525,14 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
     raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
   if (pers_k_HxDxN is None) != (pers_v_HxNxD is None):
     raise ValueError("fused attention: persistent keys and values come together")
-  if pers_k_HxDxN is not None and pers_k_HxDxN.shape[-1] % block:
+  block_k = block_k or block
+  if pers_k_HxDxN is not None and pers_k_HxDxN.shape[-1] % block_k:
     raise ValueError(f"fused attention: {pers_k_HxDxN.shape[-1]} persistent vectors must be a "
-                     f"multiple of {block}")
+                     f"multiple of {block_k}")
   seed = jnp.zeros((1,), jnp.uint32) if dropout_seed is None else (
       jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
   dh = q_BxHxMxD.shape[-1]
-  static = (ramp, eps, block, interpret, num_warps, num_stages, float(dropout_rate),
+  static = (ramp, eps, block, block_k, interpret, num_warps, num_stages, float(dropout_rate),
             1.0 / math.sqrt(dh), precision)
   args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW,
                        pers_k_HxDxN, pers_v_HxNxD)
@@ -556,65 +560,83 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
                        axis_names=frozenset(axes))(*args)[..., :dh]
 
 
-# Tiles per target: (compute capability major, padded head size, dtype) -> (tile, warps, stages),
-# chosen from a deviceless ptxas sweep for the fewest spills within shared memory
-# (bench/kernel_sweep.py; results and command in docs/kernels.md), one pipeline stage (the
-# scratch rule, module docstring). The tile divides attn_block.
+# Tiles per target: (compute capability major, padded head size, dtype) -> (query tile, key tile,
+# warps, stages), from a deviceless ptxas sweep (bench/kernel_sweep.py; docs/kernels.md): 64-row
+# query tiles with no spills in bf16 on Hopper and Ampere (A100's mma.sync keeps its accumulators
+# in registers: 32-key tiles there at head size 64), the fewest spills in float32. Untimed on a
+# device: `attn_tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
 TILES = {
-    (9, 64, "bfloat16"): (32, 8, 1), (9, 128, "bfloat16"): (32, 8, 1),
-    (9, 64, "float32"): (32, 8, 1), (9, 128, "float32"): (32, 8, 1),
-    (8, 64, "bfloat16"): (32, 8, 1), (8, 128, "bfloat16"): (32, 8, 1),
-    (8, 64, "float32"): (32, 8, 1), (8, 128, "float32"): (32, 8, 1),
+    (9, 64, "bfloat16"): (64, 64, 4, 3), (9, 128, "bfloat16"): (64, 64, 8, 3),
+    (9, 64, "float32"): (64, 32, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),
+    (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (64, 64, 8, 2),
+    (8, 64, "float32"): (32, 32, 4, 2), (8, 128, "float32"): (32, 16, 8, 2),
 }
 DEFAULT_TILES = (64, 4, 2)  # elsewhere (interpret mode, unknown targets): the attn_block itself
 
 
-def tiles(compute_capability: float | None, head_dim: int, dtype, block: int):
-  """(tile, num_warps, num_stages) for a target (None: not a GPU) and an attn_block."""
+def _entry(compute_capability, head_dim, dtype):
   dp = padded_head_dim(head_dim)
   key = (None if compute_capability is None else int(compute_capability), min(dp, 128),
          jnp.dtype(dtype).name)
-  tile, warps, stages = TILES.get(key, (block, *DEFAULT_TILES[1:]))
+  return TILES.get(key)
+
+
+def tiles(compute_capability: float | None, head_dim: int, dtype, block: int):
+  """(tile, num_warps, num_stages) for a target (None: not a GPU) and an attn_block."""
+  entry = _entry(compute_capability, head_dim, dtype)
+  tile, warps, stages = (entry[0], *entry[2:]) if entry else (block, *DEFAULT_TILES[1:])
   return min(tile, block), warps, stages
 
 
+def key_tile(compute_capability: float | None, head_dim: int, dtype, tile: int) -> int:
+  """The key tile that goes with a query tile on a target: the table's, at most the tile."""
+  entry = _entry(compute_capability, head_dim, dtype)
+  return min(entry[1], tile) if entry else tile
+
+
 def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: int,
-                  span: float | None = None, ramp: int = 32, n_pers: int = 0) -> dict:
-  """FLOPs and HBM bytes of the three kernels' tile schedule for one call (B=b, H=h, a block of
-  m queries, window w), every row at `span` (None: a fixed span, every distance to w visited),
-  as {kernel: {"flops", "bytes", "bytes_min"}}. "bytes" counts every block a program loads or
-  stores (keys and values once per query block that visits them, the per-program scratch for the
-  skew, d pe's atomic adds), so re-reads that L2 catches count in full: an upper bound;
-  "bytes_min" each input read and each output written once: the lower bound. The compile mode's
-  per-kernel roofline (tools/compile.py) reads it; cost_analysis has none for a Triton call."""
+                  span: float | None = None, ramp: int = 32, n_pers: int = 0,
+                  key_tile: int | None = None) -> dict:
+  """FLOPs and HBM bytes of one call's kernels (B=b, H=h, a block of m queries, window w), every
+  row at `span` (None: a fixed span, every distance to w visited), as {kernel: {"flops",
+  "bytes", "bytes_min"}}: the three Triton kernels' tile schedules, and "position", the XLA
+  matmuls around them (G = q pe forward and again backward, dq += dG pe^T, d pe = q^T dG over
+  the whole window: their cost does not fall with the spans). "bytes" counts every block a
+  program loads or stores (keys, values and position tiles once per query block that visits
+  them), so re-reads that L2 catches count in full: an upper bound; "bytes_min" each input read
+  and each output written once: the lower bound. The compile mode's per-kernel roofline
+  (tools/compile.py) reads it; cost_analysis has none for a Triton call."""
   dp, isz = padded_head_dim(head_dim), jnp.dtype(dtype).itemsize
-  bq = bk = tile
+  bq, bk = tile, key_tile or tile
   win = w if span is None else max(1, min(w, int(math.floor(span)) + ramp + 1))
   tiles = 0  # visited (query block, key block) pairs: _key_blocks' range per query block
   for i0 in range(0, m, bq):
-    lo, hi = (w + i0 - win) // bk, (w + i0) // bk + 1
+    lo, hi = (w + i0 - win) // bk, (w + i0 + bq - 2) // bk + 1
     tiles += hi - lo
   tiles *= b * h
   progs_q, progs_k = b * h * (m // bq), b * h * ((w + m) // bk)
-  qk, pos = 2 * bq * bk * dp, 2 * bq * (bq + bk) * dp
-  rows, keys, pe = bq * dp * isz, bk * dp * isz, (bq + bk) * dp * isz
-  scr = bq * (bq + bk) * 4  # G (and ds) through the program's scratch rows
+  qk = 2 * bq * bk * dp
+  rows, keys, pos = bq * dp * isz, bk * dp * isz, bq * bk * isz
   pers_mm, pers_io = 2 * bq * n_pers * dp, 2 * n_pers * dp * isz
-  keys_read = ((w + m - bq) // bk + 1 - (w - win) // bk) * bk  # the span's keys, block-rounded
+  keys_read = ((w + m - 2) // bk + 1 - (w - win) // bk) * bk  # the span's keys, block-rounded
   q_all, kv_all = b * h * m * dp * isz, b * h * keys_read * dp * isz
-  pe_all, stat = (w + 2 * tile) * dp * isz, b * h * m * 4
-  minimum = {"fwd": 2 * q_all + 2 * kv_all + pe_all + 3 * stat + pers_io * h,
-             "bwd_q": 4 * q_all + 2 * kv_all + 2 * pe_all + 4 * stat + pers_io * h * 3,
-             "bwd_kv": 2 * q_all + 4 * kv_all + pe_all + 4 * stat}
+  g_all, g_read, stat = b * h * m * (w + 1) * isz, b * h * m * keys_read * isz, b * h * m * 4
+  minimum = {"fwd": 2 * q_all + 2 * kv_all + g_read + 3 * stat + pers_io * h,
+             "bwd_q": 2 * q_all + 2 * q_all * 4 // isz + 2 * kv_all + 2 * g_read + 4 * stat
+                      + pers_io * h * 3,
+             "bwd_kv": 2 * q_all + 4 * kv_all + g_read + 4 * stat,
+             "position": 4 * q_all + 3 * g_all + (w + 1) * dp * (isz + 4)}
   cost = {
-      "fwd": {"flops": tiles * (2 * qk + pos) + progs_q * 2 * pers_mm,
-              "bytes": tiles * (2 * keys + pe + 2 * scr)
-                       + progs_q * (2 * rows + 3 * bq * 4 + pers_io)},
-      "bwd_q": {"flops": tiles * (3 * qk + 3 * pos) + progs_q * 5 * pers_mm,
-                "bytes": tiles * (2 * keys + pe + 4 * scr + 2 * (bq + bk) * dp * 4)
-                         + progs_q * (3 * rows + 4 * bq * 4 + pers_io + 4 * n_pers * dp * 4)},
-      "bwd_kv": {"flops": tiles * (4 * qk + pos),
-                 "bytes": tiles * (2 * rows + 4 * bq * 4 + pe + 2 * scr) + progs_k * 4 * keys},
+      "fwd": {"flops": tiles * 2 * qk + progs_q * 2 * pers_mm,
+              "bytes": tiles * (2 * keys + pos) + progs_q * (2 * rows + 3 * bq * 4 + pers_io)},
+      "bwd_q": {"flops": tiles * 3 * qk + progs_q * 5 * pers_mm,
+                "bytes": tiles * (2 * keys + 2 * pos)
+                         + progs_q * (2 * rows + bq * dp * 4 + 4 * bq * 4 + pers_io
+                                      + 4 * n_pers * dp * 4)},
+      "bwd_kv": {"flops": tiles * 4 * qk,
+                 "bytes": tiles * (2 * rows + 4 * bq * 4 + pos) + progs_k * 4 * keys},
+      "position": {"flops": 4 * 2 * b * h * m * (w + 1) * dp,
+                   "bytes": 4 * q_all + 4 * g_all + (w + 1) * dp * (isz + 4)},
   }
   return {k: dict(v, bytes_min=minimum[k]) for k, v in cost.items()}
 

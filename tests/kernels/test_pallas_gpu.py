@@ -79,6 +79,29 @@ def test_matches_banded_attention_values_and_gradients(kind):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+@pytest.mark.parametrize("block,block_k", [(BLOCK, BLOCK // 2), (BLOCK // 2, BLOCK)])
+def test_query_and_key_tiles_of_different_sizes_match(block, block_k):
+  """A query tile twice the key tile (the A100's bf16 table entry) or half of it: the key-block
+  ranges, the rel-shift view's tiles and the per-key-block backward still cover every visited
+  distance once (dynamic spans, persistent memory): values and every gradient."""
+  q, k, v, pe, key = _inputs()
+  z = _spans("dynamic", key)
+  pk = jax.random.normal(jax.random.PRNGKey(3), (H, D, 2 * BLOCK))
+  pv = jax.random.normal(jax.random.PRNGKey(4), (H, 2 * BLOCK, D))
+  fused = lambda q, k, v, pe, z, pk, pv: fa.span_attention(
+      q, k, v, pe, z, ramp=R, block=block, block_k=block_k, pers_k_HxDxN=pk, pers_v_HxNxD=pv,
+      interpret=True)
+  plain = lambda q, k, v, pe, z, pk, pv: banded_reference.banded_attention(
+      q, k, v, pe, span_z=z, ramp=R, pers_k_GxDxN=pk, pers_v_GxNxD=pv)
+  args = (q, k, v, pe, z, pk, pv)
+  np.testing.assert_allclose(fused(*args), plain(*args), atol=1e-5, rtol=1e-5)
+  ct = jax.random.normal(jax.random.PRNGKey(9), (B, H, M, D))
+  grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * ct), argnums=tuple(range(7)))(*args)
+           for f in (fused, plain)]
+  for name, got, want in zip("q k v pe z pk pv".split(), *grads):
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
 def test_dropout_matches_plain_path_with_the_same_keep_mask():
   """The kernel's hashed keep mask, given to the plain path as its dropout, gives the same
   outputs and gradients; and it keeps 1 - rate of the weights."""
@@ -271,8 +294,10 @@ def test_runs_per_shard_under_a_mesh():
 
 def test_rejects_shapes_the_kernel_cannot_tile():
   q, k, v, pe, _ = _inputs()
-  with pytest.raises(ValueError, match="multiples of 64"):
+  with pytest.raises(ValueError, match="multiples of the tiles 64 and 64"):
     fa.span_attention(q, k, v, pe, None, block=64, interpret=True)
+  with pytest.raises(ValueError, match="multiples of the tiles 16 and 64"):
+    fa.span_attention(q, k, v, pe, None, block=BLOCK, block_k=64, interpret=True)
   with pytest.raises(ValueError, match="keys"):
     fa.span_attention(q, k[:, :, 1:], v, pe, None, block=BLOCK, interpret=True)
 

@@ -87,12 +87,12 @@ def test_one_table_of_peaks_for_the_gpu_suite_and_the_rooflines():
 
 
 def test_fused_kernel_tiles_per_target_fit_the_block():
-  assert pallas_gpu.tiles(None, 64, "float32", 64) == (64, 4, 1)  # interpret mode: unchanged
+  assert pallas_gpu.tiles(None, 64, "float32", 64) == (64, 4, 2)  # interpret mode: the block
   for cc in (8.0, 9.0):
     for dh in (64, 96):
       for dtype in ("bfloat16", "float32"):
         tile, warps, stages = pallas_gpu.tiles(cc, dh, dtype, 64)
-        assert 64 % tile == 0 and warps in (4, 8) and stages == 1  # the scratch rule
+        assert tile == 64 and warps in (4, 8) and stages >= 2  # 64-row tiles, pipelined
   assert pallas_gpu.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
 
 
@@ -110,7 +110,8 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
       for t0 in range(0, w + m, t):
         dist = w + np.arange(i0, i0 + t)[:, None] - np.arange(t0, t0 + t)[None, :]
         tiles += bool(((dist >= 1) & (dist <= win)).any())
-    assert cost["fwd"]["flops"] == b * h * tiles * (2 * 2 * t * t * dh + 2 * t * 2 * t * dh)
+    assert cost["fwd"]["flops"] == b * h * tiles * 2 * 2 * t * t * dh  # q k^T and p v
+    assert cost["position"]["flops"] == 4 * 2 * b * h * m * (w + 1) * dh  # four XLA matmuls
     assert all(c["bytes_min"] <= c["bytes"] for c in cost.values())
   cfg = ModelConfig(vocab_size=11, d_model=512, n_heads=8, span=8192, span_mode="adaptive",
                     dtype="bfloat16")
@@ -118,9 +119,11 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
     rows = compile_lib.kernel_roofline(
         chips.get("h100"), cfg,
         lambda span: kernels.schedule_cost(cfg, "pallas", 8, 512, 8192, span))
-  assert [(r["spans"], r["kernel"]) for r in rows][:3] == [
-      ("span 8192", "fwd"), ("span 8192", "bwd_q"), ("span 8192", "bwd_kv")]
-  assert len(rows) == 6 and rows[3]["flops"] < rows[0]["flops"] / 10
+  assert [(r["spans"], r["kernel"]) for r in rows][:4] == [
+      ("span 8192", "fwd"), ("span 8192", "bwd_q"), ("span 8192", "bwd_kv"),
+      ("span 8192", "position")]
+  assert len(rows) == 8 and rows[4]["flops"] < rows[0]["flops"] / 10
+  assert rows[7]["flops"] == rows[3]["flops"]  # the position matmuls span the whole window
   assert all(r["bound"] in ("compute", "HBM", "either") for r in rows)
   assert kernels.schedule_cost(cfg, "reference", 8, 512, 8192, None) is None
 
@@ -203,11 +206,12 @@ def test_layer_scan_bytes_are_scaled_to_an_upper_bound(tmp_path):
 @pytest.mark.compile
 @pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
 def test_compile_mode_for_an_h100(tmp_path):
-  """A bf16 model with the fused kernel compiled for one H100: ptxas' report of our kernels."""
+  """A bf16 model with the fused kernel compiled for one H100: ptxas' report of our kernels and
+  what their PTX does; `auto` there is the XLA path (the kernel is untimed), and says why."""
   r = subprocess.run([sys.executable, "main.py", "--config=configs/tiny.py",
                       "--config.mode=compile", "--config.compile.targets=h100:1",
                       "--config.model.dtype=bfloat16", "--config.compile.steps=train",
-                      f"--config.compile.out={tmp_path}"],
+                      "--config.model.attn_impl=pallas", f"--config.compile.out={tmp_path}"],
                      cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
   assert r.returncode == 0, r.stdout + r.stderr
   row = json.load(open(tmp_path / "compile_report.json"))["rows"][0]
@@ -215,7 +219,20 @@ def test_compile_mode_for_an_h100(tmp_path):
   ours = {k["kernel"]: k for k in row["kernels"] if k["kernel"].startswith("span_attention")}
   assert set(ours) == {"span_attention_fwd", "span_attention_bwd_q", "span_attention_bwd_kv"}
   assert all(k["arch"] == "sm_90a" and k["registers"] > 0 for k in ours.values())
-  assert {k["kernel"] for k in row["kernels_roofline"]} == {"fwd", "bwd_q", "bwd_kv"}
+  assert {k["kernel"] for k in row["kernels_roofline"]} == {"fwd", "bwd_q", "bwd_kv", "position"}
+  for k in ours.values():  # the PTX: tensor cores, asynchronous copies, nothing read back
+    assert k["ptx"]["wgmma"] > 0 and k["ptx"]["cp_async"] > 0 and not k["ptx"]["read_back"]
+  md = (tmp_path / "compile_report.md").read_text()
+  assert "tensor-core ops" in md and "wgmma" in md
+  auto = subprocess.run([sys.executable, "main.py", "--config=configs/tiny.py",
+                         "--config.mode=compile", "--config.compile.targets=h100:1",
+                         "--config.model.dtype=bfloat16", "--config.compile.steps=eval",
+                         f"--config.compile.out={tmp_path / 'auto'}"],
+                        cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+  assert auto.returncode == 0, auto.stdout + auto.stderr
+  row = json.load(open(tmp_path / "auto" / "compile_report.json"))["rows"][0]
+  assert row["attention"] == "reference" and "untimed" in row["attention_why"]
+  assert "untimed" in auto.stdout
 
 
 @pytest.mark.compile
