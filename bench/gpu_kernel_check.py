@@ -71,11 +71,12 @@ MODEL_CASES = (
 
 
 def emit(row):
+  row = dict(row, device=DEVICE[0]) if DEVICE else row
   print("ROW " + json.dumps(row, default=str), flush=True)
   ROWS.append(row)
 
 
-ROWS = []
+ROWS, DEVICE = [], []
 
 
 def env_row():
@@ -123,6 +124,8 @@ def inputs(b, h, m, w, dh, dtype, spans, n_pers, seed=0):
   if n_pers:
     pk, pv = rnd(ks[5], (h, dh, n_pers)), rnd(ks[6], (h, n_pers, dh))
   cast = lambda x: x.astype(dtype)
+  if z is not None:  # strongly typed: every span kind shares one compile of the same shapes
+    z = jnp.asarray(np.asarray(z, np.float32))
   return dict(q=cast(q), k=cast(k), v=cast(v), pe=pe, z=z, pk=pk, pv=pv)
 
 
@@ -342,6 +345,7 @@ def main():
   deadline = a.deadline or float("inf")
   env = env_row()
   emit(env)
+  DEVICE.append(env["device"])  # every row names the device it ran on
   shape = (1, 2, 32, 64, 16, 16) if a.small else (2, 4, 256, 1024, 64, 64)  # b h m w block pers
   if "kernel" in a.parts:
     correctness(a, env["cc"], shape, deadline)
