@@ -173,6 +173,9 @@ class Run:
       argv = argv + ["--spec", json.dumps(dict(spec, deadline=child_deadline,
                                                dry_run=self.args.dry_run))]
     env = dict(os.environ)
+    env.pop("JAX_PLATFORMS", None)
+    if self.args.jax_platforms is not None:
+      env["JAX_PLATFORMS"] = self.args.jax_platforms
     env["PYTHONPATH"] = REPO + os.pathsep + HERE + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if self.args.dry_run:
@@ -313,7 +316,8 @@ def markdown(rows: list[dict]) -> str:
       d = r.get("diffs", {})
       worst = (f"{r['worst']} {r['worst_diff']:.3g} (tol {r['tol']})" if "worst" in r else
                _first_line(r.get("error")))
-      out.append(f"| {r['case']} | {r.get('shape')} | {r.get('tiles')} | {r['status']} | " +
+      tiles = r.get("tiles") if r.get("shipped_tiles", True) else f"{r.get('tiles')} (other depth)"
+      out.append(f"| {r['case']} | {r.get('shape')} | {tiles} | {r['status']} | " +
                  " | ".join(_f(d.get(g)) for g in GRADS) + f" | {worst} | {r.get('seconds')} |")
   mchecks = [r for r in rows if r.get("kind") == "model_check"]
   if mchecks:
@@ -437,6 +441,9 @@ def main():
     return
   if not args.out:
     p.error("--out DIR is required")
+  # This process only reads configs: it never takes the device (nor its memory) from a child.
+  args.jax_platforms = os.environ.get("JAX_PLATFORMS")
+  os.environ["JAX_PLATFORMS"] = "cpu"
   if args.budget_s is None:
     args.budget_s = 900.0 if args.dry_run else BUDGET_S
   if args.jobs is None:
