@@ -2,7 +2,6 @@
 GPU machines: every family runs at tiny shapes (the kernel interpreted, stand-ins marked), each
 row reaches rows.jsonl, the report covers it, and the correctness rows compared real numbers
 (every gradient, finite, below tolerance, against a definition that is itself checked here)."""
-import json
 import math
 import os
 import subprocess
