@@ -1,19 +1,31 @@
-"""The fused GPU kernel on a real GPU, in under two minutes: values and every gradient against the
-plain definition (banded_reference, float32, exact dots) for bf16/float32, fixed/adaptive/
-dynamic spans and persistent memory, then forward and forward+backward milliseconds at
-configs/enwik8.py's layer shapes against the XLA path (`reference`).
+"""The fused GPU kernel on a real GPU, one process (the first family of bench/gpu_run.py):
 
-  python bench/gpu_kernel_check.py --out /tmp/kcheck.json     # a GPU machine
-  python bench/gpu_kernel_check.py --interpret --small        # CPU rehearsal (interpret mode)
+  1. correctness: values and every gradient (q, k, v, key_pe, spans, persistent keys/values) of
+     `pallas_gpu.span_attention` against `banded_reference.banded_attention` (the `reference`
+     impl's function) in float32 with exact dots, at small shapes, for every variant: fixed /
+     adaptive / dynamic spans, learned spans far below the window, persistent memory, attention
+     dropout (the plain path given the kernel's hashed keep mask), head dims 64 and 96, bf16 and
+     float32; then the attention layer (SeqAttention, attn_impl=pallas) against gpu_suite's plain
+     definition with a learned plan whose windows are shorter than S (heads grouped by window);
+  2. timings at configs/enwik8.py's layer shapes (B=8, H=8, M=512, W=8192, Dh=64, bf16): forward
+     and forward+backward ms of the kernel (all spans at S; learned spans 3 to 0.7 W; the table's
+     tiles and one other pipeline depth), the XLA path (`reference`), and cuDNN's flash attention
+     (`jax.nn.dot_product_attention(implementation='cudnn')`) on plain attention with the same
+     query and key counts (q 512, keys W+M = 8704, not causal).
 
-Made for the bug the GPU suite found (docs/kernels.md, "Scratch read-back"): with num_stages=2
-the backward kernels' gradients are wrong on the device although interpret mode agrees. The
-first case also runs that pipelined variant, expected to FAIL: the check must see the bug to be
-believed when the shipped kernel passes.
+  python bench/gpu_kernel_check.py --out /tmp/kcheck.json     # a GPU machine (~1-2 minutes)
+  python bench/gpu_kernel_check.py --dry_run                  # CPU rehearsal: tiny shapes, the
+      kernel interpreted, cuDNN replaced by implementation='xla' (marked "cudnn_standin")
+
+Each row is printed as it completes ("ROW {json}" lines: bench/gpu_run.py appends them to its
+row file), so a run cut short keeps what it measured. --deadline (epoch seconds) skips what
+would start after it, each skip recorded as a row.
 """
 import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
+import platform
+import sys
 import time
 
 import jax
@@ -22,10 +34,75 @@ import numpy as np
 
 import gpu_suite  # pylint: disable=wrong-import-position
 from span_lm.kernels import banded_reference  # pylint: disable=wrong-import-position
+from span_lm.kernels import hashed_dropout  # pylint: disable=wrong-import-position
 from span_lm.kernels import pallas_gpu  # pylint: disable=wrong-import-position
 
 RAMP = 32
 TOL = gpu_suite.TOL  # the suite's tolerances: TF32 / bf16 against the float32 definition
+NAMES = ("q", "k", "v", "pe", "z", "pk", "pv")
+DROPOUT_SEED = 1234567
+
+# (name, dtype, head dim, spans, persistent vectors, dropout rate): most telling first.
+CASES = (
+    ("bf16/adaptive/d64", "bfloat16", 64, "adaptive", 0, 0.0),
+    ("bf16/dynamic/d64", "bfloat16", 64, "dynamic", 0, 0.0),
+    ("bf16/fixed/d64", "bfloat16", 64, "fixed", 0, 0.0),
+    ("bf16/learned_short/d64", "bfloat16", 64, "short", 0, 0.0),
+    ("bf16/adaptive+pers/d64", "bfloat16", 64, "adaptive", 1, 0.0),
+    ("bf16/dynamic+dropout/d64", "bfloat16", 64, "dynamic", 0, 0.3),
+    ("bf16/adaptive+pers+dropout/d96", "bfloat16", 96, "adaptive", 1, 0.3),
+    ("bf16/dynamic/d96", "bfloat16", 96, "dynamic", 0, 0.0),
+    ("f32/adaptive/d64", "float32", 64, "adaptive", 0, 0.0),
+    ("f32/dynamic+pers/d64", "float32", 64, "dynamic", 1, 0.0),
+    ("f32/fixed+dropout/d64", "float32", 64, "fixed", 0, 0.3),
+    ("f32/learned_short+pers/d96", "float32", 96, "short", 1, 0.0),
+    ("f32/dynamic+dropout/d96", "float32", 96, "dynamic", 0, 0.3),
+)
+# The CPU rehearsal's share (the interpreted kernel compiles for ~15 s a case): every dtype,
+# head dim, span kind, persistent memory and dropout at least once. tests/kernels/ checks the
+# kernel itself in interpret mode; the rehearsal checks this harness.
+DRY_CASES = ("bf16/adaptive+pers+dropout/d96", "f32/fixed+dropout/d64", "f32/dynamic+pers/d64")
+SMALL_HEAD_DIM = {64: 16, 96: 24}  # at --small: a power of two and not, as 64 and 96
+# The attention layer with a learned plan (windows < S, heads grouped by window), via the model.
+MODEL_CASES = (
+    {"dtype": "bfloat16", "head_dim": 64, "span_mode": "adaptive", "pers_mem": False},
+    {"dtype": "float32", "head_dim": 96, "span_mode": "adaptive", "pers_mem": True},
+)
+
+
+def emit(row):
+  row = dict(row, device=DEVICE[0]) if DEVICE else row
+  print("ROW " + json.dumps(row, default=str), flush=True)
+  ROWS.append(row)
+
+
+ROWS, DEVICE = [], []
+
+
+def env_row():
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  row = {"kind": "env", "device": dev.device_kind, "backend": jax.default_backend(),
+         "cc": float(cc) if cc else None, "python": platform.python_version(),
+         "jax": jax.__version__, "device_count": jax.device_count()}
+  try:
+    import jaxlib  # pylint: disable=g-import-not-at-top
+    row["jaxlib"] = jaxlib.__version__
+  except ImportError:
+    pass
+  try:
+    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
+    if cuda_versions is not None:
+      for f in ("cuda_runtime_get_version", "cuda_driver_get_version", "cudnn_get_version"):
+        try:
+          row[f.replace("_get_version", "")] = getattr(cuda_versions, f)()
+        except Exception as e:  # pylint: disable=broad-except
+          row[f.replace("_get_version", "")] = f"n/a ({type(e).__name__})"
+  except Exception:  # pylint: disable=broad-except
+    pass
+  row["memory_bytes"] = (dev.memory_stats() or {}).get("bytes_limit")
+  row["peak_table"] = gpu_suite.peak_tflops(dev.device_kind)
+  return row
 
 
 def inputs(b, h, m, w, dh, dtype, spans, n_pers, seed=0):
@@ -35,140 +112,259 @@ def inputs(b, h, m, w, dh, dtype, spans, n_pers, seed=0):
   pe = rnd(ks[3], (dh, w))
   if spans == "fixed":
     z = None
-  elif spans == "adaptive":
+  elif spans in ("adaptive", "learned"):  # one span per head: 3 tokens to 0.7 W
     z = jnp.broadcast_to(jnp.linspace(3.0, 0.7 * w, h)[None, :, None], (b, h, m))
+  elif spans == "short":  # learned spans far below the window: most key blocks skipped
+    z = jnp.broadcast_to(jnp.linspace(3.0, 0.25 * w, h)[None, :, None], (b, h, m))
   elif spans == "all_S":
     z = jnp.full((b, h, m), float(w))
-  else:  # dynamic
+  else:  # dynamic: a span per query row
     z = jax.random.uniform(ks[4], (b, h, m), minval=0.0, maxval=float(w))
   pk = pv = None
   if n_pers:
     pk, pv = rnd(ks[5], (h, dh, n_pers)), rnd(ks[6], (h, n_pers, dh))
   cast = lambda x: x.astype(dtype)
+  if z is not None:  # strongly typed: every span kind shares one compile of the same shapes
+    z = jnp.asarray(np.asarray(z, np.float32))
   return dict(q=cast(q), k=cast(k), v=cast(v), pe=pe, z=z, pk=pk, pv=pv)
 
 
-def loss_fn(attn, g):
-  def loss(q, k, v, pe, z, pk, pv):
-    return jnp.sum(attn(q, k, v, pe, z, pk, pv).astype(jnp.float32) * g)
-  return loss
+def band_dropout(rate, b, h, m, w, n_pers):
+  """The kernel's hashed keep mask on banded_reference's (B, H, n, C, W [+N]) weights: column s
+  < W of row i is key i + s, column W + n is persistent key W + M + n (hashed_dropout's order)."""
+  def drop(p):
+    c, cols = p.shape[3], p.shape[4]
+    rows = jnp.arange(m).reshape(1, 1, m // c, c, 1)
+    bh = (jnp.arange(b)[:, None] * h + jnp.arange(h)[None, :]).reshape(b, h, 1, 1, 1)
+    s = jnp.arange(cols).reshape(1, 1, 1, 1, cols)
+    keys = jnp.where(s < w, rows + s, m + s)
+    return p * hashed_dropout.dropout_scale(jnp.uint32(DROPOUT_SEED), bh, rows, keys, n_rows=m,
+                                            n_keys=w + m + n_pers, rate=rate)
+  return drop
 
 
-def grads(attn, x, g):
-  names = [n for n in ("q", "k", "v", "pe", "z", "pk", "pv") if x[n] is not None]
-  argnums = tuple(("q", "k", "v", "pe", "z", "pk", "pv").index(n) for n in names)
-  f = jax.jit(jax.value_and_grad(loss_fn(attn, g), argnums=argnums))
-  args = [x[n] for n in ("q", "k", "v", "pe", "z", "pk", "pv")]
-  return f, args, names
-
-
-def fused(block, warps, stages, interpret):
+def fused(block, warps, stages, interpret, rate=0.0):
   def attn(q, k, v, pe, z, pk, pv):
-    return pallas_gpu.span_attention(q, k, v, pe, z, ramp=RAMP, pers_k_HxDxN=pk,
-                                     pers_v_HxNxD=pv, block=block, num_warps=warps,
-                                     num_stages=stages, interpret=interpret)
+    return pallas_gpu.span_attention(
+        q, k, v, pe, z, ramp=RAMP, pers_k_HxDxN=pk, pers_v_HxNxD=pv, block=block,
+        num_warps=warps, num_stages=stages, interpret=interpret, dropout_rate=rate,
+        dropout_seed=jnp.uint32(DROPOUT_SEED) if rate else None)
   return attn
 
 
-def plain(q, k, v, pe, z, pk, pv):
-  f32 = lambda a: None if a is None else a.astype(jnp.float32)
-  with jax.default_matmul_precision("highest"):
-    return banded_reference.banded_attention(f32(q), f32(k), f32(v), pe, span_z=z, ramp=RAMP,
-                                             pers_k_GxDxN=pk, pers_v_GxNxD=pv)
+def plain(dropout=None):
+  def attn(q, k, v, pe, z, pk, pv):
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+      return banded_reference.banded_attention(f32(q), f32(k), f32(v), pe, span_z=z, ramp=RAMP,
+                                               pers_k_GxDxN=pk, pers_v_GxNxD=pv, dropout=dropout)
+  return attn
 
 
-def out_and_grads(attn, x, g):
-  f, args, names = grads(attn, x, g)
-  out = jax.jit(attn)(*[x[n] for n in ("q", "k", "v", "pe", "z", "pk", "pv")])
-  _, gs = f(*args)
-  return out, dict(zip(names, gs)), f, args
+def values_and_grads(attn, x, g):
+  """One jit: the output and the gradients of <out, g> for every input that is not None."""
+  names = [n for n in NAMES if x[n] is not None]
+
+  def f(*args):
+    out, vjp = jax.vjp(lambda *a: attn(**{**{n: None for n in NAMES}, **dict(zip(names, a))}
+                                       ).astype(jnp.float32), *args)
+    return out, vjp(g)
+  out, grads = jax.jit(f)(*[x[n] for n in names])
+  return {"out": out, **dict(zip(names, grads))}
 
 
 def rel(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  err = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+  return err if np.isfinite(err) else float("inf")
 
 
 def timed(f, args, reps):
+  """Median ms of three runs of `reps` calls (after one warm call, which compiles)."""
   jax.block_until_ready(f(*args))
-  t0 = time.perf_counter()
-  for _ in range(reps):
-    r = f(*args)
-  jax.block_until_ready(r)
-  return (time.perf_counter() - t0) / reps * 1e3
+  runs = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      r = f(*args)
+    jax.block_until_ready(r)
+    runs.append((time.perf_counter() - t0) / reps * 1e3)
+  return float(np.median(runs))
+
+
+def _err(e):
+  msg = f"{type(e).__name__}: {e}"
+  return {"status": "oom" if "RESOURCE_EXHAUSTED" in msg else "error", "error": msg[:600]}
+
+
+def correctness(a, cc, shape, deadline):
+  b, h, m, w, block, n_pers = shape
+  runs = [(c, None) for c in CASES if not (a.dry_run and c[0] not in DRY_CASES)]
+  if not a.interpret:  # the first two cases at the other pipeline depth too (timed below): is
+    runs[2:2] = [(c, "other") for c in CASES[:2]]  # it safe to ship if it is faster?
+  for (name, dtype, dh, spans, pers, rate), variant in runs:
+    if a.small:
+      dh = SMALL_HEAD_DIM[dh]
+    tile, warps, stages = pallas_gpu.tiles(cc, dh, jnp.dtype(dtype), block)
+    if variant == "other":
+      stages = 1 if stages > 1 else 2
+    row = {"kind": "check", "case": name, "dtype": dtype, "head_dim": dh, "spans": spans,
+           "pers": n_pers if pers else 0, "dropout": rate, "shape": [b, h, m, w],
+           "block": block, "tiles": [tile, warps, stages], "tol": TOL[dtype],
+           "interpret": a.interpret, "shipped_tiles": variant is None}
+    if time.time() > deadline:
+      emit(dict(row, status="skipped", error="past the family's deadline"))
+      continue
+    t0 = time.perf_counter()
+    try:
+      x = inputs(b, h, m, w, dh, jnp.dtype(dtype), spans, n_pers if pers else 0)
+      g = jax.random.normal(jax.random.PRNGKey(9), (b, h, m, dh), jnp.float32)
+      drop = band_dropout(rate, b, h, m, w, n_pers if pers else 0) if rate else None
+      want = values_and_grads(plain(drop), x, g)
+      got = values_and_grads(fused(tile, warps, stages, a.interpret, rate), x, g)
+      diffs = {n: rel(got[n], want[n]) for n in want}
+      zero = [n for n in want if float(jnp.max(jnp.abs(want[n]))) == 0.0]
+      worst = max(diffs, key=diffs.get)
+      row.update(status="pass" if diffs[worst] <= TOL[dtype] and not zero else "FAIL",
+                 diffs=diffs, worst=worst, worst_diff=diffs[worst], zero_reference=zero)
+    except Exception as e:  # pylint: disable=broad-except
+      row.update(_err(e))
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    emit(row)
+
+
+def model_correctness(a, deadline):
+  """SeqAttention (attn_impl pallas; pallas_interpret in the rehearsal) against gpu_suite's plain
+  definition: a learned plan with one short head, so windows are shorter than S and the heads run
+  as groups of different windows (cache trimmed, key_pe sliced)."""
+  use = "pallas_interpret" if a.interpret else "pallas"
+  shape = (2, 2, 32, 64, 16) if a.small else (4, 2, 128, 512, 64)  # heads, batch, block, S, tile
+  for case in MODEL_CASES[-1:] if a.dry_run else MODEL_CASES:  # the rehearsal: the one with more
+    if a.small:
+      case = dict(case, head_dim={64: 16, 96: 24}[case["head_dim"]])
+    row = dict(case, kind="model_check", impl=use, tol=TOL[case["dtype"]])
+    if time.time() > deadline:
+      emit(dict(row, status="skipped", error="past the family's deadline"))
+      continue
+    t0 = time.perf_counter()
+    try:
+      setup = gpu_suite._case_setup(jax, jnp, np, case, [use], *shape)  # pylint: disable=protected-access
+      want = gpu_suite._values_and_grads(jax, setup, gpu_suite._plain_fn(setup))  # pylint: disable=protected-access
+      r = gpu_suite._compare(jax, np, setup, use, want, case["dtype"])  # pylint: disable=protected-access
+      r["status"] = {"pass": "pass", "fail": "FAIL"}[r["status"]]
+      if r["zero_reference"]:
+        r["status"] = "FAIL"
+      row.update(r)
+    except Exception as e:  # pylint: disable=broad-except
+      row.update(_err(e))
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    emit(row)
+
+
+def timings(a, cc, deadline):
+  """Forward and forward+backward ms at enwik8's layer shapes (one GPU's share of the batch)."""
+  tb, th, tm, tw, dh = (1, 2, 32, 64, 16) if a.small else (8, 8, 512, 8192, 64)
+  block = 16 if a.small else 64  # configs/enwik8.py's attn_block (model.config's default)
+  reps = 2 if a.small else 10
+  tile, warps, stages = pallas_gpu.tiles(cc, dh, jnp.bfloat16, block)
+  alt = 1 if stages > 1 else 2
+  g = jax.random.normal(jax.random.PRNGKey(9), (tb, th, tm, dh), jnp.float32)
+  xs = {spans: inputs(tb, th, tm, tw, dh, jnp.bfloat16, spans, 0) for spans in ("all_S", "learned")}
+  ref = lambda q, k, v, pe, z, pk, pv: banded_reference.banded_attention(q, k, v, pe, span_z=z,
+                                                                         ramp=RAMP)
+  jobs = [("pallas", "all_S", fused(tile, warps, stages, a.interpret), [tile, warps, stages]),
+          ("pallas", "learned", fused(tile, warps, stages, a.interpret), [tile, warps, stages]),
+          ("reference", "all_S", ref, None),
+          ("cudnn_standin" if a.cudnn_standin else "cudnn", "dense", None, None),
+          ("pallas", "learned", fused(tile, warps, alt, a.interpret), [tile, warps, alt]),
+          ("pallas", "all_S", fused(tile, warps, alt, a.interpret), [tile, warps, alt])]
+  if a.dry_run:  # interpret mode has no pipeline: the other depth would time the same thing
+    jobs = jobs[:4]
+  compiled = {}  # (path, tiles) -> (fwd, fwd+bwd): spans are values, so one compile serves both
+  for path, spans, attn, tiles in jobs:
+    row = {"kind": "time", "path": path, "spans": spans, "dtype": "bfloat16",
+           "shape": {"B": tb, "H": th, "M": tm, "W": tw, "Dh": dh}, "tiles": tiles,
+           "interpret": a.interpret if path == "pallas" else False,
+           "shipped_tiles": tiles == [tile, warps, stages] if tiles else None}
+    if path == "reference":
+      row["note"] = "the XLA path computes the whole band whatever the spans: one row for both"
+    if path.startswith("cudnn"):
+      row["note"] = (f"plain attention, {tm} queries x {tw + tm} keys, not causal, no position "
+                     "term: the same query and key counts" +
+                     ("; STAND-IN: implementation='xla', not cuDNN" if a.cudnn_standin else ""))
+    if time.time() > deadline:
+      emit(dict(row, status="skipped", error="past the family's deadline"))
+      continue
+    t0 = time.perf_counter()
+    try:
+      if path.startswith("cudnn"):
+        impl = "xla" if a.cudnn_standin else "cudnn"
+        x = xs["all_S"]
+        tr = lambda t: jnp.swapaxes(t, 1, 2)  # (B, H, T, D) -> (B, T, H, D)
+        q, k, v = tr(x["q"]), tr(x["k"]), tr(x["v"])
+        gg = tr(g)
+        fwd = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl))
+        bwd = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(
+            q, k, v, implementation=impl).astype(jnp.float32) * gg), argnums=(0, 1, 2)))
+        fargs = bargs = (q, k, v)
+      else:
+        x = xs[spans]
+        fargs = [x[n] for n in NAMES]
+        key = (path, tuple(tiles or ()))
+        if key not in compiled:
+          compiled[key] = (jax.jit(attn), jax.jit(jax.value_and_grad(
+              lambda q, k, v, pe, z, attn=attn: jnp.sum(
+                  attn(q, k, v, pe, z, None, None).astype(jnp.float32) * g),
+              argnums=(0, 1, 2, 3, 4))))
+        fwd, bwd = compiled[key]
+        bargs = [x[n] for n in ("q", "k", "v", "pe", "z")]
+      row["fwd_ms"] = round(timed(fwd, fargs, reps), 3)
+      row["fwd_bwd_ms"] = round(timed(bwd, bargs, reps), 3)
+      row["status"] = "ok"
+    except Exception as e:  # pylint: disable=broad-except
+      row.update(_err(e))
+    row["seconds"] = round(time.perf_counter() - t0, 2)
+    emit(row)
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--out", default="")
-  ap.add_argument("--interpret", action="store_true")
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", default="", help="also write every row as one JSON list")
+  ap.add_argument("--dry_run", action="store_true",
+                  help="CPU rehearsal: --interpret --small --cudnn_standin")
+  ap.add_argument("--interpret", action="store_true",
+                  help="interpret the kernel (any backend; all of CASES unless --dry_run)")
   ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU rehearsal)")
-  ap.add_argument("--no_timing", action="store_true")
+  ap.add_argument("--cudnn_standin", action="store_true",
+                  help="time jax.nn.dot_product_attention(implementation='xla') instead")
+  ap.add_argument("--parts", nargs="*", default=["kernel", "model", "timing"],
+                  choices=["kernel", "model", "timing"])
+  ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds; 0: none")
   a = ap.parse_args()
-  dev = jax.devices()[0]
-  cc = getattr(dev, "compute_capability", None)
-  cc = float(cc) if cc else None
-  rows = []
-  emit = lambda r: (rows.append(r), print(json.dumps(r), flush=True))
-  emit({"device": dev.device_kind, "jax": jax.__version__, "cc": cc})
-  if a.small:
-    b, h, m, w, dh, n_pers, block = 1, 2, 32, 64, 16, 16, 16
-  else:
-    b, h, m, w, dh, n_pers, block = 2, 4, 256, 1024, 64, 64, 64
-  cases = [("bfloat16", "adaptive", 0), ("bfloat16", "dynamic", 0), ("bfloat16", "fixed", 0),
-           ("bfloat16", "adaptive", n_pers), ("float32", "adaptive", 0),
-           ("float32", "dynamic", n_pers)]
-  for ci, (dtype, spans, np_) in enumerate(cases):
-    x = inputs(b, h, m, w, dh, jnp.dtype(dtype), spans, np_)
-    g = jax.random.normal(jax.random.PRNGKey(9), (b, h, m, dh), jnp.float32)
-    want_out, want, _, _ = out_and_grads(plain, x, g)
-    tile, warps, stages0 = pallas_gpu.tiles(cc, dh, jnp.dtype(dtype), block)
-    # the shipped launch (pallas_gpu.TILES), and on the first case the pipelined one too
-    for variant, stages in [("shipped", stages0)] + ([("pipelined", 2)] if ci == 0 else []):
-      pallas_gpu._ALLOW_PIPELINING[0] = stages > 1  # pylint: disable=protected-access
-      t0 = time.perf_counter()
-      try:
-        out, got, _, _ = out_and_grads(fused(tile, warps, stages, a.interpret), x, g)
-        errs = {"out": rel(out, want_out), **{n: rel(got[n], want[n]) for n in want}}
-        worst = max(errs.values())
-        status = "pass" if worst <= TOL[dtype] else "FAIL"
-        if variant == "pipelined":
-          status = ("FAIL as expected" if status == "FAIL" else
-                    "pass (interpret mode cannot show it)" if a.interpret else
-                    "pass: the check misses the bug")
-      except Exception as e:  # pylint: disable=broad-except
-        errs, status = {"error": f"{type(e).__name__}: {str(e)[:300]}"}, "error"
-      emit({"check": f"{dtype}/{spans}/pers{np_}", "variant": variant, "tile": tile, "warps": warps,
-            "stages": stages, "status": status, "s": round(time.perf_counter() - t0, 1),
-            **{k: (float(f"{v:.3g}") if isinstance(v, float) else v) for k, v in errs.items()}})
-  if not a.no_timing:
-    # enwik8's layer shapes on one GPU's share: B=8 streams, H=8, M=512, W=8192, Dh=64, bf16.
-    tb, th, tm, tw = (1, 2, 32, 64) if a.small else (8, 8, 512, 8192)
-    for spans in ("adaptive", "all_S"):
-      x = inputs(tb, th, tm, tw, dh, jnp.bfloat16, spans, 0)
-      g = jax.random.normal(jax.random.PRNGKey(9), (tb, th, tm, dh), jnp.float32)
-      tile, warps, stages0 = pallas_gpu.tiles(cc, dh, jnp.bfloat16, block)
-      pallas_gpu._ALLOW_PIPELINING[0] = False  # pylint: disable=protected-access
-      for impl in ("pallas", "reference"):
-        attn = (lambda q, k, v, pe, z, pk, pv: banded_reference.banded_attention(
-            q, k, v, pe, span_z=z, ramp=RAMP)) if impl == "reference" else fused(
-                tile, warps, stages0, a.interpret)
-        try:
-          f, args, _ = grads(attn, x, g)
-          fwd = jax.jit(attn)
-          fargs = [x[n] for n in ("q", "k", "v", "pe", "z", "pk", "pv")]
-          emit({"time": f"bf16/{spans}", "impl": impl, "tiles": [tile, warps, stages0],
-                "fwd_ms": round(timed(fwd, fargs, 3 if a.small else 10), 3),
-                "fwd_bwd_ms": round(timed(f, args, 3 if a.small else 10), 3)})
-        except Exception as e:  # pylint: disable=broad-except
-          emit({"time": f"bf16/{spans}", "impl": impl,
-                "error": f"{type(e).__name__}: {str(e)[:300]}"})
+  if a.dry_run:
+    a.interpret = a.small = a.cudnn_standin = True
+    jax.config.update("jax_platforms", "cpu")
+  if jax.default_backend() != "gpu" and not a.interpret:
+    sys.exit("gpu_kernel_check: no GPU here: --dry_run rehearses on the CPU")
+  deadline = a.deadline or float("inf")
+  env = env_row()
+  emit(env)
+  DEVICE.append(env["device"])  # every row names the device it ran on
+  shape = (1, 2, 32, 64, 16, 16) if a.small else (2, 4, 256, 1024, 64, 64)  # b h m w block pers
+  if "kernel" in a.parts:
+    correctness(a, env["cc"], shape, deadline)
+  if "model" in a.parts:
+    model_correctness(a, deadline)
+  if "timing" in a.parts:
+    timings(a, env["cc"], deadline)
   if a.out:
     with open(a.out, "w") as f:
-      json.dump(rows, f, indent=1)
-  bad = [r for r in rows if r.get("status") in ("FAIL", "error", "pass: the check misses the bug")]
+      json.dump(ROWS, f, indent=1, default=str)
+  bad = [r for r in ROWS if r.get("status") in ("FAIL", "error")]
   if bad:
-    raise SystemExit(f"gpu_kernel_check: {len(bad)} row(s) failed: {[r['check'] for r in bad]}")
+    raise SystemExit(f"gpu_kernel_check: {len(bad)} row(s) failed: "
+                     f"{[r.get('case') or r.get('path') or r.get('span_mode') for r in bad]}")
 
 
 if __name__ == "__main__":

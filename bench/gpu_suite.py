@@ -65,6 +65,7 @@ STAGES = ("env", "correctness", "train_enwik8", "reference", "train_issue8",
 BUDGET_S = {"env": 25, "correctness": 110, "train_enwik8": 170, "reference": 70,
             "train_issue8": 30, "train_enwik8_large": 70, "sampling": 35}
 PLANS = ("short", "mixed", "all_S")  # in order of growing memory (a child's peak is cumulative)
+ALL_PLANS = PLANS + ("learned",)  # learned: spans 3 tokens to 0.7 S per layer (bench/gpu_run.py)
 
 # Worst |got - want| / max|want| per tensor that passes. float32 allows TF32-level rounding (XLA
 # may run float32 dots on TF32 tensor cores); bf16 is compared with the float32 definition.
@@ -461,6 +462,8 @@ def _span_ratios(cfg, plan_name: str):
     return [short] * cfg.n_layers
   if plan_name == "all_S":
     return [np.ones(nh, np.float32)] * cfg.n_layers
+  if plan_name == "learned":  # every layer's heads spread from 3 tokens to 0.7 S (gpu_run.py)
+    return [np.linspace(3.0 / s, 0.7, nh).astype(np.float32)] * cfg.n_layers
   if plan_name == "issue8_short":  # bench/train_step.py's short case: span + ramp = 64 tokens
     return [np.full(nh, (64 - r) / s, np.float32)] * cfg.n_layers
   if plan_name == "mixed":  # most heads short; 2 long: S/8 in the lower layers, S in the upper
@@ -506,6 +509,7 @@ def child_train(spec):
   batch, block, split = spec["batch"], spec["block"], spec["batch_split"]
   kind = jax.devices()[0].device_kind
   peaks = peak_tflops(kind)
+  inits = {}  # parameters depend on neither the plan nor attn_impl: one init per (spans, dtype)
   for var in spec["variants"]:
     rows = [{"label": spec["label"], "dtype": var["dtype"], "impl": var["impl"],
              "attn_impl": var["use"], "plan": plan_name, "batch": batch, "block": block,
@@ -518,20 +522,31 @@ def child_train(spec):
       for row in rows:
         emit(dict(row, **_error(e)))
       continue
-    inits = {}
     for row in rows:
       plan_name = row["plan"]
-      if time.time() > spec["deadline"]:
-        emit(dict(row, status="skipped", error="stage budget spent"))
+      if time.time() + spec.get("row_estimate_s", 0) > spec["deadline"]:
+        emit(dict(row, status="skipped", error="stage budget spent" if not spec.get(
+            "row_estimate_s") else f"under the ~{spec['row_estimate_s']}s a row takes was left"))
         continue
       try:
         cfg = dataclasses.replace(base_cfg, span_mode="fixed" if plan_name == "fixed" else
                                   "adaptive")
-        if cfg.span_mode not in inits:  # parameters do not depend on the plan: init once
+        row.update(model={f: getattr(cfg, f) for f in ("n_layers", "d_model", "n_heads",
+                                                       "head_dim", "d_ff", "span", "dropout",
+                                                       "attn_block", "attn_tiles")
+                          if hasattr(cfg, f)})
+        if cfg.attn_impl.startswith("pallas"):
+          try:
+            from span_lm import kernels  # pylint: disable=g-import-not-at-top
+            row["tiles"] = list(kernels.gpu_tiles(cfg, cfg.attn_impl, cfg.dtype))
+          except Exception as e:  # pylint: disable=broad-except
+            row["tiles"] = f"n/a ({type(e).__name__})"
+        key = (cfg.span_mode, cfg.dtype)
+        if key not in inits:  # parameters do not depend on the plan: init once
           full = api("full_plan")(cfg)
-          inits[cfg.span_mode] = jax.tree.map(np.asarray, jax.jit(
+          inits[key] = jax.tree.map(np.asarray, jax.jit(
               lambda cfg=cfg, full=full: api("init_state")(cfg, tx, full, 1, 1, 0))())
-        row.update(_time_step(jax, np, NamedSharding, P, cfg, tx, inits[cfg.span_mode], mesh,
+        row.update(_time_step(jax, np, NamedSharding, P, cfg, tx, inits[key], mesh,
                               replicated, batch, block, split, plan_name, spec))
         sec = row["seconds"]
         row["tokens_per_s"] = batch * block / sec
@@ -614,11 +629,12 @@ def child_sampling(spec):
     for batch in spec["batches"]:
       row = {"label": spec["label"], "plan": plan_name, "batch": batch, "dtype": spec["dtype"],
              "length": spec["length"], "device": jax.devices()[0].device_kind}
-      if time.time() > spec["deadline"]:
+      if time.time() + spec.get("row_estimate_s", 0) > spec["deadline"]:
         emit(dict(row, status="skipped", error="stage budget spent"))
         continue
       try:
         c = dataclasses.replace(cfg, span_mode="adaptive", dropout=0.0)
+        row["attn_impl"] = c.attn_impl
         ratios = _span_ratios(c, plan_name)
         plan = api("plan_from_ratios")(c, ratios)
         model = api("SpanTransformer")(c, plan)
@@ -1143,7 +1159,7 @@ def main():
                  help="run only these (the others are recorded as skipped); env always runs")
   p.add_argument("--impls", nargs="*", default=None, choices=sorted(IMPLS))
   p.add_argument("--dtypes", nargs="*", default=["bfloat16", "float32"])
-  p.add_argument("--plans", nargs="*", default=list(PLANS), choices=PLANS)
+  p.add_argument("--plans", nargs="*", default=list(PLANS), choices=ALL_PLANS)
   default_ref = os.path.join(REPO, ".gpu_carry", "adaptive-span")
   p.add_argument("--reference_dir", default=default_ref,
                  help="a checkout of facebookresearch/adaptive-span (bench/gpu_prepare.sh)")

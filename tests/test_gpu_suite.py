@@ -1,7 +1,7 @@
-"""bench/gpu_suite.py's CPU rehearsal (--dry_run), so the GPU command never rots between the rare
-GPU machines: every stage runs, the JSON and markdown cover it, and the correctness rows compared
-real numbers (finite, below tolerance, against a definition that is itself checked here)."""
-import json
+"""bench/gpu_run.py's CPU rehearsal (--dry_run), so the device command never rots between the rare
+GPU machines: every family runs at tiny shapes (the kernel interpreted, stand-ins marked), each
+row reaches rows.jsonl, the report covers it, and the correctness rows compared real numbers
+(every gradient, finite, below tolerance, against a definition that is itself checked here)."""
 import math
 import os
 import subprocess
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 sys.path.insert(0, os.path.join(REPO, "tests"))
+import gpu_run  # pylint: disable=g-import-not-at-top,wrong-import-position
 import gpu_suite  # pylint: disable=g-import-not-at-top,wrong-import-position
 import reference_numpy  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -27,92 +28,127 @@ def dry_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("gpu_dry")
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
-  # A generous budget: CI's shared cores must not turn a slow stage into a skipped one.
-  proc = subprocess.run(
-      [sys.executable, os.path.join(REPO, "bench", "gpu_suite.py"), "--dry_run", "--out",
-       str(out), "--budget_s", "900", "--reference_dir", str(out / "no-reference-here")],
-      capture_output=True, text=True, cwd=REPO, env=env, timeout=1200)
+  # The generous default budget (900 s): CI's shared cores must not turn a slow family into a
+  # skipped one. No .gpu_carry here: the reference family is its marked stand-in.
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_run.py"), "--dry_run",
+                         "--out", str(out)], capture_output=True, text=True, cwd=REPO, env=env,
+                        timeout=1200)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  with open(out / "suite.json") as f:
-    res = json.load(f)
-  with open(out / "suite.md") as f:
+  rows = gpu_run.read_rows(str(out / "rows.jsonl"))
+  with open(out / "report.md") as f:
     md = f.read()
-  return res, md
+  return rows, md, out
 
 
-def _refused_before_compiling(row):
-  """A configuration an implementation declines up front (the kernel's head-size limit)."""
-  return row["status"] == "error" and row.get("error", "").startswith("ValueError: config.model")
+def _family(rows, name):
+  return [r for r in rows if r.get("family") == name and r.get("kind") != "family"]
 
 
-def test_every_stage_ran_and_every_row_succeeded(dry_run):
-  res, md = dry_run
-  assert res["dry_run"] and list(res["stages"]) == list(gpu_suite.STAGES)
-  for name, stage in res["stages"].items():
-    assert stage["status"] in ("ok", "partial"), (name, stage)
-    assert stage["rows"], name
-    bad = [r for r in stage["rows"] if r["status"] not in OK and not _refused_before_compiling(r)]
+def test_every_family_ran_and_every_row_succeeded(dry_run):
+  rows, md, _ = dry_run
+  assert rows[0]["kind"] == "run" and rows[0]["dry_run"] and rows[-1]["kind"] == "done"
+  fams = {r["name"]: r for r in rows if r.get("kind") == "family"}
+  assert list(gpu_run.FAMILIES) == sorted(fams, key=gpu_run.FAMILIES.index)
+  for name in gpu_run.FAMILIES:
+    assert fams[name]["status"] == "ok", fams[name]
+    data = _family(rows, name)
+    assert data and fams[name]["rows"] == len(data), name
+    bad = [r for r in data if r.get("status", "ok") not in OK]
     assert not bad, (name, bad)
-    assert not stage["errors"], (name, stage["errors"])
-    assert f"| {name} | {stage['status']} |" in md
-  for header in ("## Environment", "## Correctness", "## Training step: enwik8",
-                 "## Training step: issue8", "## Training step: enwik8_large",
-                 "## Reference (PyTorch)", "## Sampling"):
+    assert f"| {name} | ok" in md
+  assert "cut short" not in md
+  for header in ("## Kernel correctness", "## Attention layer, learned plan",
+                 "## Attention timings", "## Training step: configs/enwik8.py",
+                 "## Training step: configs/enwik8_large.py", "## Reference (PyTorch)",
+                 "## Sampling"):
     assert header in md
 
 
-def test_correctness_rows_compared_every_gradient(dry_run):
-  res, _ = dry_run
-  rows = res["stages"]["correctness"]["rows"]
-  resolved = res["impls"]["resolved"]
-  measured = {name for name, r in resolved.items() if r["use"]}
-  assert {"pallas_interpret"} < measured  # the kernel's path, and at least one jnp path
-  assert not [r for r in rows if r["status"] == "fail"]
-  passed = [r for r in rows if r["status"] == "pass"]
-  assert {r["impl"] for r in passed} == measured
-  assert {(r["dtype"], r["span_mode"], r["pers_mem"]) for r in passed} >= {
-      ("bfloat16", "adaptive", False), ("float32", "adaptive", True),
-      ("float32", "dynamic", False), ("float32", "fixed", False)}
-  for r in passed:
-    d = r["diffs"]
-    must = ["out", "d_proj_query/kernel", "d_proj_key/kernel", "d_proj_val/kernel",
-            "d_proj_out/kernel", "d_key_pe", "d_h", "d_cache"]
-    must += {"adaptive": ["d_span_ratio"], "dynamic": ["d_span_predictor/kernel",
-                                                       "d_span_predictor/bias"],
-             "fixed": []}[r["span_mode"]]
-    must += ["d_pers_key", "d_pers_val"] if r["pers_mem"] else []
-    assert set(must) <= set(d), (r["impl"], sorted(d))
-    assert not set(must) & set(r["zero_reference"])  # a zero reference would compare nothing
+def test_kernel_rows_compared_every_gradient(dry_run):
+  rows, _, _ = dry_run
+  checks = [r for r in rows if r.get("kind") == "check"]
+  assert checks and all(r["status"] == "pass" and r["interpret"] for r in checks)
+  seen = set()
+  for r in checks:
+    must = ["out", "q", "k", "v", "pe"] + (["z"] if r["spans"] != "fixed" else []) + (
+        ["pk", "pv"] if r["pers"] else [])
+    assert set(must) <= set(r["diffs"]), r
+    assert not r["zero_reference"]
     for name in must:
-      assert math.isfinite(d[name]) and d[name] <= r["tol"], (r["impl"], name, d[name])
+      assert math.isfinite(r["diffs"][name]) and r["diffs"][name] <= r["tol"], (r["case"], name)
     if r["dtype"] == "float32":  # on the CPU float32 agrees far below the GPU's TF32 tolerance
       assert r["worst_diff"] < 1e-4, r
+    seen |= {r["dtype"], r["head_dim"], r["spans"]} | ({"pers"} if r["pers"] else set()) | (
+        {"dropout"} if r["dropout"] else set())
+  # the rehearsal covers every kind of variant the GPU run checks (head dims 16/24 for 64/96)
+  assert seen >= {"bfloat16", "float32", 16, 24, "fixed", "adaptive", "dynamic", "pers",
+                  "dropout"}
+  model = [r for r in rows if r.get("kind") == "model_check"]
+  assert model and all(r["status"] == "pass" for r in model)
+  for r in model:
+    must = ["out", "d_proj_query/kernel", "d_proj_key/kernel", "d_proj_val/kernel",
+            "d_proj_out/kernel", "d_key_pe", "d_h", "d_cache", "d_span_ratio"] + (
+                ["d_pers_key", "d_pers_val"] if r["pers_mem"] else [])
+    assert set(must) <= set(r["diffs"]) and not set(must) & set(r["zero_reference"])
+    windows = [w for _, w in r["shape"]["groups"]]
+    assert max(windows) <= r["shape"]["span"] and min(windows) < r["shape"]["span"]  # < S
+
+
+def test_timing_rows_and_the_marked_cudnn_stand_in(dry_run):
+  rows, md, _ = dry_run
+  times = {(r["path"], r["spans"]): r for r in rows if r.get("kind") == "time"}
+  assert set(times) >= {("pallas", "all_S"), ("pallas", "learned"), ("reference", "all_S"),
+                        ("cudnn_standin", "dense")}
+  assert ("cudnn", "dense") not in times  # never shown as cuDNN on the CPU
+  for r in times.values():
+    assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+  assert times[("pallas", "all_S")]["tiles"] and "STAND-IN" in md
 
 
 def test_training_reference_and_sampling_rows(dry_run):
-  res, md = dry_run
-  st = res["stages"]
-  train = [r for r in st["train_enwik8"]["rows"] if r["status"] == "ok"]
-  keys = {r["plan"]: r["plan_keys"] for r in train}
-  assert keys["short"] < keys["mixed"] < keys["all_S"]  # the plans do what their names say
-  for name in ("train_enwik8", "train_issue8", "train_enwik8_large"):
-    for r in st[name]["rows"]:
-      if r["status"] == "ok":
-        assert r["seconds"] > 0 and r["tokens_per_s"] > 0 and r["flops"] > 0
-        assert math.isfinite(r["loss"])
-  assert {r["plan"] for r in st["train_issue8"]["rows"] if r["status"] == "ok"} == {
-      "issue8_short", "fixed"}
-  large = [r for r in st["train_enwik8_large"]["rows"] if r["status"] == "ok"]
+  rows, md, _ = dry_run
+  train = _family(rows, "train_enwik8")
+  keys = {r["plan"]: r["plan_keys"] for r in train if r["impl"] == "reference"}
+  assert keys["learned"] < keys["all_S"]  # the plans do what their names say
+  assert {(r["impl"], r["plan"]) for r in train} >= {("reference", "learned"),
+                                                     ("reference", "all_S")}
+  # on a GPU both impls at both plans, learned first (what a cut keeps decides most)
+  argv, spec = gpu_run.family_specs("train_enwik8", dry=False)
+  assert argv[-2:] == ["--child", "train"] and spec["batch"] == 8 and spec["block"] == 512
+  assert [(v["impl"], v["use"], v["dtype"], v["plans"]) for v in spec["variants"]] == [
+      ("pallas", "pallas", "bfloat16", ["learned"]), ("reference", "reference", "bfloat16",
+                                                      ["learned"]),
+      ("pallas", "pallas", "bfloat16", ["all_S"]), ("reference", "reference", "bfloat16",
+                                                    ["all_S"])]
+  for name in ("train_enwik8", "train_enwik8_large"):
+    for r in _family(rows, name):
+      assert r["dtype"] == "bfloat16" and r["seconds"] > 0 and r["tokens_per_s"] > 0
+      assert r["flops"] > 0 and math.isfinite(r["loss"])
+  large = _family(rows, "train_enwik8_large")
   assert large and all(r["batch_split"] == 2 for r in large)
-  ref = st["reference"]["rows"]
-  assert {(r["shapes"], r["plan"]) for r in ref} == {
-      ("issue8", "issue8_short"), ("issue8", "fixed"), ("enwik8", "short"), ("enwik8", "mixed"),
-      ("enwik8", "all_S")}
+  ref = _family(rows, "reference")
+  assert {(r["shapes"], r["plan"]) for r in ref} == {("enwik8", "learned"), ("enwik8", "all_S")}
   for r in ref:  # no checkout here: a stand-in, marked as one and never shown as the reference
     assert r["status"] == "stand_in" and r["stand_in"] and r["seconds"] > 0
-  assert "stand-in" in md and "not a reference number" in md
-  samp = st["sampling"]["rows"]
-  assert samp and all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in samp)
+  assert "not a reference number" in md and "(stand-in)" in md
+  samp = _family(rows, "sampling")
+  assert {r["plan"] for r in samp} == {"learned", "all_S"}
+  assert all(r["tokens_per_s"] > 0 for r in samp)
+
+
+def test_a_cut_row_file_still_renders(dry_run, tmp_path):
+  """A run killed mid-family keeps its rows: --md renders what finished, marked as cut."""
+  _, _, out = dry_run
+  lines = (out / "rows.jsonl").read_text().splitlines()
+  first = next(i for i, l in enumerate(lines) if '"kind": "check"' in l)
+  cut = tmp_path / "rows.jsonl"
+  cut.write_text("\n".join(lines[:first + 1]) + "\n" + lines[first + 1][:25])
+  r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_run.py"), "--md",
+                      str(cut)], capture_output=True, text=True, cwd=REPO, timeout=120,
+                     check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  md = (tmp_path / "report.md").read_text()
+  assert "cut short" in md and "## Kernel correctness" in md and md in r.stdout
 
 
 def test_impl_names_resolve_on_trees_before_and_after_the_one_door():
@@ -150,18 +186,3 @@ def test_plain_definition_equals_the_float64_numpy_model(mode, pers):
   as32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
   got = gpu_suite.plain_attention(cfg, as32(p), as32(key_pe), as32(h), as32(cache))
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
-
-
-def test_gpu_kernel_check_rehearses_on_the_cpu(tmp_path):
-  """bench/gpu_kernel_check.py (the two-minute kernel check for a lent GPU) runs end to end in
-  interpret mode: every case compared every gradient and passed, and the pipelined variant ran."""
-  out = tmp_path / "k.json"
-  r = subprocess.run([sys.executable, "bench/gpu_kernel_check.py", "--interpret", "--small",
-                      "--no_timing", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
-                     timeout=900, check=False)
-  assert r.returncode == 0, r.stderr[-2000:]
-  rows = [x for x in json.loads(out.read_text()) if "check" in x]
-  shipped = [x for x in rows if x["variant"] == "shipped"]
-  assert len(shipped) == 6 and all(x["status"] == "pass" for x in shipped), rows
-  assert all({"q", "k", "v", "pe"} <= set(x) for x in shipped)
-  assert [x["stages"] for x in rows if x["variant"] == "pipelined"] == [2]
