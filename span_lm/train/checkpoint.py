@@ -9,9 +9,11 @@ naming the paths rather than a deep Orbax/TensorStore error. A step whose files 
 (truncated, corrupted, deleted by hand) is a CheckpointReadError naming its directory, so callers
 can fall back to an older step.
 """
+import asyncio
 import json
 import logging
 import os
+import weakref
 from typing import Any, Optional
 
 import jax
@@ -44,6 +46,81 @@ def _describe(x: Any) -> str:
   shape = getattr(x, "shape", None)
   dtype = getattr(x, "dtype", None)
   return f"{tuple(shape) if shape is not None else '?'} {np.dtype(dtype).name if dtype is not None else '?'}"
+
+
+def _finish_tasks(loop: asyncio.AbstractEventLoop, tasks) -> None:
+  """Runs `loop` (stopped, not closed) until no task created on it is pending: each is cancelled
+  and awaited, and the callbacks already queued (a task's wakeup, asyncio.gather's bookkeeping)
+  run, so every exception a task or future holds is retrieved before the loop closes. Exceptions
+  other than cancellation are logged at DEBUG (WARNING with SPAN_LM_DEBUG=1)."""
+  async def finish():
+    for _ in range(10):  # a cancelled task may start another: a few rounds
+      pending = [t for t in list(tasks) if not t.done() and t is not asyncio.current_task()]
+      if not pending:
+        break
+      for t in pending:
+        t.cancel()
+      results = await asyncio.gather(*pending, return_exceptions=True)
+      level = logging.WARNING if os.environ.get("SPAN_LM_DEBUG") else logging.DEBUG
+      for t, r in zip(pending, results):
+        if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+          log.log(level, "Orbax task %s failed after its operation's first error", t.get_name(),
+                  exc_info=r)
+    await asyncio.sleep(0)  # callbacks queued by the last completions
+  loop.run_until_complete(finish())
+
+
+def _run_sync_via_new_loop(coro):
+  """Orbax's `asyncio_utils._run_sync_via_new_loop` (0.12.x: the loop that runs each background
+  write), finishing the loop's tasks before closing it.
+
+  Orbax runs `run_until_complete(coro)` and closes the loop. When one array's write fails (a full
+  disk), `asyncio.gather` in Orbax's serialization raises at once while the sibling writes are
+  still in flight; closing the loop then strands them: TensorStore completes their futures on a
+  loop that never runs again, and asyncio prints 'Future exception was never retrieved' (or
+  'Task exception ...', 'coroutine ... was never awaited') for each when it is collected, at a
+  time that depends on thread scheduling. Here the stranded tasks are cancelled and awaited on
+  the same loop first, as asyncio.run() does, so each failed write is retrieved deterministically.
+  Tasks are tracked per loop (a task factory) rather than with asyncio.all_tasks(), whose global
+  WeakSet Orbax avoids iterating across threads.
+  """
+  loop = asyncio.new_event_loop()
+  tasks = weakref.WeakSet()
+
+  def factory(loop, coro, **kwargs):
+    task = asyncio.Task(coro, loop=loop, **kwargs)
+    tasks.add(task)
+    return task
+  loop.set_task_factory(factory)
+  try:
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(coro)
+  finally:
+    try:
+      _finish_tasks(loop, tasks)
+    finally:
+      asyncio.set_event_loop(None)
+      loop.close()
+
+
+_ORBAX_LOOPS_FINISH = []
+
+
+def finish_orbax_tasks() -> None:
+  """Makes Orbax finish its event loops' tasks before closing them (see _run_sync_via_new_loop).
+
+  Once per process; only the loops Orbax's run_sync creates change. An Orbax without that
+  function is left as it is (the full-disk tests in tests/test_faults.py would show the noise).
+  """
+  if _ORBAX_LOOPS_FINISH:
+    return
+  _ORBAX_LOOPS_FINISH.append(True)
+  try:
+    from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  if callable(getattr(asyncio_utils, "_run_sync_via_new_loop", None)):
+    asyncio_utils._run_sync_via_new_loop = _run_sync_via_new_loop  # pylint: disable=protected-access
 
 
 class CheckpointReadError(OSError):
@@ -82,6 +159,7 @@ class Checkpointer:
       raise ValueError(f"save_every={save_every}: must be >= 1")
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = save_every
+    finish_orbax_tasks()
     # Explicit (default) name format, so restore_params can locate '<dir>/<step>/state'.
     self._name_format = ocp.step.standard_name_format()
     options = ocp.CheckpointManagerOptions(

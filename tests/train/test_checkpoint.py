@@ -1,4 +1,6 @@
 """Checkpointer against real Orbax on disk, with 8 fake CPU devices."""
+import asyncio
+import gc
 import logging
 import shutil
 
@@ -219,3 +221,65 @@ def test_empty_directory_and_uncommitted_tmp_step(tmp_path):
   shutil.copytree(tmp_step, only_tmp / "20.orbax-checkpoint-tmp")
   with Checkpointer(only_tmp) as ckpt:
     assert ckpt.latest_step() is None
+
+
+def _failing_save(late: int):
+  """A full disk under Orbax's async save, deterministically: one write fails at once, so
+  asyncio.gather raises while 15 sibling writes still wait on their (TensorStore) futures; those
+  fail `late` loop iterations after the loop was told to stop."""
+  async def save():
+    loop = asyncio.get_running_loop()
+    futures = [loop.create_future() for _ in range(15)]
+
+    async def write(f):
+      await f
+
+    async def first():
+      raise ValueError("No space left on device (first write)")
+
+    def complete():
+      for f in futures:
+        f.set_exception(ValueError("No space left on device (later write)"))
+
+    async def in_flight():  # the completions land as run_until_complete stops the loop
+      loop.call_soon(*[loop.call_soon] * late, complete)
+    await asyncio.gather(first(), in_flight(), *[write(f) for f in futures])
+  return save()
+
+
+def _orbax_0_12_8_run_sync(coro):
+  """orbax.checkpoint._src.asyncio_utils._run_sync_via_new_loop as released: closes the loop
+  right after run_until_complete."""
+  loop = asyncio.new_event_loop()
+  try:
+    asyncio.set_event_loop(loop)
+    return loop.run_until_complete(coro)
+  finally:
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+@pytest.mark.parametrize("late", [1, 2])
+def test_failed_async_writes_are_retrieved_before_orbax_closes_the_loop(tmp_path, caplog, late):
+  """Issue 39: a full disk during an async save printed one 'Future exception was never retrieved'
+  (or 'Task exception ...') per failed write, when the garbage collector got to them. Orbax's
+  loops now finish their stranded tasks before closing: the first error is raised, nothing else."""
+  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+  caplog.set_level(logging.DEBUG)
+
+  def reports():
+    gc.collect()
+    found = [r.getMessage() for r in caplog.records
+             if r.name == "asyncio" and r.levelno >= logging.WARNING]
+    caplog.clear()
+    return found
+
+  # The mechanism: Orbax 0.12.8's loop leaves each later failure unretrieved (late=1: "Task
+  # exception was never retrieved", late=2: "Future exception ...", as in the issue).
+  with pytest.raises(ValueError, match="first write"):
+    _orbax_0_12_8_run_sync(_failing_save(late))
+  assert len(reports()) == 15
+  Checkpointer(tmp_path).close()  # makes Orbax's loops finish their tasks
+  with pytest.raises(ValueError, match="first write"):
+    asyncio_utils.run_sync(_failing_save(late))
+  assert reports() == []
