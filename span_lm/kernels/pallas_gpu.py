@@ -414,15 +414,20 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
   t = w + m
   has_mask = z is not None
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
+  # G is recomputed here, not saved: the barrier ties its inputs and its gradient's zeroed
+  # buffer to this layer's cotangent, so XLA neither merges the recomputation with the forward's
+  # G (which would keep every layer's G alive until its backward) nor hoists it (or the zeros)
+  # ahead of the layer's own backward pass.
+  q, pe, do, zeros_g = lax.optimization_barrier(
+      (q, pe, do, jnp.zeros((b, h, m * (w + 1)), q.dtype)))
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   pe1 = _pitched_pe(pe, q.dtype)  # pe may be float32: d pe is returned as such
-  g = position_scores(q, pe1, precision)  # recomputed, not saved (module docstring)
+  g = position_scores(q, pe1, precision)
   row, keys, stat, view, seed_spec = _specs(m, t, dh, w, block)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
   static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block_k, eps=eps, rate=rate,
                 n_heads=h, n_rows=m, n_pers=n_pers, scale=scale)
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
-  zeros_g = jnp.zeros(g.shape, g.dtype)
   zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
   call_q = pl.pallas_call(
       functools.partial(_bwd_q_kernel, **static), grid=(b, h, m // block),

@@ -523,7 +523,7 @@ def test_ptx_pipelined_tensor_cores_no_read_back_no_spills(tmp_path, target):
     a cp.async in bwd_kv and, in the key-block loops of fwd and bwd_q, loaded at the top of the
     iteration before its first matmul (a tile ahead);
   - tensor-core instructions in every kernel (wgmma on sm_90, mma.sync on sm_80);
-  - no spills in bf16; query tiles of 64 rows."""
+  - no spills in bf16; query tiles of 64 rows in bf16."""
   from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
   env = compile_lib.child_env("gpu")
@@ -532,7 +532,9 @@ def test_ptx_pipelined_tensor_cores_no_read_back_no_spills(tmp_path, target):
                      capture_output=True, text=True, timeout=1500, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
   tiles = [json.loads(l[6:]) for l in r.stdout.splitlines() if l.startswith("TILES ")]
-  assert len(tiles) == 4 and all(t[2] >= 64 and t[4] >= 2 for t in tiles), tiles
+  assert len(tiles) == 4 and all(t[4] >= 2 for t in tiles), tiles  # pipelined launches
+  # 64-row query tiles in bf16 (float32 on the A100 runs 32 rows: 64 spilled at every key tile)
+  assert all(t[2] >= 64 for t in tiles if t[0] == "bfloat16"), tiles
   facts = ptx.dumped_kernels(tmp_path, "span_attention")
   assert len(facts) == 12, [f["kernel"] for f in facts]  # 3 kernels x 2 dtypes x 2 head sizes
   sm90 = target == "h100"
