@@ -568,12 +568,13 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 # Tiles per target: (compute capability major, padded head size, dtype) -> (query tile, key tile,
 # warps, stages), from a deviceless ptxas sweep (bench/kernel_sweep.py; docs/kernels.md): 64-row
 # query tiles with no spills in bf16 on Hopper and Ampere (A100's mma.sync keeps its accumulators
-# in registers: 32-key tiles there at head size 64), the fewest spills in float32. Untimed on a
+# in registers: 32-key tiles there; at head size 128 64-key tiles spilled 1.4 KB in bwd_q with
+# persistent memory), the fewest spills in float32. Untimed on a
 # device: `attn_tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
 TILES = {
     (9, 64, "bfloat16"): (64, 64, 4, 3), (9, 128, "bfloat16"): (64, 64, 8, 3),
     (9, 64, "float32"): (64, 32, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),
-    (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (64, 64, 8, 2),
+    (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (64, 32, 8, 2),
     (8, 64, "float32"): (32, 32, 4, 2), (8, 128, "float32"): (32, 16, 8, 2),
 }
 DEFAULT_TILES = (64, 4, 2)  # elsewhere (interpret mode, unknown targets): the attn_block itself
