@@ -198,6 +198,7 @@ def compile_target(config, tgt: Target) -> dict:
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import loss_scale as loss_scale_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
@@ -248,14 +249,19 @@ def compile_target(config, tgt: Target) -> dict:
   shardings = lambda st: sharding_lib.state_shardings(st, mesh, rule)
   log = []
   compiler = steps_lib.StepCompiler(cfg, tx, mesh, shardings, rows, replicated,
-                                    batch_split=split, log=log.append)
+                                    batch_split=split, log=log.append,
+                                    loss_scale_period=config.train.loss_scale_period)
+  # float16 (or train.loss_scale=dynamic): the step with its loss scale, as train runs it
+  loss_scale = (float(config.train.loss_scale_init) if loss_scale_lib.enabled(
+      config.train.loss_scale, cfg.dtype) else None)
+  row["loss_scale"] = loss_scale is not None
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
     row["attention"] = kernels.choose(cfg, d.block, max(cfg.span, d.block))
     row["kernels_roofline"] = kernel_roofline(
         chip, cfg, lambda span: kernels.schedule_cost(cfg, row["attention"], d.batch // n,
                                                       d.block, cfg.span, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
-                                                           config.seed))
+                                                           config.seed, loss_scale=loss_scale))
     state = sharding_lib.with_shardings(abstract, shardings(abstract))
     sds = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
     batch = {"x": sds((d.batch, d.block), jnp.int32, rows),
