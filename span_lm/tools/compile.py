@@ -173,6 +173,44 @@ def _memory(compiled, capacity: int) -> dict:
   return mem
 
 
+_GEMM_CALL = re.compile(r"custom-call\((.*?)\),\s*custom_call_target=\"(__cublas\$[^\"]*)\"")
+_OPERAND_TYPE = re.compile(r"\b(f16|bf16|f32|f64|f8e4m3fn|f8e5m2|s8)\[")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?(f16|bf16|f32|f64|s8|s32|pred)\[",
+                         re.MULTILINE)
+_NAME = re.compile(r"%?([\w.\-]+)\s*$")
+
+
+def gemm_dtypes(hlo_text: str) -> dict:
+  """Matmuls of an optimized GPU program by how they run: cuBLAS calls (`__cublas$gemm`,
+  `__cublas$lt$matmul`) by their operands' dtype ('f16 x f16': tensor cores on V100/T4), and dots
+  left to XLA's own fusions (Triton GEMMs and loop emitters) by theirs. What the compile mode
+  reports as `gemms`: the check that a float16 model's matmuls reach the float16 tensor cores."""
+  # operands print as names (`custom-call(%a, %b)`) or with their types: each name's type is
+  # that of the instruction (or parameter) defining it
+  defined = dict(_DEFINITION.findall(hlo_text))
+
+  def operand_types(args: str) -> list:
+    types = []
+    for arg in args.split(","):
+      found = _OPERAND_TYPE.findall(arg)
+      name = _NAME.search(arg)
+      if found:
+        types.append(found[0])
+      elif name and name.group(1) in defined:
+        types.append(defined[name.group(1)])
+    return types[:2]
+
+  out: dict = {}
+  for m in _GEMM_CALL.finditer(hlo_text):
+    key = f"cublas {' x '.join(operand_types(m.group(1)))}"
+    out[key] = out.get(key, 0) + 1
+  for line in hlo_text.splitlines():
+    if " dot(" in line:
+      key = f"fused dot {' x '.join(operand_types(line.split(' dot(', 1)[1].split(')', 1)[0]))}"
+      out[key] = out.get(key, 0) + 1
+  return out
+
+
 def _cost(compiled) -> dict:
   try:
     c = compiled.cost_analysis()
@@ -289,6 +327,11 @@ def compile_target(config, tgt: Target) -> dict:
       r.update(compiled=True, compile_s=time.perf_counter() - t1,
                memory=_memory(compiled, row["device_memory"]), tokens=tokens,
                matmul_flops=ours)
+      if chip.platform == "gpu":
+        try:
+          r["gemms"] = gemm_dtypes(compiled.as_text())
+        except Exception as e:  # pylint: disable=broad-except
+          r["gemms"] = {"error": _one_line(e)}
       cost = _cost(compiled)
       scale = split if kind == "train" else 1  # XLA counts the batch-split loop body once
       if cfg.scan_layers:  # and the layer scan's: scaling the whole step is an upper bound
