@@ -235,12 +235,35 @@ class Run:
     return meta, plan
 
   def restore(self, step=None, *, move_aside: bool = False):
-    """(state, meta) from the work dir, laid out for this mesh (step None: the newest readable)."""
+    """(state, meta) from the work dir, laid out for this mesh (step None: the newest readable).
+    A checkpoint saved with loss scaling restores into a run without (the scale is dropped) and
+    the other way round (the scale starts at train.loss_scale_init), e.g. a float32 run resumed
+    in float16: meta['loss_scale'] says which it has (absent before loss scaling existed)."""
     def read(s):
       meta, plan = self._meta_and_plan(s)
       _, abstract, shardings = self.abstract_state(plan)
+      mine, saved = "loss_scale" in abstract, bool(meta.get("loss_scale", False))
+      if mine and not saved:
+        abstract, shardings = dict(abstract), dict(shardings)
+        del abstract["loss_scale"], shardings["loss_scale"]
+      elif saved and not mine:
+        ls = jax.eval_shape(lambda: loss_scale_lib.init(1.0))
+        abstract = dict(abstract, loss_scale=ls)
+        shardings = dict(shardings, loss_scale=jax.tree.map(lambda _: self.replicated, ls))
       target = sharding_lib.with_shardings(abstract, shardings)
-      return self.ckpt.restore(target, s)
+      state, meta = self.ckpt.restore(target, s)
+      if mine != saved:
+        state = dict(state)
+        if mine:
+          state["loss_scale"] = jax.device_put(loss_scale_lib.init(self.loss_scale),
+                                               self.replicated)
+        else:
+          del state["loss_scale"]
+        _echo(f"checkpoint step {s} was saved {'without' if mine else 'with'} loss scaling; "
+              + (f"the scale starts at {self.loss_scale:g}" if mine else "this run has none "
+                 f"(train.loss_scale={self.config.train.loss_scale!r}, model.dtype="
+                 f"{self.model_cfg.dtype!r}): its scale is dropped"))
+      return state, meta
     return self._newest_readable(read, step, move_aside)
 
   def restore_params(self, step=None):
@@ -411,7 +434,8 @@ def _train(run: Run) -> dict[str, Any]:
             "data": {"train": train_batcher.state.to_dict(),
                      "valid": valid_batcher.state.to_dict()},
             "model_cfg": dataclass_dict(cfg), "config": config.to_dict(),
-            "compilations": len(run.compiler.compilations), "nonfinite_skipped": skipped}
+            "compilations": len(run.compiler.compilations), "nonfinite_skipped": skipped,
+            "loss_scale": run.loss_scale is not None}
 
   writer = MetricWriter(run.workdir, tensorboard=t.tensorboard)
   dropped = writer.truncate_after(start)  # rows of the steps this run replays (after a kill -9)

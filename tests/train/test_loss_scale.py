@@ -200,6 +200,17 @@ def test_resume_restores_the_scale(tmp_path):
         [(r["step"], r["loss_scale"], r["loss_scale_skips"]) for r in rows])
 
 
+def test_a_float32_run_resumes_in_float16_and_back(tmp_path):
+  """The V100 user who followed the old advice (float32) switches to float16 mid-run: the
+  checkpoint has no scale, the scale starts at loss_scale_init; and back to float32: dropped."""
+  common = {"train.full_eval_at_end": False, "model.dropout": 0.0}
+  loop.train(sr.config_for(tmp_path, common, {"train.steps": 3}))
+  half = loop.train(sr.config_for(tmp_path, common, FP16))
+  assert half["step"] == 6 and float(half["state"]["loss_scale"]["scale"]) == 2.0 ** 15
+  back = loop.train(sr.config_for(tmp_path, common, {"train.steps": 9}))
+  assert back["step"] == 9 and "loss_scale" not in back["state"]
+
+
 # ---------------------------------------------------------------------------- float16 vs float32
 
 
