@@ -19,6 +19,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from span_lm import optim_config
+from span_lm import precision_config
 from span_lm.data.sources import DATASETS
 from span_lm.model.config import ModelConfig
 
@@ -105,6 +106,16 @@ def base_config() -> ml_collections.ConfigDict:
   # stop: end the run with an error, the last checkpoint untouched; skip: drop that update, count
   # it (metrics 'skipped') and go on.
   t.nonfinite = "stop"
+  # Dynamic loss scaling (span_lm/train/loss_scale.py): the loss is multiplied by a power-of-two
+  # scale before the gradient and the float32 gradients divided by it; an attempt whose gradients
+  # overflow is retried on the device with half the scale (same batch), and the scale doubles
+  # after loss_scale_period finite steps. auto: on for model.dtype='float16' (V100, T4), off for
+  # float32 and bfloat16 | dynamic: on for any dtype | off. Gradient overflows are its business
+  # while the scale can still halve; a non-finite loss, or non-finite gradients at scale 1, go to
+  # train.nonfinite above.
+  t.loss_scale = "auto"
+  t.loss_scale_init = 2.0 ** 15
+  t.loss_scale_period = 2000
   t.preemption = True  # SIGTERM / the preemption sync point: checkpoint the current step, stop
   t.debug_nan_at_step = 0  # testing aid: make the loss of this step (1-based) NaN; 0: off
 
@@ -290,6 +301,8 @@ def _validate_train(config):
 
 def _validate_faults_and_dist(config):
   _check_choice(config, "train.nonfinite", ("stop", "skip"))
+  precision_config.check(_get(config, "train.loss_scale"), _get(config, "train.loss_scale_init"),
+                         _get(config, "train.loss_scale_period"))
   _check_int(config, "train.debug_nan_at_step", 0)
   if not isinstance(_get(config, "train.preemption"), bool):
     _bad("train.preemption", _get(config, "train.preemption"), "must be True or False")

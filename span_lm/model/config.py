@@ -61,7 +61,9 @@ class ModelConfig:
   pers_mem: int = 0  # N persistent key/value vectors per head (all-attention); 0: off
   dropout: float = 0.0
   emb_dropout: float = 0.0
-  dtype: str = "float32"  # compute dtype: float32 | bfloat16 (params stay float32)
+  # compute dtype: float32 | bfloat16 | float16 (V100, T4: with dynamic loss scaling,
+  # train.loss_scale); params stay float32
+  dtype: str = "float32"
   remat: str = "none"  # none | layer: recompute each layer in the backward pass
   # What a recomputed layer keeps from the forward pass (jax.checkpoint_policies): nothing_saveable
   # (least memory), dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.

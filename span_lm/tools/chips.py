@@ -3,8 +3,8 @@ deviceless compile needs to stand in for the device (compute capability, SMs, sh
 
 Used by the compile mode (span_lm/tools/compile.py: rooflines, memory fit, the GPU target
 description) and by bench/gpu_suite.py (MFU against the dense peak). Numbers are the vendors'
-data sheets, dense (no sparsity). V100 has no bf16 units: its bfloat16 entry is fp16's (XLA
-emulates bf16 there).
+data sheets, dense (no sparsity). V100 and T4 have no bf16 units: their bfloat16 entry is fp16's
+(the low-precision peak, which model.dtype=float16 reaches; XLA emulates bf16 there).
 """
 import dataclasses
 
@@ -65,6 +65,12 @@ _GPUS = (
     Chip("v100_16", "gpu", "V100-SXM2-16GB", 16 * GiB, 0.9e12,
          {"bfloat16": 125.0 * T, "float32": 15.7 * T},
          (7, 0), 80, 64, 98304, 98304, 6 << 20, 1.53),
+    # T4 (Turing, sm_75): 16 GB GDDR6 of which the driver shows 15360 MiB; 65 TFLOP/s float16
+    # tensor cores (the 'bfloat16' entry, as V100's: no bf16 units), 8.1 float32; 64 KiB shared
+    # memory per SM; 4 MiB L2; 1.59 GHz boost.
+    Chip("t4", "gpu", "T4", 15 * GiB, 0.32e12,
+         {"bfloat16": 65.0 * T, "float32": 8.1 * T},
+         (7, 5), 40, 64, 65536, 65536, 4 << 20, 1.59),
 )
 _TPUS = (
     Chip("v4", "tpu", "TPU v4", 32 * GiB, 1.2e12, {"bfloat16": 275 * T, "float32": 275 * T / 3},

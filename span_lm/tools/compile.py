@@ -175,6 +175,44 @@ def _memory(compiled, capacity: int) -> dict:
   return mem
 
 
+_GEMM_CALL = re.compile(r"custom-call\((.*?)\),\s*custom_call_target=\"(__cublas\$[^\"]*)\"")
+_OPERAND_TYPE = re.compile(r"\b(f16|bf16|f32|f64|f8e4m3fn|f8e5m2|s8)\[")
+_DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*\(?(f16|bf16|f32|f64|s8|s32|pred)\[",
+                         re.MULTILINE)
+_NAME = re.compile(r"%?([\w.\-]+)\s*$")
+
+
+def gemm_dtypes(hlo_text: str) -> dict:
+  """Matmuls of an optimized GPU program by how they run: cuBLAS calls (`__cublas$gemm`,
+  `__cublas$lt$matmul`) by their operands' dtype ('f16 x f16': tensor cores on V100/T4), and dots
+  left to XLA's own fusions (Triton GEMMs and loop emitters) by theirs. What the compile mode
+  reports as `gemms`: the check that a float16 model's matmuls reach the float16 tensor cores."""
+  # operands print as names (`custom-call(%a, %b)`) or with their types: each name's type is
+  # that of the instruction (or parameter) defining it
+  defined = dict(_DEFINITION.findall(hlo_text))
+
+  def operand_types(args: str) -> list:
+    types = []
+    for arg in args.split(","):
+      found = _OPERAND_TYPE.findall(arg)
+      name = _NAME.search(arg)
+      if found:
+        types.append(found[0])
+      elif name and name.group(1) in defined:
+        types.append(defined[name.group(1)])
+    return types[:2]
+
+  out: dict = {}
+  for m in _GEMM_CALL.finditer(hlo_text):
+    key = f"cublas {' x '.join(operand_types(m.group(1)))}"
+    out[key] = out.get(key, 0) + 1
+  for line in hlo_text.splitlines():
+    if " dot(" in line:
+      key = f"fused dot {' x '.join(operand_types(line.split(' dot(', 1)[1].split(')', 1)[0]))}"
+      out[key] = out.get(key, 0) + 1
+  return out
+
+
 def _cost(compiled) -> dict:
   try:
     c = compiled.cost_analysis()
@@ -200,6 +238,7 @@ def compile_target(config, tgt: Target) -> dict:
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import loss_scale as loss_scale_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
@@ -251,7 +290,12 @@ def compile_target(config, tgt: Target) -> dict:
   log = []
   compiler = steps_lib.StepCompiler(cfg, tx, mesh, shardings, rows, replicated,
                                     batch_split=split, log=log.append,
-                                    capacity=row["device_memory"])
+                                    capacity=row["device_memory"],
+                                    loss_scale_period=config.train.loss_scale_period)
+  # float16 (or train.loss_scale=dynamic): the step with its loss scale, as train runs it
+  loss_scale = (float(config.train.loss_scale_init) if loss_scale_lib.enabled(
+      config.train.loss_scale, cfg.dtype) else None)
+  row["loss_scale"] = loss_scale is not None
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
     row["attention"] = kernels.choose(cfg, d.block, max(cfg.span, d.block))
     row["attention_why"] = kernels.why(cfg, d.block, max(cfg.span, d.block))
@@ -259,7 +303,7 @@ def compile_target(config, tgt: Target) -> dict:
         chip, cfg, lambda span: kernels.schedule_cost(cfg, row["attention"], d.batch // n,
                                                       d.block, cfg.span, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
-                                                           config.seed))
+                                                           config.seed, loss_scale=loss_scale))
     state = sharding_lib.with_shardings(abstract, shardings(abstract))
     sds = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
     batch = {"x": sds((d.batch, d.block), jnp.int32, rows),
@@ -289,6 +333,11 @@ def compile_target(config, tgt: Target) -> dict:
       r.update(compiled=True, compile_s=time.perf_counter() - t1,
                memory=_memory(compiled, row["device_memory"]), tokens=tokens,
                matmul_flops=ours)
+      if chip.platform == "gpu":
+        try:
+          r["gemms"] = gemm_dtypes(compiled.as_text())
+        except Exception as e:  # pylint: disable=broad-except
+          r["gemms"] = {"error": _one_line(e)}
       cost = _cost(compiled)
       scale = split if kind == "train" else 1  # XLA counts the batch-split loop body once
       if cfg.scan_layers:  # and the layer scan's: scaling the whole step is an upper bound

@@ -43,6 +43,7 @@ from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import cpu_host
 from span_lm.train import distributed as dist_lib
+from span_lm.train import loss_scale as loss_scale_lib
 from span_lm.train import optimizer as optimizer_lib
 from span_lm.train import sharding as sharding_lib
 from span_lm.train import steps as steps_lib
@@ -173,6 +174,9 @@ class Run:
     self.model_cfg = autotune.resolve(
         self.model_cfg, batch=d.batch // n_dev // config.optim.batch_split, m=d.block, echo=_echo)
     self.tx, self.schedule = optimizer_lib.make_optimizer(config.optim)
+    # dynamic loss scaling (train/loss_scale.py): its initial scale, or None when off
+    self.loss_scale = (float(config.train.loss_scale_init) if loss_scale_lib.enabled(
+        config.train.loss_scale, self.model_cfg.dtype) else None)
     self.replicated = sharding_lib.replicated(self.mesh)
     self.batch_sharding = NamedSharding(self.mesh, P(batch_axes, None))
     self.cache_sharding = NamedSharding(self.mesh, P(batch_axes, None, None))
@@ -181,7 +185,8 @@ class Run:
         lambda st: sharding_lib.state_shardings(st, self.mesh, self.state_rule),
         self.batch_sharding,
         self.replicated, batch_split=config.optim.batch_split, log=_echo,
-        debug_nan_at_step=config.train.debug_nan_at_step, capacity=_device_memory())
+        debug_nan_at_step=config.train.debug_nan_at_step, capacity=_device_memory(),
+        loss_scale_period=config.train.loss_scale_period)
     self.ckpt = None
     if self.workdir:
       self.ckpt = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -193,7 +198,7 @@ class Run:
   def abstract_state(self, plan):
     d = self.config.data
     fn = lambda: steps_lib.init_state(self.model_cfg, self.tx, plan, d.batch, d.eval_batch,
-                                      self.config.seed)
+                                      self.config.seed, loss_scale=self.loss_scale)
     abstract = jax.eval_shape(fn)
     shardings = sharding_lib.state_shardings(abstract, self.mesh, self.state_rule)
     return fn, abstract, shardings
@@ -241,12 +246,35 @@ class Run:
     return meta, plan
 
   def restore(self, step=None, *, move_aside: bool = False):
-    """(state, meta) from the work dir, laid out for this mesh (step None: the newest readable)."""
+    """(state, meta) from the work dir, laid out for this mesh (step None: the newest readable).
+    A checkpoint saved with loss scaling restores into a run without (the scale is dropped) and
+    the other way round (the scale starts at train.loss_scale_init), e.g. a float32 run resumed
+    in float16: meta['loss_scale'] says which it has (absent before loss scaling existed)."""
     def read(s):
       meta, plan = self._meta_and_plan(s)
       _, abstract, shardings = self.abstract_state(plan)
+      mine, saved = "loss_scale" in abstract, bool(meta.get("loss_scale", False))
+      if mine and not saved:
+        abstract, shardings = dict(abstract), dict(shardings)
+        del abstract["loss_scale"], shardings["loss_scale"]
+      elif saved and not mine:
+        ls = jax.eval_shape(lambda: loss_scale_lib.init(1.0))
+        abstract = dict(abstract, loss_scale=ls)
+        shardings = dict(shardings, loss_scale=jax.tree.map(lambda _: self.replicated, ls))
       target = sharding_lib.with_shardings(abstract, shardings)
-      return self.ckpt.restore(target, s)
+      state, meta = self.ckpt.restore(target, s)
+      if mine != saved:
+        state = dict(state)
+        if mine:
+          state["loss_scale"] = jax.device_put(loss_scale_lib.init(self.loss_scale),
+                                               self.replicated)
+        else:
+          del state["loss_scale"]
+        _echo(f"checkpoint step {s} was saved {'without' if mine else 'with'} loss scaling; "
+              + (f"the scale starts at {self.loss_scale:g}" if mine else "this run has none "
+                 f"(train.loss_scale={self.config.train.loss_scale!r}, model.dtype="
+                 f"{self.model_cfg.dtype!r}): its scale is dropped"))
+      return state, meta
     return self._newest_readable(read, step, move_aside)
 
   def restore_params(self, step=None):
@@ -417,7 +445,8 @@ def _train(run: Run) -> dict[str, Any]:
             "data": {"train": train_batcher.state.to_dict(),
                      "valid": valid_batcher.state.to_dict()},
             "model_cfg": dataclass_dict(cfg), "config": config.to_dict(),
-            "compilations": len(run.compiler.compilations), "nonfinite_skipped": skipped}
+            "compilations": len(run.compiler.compilations), "nonfinite_skipped": skipped,
+            "loss_scale": run.loss_scale is not None}
 
   writer = MetricWriter(run.workdir, tensorboard=t.tensorboard)
   dropped = writer.truncate_after(start)  # rows of the steps this run replays (after a kill -9)
@@ -526,11 +555,16 @@ def _train(run: Run) -> dict[str, Any]:
                   "tokens_per_s": tokens_per_step * window_steps / secs,
                   "compilations": len(run.compiler.compilations),
                   "plan_changes": planner.changes, "skipped": skipped}
+          if "loss_scale" in m:  # dynamic loss scaling: the scale now, attempts thrown away so far
+            last["loss_scale"] = float(m["loss_scale"])
+            last["loss_scale_skips"] = int(m["loss_scale_skips"])
           writer.write(step, "train", last)
           _echo(f"step {step:7d} | loss {last['loss']:.4f} bpc {last['bpc']:.4f} | "
                 f"{last['ms_per_step']:.0f} ms/step {last['tokens_per_s']:.0f} tok/s | "
                 f"span avg {np.mean(last['span_avg']):.0f} max {max(last['span_max']):.0f} | "
-                f"lr {last['lr']:.4g}")
+                f"lr {last['lr']:.4g}" + (f" | loss scale 2^{math.log2(last['loss_scale']):.0f} "
+                                          f"({last['loss_scale_skips']} overflows)"
+                                          if "loss_scale" in last else ""))
           if bar is not None:
             bar.set_postfix(loss=f"{last['loss']:.3f}", bpc=f"{last['bpc']:.3f}", refresh=False)
           window_t0, window_steps, window_loss = time.perf_counter(), 0, []

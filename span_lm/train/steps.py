@@ -24,6 +24,7 @@ from span_lm.model import plan as plan_lib
 from span_lm.model import spans as spans_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.plan import SpanPlan
+from span_lm.train import loss_scale as loss_scale_lib
 from span_lm.train import optimizer as optimizer_lib
 
 State = dict[str, Any]
@@ -39,14 +40,16 @@ def nll(logp_BxMxV, y_BxM, w_BxM=None):
 
 
 def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, plan: SpanPlan, batch: int,
-               eval_batch: int, seed: int) -> State:
-  """A fresh training state (call under jax.jit with out_shardings for sharded init)."""
+               eval_batch: int, seed: int, loss_scale: float | None = None) -> State:
+  """A fresh training state (call under jax.jit with out_shardings for sharded init).
+  loss_scale: the initial scale of dynamic loss scaling (train/loss_scale.py), which then lives
+  in state['loss_scale']; None: no scaling, and no such entry."""
   key = jax.random.key(seed)
   init_key, rng = jax.random.split(key)
   model = build_model(cfg, plan)
   tokens = jnp.zeros((1, 1), jnp.int32)
   params = model.init(init_key, tokens, caches_lib.init_caches(cfg, plan, 1))["params"]
-  return {
+  state = {
       "step": jnp.zeros((), jnp.int32),
       "params": params,
       "opt_state": tx.init(params),
@@ -54,6 +57,9 @@ def init_state(cfg: ModelConfig, tx: optax.GradientTransformation, plan: SpanPla
       "caches": caches_lib.init_caches(cfg, plan, batch),
       "eval_caches": caches_lib.init_caches(cfg, plan, eval_batch),
   }
+  if loss_scale is not None:
+    state["loss_scale"] = loss_scale_lib.init(loss_scale)
+  return state
 
 
 def _zero_if(caches, reset):
@@ -172,7 +178,7 @@ def _local_grads(grad_fn, params, x, y, caches, step_key, *, mesh, axes: tuple, 
 
 def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, plan: SpanPlan,
                tx: optax.GradientTransformation, batch_split: int = 1, debug_nan_at_step: int = 0,
-               mesh=None, batch_axes=None):
+               mesh=None, batch_axes=None, loss_scale_period: int = 2000):
   """One update: loss = mean NLL + span loss, reference gradient accumulation over batch_split.
 
   batch: x, y (B, M) int; reset () bool: the stream restarts after this block, so the carried
@@ -186,6 +192,17 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
   debug_nan_at_step (testing aid): step number (1-based) whose loss is made NaN; 0: off.
   mesh, batch_axes: the mesh and its axes the batch is sharded over; with several devices and
   batch_split > 1 the accumulation runs per device and reduces once (`_local_grads`).
+  Dynamic loss scaling (state['loss_scale'] present, train/loss_scale.py): the loss is
+  multiplied by the scale before the gradient and each piece's float32 gradients by its inverse
+  right after its backward pass (before the accumulation sum, the cross-device mean and the
+  optimizer's clip). An attempt whose loss is finite and whose gradients are not (an overflow)
+  is thrown away -- params, optimizer state, caches, step and data untouched -- and the same
+  batch (same dropout key) is tried again at once at half the scale, in a while loop on the
+  device, until the gradients are finite or the scale is loss_scale.MIN_SCALE; the scale doubles
+  after loss_scale_period finite steps. Only a non-finite loss, or gradients still non-finite
+  at the minimum scale, reach the non-finite handling above (and train.nonfinite). metrics
+  gain loss_scale (after the step), scale_skips (attempts this step threw away) and
+  loss_scale_skips (all attempts thrown away so far, the state's count).
   Returns the new state and metrics (sums, so averages over steps and hosts are exact).
   """
   model = build_model(cfg, plan)
@@ -193,17 +210,107 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
   rng = jax.random.wrap_key_data(state["rng"])
   step_rng = jax.random.fold_in(rng, state["step"])
 
-  def loss_fn(params, x, y, caches, key):
-    logp, new_caches, aux = model.apply({"params": params}, x, caches, train=True,
-                                        rngs={"dropout": key})
-    total, count = nll(logp, y)
-    loss = total / count
-    if debug_nan_at_step:
-      loss = loss * jnp.where(state["step"] + 1 == debug_nan_at_step, jnp.nan, 1.0)
-    return loss + aux["span_loss"], (loss, new_caches, aux)
-
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  ls = state.get("loss_scale")
   params = state["params"]
+
+  def gradients(scale):
+    """(grads, loss, new caches, aux) of the batch; scale: the loss scale (None: unscaled)."""
+
+    def loss_fn(params, x, y, caches, key):
+      logp, new_caches, aux = model.apply({"params": params}, x, caches, train=True,
+                                          rngs={"dropout": key})
+      total, count = nll(logp, y)
+      loss = total / count
+      if debug_nan_at_step:
+        loss = loss * jnp.where(state["step"] + 1 == debug_nan_at_step, jnp.nan, 1.0)
+      objective = loss + aux["span_loss"]
+      if scale is not None:  # float32; the cotangents below are this much larger
+        objective = objective * scale
+      return objective, (loss, new_caches, aux)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    if scale is not None:  # unscale each piece's float32 gradients at once (exact: 2^-k)
+      scaled_grad_fn = grad_fn
+
+      def grad_fn(*args):
+        out, g = scaled_grad_fn(*args)
+        return out, jax.tree.map(lambda a: a * (1.0 / scale).astype(a.dtype), g)
+
+    return _gradients(grad_fn, params, batch, caches, step_rng, cfg=cfg, batch_split=batch_split,
+                      mesh=mesh, batch_axes=batch_axes)
+
+  if ls is None:
+    grads, loss, new_caches, aux = gradients(None)
+  else:
+    grads, loss, new_caches, aux, scale_used, retries = _retry_overflows(gradients, ls["scale"])
+
+  updates, opt_state = tx.update(grads, state["opt_state"], params)
+  new_params = optimizer_lib.clamp_spans(optax.apply_updates(params, updates))
+  grad_norm = optax.tree.norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  covered = _plan_covers(cfg, plan, params)
+  apply = finite if covered is None else finite & covered
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
+  opt_state = keep(opt_state, state["opt_state"])
+  new_caches = _zero_if(new_caches, batch["reset"] | ~finite)
+  new_step = state["step"] + 1
+  if covered is not None:  # a refused step changes nothing: the host replays it on a wider plan
+    new_caches = tuple(jnp.where(covered, a, b) for a, b in zip(new_caches, caches))
+    new_step = state["step"] + covered.astype(state["step"].dtype)
+  params = keep(new_params, params)
+  new_state = dict(state, step=new_step, params=params, opt_state=opt_state, caches=new_caches)
+  metrics = {
+      "loss": loss,
+      "skipped": (~finite).astype(jnp.int32),
+      "span_loss": aux["span_loss"],
+      "span_avg": aux["span_avg"],
+      "span_max": aux["span_max"],
+      "grad_norm": grad_norm,
+  }
+  if ls is not None:
+    new_ls = loss_scale_lib.after_step(ls, scale_used, retries, finite, loss_scale_period)
+    if covered is not None:  # refused: replayed later, from the same scale
+      new_ls = jax.tree.map(lambda a, b: jnp.where(covered, a, b), new_ls, ls)
+    new_state["loss_scale"] = new_ls
+    metrics["loss_scale"] = new_ls["scale"]
+    metrics["scale_skips"] = retries
+    metrics["loss_scale_skips"] = new_ls["skips"]
+  if covered is not None:
+    metrics["short"] = (~covered).astype(jnp.int32)
+  if cfg.span_mode == "adaptive":
+    # Post-update z' per layer: the host re-derives the span plan from these.
+    metrics["span_ratio"] = jnp.stack([params[f"layers_{i}"]["attn"]["span_ratio"]
+                                       for i in range(cfg.n_layers)])
+  return new_state, metrics
+
+
+def _retry_overflows(gradients, scale0):
+  """gradients(scale) at scale0, then again at half the scale while the last attempt
+  overflowed (loss_scale.overflowed) and the scale is above MIN_SCALE. One attempt in the
+  common case: a while loop whose body is the whole forward and backward pass, run once more
+  per overflow. Returns (grads, loss, new caches, aux, the scale of the last attempt, the number
+  of attempts thrown away)."""
+  shapes = jax.eval_shape(gradients, scale0)
+  zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+  def again(carry):
+    tries, scale, (grads, loss, _, _) = carry
+    return (tries == 0) | (loss_scale_lib.overflowed(loss, grads)
+                           & (scale > loss_scale_lib.MIN_SCALE))
+
+  def attempt(carry):
+    tries, scale, _ = carry
+    scale = jnp.where(tries == 0, scale, scale * 0.5)
+    return tries + 1, scale, gradients(scale)
+
+  tries, scale, out = jax.lax.while_loop(
+      again, attempt, (jnp.zeros((), jnp.int32), jnp.asarray(scale0, jnp.float32), zeros))
+  return (*out, scale, tries - 1)
+
+
+def _gradients(grad_fn, params, batch, caches, step_rng, *, cfg, batch_split, mesh, batch_axes):
+  """(grads, loss, new caches, aux) of a batch in batch_split pieces (reference gradient
+  accumulation), per device when it can be (`_local_grads`)."""
   axes = _per_device_split(mesh, batch_axes, batch["x"].shape[0], batch_split)
   if batch_split == 1:
     (_, (loss, new_caches, aux)), grads = grad_fn(params, batch["x"], batch["y"], caches, step_rng)
@@ -235,37 +342,7 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
       aux["dyn_spans"] = tuple(_merge(a, one) for a in auxes["dyn_spans"])
       aux["span_loss"] = jnp.mean(auxes["span_loss"])
       aux = _whole_batch_span_stats(aux, cfg)
-
-  updates, opt_state = tx.update(grads, state["opt_state"], params)
-  new_params = optimizer_lib.clamp_spans(optax.apply_updates(params, updates))
-  grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  covered = _plan_covers(cfg, plan, params)
-  apply = finite if covered is None else finite & covered
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(apply, a, b), new, old)
-  opt_state = keep(opt_state, state["opt_state"])
-  new_caches = _zero_if(new_caches, batch["reset"] | ~finite)
-  new_step = state["step"] + 1
-  if covered is not None:  # a refused step changes nothing: the host replays it on a wider plan
-    new_caches = tuple(jnp.where(covered, a, b) for a, b in zip(new_caches, caches))
-    new_step = state["step"] + covered.astype(state["step"].dtype)
-  params = keep(new_params, params)
-  new_state = dict(state, step=new_step, params=params, opt_state=opt_state, caches=new_caches)
-  metrics = {
-      "loss": loss,
-      "skipped": (~finite).astype(jnp.int32),
-      "span_loss": aux["span_loss"],
-      "span_avg": aux["span_avg"],
-      "span_max": aux["span_max"],
-      "grad_norm": grad_norm,
-  }
-  if covered is not None:
-    metrics["short"] = (~covered).astype(jnp.int32)
-  if cfg.span_mode == "adaptive":
-    # Post-update z' per layer: the host re-derives the span plan from these.
-    metrics["span_ratio"] = jnp.stack([params[f"layers_{i}"]["attn"]["span_ratio"]
-                                       for i in range(cfg.n_layers)])
-  return new_state, metrics
+  return grads, loss, new_caches, aux
 
 
 def eval_step(params, caches, batch: dict[str, jax.Array], *, cfg: ModelConfig, plan: SpanPlan,
@@ -298,9 +375,11 @@ class StepCompiler:
 
   def __init__(self, cfg: ModelConfig, tx, mesh, state_shardings_fn: Callable, batch_sharding,
                replicated, batch_split: int = 1, log: Callable[[str], None] | None = None,
-               debug_nan_at_step: int = 0, capacity: int | None = None):
+               debug_nan_at_step: int = 0, capacity: int | None = None,
+               loss_scale_period: int = 2000):
     self.cfg, self.tx, self.mesh = cfg, tx, mesh
     self.capacity = capacity
+    self.loss_scale_period = loss_scale_period  # used when the state has a loss scale
     self.debug_nan_at_step = debug_nan_at_step
     self._state_shardings = state_shardings_fn
     self._batch_sharding = batch_sharding
@@ -355,7 +434,8 @@ class StepCompiler:
     fn = lambda cfg: functools.partial(train_step, cfg=cfg, plan=plan, tx=self.tx,
                                        batch_split=self.batch_split,
                                        debug_nan_at_step=self.debug_nan_at_step, mesh=self.mesh,
-                                       batch_axes=self._batch_sharding.spec[0])
+                                       batch_axes=self._batch_sharding.spec[0],
+                                       loss_scale_period=self.loss_scale_period)
     st_sh = self._state_shardings(state)
     b_sh = {"x": self._batch_sharding, "y": self._batch_sharding, "reset": self._replicated}
     return self._compile("train", plan, fn, (state, batch), (st_sh, b_sh),
