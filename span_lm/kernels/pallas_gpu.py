@@ -418,8 +418,8 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
   # buffer to this layer's cotangent, so XLA neither merges the recomputation with the forward's
   # G (which would keep every layer's G alive until its backward) nor hoists it (or the zeros)
   # ahead of the layer's own backward pass.
-  q, pe, do, zeros_g = lax.optimization_barrier(
-      (q, pe, do, jnp.zeros((b, h, m * (w + 1)), q.dtype)))
+  q, pe, do, zero = lax.optimization_barrier((q, pe, do, jnp.zeros((), q.dtype)))
+  zeros_g = jnp.broadcast_to(zero, (b, h, m * (w + 1)))  # after the barrier: not hoisted
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   pe1 = _pitched_pe(pe, q.dtype)  # pe may be float32: d pe is returned as such
   g = position_scores(q, pe1, precision)
