@@ -57,7 +57,7 @@ def choose(cfg: model_config.ModelConfig, attn_impl: str, *, causal: bool, maske
   m = blk * ((q_len - w + 1) // blk)  # queries the door runs: whole tiles
   why = ("attn_impl='plain'" if attn_impl == "plain" else "bidirectional" if not causal
          else "a mask was given" if masked else "queries and keys differ in length"
-         if q_len != kv_len else f"sequence of {q_len} < max_span + {blk}" if m < blk else "")
+         if q_len != kv_len else f"{q_len} queries, fewer than max_span + {blk - 1}" if m < blk else "")
   impl, head = ("plain", q_len) if why else (kernels.choose(cfg, m, w), q_len - m)
   key = (attn_impl, impl, causal, masked, q_len, kv_len, w)
   if key not in _logged:
@@ -87,8 +87,8 @@ def _position_logits(q_BxHxNxD, pos_back_DxS, pos_ahead_DxS, k_len: int):
   distance x back (the door's key_pe layout), of pos_ahead distance x ahead."""
   s = pos_back_DxS.shape[-1]
   n = q_BxHxNxD.shape[2]
-  ij = jnp.arange(n)[:, None] - jnp.arange(k_len)[None, :]  # > 0: the key lies back
-  col = jnp.clip(s - 1 - jnp.abs(ij), 0, s - 1)[None, None]
+  ij = (jnp.arange(n)[:, None] - jnp.arange(k_len)[None, :])[None, None]  # > 0: key lies back
+  col = jnp.clip(s - 1 - jnp.abs(ij), 0, s - 1)
   f32 = dict(preferred_element_type=jnp.float32)
   back = jnp.einsum("bhnd,ds->bhns", q_BxHxNxD, pos_back_DxS.astype(q_BxHxNxD.dtype), **f32)
   take = lambda a: jnp.take_along_axis(a, jnp.broadcast_to(col, a.shape[:2] + col.shape[2:]), -1)
@@ -108,7 +108,7 @@ def plain_attention(q_BxHxNxD, k_BxHxKxD, v_BxHxKxD, z_H, pos_back_DxS, pos_ahea
   q = q_BxHxNxD
   cont = jnp.einsum("bhnd,bhkd->bhnk", q, k_BxHxKxD, **f32)
   pos = _position_logits(q, pos_back_DxS, pos_ahead_DxS, kl)
-  ij = jnp.arange(n)[:, None] - jnp.arange(kl)[None, :]
+  ij = (jnp.arange(n)[:, None] - jnp.arange(kl)[None, :])[None, None]  # 1 1 N K
   allowed = (ij >= 0 if causal else True) & (jnp.abs(ij) < s)
   if mask is not None:
     allowed = allowed & (jnp.asarray(mask) != 0)
