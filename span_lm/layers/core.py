@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm import kernels
+from span_lm.kernels import banded_reference
 from span_lm.kernels import span_mask
 from span_lm.model import config as model_config
 from span_lm.model import spans as spans_lib
@@ -84,18 +85,29 @@ def span_loss(span_ratio, max_span: int, coef: float):
 
 def _position_logits(q_BxHxNxD, pos_back_DxS, pos_ahead_DxS, k_len: int):
   """q . e(i - j) for every query i and key j, (B, H, N, K): column S - 1 - x of pos_back is
-  distance x back (the door's key_pe layout), of pos_ahead distance x ahead."""
-  s = pos_back_DxS.shape[-1]
-  n = q_BxHxNxD.shape[2]
-  ij = (jnp.arange(n)[:, None] - jnp.arange(k_len)[None, :])[None, None]  # > 0: key lies back
-  col = jnp.clip(s - 1 - jnp.abs(ij), 0, s - 1)
+  distance x back (the door's key_pe layout), of pos_ahead distance x ahead; 0 beyond S."""
   f32 = dict(preferred_element_type=jnp.float32)
-  back = jnp.einsum("bhnd,ds->bhns", q_BxHxNxD, pos_back_DxS.astype(q_BxHxNxD.dtype), **f32)
-  take = lambda a: jnp.take_along_axis(a, jnp.broadcast_to(col, a.shape[:2] + col.shape[2:]), -1)
+  s, n = pos_back_DxS.shape[-1], q_BxHxNxD.shape[2]
+  band = lambda q, pe: jnp.einsum("bhnd,ds->bhns", q, pe.astype(q.dtype), **f32)  # B H N S
+  if k_len != n:  # unaligned lengths: a gather (its backward, a scatter, is slow on CPUs)
+    ij = (jnp.arange(n)[:, None] - jnp.arange(k_len)[None, :])[None, None]
+    col = jnp.clip(s - 1 - jnp.abs(ij), 0, s - 1)
+    take = lambda a: jnp.take_along_axis(a, jnp.broadcast_to(col, a.shape[:2] + col.shape[2:]),
+                                         -1)
+    back = take(band(q_BxHxNxD, pos_back_DxS))
+    if pos_ahead_DxS is None:
+      return back
+    return jnp.where(ij >= 0, back, take(band(q_BxHxNxD, pos_ahead_DxS)))
+  # Bands to query-by-key by the reference's pad-and-reshape skew: row i's column S - 1 - x
+  # lands on key i - x (banded_reference.skew puts band column s of row i at i + s).
+  back = banded_reference.skew(band(q_BxHxNxD, pos_back_DxS))[..., s - 1:s - 1 + n]
   if pos_ahead_DxS is None:
-    return take(back)
-  ahead = jnp.einsum("bhnd,ds->bhns", q_BxHxNxD, pos_ahead_DxS.astype(q_BxHxNxD.dtype), **f32)
-  return jnp.where(ij >= 0, take(back), take(ahead))
+    return back
+  flip = lambda a: a[..., ::-1, :]  # reversed positions: ahead becomes back
+  ahead = banded_reference.skew(band(flip(q_BxHxNxD), pos_ahead_DxS))[..., s - 1:s - 1 + n]
+  ahead = ahead[..., ::-1, ::-1]
+  ij = (jnp.arange(n)[:, None] - jnp.arange(n)[None, :])[None, None]
+  return jnp.where(ij >= 0, back, ahead)
 
 
 def plain_attention(q_BxHxNxD, k_BxHxKxD, v_BxHxKxD, z_H, pos_back_DxS, pos_ahead_DxS=None, *,
