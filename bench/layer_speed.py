@@ -7,7 +7,7 @@ with mask=None (the kernels' path: span_lm.kernels' cpu implementation on a CPU,
 on a GPU; O(N * max_span)) and ours on its plain dense path. Each case is a jitted forward, and a
 jitted value_and_grad of sum(out^2) (parameters and inputs); the median of --reps timed runs.
 
-  python bench/layer_speed.py                         # N=4096, spans 64-256, batch 2, D=256, 4 heads
+  python bench/layer_speed.py              # N=4096, spans 64-256, batch 2, D=256, 4 heads
   python bench/layer_speed.py --length 8192 --reps 3
 """
 import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import

@@ -35,7 +35,8 @@ _logged: set = set()
 
 
 def door_config(num_heads: int, head_dim: int, max_span: int, ramp: int, *, attn_impl="auto",
-                dtype=jnp.float32, dropout_rate=0.0, span_loss_coef=0.0) -> model_config.ModelConfig:
+                dtype=jnp.float32, dropout_rate=0.0,
+                span_loss_coef=0.0) -> model_config.ModelConfig:
   """The ModelConfig the door (span_lm.kernels) reads for one layer: its sizes, ramp, kernel and
   tile (the largest of 64, 32, 16 dividing max_span; the fused kernels need one)."""
   block = next((b for b in (64, 32, 16) if max_span % b == 0), 64)
@@ -56,9 +57,10 @@ def choose(cfg: model_config.ModelConfig, attn_impl: str, *, causal: bool, maske
     raise ValueError(f"attn_impl={attn_impl!r}: choose one of {IMPLS}")
   w, blk = cfg.span, cfg.attn_block
   m = blk * ((q_len - w + 1) // blk)  # queries the door runs: whole tiles
-  why = ("attn_impl='plain'" if attn_impl == "plain" else "bidirectional" if not causal
-         else "a mask was given" if masked else "queries and keys differ in length"
-         if q_len != kv_len else f"{q_len} queries, fewer than max_span + {blk - 1}" if m < blk else "")
+  why = next((text for bad, text in (
+      (attn_impl == "plain", "attn_impl='plain'"), (not causal, "bidirectional"),
+      (masked, "a mask was given"), (q_len != kv_len, "queries and keys differ in length"),
+      (m < blk, f"{q_len} queries, fewer than max_span + {blk - 1}")) if bad), "")
   impl, head = ("plain", q_len) if why else (kernels.choose(cfg, m, w), q_len - m)
   key = (attn_impl, impl, causal, masked, q_len, kv_len, w)
   if key not in _logged:
