@@ -492,10 +492,11 @@ b, h, m, w, n = 1, 2, 128, 256, 64
 for dt in (jnp.bfloat16, jnp.float32):
   for dh in (64, 96):  # enwik8's and enwik8_large's head sizes (96 runs padded to 128)
     tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)  # what the door runs
-    print("TILES " + json.dumps([jnp.dtype(dt).name, dh, tile, warps, stages]), flush=True)
+    bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile)
+    print("TILES " + json.dumps([jnp.dtype(dt).name, dh, tile, warps, stages, bk]), flush=True)
     sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
     def loss(q, k, v, pe, z, pk, pv):
-      return jnp.sum(pallas_gpu.span_attention(q, k, v, pe, z, ramp=32, block=tile,
+      return jnp.sum(pallas_gpu.span_attention(q, k, v, pe, z, ramp=32, block=tile, block_k=bk,
           num_warps=warps, num_stages=stages, pers_k_HxDxN=pk, pers_v_HxNxD=pv,
           dropout_rate=0.1, dropout_seed=jnp.uint32(3)).astype(jnp.float32))
     jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)))).lower(
