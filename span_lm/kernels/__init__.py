@@ -100,8 +100,10 @@ def gpu_preference(compute_capability: float, head_dim: int) -> tuple[str, str]:
 
 def fit_fallback(cfg):
   """The model config to compile instead when a step of `cfg` does not fit in device memory:
-  `auto`'s reference on a GPU falls back to the fused kernel (O(block) memory per layer against
-  O(block x window)); None where there is nothing to fall back to."""
+  `auto`'s reference on a GPU falls back to the fused kernel, which saves O(block) per layer for
+  the backward pass (its position scores, O(block x window), are recomputed per layer) where the
+  XLA path saves O(block x window) score bands per layer; None where there is nothing to fall
+  back to."""
   if cfg.attn_impl != "auto" or choose(cfg) != "reference":
     return None
   platform = target.current()
