@@ -469,6 +469,9 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
                        precision=prec)
   dpe = jnp.einsum("bhmd,bhmw->dw", q, dg, preferred_element_type=jnp.float32, precision=prec)
   dpe = dpe[:, :w].astype(pe.dtype)
+  # d pe is not needed until the optimizer step: without the barrier XLA computes it late and
+  # every layer's dG stays alive until then. With it, d pe is done when dq, dk and dv are.
+  dq, dk, dv, dpe = lax.optimization_barrier((dq, dk, dv, dpe))
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
   dpk = None if pk is None else dpk.astype(pk.dtype)
   dpv = None if pv is None else dpv.astype(pv.dtype)
