@@ -631,7 +631,7 @@ def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: in
   q_all, kv_all = b * h * m * dp * isz, b * h * keys_read * dp * isz
   g_all, g_read, stat = b * h * m * (w + 1) * isz, b * h * m * keys_read * isz, b * h * m * 4
   minimum = {"fwd": 2 * q_all + 2 * kv_all + g_read + 3 * stat + pers_io * h,
-             "bwd_q": 2 * q_all + 2 * q_all * 4 // isz + 2 * kv_all + 2 * g_read + 4 * stat
+             "bwd_q": 2 * q_all + q_all * 4 // isz + 2 * kv_all + 2 * g_read + 4 * stat
                       + pers_io * h * 3,
              "bwd_kv": 2 * q_all + 4 * kv_all + g_read + 4 * stat,
              "position": 4 * q_all + 3 * g_all + (w + 1) * dp * (isz + 4)}

@@ -92,7 +92,10 @@ def test_fused_kernel_tiles_per_target_fit_the_block():
     for dh in (64, 96):
       for dtype in ("bfloat16", "float32"):
         tile, warps, stages = pallas_gpu.tiles(cc, dh, dtype, 64)
-        assert tile == 64 and warps in (4, 8) and stages >= 2  # 64-row tiles, pipelined
+        # 64-row tiles in bf16 (float32 on the A100: 32, registers), pipelined, key tiles dividing
+        assert tile == (64 if dtype == "bfloat16" or cc >= 9 else 32), (cc, dh, dtype)
+        assert warps in (4, 8) and stages >= 2
+        assert tile % pallas_gpu.key_tile(cc, dh, dtype, tile) == 0
   assert pallas_gpu.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
 
 
@@ -135,9 +138,10 @@ def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():
   cfg = ModelConfig(vocab_size=11, d_model=128, n_heads=2, span=128, attn_block=64,
                     plan_granularity=64)
   with target_lib.compiling_for("cuda", 8.0):
-    assert kernels.compiler_options(cfg) == {
+    assert kernels.compiler_options(dataclasses.replace(cfg, attn_impl="pallas")) == {
         "xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
     assert kernels.compiler_options(dataclasses.replace(cfg, attn_impl="reference")) == {}
+    assert kernels.compiler_options(cfg) == {}  # auto: the XLA path while the kernel is untimed
   with target_lib.compiling_for("gpu", 7.0):  # V100: the reference path
     assert kernels.compiler_options(cfg) == {}
   with target_lib.compiling_for("tpu", kind="TPU v5"):
