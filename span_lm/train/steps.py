@@ -379,6 +379,7 @@ class StepCompiler:
                loss_scale_period: int = 2000):
     self.cfg, self.tx, self.mesh = cfg, tx, mesh
     self.capacity = capacity
+    self._fallen_back = None  # the config a step that did not fit was compiled with
     self.loss_scale_period = loss_scale_period  # used when the state has a loss scale
     self.debug_nan_at_step = debug_nan_at_step
     self._state_shardings = state_shardings_fn
@@ -410,7 +411,7 @@ class StepCompiler:
     if key in self._cache:
       return self._cache[key]
     t0 = time.perf_counter()
-    cfg = self.cfg
+    cfg = self._fallen_back or self.cfg  # once a step did not fit, later plans start there
     compiled = self._lower_compile(cfg, make_fn(cfg), args, in_shardings, out_shardings, donate)
     alt = kernels.fit_fallback(cfg) if self.capacity else None
     peak = peak_bytes(compiled) if alt is not None else None
@@ -418,7 +419,7 @@ class StepCompiler:
       self._log(f"attention: the {kind} step with {kernels.choose(cfg)} attention needs "
                 f"{peak / 2**30:.2f} GiB per device of {self.capacity / 2**30:.2f}: compiling it "
                 f"with attn_impl={alt.attn_impl!r} instead")
-      cfg = alt
+      cfg = self._fallen_back = alt
       compiled = self._lower_compile(cfg, make_fn(cfg), args, in_shardings, out_shardings,
                                      donate)
     secs = time.perf_counter() - t0
