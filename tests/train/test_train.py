@@ -463,10 +463,15 @@ def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, 
                                        sharding=run.batch_sharding) for k in ("x", "y")}
       batch["reset"] = jax.ShapeDtypeStruct((), np.bool_, sharding=run.replicated)
       run.compiler.eval(plan, state["params"], state["eval_caches"], batch)  # the cheaper step
+      if recompiled:  # a plan change: the next step starts from the fallback, no wasted compile
+        full = plan_lib.full_plan(run.model_cfg)
+        _, abstract, shardings = run.abstract_state(full)
+        wide = sharding_lib.with_shardings(abstract, shardings)
+        run.compiler.eval(full, wide["params"], wide["eval_caches"], batch)
     finally:
       if run.ckpt:
         run.ckpt.close()
     said = capsys.readouterr().out
     assert run.compiler.compilations[-1]["attention"] == ("reference" if recompiled else "cpu")
     assert ("compiling it with attn_impl='reference' instead" in said) == recompiled, said
-  assert asked == ["cpu", "cpu"]
+  assert asked == ["cpu", "reference", "cpu"]  # the full plan's step went to the fallback first
