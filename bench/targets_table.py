@@ -10,6 +10,9 @@ Needs the toolchains: pip install "jax[cuda12]==<jax version>" "jax[tpu]==<jax v
   python bench/targets_table.py --configs configs/enwik8.py configs/enwik8_large.py \
       --targets h100:8 a100_80:8 a100_40:8 v100_32:8 v5e:4x4 v5p:2x2x2 v6e:2x4 v4:2x2x2 \
       --out docs/targets
+  # float16 rows: the same search with one more override on every row
+  python bench/targets_table.py --configs configs/enwik8_large.py --targets v100_16:8 v100_32:8 \
+      --set model.dtype=float16 --out docs/targets_float16
 """
 import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
@@ -74,16 +77,17 @@ def _commit() -> str:
   return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def one(path: str, target: str, split: int, remat: str, plan: str) -> dict:
+def one(path: str, target: str, split: int, remat: str, plan: str, sets: dict | None = None) -> dict:
   overrides = {"mode": "compile", "compile.targets": target, "compile.steps": "train",
-               "compile.plan": plan, "optim.batch_split": split, "model.remat": remat}
+               "compile.plan": plan, "optim.batch_split": split, "model.remat": remat,
+               **(sets or {})}
   tgt = compile_lib.parse_target(target)
   devices = tgt.chips * (tgt.chip.cores_per_chip if tgt.chip.name == "v4" else 1)
   eval_batch = config_lib.load_config(path).data.eval_batch
-  extra = ""
+  extra = "".join(f" --config.{k}={v}" for k, v in (sets or {}).items())
   if eval_batch % devices:  # the state holds the evaluation caches: one stream per device at least
     overrides["data.eval_batch"] = devices
-    extra = f" --config.data.eval_batch={devices}"
+    extra += f" --config.data.eval_batch={devices}"
   config = config_lib.load_config(path, overrides)
   with tempfile.TemporaryDirectory() as tmp:
     config.compile.out = tmp
@@ -110,13 +114,16 @@ def main():
   p.add_argument("--plan", default="full", choices=["full", "initial"])
   p.add_argument("--max_split", type=int, default=8)
   p.add_argument("--out", default="docs/targets")
+  p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                 help="config overrides for every row, e.g. model.dtype=float16")
   args = p.parse_args()
+  sets = dict(kv.split("=", 1) for kv in args.set)
   results = []
   if os.path.exists(args.out + ".json"):  # resume: keep rows already measured
     results = json.load(open(args.out + ".json"))["rows"]
   done = {(r["config"], r["target"]) for r in results}
   for path in args.configs:
-    base = config_lib.load_config(path)
+    base = config_lib.load_config(path, sets)
     for target in args.targets:
       if (path, target) in done:
         continue
@@ -130,7 +137,7 @@ def main():
           skipped.append((split, remat))  # the last setting (remat, or the largest split) runs
           continue
         t0 = time.perf_counter()
-        row = one(path, target, split, remat, args.plan)
+        row = one(path, target, split, remat, args.plan, sets)
         row["wall_s"] = time.perf_counter() - t0
         if "(status -9)" in row.get("error", ""):  # SIGKILL: the host ran out of memory, not the chip
           print(f"{path} on {target}: {row['error'][:120]}; row not recorded (rerun with fewer "
