@@ -4,8 +4,9 @@ the reference PyTorch step and sampling speed, written to --out DIR as suite.jso
   python bench/gpu_suite.py --out /tmp/gpu_suite            # a GPU machine: < 9 minutes, offline
   python bench/gpu_suite.py --dry_run --out /tmp/gpu_dry     # CPU rehearsal: tiny shapes, < 1 min
 
-bench/README.md has the command for a lent GPU machine and the folder it needs (.gpu_carry, built
-by bench/gpu_prepare.sh); docs/benchmarks.md has what the numbers mean and the results.
+bench/README.md has the commands for a GPU machine without network and the folder it needs
+(.gpu_carry, built by bench/gpu_prepare.sh); docs/benchmarks.md has what the numbers mean and the
+results.
 
 Stages, in priority order (each with a time budget; what a stage leaves unused passes on, what
 does not fit is recorded as skipped with the reason, never silently dropped):
