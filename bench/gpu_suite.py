@@ -32,6 +32,7 @@ training child's peak memory is its own. With --dry_run everything runs on the C
 with the Pallas kernel in interpret mode, and the reference step is a recorded stand-in where
 PyTorch or the reference checkout is absent (tests/test_gpu_suite.py runs it in CI).
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)
 import argparse
 import datetime
 import json
@@ -41,7 +42,6 @@ import sys
 import time
 import traceback
 
-import _repo  # the checkout's span_lm, first on sys.path
 sys.path.insert(0, os.path.join(_repo.ROOT, "tests"))  # reference_numpy: the plain definition
 import reference_numpy  # pylint: disable=g-import-not-at-top,wrong-import-position
 from span_lm import config as config_lib  # pylint: disable=wrong-import-position
