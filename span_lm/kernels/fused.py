@@ -37,23 +37,27 @@ def online_softmax(m_prev, logits, visited=None, *, keepdims: bool = True):
   return m_new, jnp.exp(m_prev - m_new), p
 
 
-def weights_grad(p, dp, delta, u=None, *, renormalised: bool, eps: float, ramp: int,
+def weights_grad(p, dp, delta, z=None, dist=None, *, renormalised: bool, eps: float, ramp: int,
                  keepdims: bool = True):
   """The backward pass of one tile's weights: (dS before the logits' scale, the weights A as
   they multiply the values, before dropout, and the rows' span gradient, or None).
 
   p: the softmax weights P / den (the saved normaliser); dp: dO V^T (times dropout's keep);
-  u: the span mask before its clamp (`span_mask.ramp`), or None where the mask is 1 (a fixed
-  span, persistent keys); renormalised: whether the weights were renormalised by the span mask
-  (then the normaliser's eps sum P term has a gradient too). With A = P m / den':
-  dS = A (dP - delta) - eps P delta, dz = rowsum(P (dP - delta) clamp'(u)) / R."""
+  z, dist: the rows' spans and the tile's distances, or None where the mask is 1 (a fixed span,
+  persistent keys); renormalised: whether the weights were renormalised by the span mask (then
+  the normaliser's eps sum P term has a gradient too). With u = span_mask.ramp(z, dist) and
+  A = P clamp(u): dS = A (dP - delta) - eps P delta, dz = rowsum(P (dP - delta) clamp'(u)) / R.
+  The operations run in this order on purpose: ptxas allocates registers along it, and computing
+  dz first spilled in the A100 kernel's bwd_q (tests/kernels/test_pallas_gpu.py's PTX test)."""
   delta = _col(delta, keepdims)
   g = dp - delta
-  if u is None:
+  if z is None:
     return (p * g - eps * p * delta if renormalised else p * g), p, None
+  u = span_mask.ramp(_col(z, keepdims), dist, ramp)
   a = p * span_mask.clamp01(u)
+  ds = a * g - eps * p * delta
   dz = jnp.sum(p * g * span_mask.clamp01_slope(u), axis=1, keepdims=keepdims) / ramp
-  return a * g - eps * p * delta, a, dz
+  return ds, a, dz
 
 
 def check_inputs(pers_k, pers_v, dropout_rate: float, dropout_seed, precision: str):

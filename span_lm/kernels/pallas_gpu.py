@@ -224,9 +224,8 @@ def _tile_grads(q, do, k, v, pos, t0, i0, win, z, mx, den, delta, seed, bh, *,
     keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
                          n_keys=w + n_rows + n_pers, rate=rate)
     gv = gv * keep
-  u = span_mask.ramp(z[:, None], dist, ramp) if has_mask else None
-  dl, a, dz = fused.weights_grad(p, gv, delta, u, renormalised=has_mask, eps=eps, ramp=ramp,
-                                 keepdims=False)
+  dl, a, dz = fused.weights_grad(p, gv, delta, z, dist, renormalised=has_mask, eps=eps,
+                                 ramp=ramp, keepdims=False)
   kept = a if keep is None else a * keep
   return dl * scale, kept, dz, visited
 

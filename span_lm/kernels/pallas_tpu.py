@@ -166,9 +166,8 @@ def _tile_grads(q, g, k_t, v_t, pe_ref, t0, i0, z, mx, den, delta, keep, s: _Sta
   gv = _dot(g, v_t, s.precision)
   if keep is not None:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
     gv = gv * keep
-  u = None if z is None else span_mask.ramp(z, dist.astype(jnp.float32), s.ramp)
-  dl, a, dz = fused.weights_grad(p, gv, delta, u, renormalised=z is not None, eps=s.eps,
-                                 ramp=s.ramp)
+  dl, a, dz = fused.weights_grad(p, gv, delta, z, dist.astype(jnp.float32),
+                                 renormalised=z is not None, eps=s.eps, ramp=s.ramp)
   return dl * s.scale, a if keep is None else a * keep, dz, pe
 
 
