@@ -77,8 +77,8 @@ PRECISIONS = fused.PRECISIONS
 
 
 class _Static(NamedTuple):
-  w: int  # the cache part's positions L, a multiple of bk: the layout's window
-  span_w: int  # the window W (<= L): distances beyond it are never visited
+  l: int  # the cache part's positions L, a multiple of bk: the laid-out window
+  w: int  # the window W (<= L): distances beyond it are never visited
   ramp: int
   eps: float
   bq: int
@@ -127,17 +127,17 @@ def _unskew(ds, bq, bk):
 def _windows(z, s: _Static):
   """Distances each row visits ((rows, 1) int32; z: (rows, 1) spans or None for fixed)."""
   if z is None:
-    return s.span_w
-  return jnp.clip(span_mask.visited_distances(z, s.ramp), 1, s.span_w)
+    return s.w
+  return jnp.clip(span_mask.visited_distances(z, s.ramp), 1, s.w)
 
 
 def _keep(seed, bh, i0, t0, m, s: _Static):
   """Dropout's keep / (1 - rate) for the tile of rows i0.. and keys t0.. (persistent vector n
   is key W + M + n), as the GPU kernel draws it."""
   rows = i0 + lax.broadcasted_iota(jnp.int32, (s.bq, 1), 0)
-  keys = t0 - (s.w - s.span_w) + lax.broadcasted_iota(jnp.int32, (1, s.bk), 1)  # as if unpadded
+  keys = t0 - (s.l - s.w) + lax.broadcasted_iota(jnp.int32, (1, s.bk), 1)  # as if unpadded
   return hashed_dropout.dropout_scale(seed, bh, rows, keys, n_rows=m,
-                                      n_keys=s.span_w + m + s.n_pers,
+                                      n_keys=s.w + m + s.n_pers,
                                       rate=s.rate)
 
 
@@ -151,7 +151,7 @@ def _tile(q, k_t, pe_ref, t0, i0, win, s: _Static):
   pos = _skew(_dot(q, pe, s.precision, trans_b=True), bq, bk)
   r = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   c = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  dist = (s.w + i0 - t0) + r - c
+  dist = (s.l + i0 - t0) + r - c
   visited = (dist >= 1) & (dist <= win)
   logits = jnp.where(visited, (cont + pos) * s.scale, NEG)
   return logits, dist, visited, pe
@@ -189,7 +189,7 @@ def _rep(x):
 def _kv_tile(kvc_ref, kvb_ref, kb, s: _Static):
   """Key block kb's keys and values, each (Dh, bk): from the cache's part below L / bk, the
   block's above (both blocks are in VMEM; the index maps fetch each only when it changes)."""
-  kv = lax.cond(kb < s.w // s.bk, lambda: kvc_ref[...], lambda: kvb_ref[...])  # one load
+  kv = lax.cond(kb < s.l // s.bk, lambda: kvc_ref[...], lambda: kvb_ref[...])  # one load
   return kv[0], kv[1]
 
 
@@ -223,7 +223,7 @@ def _fwd_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static, 
         acc, mx, tot = carry
         logits, rows = _pers_logits(q, pk_ref, c * s.bk, s)
         mx_new, corr, p = fused.online_softmax(mx, logits)
-        kept = p * _keep(seed, bh, qi * s.bq, s.w + m + c * s.bk, m, s) if s.rate else p
+        kept = p * _keep(seed, bh, qi * s.bq, s.l + m + c * s.bk, m, s) if s.rate else p
         acc = acc * corr + _dot(kept.astype(q.dtype), pv_ref[rows, :].astype(q.dtype),
                                 s.precision)
         return acc, mx_new, tot * corr + jnp.sum(p, axis=1, keepdims=True)
@@ -300,7 +300,7 @@ def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static
         gv = _dot(g, pv_ref[rows, :].astype(g.dtype), s.precision, trans_b=True)
         kept = p
         if s.rate:
-          keep = _keep(seed, bh, qi * bq, s.w + m + c * bk, m, s)
+          keep = _keep(seed, bh, qi * bq, s.l + m + c * bk, m, s)
           gv, kept = gv * keep, p * keep
         ds = fused.weights_grad(p, gv, delta, renormalised=has_mask, eps=s.eps,
                                 ramp=s.ramp)[0] * s.scale
@@ -381,26 +381,26 @@ def _key_bounds(z, b, h, m, s: _Static):
   last + 1."""
   nq = m // s.bq
   if z is None:
-    win = jnp.full((b, h, m), s.span_w, jnp.int32)
+    win = jnp.full((b, h, m), s.w, jnp.int32)
   else:
-    win = jnp.clip(span_mask.visited_distances(lax.stop_gradient(z), s.ramp), 1, s.span_w)
+    win = jnp.clip(span_mask.visited_distances(lax.stop_gradient(z), s.ramp), 1, s.w)
   r = (jnp.arange(m, dtype=jnp.int32) % s.bq).reshape(1, 1, m)
   i0 = (jnp.arange(nq, dtype=jnp.int32) * s.bq).reshape(1, 1, nq)
-  first = s.w + i0 + jnp.min((r - win).reshape(b, h, nq, s.bq), axis=-1)
+  first = s.l + i0 + jnp.min((r - win).reshape(b, h, nq, s.bq), axis=-1)
   lo = first // s.bk
-  hi = jnp.broadcast_to((s.w + i0 + s.bq - 2) // s.bk + 1, lo.shape)
+  hi = jnp.broadcast_to((s.l + i0 + s.bq - 2) // s.bk + 1, lo.shape)
   return jnp.concatenate([lo.reshape(-1), hi.reshape(-1)]).astype(jnp.int32)
 
 
 def _key_steps(m, s: _Static):
   """Grid steps over key blocks: the most a query block can visit (every span = W)."""
-  pad = s.w - s.span_w
-  return max((s.w + i0 + s.bq - 2) // s.bk + 1 - (pad + i0) // s.bk for i0 in range(0, m, s.bq))
+  pad = s.l - s.w
+  return max((s.l + i0 + s.bq - 2) // s.bk + 1 - (pad + i0) // s.bk for i0 in range(0, m, s.bq))
 
 
 def _query_bounds(bounds, b, h, m, s: _Static):
   """(2 B H nkb,) int32: [first..., last + 1...) query block that reads each key block."""
-  nq, nkb = m // s.bq, (s.w + m) // s.bk
+  nq, nkb = m // s.bq, (s.l + m) // s.bk
   lo, hi = bounds[:b * h * nq].reshape(b, h, nq, 1), bounds[b * h * nq:].reshape(b, h, nq, 1)
   kb = jnp.arange(nkb, dtype=jnp.int32).reshape(1, 1, 1, nkb)
   reads = (lo <= kb) & (kb < hi)  # B H nq nkb
@@ -415,8 +415,8 @@ def _query_steps(m, s: _Static, key_blocks: range):
   """Grid steps over query blocks: the most query blocks that read one of `key_blocks`
   (span = W)."""
   nq = m // s.bq
-  lo = [(s.w - s.span_w + i0) // s.bk for i0 in range(0, m, s.bq)]
-  hi = [(s.w + i0 + s.bq - 2) // s.bk + 1 for i0 in range(0, m, s.bq)]
+  lo = [(s.l - s.w + i0) // s.bk for i0 in range(0, m, s.bq)]
+  hi = [(s.l + i0 + s.bq - 2) // s.bk + 1 for i0 in range(0, m, s.bq)]
   return max(1, max(sum(lo[q] <= kb < hi[q] for q in range(nq)) for kb in key_blocks))
 
 
@@ -446,7 +446,7 @@ def _band_cost(kind: str, q, nkb: int, s: _Static, steps: int, has_mask: bool
   isz, nq = jnp.dtype(q.dtype).itemsize, m // s.bq
   qk, pos = 2 * s.bq * s.bk * dp, 2 * s.bq * (s.bq + s.bk) * dp
   row, key, stat = s.bq * dp * isz, s.bk * dp * isz, s.bq * LANES * 4
-  pe = (s.w + 2 * (s.bq + s.bk)) * dp * 4
+  pe = (s.l + 2 * (s.bq + s.bk)) * dp * 4
   if kind == "fwd":  # per tile: content, position, values
     tiles, flops = b * h * nq * steps, 2 * qk + pos
     byts = b * h * nq * (2 * row + 2 * stat + stat * has_mask + steps * 2 * key) + pe
@@ -483,9 +483,9 @@ def _query_grid_specs(b, h, nq, dp, s: _Static):
   """BlockSpecs of the (batch, head, query block, key step) grid of the forward and dq kernels:
   query rows, their row statistics, and the keys and values of each step's key block, clamped to
   the block's scalar-prefetched [first, last] (a step past it re-uses the block in VMEM: no DMA),
-  from the cache's part (blocks below W / bk) and the block's part (the rest): each part's index
+  from the cache's part (blocks below L / bk) and the block's part (the rest): each part's index
   stays at its nearest block while the other part is read, so it is fetched once."""
-  n_wb = s.w // s.bk
+  n_wb = s.l // s.bk
 
   def key_block(bi, hi, qi, j, bnd):
     cell = (bi * h + hi) * nq + qi
@@ -542,7 +542,7 @@ def _itemsize(x):
 def _backward(s: _Static, res, g):
   q, kvc, kvb, pe_t, z, seed, pk_t, pv, out, mx, den = res
   b, h, m, dp = q.shape
-  nq, n_wb, nkb = m // s.bq, s.w // s.bk, (s.w + m) // s.bk
+  nq, n_wb, nkb = m // s.bq, s.l // s.bk, (s.l + m) // s.bk
   has_mask = z is not None
   delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
   bounds = _key_bounds(z, b, h, m, s)
@@ -745,10 +745,10 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
   if vmem_limit_bytes is None and not interpret:
     vmem_limit_bytes = vmem_bytes(n_cached, dp, bq, bk, q_BxHxMxD.dtype, key_pe_DxW.dtype,
                                   n_pers, pers_dtype or jnp.float32)
-  s = _Static(w=n_cached, ramp=int(ramp), eps=float(eps), bq=bq, bk=bk,
+  s = _Static(l=n_cached, ramp=int(ramp), eps=float(eps), bq=bq, bk=bk,
               scale=1.0 / math.sqrt(dh), precision=precision, interpret=interpret,
               vmem_limit_bytes=vmem_limit_bytes, rate=float(dropout_rate), n_pers=n_pers,
-              span_w=w)
+              w=w)
   pad = lambda x: x if dp == dh else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - dh)])
   pad_kv = lambda x: x if dp == dh else jnp.pad(x, [(0, 0)] * 3 + [(0, dp - dh), (0, 0)])
   # key_pe as rows (distance d at row L - d + P), zero rows on both sides (and for the L - W
