@@ -159,9 +159,13 @@ def test_one_table_every_implementation_offers_the_same_functions():
     assert impl.name == name and cfg_for(name).attn_impl == name
     missing = [f for f in surface if not callable(getattr(impl.ops, f, None))]
     assert not missing, f"{impl.ops_module} lacks {missing}"
-    assert kernels.select(cfg_for(name), 16, 32) is impl
+    misfit = impl.misfit(cfg_for(name), 16, 32)
+    assert kernels.select(cfg_for(name), 16, 32) is (kernels.IMPLS["reference"] if misfit else impl)
+    assert kernels.why(cfg_for(name), 16, 32) == misfit
     assert (impl.platform is None) == (not impl.needs)  # a compiled kernel says what it needs
   assert kernels.select(cfg_for("pallas_interpret"), 1, 32) is kernels.IMPLS["reference"]
+  assert "128 lanes" in kernels.why(cfg_for("pallas_tpu"), 16, 32)  # Mosaic's rule, compiled only
+  assert kernels.why(cfg_for("pallas_tpu_interpret"), 16, 32) == ""
   assert kernels.select(cfg_for("auto"), 16, 32) is kernels.IMPLS["cpu"]
 
 
@@ -174,19 +178,21 @@ import jax, jax.numpy as jnp
 from span_lm.model import caches, config, transformer
 for impl in ("auto", "reference"):
   cfg = config.ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ff=8, span=16,
-                           attn_impl=impl)
+                           ramp=4, span_mode="adaptive", attn_impl=impl)
   x = jnp.zeros((1, 16), jnp.int32)
   model = transformer.SpanTransformer(cfg)
   params = model.init(jax.random.key(0), x, caches.init_caches(cfg, None, 1))
   model.apply(params, x, caches.init_caches(cfg, None, 1))
   kernels.compiler_options(cfg), kernels.fit_fallback(cfg)
-print(sorted(m for m in sys.modules if "pallas" in m))
+print(sorted(m for m in sys.modules if m.startswith(("span_lm.kernels.pallas", "jax.experimental.pallas",
+                                                    "span_lm.kernels.impl_gpu", "span_lm.kernels.impl_tpu"))))
 """
 
 
 def test_the_cpu_and_reference_paths_load_no_pallas():
   """Importing the door and running the model with `auto` on a CPU (cpu) and with `reference`
-  imports neither Pallas kernel, nor Pallas itself."""
+  imports neither Pallas kernel nor Pallas' public API (jax and flax load some of its internals
+  themselves)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", _LAZY_CHILD], capture_output=True, text=True,
                        env=env, check=False, cwd=os.path.dirname(os.path.dirname(
@@ -201,19 +207,19 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
   kernels.check(cfg_for("pallas_interpret"), block=32, backend="cpu")  # interpreted: anywhere
   kernels.check(cfg_for("pallas"), block=32, backend="gpu")
   cases = [
-      (dict(attn_impl="pallas"), dict(backend="cpu"),
+      ("pallas", dict(backend="cpu"),
        "config.model.attn_impl='pallas' runs a Triton kernel, which needs a GPU (Ampere or "
        "newer); this process has cpu devices: use 'auto' (or 'pallas_interpret' to run the "
        "kernel interpreted)"),
-      (dict(attn_impl="pallas_tpu"), dict(backend="gpu"),
+      ("pallas_tpu", dict(backend="gpu"),
        "config.model.attn_impl='pallas_tpu' runs a Mosaic kernel, which needs a TPU; this process "
        "has gpu devices: use 'auto' (or 'pallas_tpu_interpret' to run the kernel interpreted)"),
-      (dict(attn_impl="pallas_tpu_interpret"), dict(block=24),
+      ("pallas_tpu_interpret", dict(block=24),
        "config.data.block=24: must be a multiple of model.attn_block=16 with the fused kernel"),
   ]
-  for kw, where, line in cases:
+  for impl, where, line in cases:
     with pytest.raises(ValueError) as e:
-      kernels.check(cfg_for(**kw), **where)
+      kernels.check(cfg_for(impl), **where)
     assert str(e.value) == line
   with pytest.raises(ValueError) as e:  # ModelConfig asks `check` too
     cfg_for("pallas", pers_mem=24)
