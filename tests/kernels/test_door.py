@@ -140,7 +140,7 @@ def test_only_the_door_imports_a_platform_implementation():
 
   platform = ("span_lm.kernels.banded_cpu", "span_lm.kernels.pallas_gpu",
               "span_lm.kernels.pallas_tpu", "span_lm.kernels.impl_",
-              "span_lm.kernels.decode", "span_lm.kernels.banded_reference")
+              "span_lm.kernels.ring", "span_lm.kernels.banded_reference")
   for path in (root / "model").rglob("*.py"):
     bad = [n for n in imports(path) if n.startswith(platform)]
     assert not bad, f"{path.name} imports {bad}"
