@@ -297,8 +297,8 @@ def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_
   """One-token attention over ring caches ((keys, values), each (B, H, L, Dh)): (B, H, Dh)."""
   from span_lm.kernels import ring as ring_lib  # pylint: disable=g-import-not-at-top  (jax)
   return ring_lib.ring_attention(q_BxHxD, ring[0], ring[1], key_pe_DxS, pos, windows_H,
-                                   span_z=span_z, ramp=cfg.ramp, pers_k_HxDxN=pers_k_HxDxN,
-                                   pers_v_HxNxD=pers_v_HxNxD)
+                                 span_z=span_z, ramp=cfg.ramp, pers_k_HxDxN=pers_k_HxDxN,
+                                 pers_v_HxNxD=pers_v_HxNxD)
 
 
 # ptxas, given a kernel's block size (.reqntid) and no occupancy target, may hold a kernel to 32

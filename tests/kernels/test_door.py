@@ -176,6 +176,7 @@ from span_lm import kernels
 assert "jax" not in sys.modules, "the door and the config validate without jax"
 import jax, jax.numpy as jnp
 from span_lm.model import caches, config, transformer
+from span_lm.train import loop  # the trainer, its tile autotune included
 for impl in ("auto", "reference"):
   cfg = config.ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ff=8, span=16,
                            ramp=4, span_mode="adaptive", attn_impl=impl)
@@ -184,14 +185,15 @@ for impl in ("auto", "reference"):
   params = model.init(jax.random.key(0), x, caches.init_caches(cfg, None, 1))
   model.apply(params, x, caches.init_caches(cfg, None, 1))
   kernels.compiler_options(cfg), kernels.fit_fallback(cfg)
-print(sorted(m for m in sys.modules if m.startswith(("span_lm.kernels.pallas", "jax.experimental.pallas",
-                                                    "span_lm.kernels.impl_gpu", "span_lm.kernels.impl_tpu"))))
+loaded = ("span_lm.kernels.pallas", "span_lm.kernels.impl_gpu", "span_lm.kernels.impl_tpu",
+          "jax.experimental.pallas")
+print(sorted(m for m in sys.modules if m.startswith(loaded)))
 """
 
 
 def test_the_cpu_and_reference_paths_load_no_pallas():
-  """Importing the door and running the model with `auto` on a CPU (cpu) and with `reference`
-  imports neither Pallas kernel nor Pallas' public API (jax and flax load some of its internals
+  """Importing the door and the trainer and running the model with `auto` on a CPU (cpu) and
+  with `reference` imports neither Pallas kernel nor Pallas' public API (jax and flax load some of its internals
   themselves)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", _LAZY_CHILD], capture_output=True, text=True,
