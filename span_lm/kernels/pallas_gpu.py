@@ -571,7 +571,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 # Tiles per target: (compute capability major, padded head size, dtype) -> (query tile, key tile,
 # warps, stages), from a deviceless ptxas sweep (bench/kernel_sweep.py; docs/kernels.md): 64-row
 # query tiles with no spills in bf16 on Hopper and Ampere (A100's mma.sync keeps its accumulators
-# in registers: 32-key tiles there; at head size 128 64-key tiles spilled 1.4 KB in bwd_q with
+# in registers: 32-key tiles there; at head size 128 64-key tiles spilled in bwd_q with
 # persistent memory), the fewest spills in float32. Untimed on a
 # device: `attn_tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
 TILES = {
