@@ -49,7 +49,7 @@ from span_lm import kernels  # pylint: disable=wrong-import-position
 from span_lm.model import caches as caches_lib  # pylint: disable=wrong-import-position
 from span_lm.model import plan as plan_lib  # pylint: disable=wrong-import-position
 from span_lm.model.attention import SeqAttention  # pylint: disable=wrong-import-position
-from span_lm.model.config import ATTN_IMPLS, ModelConfig  # pylint: disable=wrong-import-position
+from span_lm.model.config import ModelConfig  # pylint: disable=wrong-import-position
 from span_lm.model.transformer import SpanTransformer  # pylint: disable=wrong-import-position
 from span_lm.tools import chips  # pylint: disable=wrong-import-position
 from span_lm.tools import flops as flops_lib  # pylint: disable=wrong-import-position
@@ -92,8 +92,8 @@ def peak_tflops(device_kind: str) -> dict | None:
 
 
 def accepted_impls() -> list[str]:
-  """The attn_impl names span_lm accepts (span_lm.model.config.ATTN_IMPLS)."""
-  return list(ATTN_IMPLS)
+  """The attn_impl names span_lm accepts (span_lm.kernels.ATTN_IMPLS)."""
+  return list(kernels.ATTN_IMPLS)
 
 
 def resolve_impls(accepted, on_gpu: bool, only=None) -> dict:

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import ml_collections
 from ml_collections import config_dict
 
+from span_lm import kernels
 from span_lm import optim_config
 from span_lm import precision_config
 from span_lm.data.sources import DATASETS
@@ -379,10 +380,7 @@ def _validate(config):
   vocab = _get(config, "model.vocab_size")
   model = ModelConfig.from_config(_get(config, "model"), vocab_size=None if vocab else 1)
   block = _get(config, "data.block")
-  if model.attn_impl.startswith("pallas") and isinstance(block, int) and (
-      block % model.attn_block):
-    _bad("data.block", block,
-         f"must be a multiple of model.attn_block={model.attn_block} with the fused kernel")
+  kernels.check(model, block=block if isinstance(block, int) else None)  # the fused kernel's tile
   _validate_data(config)
   if mode == "compile":  # the targets' names are checked by tools/compile.py, before compiling
     _check_choice(config, "compile.plan", COMPILE_PLANS)

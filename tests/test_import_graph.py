@@ -110,6 +110,16 @@ def test_run_config_imports_nothing_above_it():
   assert not above, f"span_lm.config reaches {above}"
 
 
+def test_kernels_import_nothing_from_the_model():
+  """span_lm/kernels holds the implementations' names and fit rules; the model's config imports
+  them from there, never the other way round."""
+  graph = _graph()
+  assert "span_lm.kernels" in graph["span_lm.model.config"]
+  for name in sorted(n for n in graph if n.split(".")[:2] == ["span_lm", "kernels"]):
+    bad = sorted(t for t in graph[name] if t.split(".")[:2] == ["span_lm", "model"])
+    assert not bad, f"{name} imports {bad}"
+
+
 def test_package_imports_nothing_from_the_repository_around_it():
   """An installed span_lm has no configs/, bench/ or tests/ beside it."""
   around = {p.stem for p in REPO.iterdir()

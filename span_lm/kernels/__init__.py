@@ -1,6 +1,7 @@
-"""The one door to span attention: the model calls `choose`, `project_kv`, `attend` and `decode`
-here, and only this module picks a platform implementation (as MaxText's
-AttentionOp.apply_attention does).
+"""The one door to span attention: `select` picks an implementation (an `Impl` of the table
+`IMPLS`) for a layer's shape once, and the model calls its functions (`impl.project_kv`,
+`impl.attend`, ...); `check` refuses, naming the field, an explicit choice that cannot run. Only
+this package names a platform implementation (as MaxText's AttentionOp.apply_attention does).
 
 Implementations (`model.attn_impl`):
   reference         banded_reference: the readable definition, plain autodiff; the numerical
@@ -16,52 +17,167 @@ Implementations (`model.attn_impl`):
   auto              one of the above by the target platform (kernels/target.py: the host's
                     backend, or the chip a deviceless compile names), what the kernel supports,
                     and on a GPU by evidence (`gpu_preference`) and memory (`fit_fallback`).
+
+Each implementation's functions live in its own module (impl_reference, impl_cpu, impl_gpu,
+impl_tpu: the same functions, each with its own key/value layout), imported on first use, so the
+Pallas kernels load only where chosen. This module imports no jax: the config validates with it.
 """
 import dataclasses
+import importlib
 import logging
-from typing import Any, Callable, NamedTuple
+from types import ModuleType
+from typing import Any, NamedTuple
 
-import jax
-import jax.numpy as jnp
-
-from span_lm.kernels import banded_cpu
-from span_lm.kernels import banded_reference
-from span_lm.kernels import decode as decode_lib
-from span_lm.kernels import pallas_gpu
-from span_lm.kernels import pallas_tpu
 from span_lm.kernels import target
-from span_lm.model import config as model_config
 
-IMPLS = model_config.ATTN_IMPLS
-GPU_FUSED = ("pallas", "pallas_interpret")
-TPU_FUSED = ("pallas_tpu", "pallas_tpu_interpret")
-FUSED = GPU_FUSED + TPU_FUSED
+ATTN_PRECISIONS = ("default", "highest")  # float32 dots of the fused kernels
+ALIASES = {"xla": "cpu"}  # old names, read as the new (config.model warns)
 log = logging.getLogger("span_lm")
 _logged: set = set()
 
 
 class KV(NamedTuple):
-  """Keys and values of one head group, as the chosen implementation lays them out: each
-  (B, G, T, Dh) rows; cpu's positions_last: each (B, G, Dh, T); the TPU kernel's (tpu_parts):
-  k holds the last L cached positions' [keys; values] (B, 2, G, Dh, L; `cached_rows`), v the
-  block's (B, 2, G, Dh, M)."""
+  """Keys and values of one head group as rows, each (B, G, T, Dh): what every implementation's
+  `attend` takes. Its `project_kv` and `split_kv` may return its own layout instead."""
   k: Any
   v: Any
-  positions_last: bool = False
-  tpu_parts: bool = False
 
 
-def _misfit(cfg, m, w) -> str:
-  """Why the fused kernels cannot run this layer ('' when they can): ModelConfig's one rule."""
-  field, rule = cfg.fused_misfit(m, w)
-  return f"{field} {rule}" if field else ""
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  """One implementation: what `select` and `check` need to know of it, and its functions (the
+  module `ops`, imported on first use). Every ops module offers the functions below with the
+  implementation as first argument (as a method's self)."""
+  name: str
+  ops_module: str
+  fused: bool = False  # a kernel: spans as runtime values, block and windows in whole tiles
+  platform: str | None = None  # the backend its compiled kernel needs (None: any)
+  needs: str = ""  # the kernel and what it needs, for `check`'s refusal
+  interpret: bool = False  # the kernel interpreted (any backend; slow: for tests)
+
+  @property
+  def ops(self) -> ModuleType:
+    return importlib.import_module(self.ops_module)
+
+  def misfit(self, cfg, m: int | None = None, w: int | None = None) -> str:
+    """Why this cannot run a layer of m queries and windows up to w ('' when it can)."""
+    if not self.fused:
+      return ""
+    field, rule = fused_misfit(cfg, m, w)
+    return f"{field} {rule}" if field else self.ops.misfit(self, cfg, m, w)
+
+  def project_kv(self, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int):
+    """Keys and values of `heads` heads (w_kv: their [key | value] columns) over the last
+    `window` cached states and the block, in this implementation's layout."""
+    return self.ops.project_kv(self, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window=window,
+                               heads=heads)
+
+  def split_kv(self, cfg, kv_BxTx2Z, *, window: int, heads: int):
+    """Keys and values from already projected [keys | values] rows (a key/value cache)."""
+    return self.ops.split_kv(self, cfg, kv_BxTx2Z, window=window, heads=heads)
+
+  def attend(self, cfg, q_BxGxMxD, kv, key_pe_DxW, **kw):
+    """Banded span attention of one head group: (B, G, M, Dh) outputs. kv: a `KV` or what
+    project_kv/split_kv returned. span_z: spans in tokens, (1 or B, G, 1 or M), or None (fixed
+    span); pers_k_GxDxN, pers_v_GxNxD; dropout: applied to the attention weights (None: none),
+    the fused kernels draw their own keep mask from dropout_seed()."""
+    return self.ops.attend(self, cfg, q_BxGxMxD, kv, key_pe_DxW, **kw)
+
+  def cached_rows(self, w: int) -> int:
+    """Cached positions read for a window of w (the TPU kernel's: whole 128-lane tiles)."""
+    return self.ops.cached_rows(self, w)
+
+  def residual_bytes(self, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+    """Bytes one head group's attention keeps for the backward pass, by kind (keys_values,
+    score_bands, weights), as this implementation saves them (tools/flops asks here)."""
+    return self.ops.residual_bytes(self, cfg, batch, m, heads, w, train)
+
+  def schedule_cost(self, cfg, batch: int, m: int, w: int, span: float | None) -> dict | None:
+    """{kernel: FLOPs, HBM bytes and bytes_min} of one layer's fused GPU kernels (batch streams,
+    all heads, a block of m, window w, every row at `span`) for the compile mode's roofline;
+    None elsewhere (XLA's cost analysis sees the rest, the TPU kernel through its estimate)."""
+    return self.ops.schedule_cost(self, cfg, batch, m, w, span)
+
+  def compiler_options(self) -> dict:
+    """XLA compile options a step running this needs (ptxas' floor for the GPU kernel)."""
+    return self.ops.compiler_options(self)
 
 
-def _tpu_misfit(cfg, m, w) -> str:
-  """Mosaic's lane rule for the TPU kernel's tiles at this layer's shape ('' when unknown)."""
-  if m is None or w is None:
-    return ""
-  return pallas_tpu.misfit(cfg.attn_block, m, w, cfg.pers_mem)
+_GPU = "a Triton kernel, which needs a GPU (Ampere or newer)"
+_TPU = "a Mosaic kernel, which needs a TPU"
+IMPLS: dict[str, Impl] = {i.name: i for i in (
+    Impl("reference", "span_lm.kernels.impl_reference"),
+    Impl("cpu", "span_lm.kernels.impl_cpu"),
+    Impl("pallas", "span_lm.kernels.impl_gpu", fused=True, platform="gpu", needs=_GPU),
+    Impl("pallas_interpret", "span_lm.kernels.impl_gpu", fused=True, interpret=True),
+    Impl("pallas_tpu", "span_lm.kernels.impl_tpu", fused=True, platform="tpu", needs=_TPU),
+    Impl("pallas_tpu_interpret", "span_lm.kernels.impl_tpu", fused=True, interpret=True),
+)}
+ATTN_IMPLS = ("auto",) + tuple(IMPLS)  # what config.model.attn_impl may name
+
+
+def parse_tiles(text: str) -> tuple[int, int, int] | None:
+  """'T,W,S' as (tile, warps, stages) for the fused GPU kernel, or None if it is not one. S is
+  Triton's pipeline depth, 1 to 4 (kernels/pallas_gpu.py)."""
+  try:
+    tile, warps, stages = (int(x) for x in str(text).split(","))
+  except ValueError:
+    return None
+  pow2 = lambda n: n > 0 and not n & (n - 1)
+  if not (pow2(tile) and tile >= 16 and pow2(warps) and warps <= 16 and 1 <= stages <= 4):
+    return None
+  return tile, warps, stages
+
+
+def fused_misfit(cfg, m: int | None = None, w: int | None = None) -> tuple[str, str]:
+  """('', '') when the fused kernels (GPU and TPU) tile a layer with a block of m queries and a
+  window of w (None: the config's own sizes only), else (field, what it must be). The one rule:
+  `select` falls back to the reference where it fails, `check` refuses an explicit choice."""
+  b = cfg.attn_block
+  if cfg.arch != "span":
+    return "arch", "must be 'span' (the sparse model has its own attention)"
+  if not isinstance(b, int) or b < 16 or b & (b - 1):
+    return "attn_block", "must be a power of two >= 16"
+  for f, n in (("pers_mem", cfg.pers_mem), ("span", cfg.span),
+               ("plan_granularity", cfg.plan_granularity), ("block", m), ("window", w)):
+    if n is not None and n % b:
+      return f, f"must be a multiple of attn_block={b}"
+  return "", ""
+
+
+def check(cfg, *, block: int | None = None, backend: str | None = None) -> None:
+  """Raises a ValueError naming the field where the attention settings cannot run: an unknown
+  name, precision or tiles; an explicit fused choice whose sizes (and the run's block length)
+  the kernel cannot tile; with `backend` (jax's, once known), a compiled kernel on a backend
+  without it. cfg: a ModelConfig, or the run config's model section."""
+  def bad(field, why):
+    raise ValueError(f"config.model.{field}={getattr(cfg, field)!r}: {why}")
+
+  name = ALIASES.get(cfg.attn_impl, cfg.attn_impl)
+  if name not in ATTN_IMPLS:
+    bad("attn_impl", f"choose one of {ATTN_IMPLS}")
+  if cfg.attn_precision not in ATTN_PRECISIONS:
+    bad("attn_precision", f"choose one of {ATTN_PRECISIONS}")
+  if cfg.attn_tiles not in ("table", "tune"):
+    tiles = parse_tiles(cfg.attn_tiles)
+    if tiles is None:
+      bad("attn_tiles", "'table', 'tune', or 'TILE,WARPS,STAGES' (e.g. '64,4,2': a power of "
+          "two >= 16, warps 1-16 a power of two, stages 1-4)")
+    if cfg.attn_block % tiles[0]:  # a larger tile leaves a remainder too
+      bad("attn_tiles", f"its tile must divide attn_block={cfg.attn_block}")
+  impl = IMPLS.get(name)
+  if impl is None or not impl.fused:
+    return
+  field, why = fused_misfit(cfg)
+  if field:
+    bad(field, f"{why} with attn_impl={name!r}")
+  if block is not None and block % cfg.attn_block:
+    raise ValueError(f"config.data.block={block!r}: must be a multiple of "
+                     f"model.attn_block={cfg.attn_block} with the fused kernel")
+  if backend is not None and impl.platform not in (None, backend):
+    raise ValueError(f"config.model.attn_impl={name!r} runs {impl.needs}; this process has "
+                     f"{backend} devices: use 'auto' (or {name + '_interpret'!r} to run the "
+                     "kernel interpreted)")
 
 
 def _gpu_runs_triton(platform: target.Platform) -> bool:
@@ -85,6 +201,7 @@ def gpu_preference(compute_capability: float, head_dim: int) -> tuple[str, str]:
   """(implementation, why) `auto` runs on an NVIDIA GPU where the kernel applies, before memory
   is considered (`fit_fallback`): the one timed faster on this GPU generation at this head size,
   and `reference` while the current kernel is untimed there."""
+  from span_lm.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top  (a GPU target)
   key = (int(compute_capability), pallas_gpu.padded_head_dim(head_dim))
   timed = GPU_TIMINGS.get(key)
   where = f"sm_{int(10 * compute_capability)}, head size {key[1]}"
@@ -104,154 +221,84 @@ def fit_fallback(cfg):
   the backward pass (its position scores, O(block x window), are recomputed per layer) where the
   XLA path saves O(block x window) score bands per layer; None where there is nothing to fall
   back to."""
-  if cfg.attn_impl != "auto" or choose(cfg) != "reference":
-    return None
-  platform = target.current()
-  if platform.name != "gpu" or not _gpu_runs_triton(platform):
+  if cfg.attn_impl != "auto" or select(cfg).fused or not _gpu_runs_triton(target.current()):
     return None
   return dataclasses.replace(cfg, attn_impl="pallas")
 
 
-def choose(cfg, m: int | None = None, w: int | None = None) -> str:
+def select(cfg, m: int | None = None, w: int | None = None) -> Impl:
   """The implementation that runs a layer with a block of m queries and windows up to w.
 
   An explicit fused choice falls back to the reference where the kernel does not fit (init's
   one-token block); `auto` picks by backend, and on a GPU by `gpu_preference`. Logged once per
   distinct choice and shape."""
-  impl, why = _choose(cfg, m, w)
-  key = (cfg.attn_impl, impl, m, w, why)
+  impl, why = _select(cfg, m, w)
+  key = (cfg.attn_impl, impl.name, m, w, why)
   if key not in _logged:
     _logged.add(key)
-    log.info("attention: %s (attn_impl=%s, block %s, window %s%s)", impl, cfg.attn_impl, m, w,
-             f"; {why}" if why else "")
+    log.info("attention: %s (attn_impl=%s, block %s, window %s%s)", impl.name, cfg.attn_impl, m,
+             w, f"; {why}" if why else "")
   return impl
 
 
+def choose(cfg, m: int | None = None, w: int | None = None) -> str:
+  """The name of what `select` picks (logs, reports)."""
+  return select(cfg, m, w).name
+
+
 def why(cfg, m: int | None = None, w: int | None = None) -> str:
-  """Why `choose` picks what it picks ('' where the choice is the config's own or the CPU's)."""
-  return _choose(cfg, m, w)[1]
+  """Why `select` picks what it picks ('' where the choice is the config's own or the CPU's)."""
+  return _select(cfg, m, w)[1]
 
 
-def _choose(cfg, m, w) -> tuple[str, str]:
-  impl, why = cfg.attn_impl, ""
-  if impl == "auto":
-    platform = target.current()
-    backend = platform.name
-    if backend == "cpu":
-      impl = "cpu"
-    elif backend == "gpu" and _gpu_runs_triton(platform):
-      why = _misfit(cfg, m, w)
-      if why:
-        impl = "reference"
-      else:
-        impl, why = gpu_preference(platform.compute_capability, cfg.head_dim)
-    elif backend == "tpu" and "v4" in platform.kind:
-      impl, why = "reference", "TPU v4: Mosaic has no strided rotate (the kernel's skew)"
-    elif backend == "tpu":
-      why = _misfit(cfg, m, w) or _tpu_misfit(cfg, m, w)
-      impl = "reference" if why else "pallas_tpu"
-    else:
-      impl, why = "reference", f"backend {backend}"
-  elif impl in FUSED:
-    why = _misfit(cfg, m, w) or (_tpu_misfit(cfg, m, w) if impl == "pallas_tpu" else "")
-    impl = "reference" if why else impl
-  return impl, why
+def _select(cfg, m, w) -> tuple[Impl, str]:
+  if cfg.attn_impl != "auto":
+    impl = IMPLS[cfg.attn_impl]
+    why = impl.misfit(cfg, m, w)
+    return (IMPLS["reference"] if why else impl), why
+  platform = target.current()
+  if platform.name == "cpu":
+    return IMPLS["cpu"], ""
+  if _gpu_runs_triton(platform):
+    why = IMPLS["pallas"].misfit(cfg, m, w)
+    if why:
+      return IMPLS["reference"], why
+    name, why = gpu_preference(platform.compute_capability, cfg.head_dim)
+    return IMPLS[name], why
+  if platform.name == "tpu" and "v4" in platform.kind:
+    return IMPLS["reference"], "TPU v4: Mosaic has no strided rotate (the kernel's skew)"
+  if platform.name == "tpu":
+    why = IMPLS["pallas_tpu"].misfit(cfg, m, w)
+    return IMPLS["reference" if why else "pallas_tpu"], why
+  return IMPLS["reference"], f"backend {platform.name}"
 
 
 def runtime_spans(cfg) -> bool:
   """Whether spans are runtime values (the fused kernel), so a layer's plan is one head group."""
-  return choose(cfg) in FUSED
-
-
-def project_kv(cfg, impl: str, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> KV:
-  """Keys and values of `heads` heads (w_kv: their [key | value] columns) over the last `window`
-  cached states and the block."""
-  m = h_BxMxD.shape[1]
-  if impl == "cpu":
-    last = banded_cpu.prefer_positions_last(m, window, cfg.attn_chunk, h_BxMxD.dtype)
-    return KV(*banded_cpu.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads, last), last)
-  if impl in TPU_FUSED:
-    return KV(*pallas_tpu.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads),
-              tpu_parts=True)
-  return KV(*banded_reference.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads))
-
-
-def split_kv(cfg, impl: str, kv_BxTx2Z, *, window: int, heads: int) -> KV:
-  """Keys and values from already projected [keys | values] rows (a key/value cache)."""
-  if impl == "cpu":
-    last = banded_cpu.prefer_positions_last(kv_BxTx2Z.shape[1] - window, window, cfg.attn_chunk,
-                                            kv_BxTx2Z.dtype)
-    return KV(*banded_cpu.split_kv(kv_BxTx2Z, heads, last), last)
-  if impl in TPU_FUSED:
-    return KV(*pallas_tpu.split_kv(kv_BxTx2Z, heads, window), tpu_parts=True)
-  return KV(*banded_reference.split_kv(kv_BxTx2Z, heads))
-
-
-def attend(cfg, impl: str, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
-           pers_v_GxNxD=None, dropout: Callable | None = None,
-           dropout_seed: Callable[[], Any] | None = None):
-  """Banded span attention of one head group: (B, G, M, Dh) outputs.
-
-  span_z: spans in tokens, (1 or B, G, 1 or M), or None (fixed span). dropout: applied to the
-  attention weights (None: none); the fused kernel draws its own keep mask from dropout_seed()."""
-  if impl == "cpu":
-    return banded_cpu.banded_attention(
-        q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.ramp,
-        pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attn_chunk,
-        dropout=dropout, positions_last=kv.positions_last)[0].astype(q_BxGxMxD.dtype)
-  if impl == "reference":
-    return banded_reference.banded_attention(
-        q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.ramp,
-        pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attn_chunk,
-        dropout=dropout)
-  if impl not in FUSED:
-    raise ValueError(f"attention: unknown implementation {impl!r}; choose one of {IMPLS}")
-  b, g, m, _ = q_BxGxMxD.shape
-  z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
-  seed = None if dropout is None else dropout_seed()
-  rate = cfg.dropout if seed is not None else 0.0
-  if impl in TPU_FUSED:  # float32 parameters go in as such: their gradients stay float32
-    cached = kv.k.shape[-1] if kv.tpu_parts else pallas_tpu.layout_window(key_pe_DxW.shape[-1])
-    bq, bk = pallas_tpu.tiles(cfg.attn_block, m, cached,
-                              0 if pers_k_GxDxN is None else pers_k_GxDxN.shape[-1])
-    fused = pallas_tpu.span_attention_kv if kv.tpu_parts else pallas_tpu.span_attention
-    return fused(
-        q_BxGxMxD, kv.k, kv.v, key_pe_DxW.astype(jnp.float32), z, ramp=cfg.ramp,
-        block=bq, block_k=bk, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
-        dropout_rate=rate, dropout_seed=seed, interpret=impl == "pallas_tpu_interpret",
-        precision=cfg.attn_precision)
-  tile, warps, stages = gpu_tiles(cfg, impl, q_BxGxMxD.dtype)
-  return pallas_gpu.span_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=cfg.ramp, block=tile,
-      block_k=gpu_key_tile(cfg, impl, q_BxGxMxD.dtype, tile), num_warps=warps, num_stages=stages,
-      # float32 parameters go in as such: the kernel casts them, their gradients stay float32
-      pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
-      dropout_rate=rate, dropout_seed=seed,
-      interpret=impl == "pallas_interpret", precision=cfg.attn_precision)
+  return select(cfg).fused
 
 
 def gpu_tiles(cfg, impl: str, dtype) -> tuple[int, int, int]:
-  """The GPU kernel's (tile, warps, stages): the config's own 'T,W,S' (or what 'tune' measured:
-  train/loop.py writes it there), else pallas_gpu's table for the target (interpret mode: none)."""
-  explicit = model_config.parse_tiles(cfg.attn_tiles)
-  if explicit is not None:
-    return explicit
-  cc = target.current().compute_capability if impl == "pallas" else None
-  return pallas_gpu.tiles(cc, cfg.head_dim, dtype, cfg.attn_block)
+  """The GPU kernel's (tile, warps, stages) for a GPU implementation (impl_gpu.tiles)."""
+  return IMPLS[impl].ops.tiles(IMPLS[impl], cfg, dtype)
 
 
-def gpu_key_tile(cfg, impl: str, dtype, tile: int) -> int:
-  """The GPU kernel's key tile for a query tile (pallas_gpu.TILES; interpret mode: the tile)."""
-  cc = target.current().compute_capability if impl == "pallas" else None
-  return pallas_gpu.key_tile(cc, cfg.head_dim, dtype, tile)
+def fused_residual_bytes(batch: int, m: int, heads: int, rows: int, dp: int,
+                         itemsize: int) -> dict:
+  """What either fused kernel saves for the backward pass: its inputs (keys and values of `rows`
+  cached positions and the block, head size padded to dp), its output and two float32 row
+  statistics."""
+  return {"keys_values": 2 * batch * heads * (rows + m) * dp * itemsize,
+          "score_bands": 2 * batch * heads * m * 4, "weights": batch * heads * m * dp * itemsize}
 
 
 def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_k_HxDxN=None,
            pers_v_HxNxD=None):
   """One-token attention over ring caches ((keys, values), each (B, H, L, Dh)): (B, H, Dh)."""
-  return decode_lib.ring_attention(q_BxHxD, ring[0], ring[1], key_pe_DxS, pos, windows_H,
-                                   span_z=span_z, ramp=cfg.ramp, pers_k_HxDxN=pers_k_HxDxN,
-                                   pers_v_HxNxD=pers_v_HxNxD)
+  from span_lm.kernels import ring as ring_lib  # pylint: disable=g-import-not-at-top  (jax)
+  return ring_lib.ring_attention(q_BxHxD, ring[0], ring[1], key_pe_DxS, pos, windows_H,
+                                 span_z=span_z, ramp=cfg.ramp, pers_k_HxDxN=pers_k_HxDxN,
+                                 pers_v_HxNxD=pers_v_HxNxD)
 
 
 # ptxas, given a kernel's block size (.reqntid) and no occupancy target, may hold a kernel to 32
@@ -263,41 +310,4 @@ GPU_COMPILER_OPTIONS = {"xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
 def compiler_options(cfg) -> dict:
   """XLA compile options for a step of this model on the target platform: ptxas' occupancy
   floor where the fused GPU kernel runs, else none."""
-  return dict(GPU_COMPILER_OPTIONS) if choose(cfg) == "pallas" else {}
-
-
-def schedule_cost(cfg, impl: str, batch: int, m: int, w: int, span: float | None) -> dict | None:
-  """{kernel: FLOPs, HBM bytes (upper bound) and bytes_min (lower bound)} of one layer's fused
-  GPU kernels (batch streams, all heads, a block of m, window w, every row at `span`), for the
-  compile mode's per-kernel roofline; None for other implementations (XLA's cost analysis sees
-  the TPU kernel through its pl.CostEstimate)."""
-  if impl not in GPU_FUSED:
-    return None
-  tile = gpu_tiles(cfg, impl, cfg.dtype)[0]
-  return pallas_gpu.schedule_cost(batch, cfg.n_heads, m, w, cfg.head_dim, cfg.dtype, tile,
-                                  span=span, ramp=cfg.ramp, n_pers=cfg.pers_mem,
-                                  key_tile=gpu_key_tile(cfg, impl, cfg.dtype, tile))
-
-
-def cached_rows(impl: str, w: int) -> int:
-  """Cached positions an implementation reads for a window of w: the TPU kernel's cache part is
-  laid out in whole 128-lane tiles (pallas_tpu.layout_window), the others read w."""
-  return pallas_tpu.layout_window(w) if impl in TPU_FUSED else w
-
-
-def residual_bytes(cfg, impl: str, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
-  """Bytes one head group's attention keeps for the backward pass, by kind (keys_values,
-  score_bands, weights), as the implementation saves them (tools/flops asks here)."""
-  drop = train and cfg.dropout > 0
-  if impl in FUSED:  # the kernel saves its inputs, its output and two row statistics
-    dt = jnp.dtype(cfg.dtype).itemsize
-    dp = (pallas_tpu if impl in TPU_FUSED else pallas_gpu).padded_head_dim(cfg.head_dim)
-    w = cached_rows(impl, w)
-    return {"keys_values": 2 * batch * heads * (w + m) * dp * dt,
-            "score_bands": 2 * batch * heads * m * 4, "weights": batch * heads * m * dp * dt}
-  if impl == "reference":
-    return banded_reference.residual_bytes(cfg.span_mode, cfg.pers_mem, cfg.dtype, batch, m,
-                                           heads, w, cfg.head_dim, cfg.attn_chunk, drop)
-  return banded_cpu.residual_bytes(cfg.span_mode, cfg.pers_mem, cfg.dtype, batch, m, heads, w,
-                                   cfg.head_dim, cfg.attn_chunk, drop)
-
+  return select(cfg).compiler_options()

@@ -5,7 +5,8 @@ spills and shared memory, not time. On a GPU, `tune` times the forward and backw
 attention at the run's own shapes (per-device batch, heads, block, the widest window, persistent
 memory, dropout) for each candidate that compiles, keeps the fastest, and caches the answer per
 device kind, jax version and shape, so the next run starts at once. train/loop.py calls `resolve`
-before anything compiles and writes the choice into the model config as 'T,W,S'.
+before anything compiles and writes the choice into the model config as 'T,W,S'. Pallas loads
+only when the kernel is timed (every run calls `resolve`).
 """
 import dataclasses
 import itertools
@@ -20,9 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.kernels import pallas_gpu
+from span_lm import kernels
 from span_lm.kernels import target
-from span_lm.model import config as model_config
 
 log = logging.getLogger("span_lm")
 
@@ -37,6 +37,7 @@ def cache_path() -> str:
 
 def cache_key(cfg, device_kind: str, batch: int, m: int, w: int) -> str:
   """What the fastest tile depends on: the chip, the compiler, and the layer's shapes."""
+  from span_lm.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
   return (f"{device_kind}|jax {jax.__version__}|kernel {pallas_gpu.VERSION}|{cfg.dtype}|"
           f"precision {cfg.attn_precision}|"
           f"B{batch} H{cfg.n_heads} M{m} W{w} Dh{cfg.head_dim} N{cfg.pers_mem}|"
@@ -73,7 +74,6 @@ def _inputs(cfg, batch: int, m: int, w: int):
 
 
 def _compile(f, args, interpret: bool):
-  from span_lm import kernels  # pylint: disable=g-import-not-at-top  (the door imports us not)
   lowered = f.lower(*args)
   if interpret:
     return lowered.compile()
@@ -90,6 +90,7 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
             echo: Callable[[str], None] = log.info) -> dict[tuple[int, int, int], float]:
   """{(tile, warps, stages): median seconds of forward + backward} for the candidates whose tile
   divides the block, the window and the persistent vectors, and which compile here."""
+  from span_lm.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
   args = _inputs(cfg, batch, m, w)
   ct = jax.random.normal(jax.random.PRNGKey(1), args[0].shape, args[0].dtype)
   times = {}
@@ -138,7 +139,7 @@ def tune(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATES, 
                   batch, m, w)
   cache = _read(path)
   cached = cache.get(key, {}).get("tiles")
-  if cached is not None and model_config.parse_tiles(cached) is not None:
+  if cached is not None and kernels.parse_tiles(cached) is not None:
     echo(f"attn_tiles tune: {cached} (cached in {path})")
     return cached
   if cached is not None:  # an entry the config no longer accepts: measure again
@@ -161,12 +162,11 @@ def tune(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATES, 
 def resolve(cfg, *, batch: int, m: int, echo: Callable[[str], None] = log.info):
   """The model config with attn_tiles='tune' replaced by the measured 'T,W,S' where the fused
   GPU kernel runs; elsewhere the config as it is ('tune' then reads as 'table')."""
-  from span_lm import kernels  # pylint: disable=g-import-not-at-top
   if cfg.attn_tiles != "tune":
     return cfg
-  impl = kernels.choose(cfg, m, cfg.span)
-  if impl != "pallas":
-    echo(f"attn_tiles=tune times the fused GPU kernel; this run's attention is {impl!r}: "
+  impl = kernels.select(cfg, m, cfg.span)
+  if impl.platform != "gpu":  # the compiled GPU kernel, timed on this GPU
+    echo(f"attn_tiles=tune times the fused GPU kernel; this run's attention is {impl.name!r}: "
          "nothing to tune")
     return cfg
   tiles = tune(cfg, batch=batch, m=m, w=cfg.span, echo=echo)

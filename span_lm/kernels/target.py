@@ -1,15 +1,13 @@
 """The platform the code is being compiled for: the host's backend, or a chip named for a
 deviceless compile (`compiling_for`, used by the compile mode: span_lm/tools/compile.py).
 
-Every platform choice (the attention implementation in `kernels.choose`, the matmul layouts in
+Every platform choice (the attention implementation in `kernels.select`, the matmul layouts in
 `kernels.matmul.contract`, the fused kernel's tiles) asks here instead of jax.default_backend(),
 so a step compiled on a CPU host for an H100 or a TPU traces the code that chip would run.
 """
 import contextlib
 import dataclasses
 import threading
-
-import jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +27,7 @@ def current() -> Platform:
   forced = getattr(_state, "platform", None)
   if forced is not None:
     return forced
+  import jax  # pylint: disable=g-import-not-at-top  (the door, which imports us, imports no jax)
   backend = jax.default_backend()
   dev = jax.devices()[0]
   cc = None

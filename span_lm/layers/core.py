@@ -29,7 +29,7 @@ from span_lm.kernels import span_mask
 from span_lm.model import config as model_config
 from span_lm.model import spans as spans_lib
 
-IMPLS = ("auto", "plain") + tuple(i for i in model_config.ATTN_IMPLS if i != "auto")
+IMPLS = ("auto", "plain") + tuple(kernels.IMPLS)
 log = logging.getLogger("span_lm")
 _logged: set = set()
 
@@ -48,8 +48,9 @@ def door_config(num_heads: int, head_dim: int, max_span: int, ramp: int, *, attn
 
 
 def choose(cfg: model_config.ModelConfig, attn_impl: str, *, causal: bool, masked: bool,
-           q_len: int, kv_len: int) -> tuple[str, int]:
-  """('plain' or a door implementation, the number of leading queries the plain path runs).
+           q_len: int, kv_len: int) -> tuple[kernels.Impl | None, int]:
+  """(the door's implementation or None for the plain path, the number of leading queries the
+  plain path runs).
 
   The door takes causal self-attention without a mask whose sequence leaves at least one tile
   of queries after the first max_span - 1; anything else runs plain. Logged once per case."""
@@ -61,11 +62,12 @@ def choose(cfg: model_config.ModelConfig, attn_impl: str, *, causal: bool, maske
       (attn_impl == "plain", "attn_impl='plain'"), (not causal, "bidirectional"),
       (masked, "a mask was given"), (q_len != kv_len, "queries and keys differ in length"),
       (m < blk, f"{q_len} queries, fewer than max_span + {blk - 1}")) if bad), "")
-  impl, head = ("plain", q_len) if why else (kernels.choose(cfg, m, w), q_len - m)
-  key = (attn_impl, impl, causal, masked, q_len, kv_len, w)
+  impl, head = (None, q_len) if why else (kernels.select(cfg, m, w), q_len - m)
+  name = "plain" if impl is None else impl.name
+  key = (attn_impl, name, causal, masked, q_len, kv_len, w)
   if key not in _logged:
     _logged.add(key)
-    log.info("adaptive span attention: %s (attn_impl=%s, %d queries, max_span %d%s)", impl,
+    log.info("adaptive span attention: %s (attn_impl=%s, %d queries, max_span %d%s)", name,
              attn_impl, q_len, w, f"; {why}" if why else
              f"; the first {head} queries plain" if head else "")
   return impl, head
@@ -159,8 +161,8 @@ def _door(cfg, impl, head: int, q, k, v, z_H, pos_back_DxS, dropout_rng):
   dropout, seed = _dropout(cfg.dropout, rngs[0])
   off = head - w + 1  # first key any door query reaches
   pad = lambda a: jnp.pad(a[:, :, off:], ((0, 0), (0, 0), (0, 1), (0, 0)))  # W + M keys
-  out = kernels.attend(cfg, impl, q[:, :, head:], kernels.KV(pad(k), pad(v)), pos_back_DxS,
-                       span_z=z_H[None, :, None], dropout=dropout, dropout_seed=seed)
+  out = impl.attend(cfg, q[:, :, head:], kernels.KV(pad(k), pad(v)), pos_back_DxS,
+                    span_z=z_H[None, :, None], dropout=dropout, dropout_seed=seed)
   if head == 0:
     return out
   first = plain_attention(q[:, :, :head], k[:, :, :head], v[:, :, :head], z_H, pos_back_DxS,
@@ -198,7 +200,7 @@ def span_attention(query, key, value, span_ratio, pos_back, pos_ahead=None, *, m
   impl, head = choose(cfg, attn_impl, causal=causal, masked=mask is not None, q_len=n,
                       kv_len=kl)
   z_H = span_tokens(span_ratio, max_span)
-  if impl == "plain":
+  if impl is None:
     out = plain_attention(q, k, v, z_H, pos_back, None if causal else pos_ahead, causal=causal,
                           ramp=ramp, mask=mask, dropout=_dropout(cfg.dropout, dropout_rng)[0])
   else:

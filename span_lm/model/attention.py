@@ -1,7 +1,8 @@
 """Sequential self-attention of one layer over a hidden-state cache: projections, span
 parameters and span loss, persistent memory and the head-group loop. The banded attention itself
-(scores as (M, W) bands, the soft span mask) is behind the door in span_lm/kernels, which picks
-the implementation; this module names no platform.
+(scores as (M, W) bands, the soft span mask) is behind the door in span_lm/kernels: `select`
+picks the implementation once per layer shape and this module calls its functions; it names no
+platform.
 """
 import math
 
@@ -131,7 +132,7 @@ class SeqAttention(nn.Module):
                            pers_v_HxNxD=pers_v)
       return dense("proj_out")(out.astype(dt).reshape(b, 1, d)), aux
 
-    impl = kernels.choose(cfg, m, w_max)
+    impl = kernels.select(cfg, m, w_max)
     outs, order = [], []
     for head_ids, w in self.plan.groups:
       take = _selector(head_ids)  # this group's heads along an axis
@@ -144,17 +145,17 @@ class SeqAttention(nn.Module):
         both = jnp.concatenate([cache[:, cache.shape[1] - w:], aux["kv"]], axis=1)  # B T 2D
         both = both if g == nh else jnp.concatenate(
             [pick(both[..., :d], 2), pick(both[..., d:], 2)], axis=-1)
-        kv = kernels.split_kv(cfg, impl, both, window=w, heads=g)
+        kv = impl.split_kv(cfg, both, window=w, heads=g)
       else:
         w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)  # D x 2gDh
-        kv = kernels.project_kv(cfg, impl, cache, h_in, w_kv, window=w, heads=g)
+        kv = impl.project_kv(cfg, cache, h_in, w_kv, window=w, heads=g)
       span_z = None  # (1 or B, G, 1 or M) tokens: the door builds the soft mask
       if z_H is not None:
         span_z = take(z_H, 0)[None, :, None]
       elif z_BxMxH is not None:
         span_z = take(z_BxMxH, 2).transpose(0, 2, 1)
-      out = kernels.attend(
-          cfg, impl, take(q, 1), kv, key_pe_DxS[:, s - w:], span_z=span_z,
+      out = impl.attend(
+          cfg, take(q, 1), kv, key_pe_DxS[:, s - w:], span_z=span_z,
           pers_k_GxDxN=None if pers_k is None else take(pers_k, 0),
           pers_v_GxNxD=None if pers_v is None else take(pers_v, 0), dropout=dropout,
           dropout_seed=lambda: jax.random.bits(self.make_rng("dropout"), (), jnp.uint32))

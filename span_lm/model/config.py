@@ -9,12 +9,10 @@ import logging
 import math
 from typing import Any
 
+from span_lm import kernels
+
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
-# span_lm/kernels' implementations (its docstring says what each is); the door reads this tuple
-ATTN_IMPLS = ("auto", "reference", "cpu", "pallas", "pallas_interpret", "pallas_tpu",
-              "pallas_tpu_interpret")
-ATTN_PRECISIONS = ("default", "highest")  # float32 dots of the fused kernel (pallas_gpu)
 REMAT = ("none", "layer")
 ARCHS = ("span", "sparse")  # span_lm/model/transformer.py | span_lm/model/sparse_transformer.py
 SPARSE_PATTERNS = ("fixed", "strided", "local", "dense")  # span_lm/model/sparse.py
@@ -29,19 +27,6 @@ REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_
 # The sparse model's layer scan (scan_layers=True) stacks its blocks' parameters under this name;
 # the optimizer and the sharding rules find stacked leaves by it (train/sharding.is_stacked).
 SCANNED_LAYERS = "layers"
-
-
-def parse_tiles(text: str) -> tuple[int, int, int] | None:
-  """'T,W,S' as (tile, warps, stages) for the fused GPU kernel, or None if it is not one. S is
-  Triton's pipeline depth, 1 to 4 (kernels/pallas_gpu.py)."""
-  try:
-    tile, warps, stages = (int(x) for x in str(text).split(","))
-  except ValueError:
-    return None
-  pow2 = lambda n: n > 0 and not n & (n - 1)
-  if not (pow2(tile) and tile >= 16 and pow2(warps) and warps <= 16 and 1 <= stages <= 4):
-    return None
-  return tile, warps, stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,23 +141,13 @@ class ModelConfig:
       bad("plan_growth", "must be in [1, 4]")
     if self.attn_chunk < 0:
       bad("attn_chunk", "must be >= 0 (0: automatic)")
-    if self.attn_impl == "xla":  # its name until the implementations moved behind one door
+    if self.attn_impl in kernels.ALIASES:  # 'xla': its name before the one door
+      new = kernels.ALIASES[self.attn_impl]
       logging.getLogger("span_lm").warning(
-          "config.model.attn_impl='xla' is deprecated: it now reads 'cpu' (or use 'auto')")
-      object.__setattr__(self, "attn_impl", "cpu")
-    if self.attn_impl not in ATTN_IMPLS:
-      bad("attn_impl", f"choose one of {ATTN_IMPLS}")
-    if self.attn_precision not in ATTN_PRECISIONS:
-      bad("attn_precision", f"choose one of {ATTN_PRECISIONS}")
-    if self.attn_tiles not in ("table", "tune"):
-      tiles = parse_tiles(self.attn_tiles)
-      if tiles is None:
-        bad("attn_tiles", "'table', 'tune', or 'TILE,WARPS,STAGES' (e.g. '64,4,2': a power of "
-            "two >= 16, warps 1-16 a power of two, stages 1-4)")
-      if self.attn_block % tiles[0]:  # a larger tile leaves a remainder too
-        bad("attn_tiles", f"its tile must divide attn_block={self.attn_block}")
-    if self.attn_impl.startswith("pallas"):
-      self._check_fused(bad)
+          f"config.model.attn_impl={self.attn_impl!r} is deprecated: it now reads {new!r} (or use "
+          "'auto')")
+      object.__setattr__(self, "attn_impl", new)
+    kernels.check(self)  # names, precision, tiles; an explicit fused kernel's tiling
     # Hashable (the config is a jit static argument) whatever sequence the config held.
     object.__setattr__(self, "adapt_io_cutoffs", tuple(self.adapt_io_cutoffs))
     object.__setattr__(self, "sparse_data_shape", tuple(self.sparse_data_shape))
@@ -193,27 +168,6 @@ class ModelConfig:
         bad("adapt_io_div", "must be a positive integer")
       if self.d_model // self.adapt_io_div ** len(cuts) < 1:
         bad("adapt_io_div", f"leaves the last cluster of d_model={self.d_model} with no dimension")
-
-  def fused_misfit(self, m: int | None = None, w: int | None = None) -> tuple[str, str]:
-    """('', '') when the fused kernels (GPU and TPU) tile a layer with a block of m queries and
-    a window of w (None: the config's own sizes only), else (field, what it must be). The one
-    rule: read by kernels.choose (which falls back to the reference) and by the validation of
-    an explicit fused attn_impl (which refuses)."""
-    b = self.attn_block
-    if self.arch != "span":
-      return "arch", "must be 'span' (the sparse model has its own attention)"
-    if not isinstance(b, int) or b < 16 or b & (b - 1):
-      return "attn_block", "must be a power of two >= 16"
-    for f, n in (("pers_mem", self.pers_mem), ("span", self.span),
-                 ("plan_granularity", self.plan_granularity), ("block", m), ("window", w)):
-      if n is not None and n % b:
-        return f, f"must be a multiple of attn_block={b}"
-    return "", ""
-
-  def _check_fused(self, bad):
-    field, why = self.fused_misfit()
-    if field:
-      bad(field, f"{why} with attn_impl={self.attn_impl!r}")
 
   def _check_sparse(self, bad):
     if self.span_mode != "fixed":

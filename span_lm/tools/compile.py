@@ -297,11 +297,11 @@ def compile_target(config, tgt: Target) -> dict:
       config.train.loss_scale, cfg.dtype) else None)
   row["loss_scale"] = loss_scale is not None
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
-    row["attention"] = kernels.choose(cfg, d.block, max(cfg.span, d.block))
+    impl = kernels.select(cfg, d.block, max(cfg.span, d.block))
+    row["attention"] = impl.name
     row["attention_why"] = kernels.why(cfg, d.block, max(cfg.span, d.block))
     row["kernels_roofline"] = kernel_roofline(
-        chip, cfg, lambda span: kernels.schedule_cost(cfg, row["attention"], d.batch // n,
-                                                      d.block, cfg.span, span))
+        chip, cfg, lambda span: impl.schedule_cost(cfg, d.batch // n, d.block, cfg.span, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
                                                            config.seed, loss_scale=loss_scale))
     state = sharding_lib.with_shardings(abstract, shardings(abstract))

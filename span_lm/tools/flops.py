@@ -156,7 +156,7 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   """Bytes the forward pass keeps for the backward pass (JAX's residuals), by kind.
 
   The attention's own residuals (keys/values, score bands, weights) come from the implementation
-  the door picks (kernels.residual_bytes; the CPU one is checked in float32 against jax's saved
+  the door picks (its residual_bytes; the CPU one is checked in float32 against jax's saved
   residuals in tests); per layer this adds the key/value input rows, layer-norm and feed-forward
   intermediates. Dropout masks (train and dropout > 0) are approximate: a byte per element plus
   the dropped copy. With remat='layer' only the layer inputs and one layer's residuals are kept.
@@ -172,7 +172,7 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   b, m, d = batch, block, cfg.d_model
   act, f32 = jnp.dtype(cfg.dtype).itemsize, 4
   drop = train and cfg.dropout > 0
-  impl = kernels.choose(cfg, m, max(w for lp in plan.layers for _, w in lp.groups))
+  impl = kernels.select(cfg, m, max(w for lp in plan.layers for _, w in lp.groups))
   layers = []
   for lp in plan.layers:
     it = dict.fromkeys(("kv_input", "keys_values", "score_bands", "weights", "layer", "ff"), 0)
@@ -181,10 +181,10 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
       g = len(heads)
       # The block rows, and the cache rows read unless they are the whole cache (then the
       # residual is the step's input itself, not a new buffer).
-      rows = kernels.cached_rows(impl, w)
+      rows = impl.cached_rows(w)
       it["kv_input"] += b * (m + (rows if rows != lp.cache_len else 0)) * d * act
-      res = kernels.residual_bytes(cfg, impl, b, m, g, w, train)
-      if impl == "reference" and target.name() == "tpu":
+      res = impl.residual_bytes(cfg, b, m, g, w, train)
+      if impl.name == "reference" and target.name() == "tpu":
         res["score_bands"] = xla_tpu_score_bands(cfg, b, m, g, w)
       for k, v in res.items():
         it[k] += v

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from span_lm import config as config_lib
+from span_lm import kernels
 from span_lm.data import batching, sources
 from span_lm.kernels import autotune
 from span_lm.model import caches as caches_lib
@@ -126,14 +127,7 @@ class Run:
       _echo(f"CPU host split into {n_cpu} devices for data parallelism ({why})")
     if cpu_host.huge_pages_active() and jax.default_backend() == "cpu":
       _echo(f"CPU host: malloc with transparent huge pages ({cpu_host.HUGE_PAGES_TUNABLE})")
-    if config.model.attn_impl == "pallas_tpu" and jax.default_backend() != "tpu":
-      raise ValueError(f"config.model.attn_impl='pallas_tpu' runs a Mosaic kernel, which needs a "
-                       f"TPU; this process has {jax.default_backend()} devices: use 'auto' (or "
-                       f"'pallas_tpu_interpret' to run the kernel interpreted)")
-    if config.model.attn_impl == "pallas" and jax.default_backend() != "gpu":
-      raise ValueError(f"config.model.attn_impl='pallas' runs a Triton kernel, which needs a GPU "
-                       f"(Ampere or newer); this process has {jax.default_backend()} devices: use "
-                       f"'auto' (or 'pallas_interpret' to run the kernel interpreted)")
+    kernels.check(config.model, backend=jax.default_backend())  # a kernel this host can run
     self.config = config
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.train.compilation_cache:

@@ -75,8 +75,9 @@ def test_named_tiles_reach_the_kernel_with_the_same_maths():
   cpu, fused = _cfg(), _cfg(attn_impl="pallas_interpret", attn_tiles="16,4,1")
   assert kernels.gpu_tiles(fused, "pallas_interpret", jnp.float32) == (16, 4, 1)
   whole = _cfg(attn_impl="pallas_interpret", attn_tiles="32,4,1")
-  assert (kernels.schedule_cost(fused, "pallas_interpret", 1, 256, 1024, None) !=
-          kernels.schedule_cost(whole, "pallas_interpret", 1, 256, 1024, None))
+  interpret = kernels.IMPLS["pallas_interpret"]
+  assert (interpret.schedule_cost(fused, 1, 256, 1024, None) !=
+          interpret.schedule_cost(whole, 1, 256, 1024, None))
   rng = np.random.default_rng(0)
   b, m = 2, 32
   tokens = jnp.asarray(rng.integers(cpu.vocab_size, size=(b, m)), jnp.int32)

@@ -1,7 +1,11 @@
 """The door (span_lm/kernels): every implementation equals `reference` in values and in every
 gradient (queries, keys, values, position embeddings, spans, persistent memory), for fixed,
-adaptive and dynamic spans, in float32 and bfloat16; and `auto` picks by backend."""
+adaptive and dynamic spans, in float32 and bfloat16; `auto` picks by backend; one table, one
+`select`, one `check`, and the Pallas kernels load only where chosen."""
 import logging
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -49,8 +53,8 @@ def test_every_implementation_equals_the_reference(impl, mode, m, w, n_pers, dty
   ct = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
 
   def loss(impl, q, k, v, pe, z, pk, pv):
-    out = kernels.attend(cfg_for(impl), impl, q, kernels.KV(k, v), pe, span_z=z,
-                         pers_k_GxDxN=pk, pers_v_GxNxD=pv)
+    out = kernels.IMPLS[impl].attend(cfg_for(impl), q, kernels.KV(k, v), pe, span_z=z,
+                                     pers_k_GxDxN=pk, pers_v_GxNxD=pv)
     return jnp.sum(out.astype(jnp.float32) * ct), out
 
   argnums = tuple(i for i, a in enumerate((q, k, v, pe, z, pk, pv)) if a is not None)
@@ -135,10 +139,106 @@ def test_only_the_door_imports_a_platform_implementation():
     return names
 
   platform = ("span_lm.kernels.banded_cpu", "span_lm.kernels.pallas_gpu",
-              "span_lm.kernels.decode", "span_lm.kernels.banded_reference")
+              "span_lm.kernels.pallas_tpu", "span_lm.kernels.impl_",
+              "span_lm.kernels.ring", "span_lm.kernels.banded_reference")
   for path in (root / "model").rglob("*.py"):
     bad = [n for n in imports(path) if n.startswith(platform)]
     assert not bad, f"{path.name} imports {bad}"
   assert not any("banded_cpu" in n or "pallas_gpu" in n
                  for n in imports(root / "kernels" / "banded_reference.py"))
   assert "span_lm.tools.paper" not in imports(root / "tools" / "flops.py")
+
+
+def test_one_table_every_implementation_offers_the_same_functions():
+  """config.model.attn_impl's names are the table's (and 'auto'); each implementation's module
+  offers the door's functions, and `select` hands out the table's entries."""
+  assert kernels.ATTN_IMPLS == ("auto",) + tuple(kernels.IMPLS)
+  surface = ("project_kv", "split_kv", "attend", "cached_rows", "residual_bytes",
+             "schedule_cost", "compiler_options", "misfit")
+  for name, impl in kernels.IMPLS.items():
+    assert impl.name == name and cfg_for(name).attn_impl == name
+    missing = [f for f in surface if not callable(getattr(impl.ops, f, None))]
+    assert not missing, f"{impl.ops_module} lacks {missing}"
+    misfit = impl.misfit(cfg_for(name), 16, 32)
+    assert kernels.select(cfg_for(name), 16, 32) is (kernels.IMPLS["reference"] if misfit else impl)
+    assert kernels.why(cfg_for(name), 16, 32) == misfit
+    assert (impl.platform is None) == (not impl.needs)  # a compiled kernel says what it needs
+  assert kernels.select(cfg_for("pallas_interpret"), 1, 32) is kernels.IMPLS["reference"]
+  assert "128 lanes" in kernels.why(cfg_for("pallas_tpu"), 16, 32)  # Mosaic's rule, compiled only
+  assert kernels.why(cfg_for("pallas_tpu_interpret"), 16, 32) == ""
+  assert kernels.select(cfg_for("auto"), 16, 32) is kernels.IMPLS["cpu"]
+
+
+_LAZY_CHILD = """
+import sys
+import span_lm.config
+from span_lm import kernels
+assert "jax" not in sys.modules, "the door and the config validate without jax"
+import jax, jax.numpy as jnp
+from span_lm.model import caches, config, transformer
+from span_lm.train import loop  # the trainer, its tile autotune included
+for impl in ("auto", "reference"):
+  cfg = config.ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ff=8, span=16,
+                           ramp=4, span_mode="adaptive", attn_impl=impl)
+  x = jnp.zeros((1, 16), jnp.int32)
+  model = transformer.SpanTransformer(cfg)
+  params = model.init(jax.random.key(0), x, caches.init_caches(cfg, None, 1))
+  model.apply(params, x, caches.init_caches(cfg, None, 1))
+  kernels.compiler_options(cfg), kernels.fit_fallback(cfg)
+loaded = ("span_lm.kernels.pallas", "span_lm.kernels.impl_gpu", "span_lm.kernels.impl_tpu",
+          "jax.experimental.pallas")
+print(sorted(m for m in sys.modules if m.startswith(loaded)))
+"""
+
+
+def test_the_cpu_and_reference_paths_load_no_pallas():
+  """Importing the door and the trainer and running the model with `auto` on a CPU (cpu) and
+  with `reference` imports neither Pallas kernel nor Pallas' public API (jax and flax load some of its internals
+  themselves)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run([sys.executable, "-c", _LAZY_CHILD], capture_output=True, text=True,
+                       env=env, check=False, cwd=os.path.dirname(os.path.dirname(
+                           os.path.dirname(os.path.abspath(__file__)))))
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
+  """`check` holds the rules an explicit attn_impl must meet: one ValueError naming the field."""
+  kernels.check(cfg_for("auto"), block=24, backend="cpu")  # auto always has somewhere to go
+  kernels.check(cfg_for("pallas_interpret"), block=32, backend="cpu")  # interpreted: anywhere
+  kernels.check(cfg_for("pallas"), block=32, backend="gpu")
+  cases = [
+      ("pallas", dict(backend="cpu"),
+       "config.model.attn_impl='pallas' runs a Triton kernel, which needs a GPU (Ampere or "
+       "newer); this process has cpu devices: use 'auto' (or 'pallas_interpret' to run the "
+       "kernel interpreted)"),
+      ("pallas_tpu", dict(backend="gpu"),
+       "config.model.attn_impl='pallas_tpu' runs a Mosaic kernel, which needs a TPU; this process "
+       "has gpu devices: use 'auto' (or 'pallas_tpu_interpret' to run the kernel interpreted)"),
+      ("pallas_tpu_interpret", dict(block=24),
+       "config.data.block=24: must be a multiple of model.attn_block=16 with the fused kernel"),
+  ]
+  for impl, where, line in cases:
+    with pytest.raises(ValueError) as e:
+      kernels.check(cfg_for(impl), **where)
+    assert str(e.value) == line
+  with pytest.raises(ValueError) as e:  # ModelConfig asks `check` too
+    cfg_for("pallas", pers_mem=24)
+  assert str(e.value) == ("config.model.pers_mem=24: must be a multiple of attn_block=16 with "
+                          "attn_impl='pallas'")
+  with pytest.raises(ValueError) as e:
+    cfg_for("auto", attn_precision="exact")
+  assert str(e.value) == ("config.model.attn_precision='exact': choose one of "
+                          "('default', 'highest')")
+
+
+def test_check_reads_the_run_configs_model_section():
+  """train/loop.py checks the platform rule on config.model before the ModelConfig is built
+  (old names included)."""
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  section = lambda impl: ml_collections.ConfigDict(
+      dict(vars(cfg_for("auto")), attn_impl=impl))
+  kernels.check(section("xla"), backend="cpu")
+  with pytest.raises(ValueError, match="needs a GPU"):
+    kernels.check(section("pallas"), backend="tpu")

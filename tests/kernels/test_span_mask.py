@@ -77,8 +77,8 @@ def test_whole_token_span_gradients_equal_the_reference(impl, g, m, w, dynamic, 
   cfg = door_cfg(impl)
 
   def run(q, k, v, pe, z):
-    return kernels.attend(cfg, impl, q, kernels.KV(k, v), pe, span_z=z, pers_k_GxDxN=pk,
-                          pers_v_GxNxD=pv)
+    return kernels.IMPLS[impl].attend(cfg, q, kernels.KV(k, v), pe, span_z=z, pers_k_GxDxN=pk,
+                                      pers_v_GxNxD=pv)
 
   args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, pe, z)]
   ct32 = jnp.asarray(ct, jnp.float32)

@@ -121,14 +121,14 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
   with target_lib.compiling_for("cuda", 9.0):
     rows = compile_lib.kernel_roofline(
         chips.get("h100"), cfg,
-        lambda span: kernels.schedule_cost(cfg, "pallas", 8, 512, 8192, span))
+        lambda span: kernels.IMPLS["pallas"].schedule_cost(cfg, 8, 512, 8192, span))
   assert [(r["spans"], r["kernel"]) for r in rows][:4] == [
       ("span 8192", "fwd"), ("span 8192", "bwd_q"), ("span 8192", "bwd_kv"),
       ("span 8192", "position")]
   assert len(rows) == 8 and rows[4]["flops"] < rows[0]["flops"] / 10
   assert rows[7]["flops"] == rows[3]["flops"]  # the position matmuls span the whole window
   assert all(r["bound"] in ("compute", "HBM", "either") for r in rows)
-  assert kernels.schedule_cost(cfg, "reference", 8, 512, 8192, None) is None
+  assert kernels.IMPLS["reference"].schedule_cost(cfg, 8, 512, 8192, None) is None
 
 
 def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():

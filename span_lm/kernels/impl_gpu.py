@@ -1,0 +1,70 @@
+"""`pallas` and `pallas_interpret` behind the door (span_lm/kernels/__init__.py): pallas_gpu's
+fused Triton kernel, keys and values as rows (kernels.KV, projected as the reference's).
+Imported only where one of them is chosen: it loads Pallas."""
+import jax.numpy as jnp
+
+from span_lm import kernels
+from span_lm.kernels import impl_reference
+from span_lm.kernels import pallas_gpu
+from span_lm.kernels import target
+
+project_kv = impl_reference.project_kv
+split_kv = impl_reference.split_kv
+cached_rows = impl_reference.cached_rows
+
+
+def _cc(impl):
+  """The target's compute capability, whose table entry the kernel runs (interpreted: none)."""
+  return None if impl.interpret else target.current().compute_capability
+
+
+def tiles(impl, cfg, dtype) -> tuple[int, int, int]:
+  """The kernel's (tile, warps, stages): the config's own 'T,W,S' (or what 'tune' measured:
+  train/loop.py writes it there), else pallas_gpu's table for the target."""
+  explicit = kernels.parse_tiles(cfg.attn_tiles)
+  if explicit is not None:
+    return explicit
+  return pallas_gpu.tiles(_cc(impl), cfg.head_dim, dtype, cfg.attn_block)
+
+
+def key_tile(impl, cfg, dtype, tile: int) -> int:
+  """The kernel's key tile for a query tile (pallas_gpu.TILES; interpreted: the tile)."""
+  return pallas_gpu.key_tile(_cc(impl), cfg.head_dim, dtype, tile)
+
+
+def attend(impl, cfg, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
+           pers_v_GxNxD=None, dropout=None, dropout_seed=None):
+  b, g, m, _ = q_BxGxMxD.shape
+  z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
+  seed = None if dropout is None else dropout_seed()
+  tile, warps, stages = tiles(impl, cfg, q_BxGxMxD.dtype)
+  return pallas_gpu.span_attention(
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=cfg.ramp, block=tile,
+      block_k=key_tile(impl, cfg, q_BxGxMxD.dtype, tile), num_warps=warps, num_stages=stages,
+      # float32 parameters go in as such: the kernel casts them, their gradients stay float32
+      pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
+      dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
+      interpret=impl.interpret, precision=cfg.attn_precision)
+
+
+def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+  del train
+  return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w),
+                                      pallas_gpu.padded_head_dim(cfg.head_dim),
+                                      jnp.dtype(cfg.dtype).itemsize)
+
+
+def schedule_cost(impl, cfg, batch: int, m: int, w: int, span) -> dict:
+  tile = tiles(impl, cfg, cfg.dtype)[0]
+  return pallas_gpu.schedule_cost(batch, cfg.n_heads, m, w, cfg.head_dim, cfg.dtype, tile,
+                                  span=span, ramp=cfg.ramp, n_pers=cfg.pers_mem,
+                                  key_tile=key_tile(impl, cfg, cfg.dtype, tile))
+
+
+def compiler_options(impl) -> dict:
+  return {} if impl.interpret else dict(kernels.GPU_COMPILER_OPTIONS)
+
+
+def misfit(impl, cfg, m, w) -> str:
+  del impl, cfg, m, w  # the door's fused rule is the whole of it
+  return ""

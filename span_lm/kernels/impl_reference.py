@@ -1,0 +1,50 @@
+"""`reference` behind the door (span_lm/kernels/__init__.py): banded_reference's readable maths,
+keys and values as rows (kernels.KV). The functions every implementation module offers, the
+implementation (a kernels.Impl) first."""
+from span_lm.kernels import KV
+from span_lm.kernels import banded_reference
+
+
+def project_kv(impl, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> KV:
+  del impl, cfg
+  return KV(*banded_reference.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads))
+
+
+def split_kv(impl, cfg, kv_BxTx2Z, *, window: int, heads: int) -> KV:
+  del impl, cfg, window
+  return KV(*banded_reference.split_kv(kv_BxTx2Z, heads))
+
+
+def attend(impl, cfg, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
+           pers_v_GxNxD=None, dropout=None, dropout_seed=None):
+  del impl, dropout_seed  # dropout draws its own mask
+  return banded_reference.banded_attention(
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.ramp,
+      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attn_chunk,
+      dropout=dropout)
+
+
+def cached_rows(impl, w: int) -> int:
+  del impl
+  return w
+
+
+def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+  del impl
+  return banded_reference.residual_bytes(cfg.span_mode, cfg.pers_mem, cfg.dtype, batch, m, heads,
+                                         w, cfg.head_dim, cfg.attn_chunk,
+                                         train and cfg.dropout > 0)
+
+
+def schedule_cost(impl, cfg, batch: int, m: int, w: int, span) -> None:
+  del impl, cfg, batch, m, w, span  # XLA's own cost analysis covers it
+
+
+def compiler_options(impl) -> dict:
+  del impl
+  return {}
+
+
+def misfit(impl, cfg, m, w) -> str:
+  del impl, cfg, m, w
+  return ""
