@@ -91,14 +91,10 @@ HINTS = {
     "check_plan": ("span_lm.model.plan",),
     "init_caches": ("span_lm.model.caches",),
     "init_state": ("span_lm.train.steps",),
-    "StepCompiler": ("span_lm.train.steps",),
+    "with_span_ratios": ("span_lm.model.plan",),
+    "build": ("span_lm.train.steps",),
     "host_batch": ("span_lm.train.steps",),
     "make_optimizer": ("span_lm.train.optimizer",),
-    "make_mesh": ("span_lm.train.sharding",),
-    "replicated": ("span_lm.train.sharding",),
-    "state_shardings": ("span_lm.train.sharding",),
-    "default_state_rule": ("span_lm.train.sharding",),
-    "DATA_AXIS": ("span_lm.train.sharding",),
     "train_step_flops": ("span_lm.tools.flops",),
     "generate": ("span_lm.tools.sample",),
     "load_config": ("span_lm.config",),
@@ -503,9 +499,6 @@ def child_train(spec):
   import dataclasses  # pylint: disable=g-import-not-at-top
   import gc  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  mesh = api("make_mesh")()
-  replicated = api("replicated")(mesh)
   batch, block, split = spec["batch"], spec["block"], spec["batch_split"]
   kind = jax.devices()[0].device_kind
   peaks = peak_tflops(kind)
@@ -546,8 +539,8 @@ def child_train(spec):
           full = api("full_plan")(cfg)
           inits[key] = jax.tree.map(np.asarray, jax.jit(
               lambda cfg=cfg, full=full: api("init_state")(cfg, tx, full, 1, 1, 0))())
-        row.update(_time_step(jax, np, NamedSharding, P, cfg, tx, inits[key], mesh,
-                              replicated, batch, block, split, plan_name, spec))
+        row.update(_time_step(jax, np, cfg, tx, inits[key], batch, block, split, plan_name,
+                              spec))
         sec = row["seconds"]
         row["tokens_per_s"] = batch * block / sec
         row["model_tflops_per_s"] = row["flops"] / sec / 1e12
@@ -564,33 +557,30 @@ def child_train(spec):
       gc.collect()
 
 
-def _time_step(jax, np, NamedSharding, P, cfg, tx, init, mesh, replicated, batch, block, split,
-               plan_name, spec):
+def _time_step(jax, np, cfg, tx, init, batch, block, split, plan_name, spec):
   init_caches = api("init_caches")
-  params = jax.tree.map(lambda x: x, init["params"])  # a copy: span ratios are set per plan
+  params = init["params"]
   if cfg.span_mode == "adaptive":
     ratios = _span_ratios(cfg, plan_name)
-    for i in range(cfg.n_layers):
-      params[f"layers_{i}"]["attn"]["span_ratio"] = ratios[i]
+    params = api("with_span_ratios")(params, ratios)
     plan = api("plan_from_ratios")(cfg, ratios)
   else:
     plan = api("full_plan")(cfg)
   api("check_plan")(cfg, params, plan)
+  # the trainer's builder: its mesh (every device), state rule, batch sharding and checks
+  compiler = api("build")(cfg, tx, batch=batch, eval_batch=jax.device_count(), batch_split=split,
+                          log=lambda _: None)
+  layout = compiler.layout
   rng = np.random.default_rng(0)
   state = {"step": init["step"], "params": params, "opt_state": jax.jit(tx.init)(params),
            "rng": init["rng"],
            "caches": tuple(np.asarray(rng.standard_normal(c.shape), np.float32)
                            for c in init_caches(cfg, plan, batch)),
            "eval_caches": init_caches(cfg, plan, jax.device_count())}
-  st_sh = api("state_shardings")(jax.eval_shape(lambda: state), mesh, api("default_state_rule"))
-  state = jax.device_put(state, st_sh)
-  b_sh = NamedSharding(mesh, P(api("DATA_AXIS"), None))
-  compiler = api("StepCompiler")(cfg, tx, mesh, lambda st: st_sh, b_sh, replicated,
-                                 batch_split=split, log=lambda _: None)
+  state = jax.device_put(state, layout.state_shardings(jax.eval_shape(lambda: state)))
   host = api("host_batch")(rng.integers(0, cfg.vocab_size, (batch, block)),
                            rng.integers(0, cfg.vocab_size, (batch, block)), False)
-  dev = {"x": jax.device_put(host["x"], b_sh), "y": jax.device_put(host["y"], b_sh),
-         "reset": jax.device_put(host["reset"], replicated)}
+  dev = layout.shard_batch(host)
   t0 = time.perf_counter()
   step = compiler.train(plan, state, dev)
   out = {"compile_seconds": time.perf_counter() - t0, "plan_keys": plan.attention_keys(),
@@ -641,9 +631,7 @@ def child_sampling(spec):
         params = jax.jit(lambda k, model=model, c=c, plan=plan: model.init(
             k, np.zeros((1, 1), np.int32), api("init_caches")(c, plan, 1))["params"])(
                 jax.random.key(0))
-        params = jax.tree.map(np.asarray, params)
-        for i in range(c.n_layers):
-          params[f"layers_{i}"]["attn"]["span_ratio"] = ratios[i]
+        params = api("with_span_ratios")(jax.tree.map(np.asarray, params), ratios)
         prompt = np.zeros((batch, 1), np.int32)
         t0 = time.perf_counter()
         generate(c, params, plan, prompt, spec["length"], temperature=1.0)

@@ -31,11 +31,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
-from span_lm.kernels import autotune
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
@@ -152,41 +150,20 @@ class Run:
     d = config.data
     sources.check_lengths(self.splits, d.block, d.batch, d.eval_batch)
     self.fsdp = config.dist.fsdp
-    if self.fsdp > 1:  # parameters and optimizer state sharded over a second mesh axis
-      self.mesh = dist_lib.fsdp_mesh(self.fsdp, num_devices)
-      self.state_rule = dist_lib.fsdp_state_rule()
-      batch_axes = dist_lib.BATCH_AXES
-    else:
-      self.mesh = sharding_lib.make_mesh(num_devices)
-      self.state_rule = sharding_lib.default_state_rule
-      batch_axes = sharding_lib.DATA_AXIS
-    n_dev = self.mesh.devices.size
-    for field, b in (("batch", d.batch), ("eval_batch", d.eval_batch)):
-      if b % n_dev:
-        raise ValueError(f"config.data.{field}={b} must be divisible by the {n_dev} devices")
-      if b % self.process_count:
-        raise ValueError(f"config.data.{field}={b} must be divisible by the "
-                         f"{self.process_count} processes")
-    if d.batch % config.optim.batch_split:
-      raise ValueError(f"config.data.batch={d.batch} must be divisible by "
-                       f"config.optim.batch_split={config.optim.batch_split}")
-    # attn_tiles='tune': time the GPU kernel's tile candidates now, before any step compiles
-    self.model_cfg = autotune.resolve(
-        self.model_cfg, batch=d.batch // n_dev // config.optim.batch_split, m=d.block, echo=_echo)
     self.tx, self.schedule = optimizer_lib.make_optimizer(config.optim)
+    # attn_tiles='tune' is timed here (tune_block), before any step compiles
+    self.compiler = steps_lib.build(
+        self.model_cfg, self.tx, batch=d.batch, eval_batch=d.eval_batch,
+        batch_split=config.optim.batch_split, fsdp=self.fsdp, num_devices=num_devices,
+        processes=self.process_count, tune_block=d.block, log=_echo,
+        capacity=_device_memory(), debug_nan_at_step=config.train.debug_nan_at_step,
+        loss_scale_period=config.train.loss_scale_period)
+    self.model_cfg, self.layout = self.compiler.cfg, self.compiler.layout
+    self.mesh, self.replicated = self.layout.mesh, self.layout.replicated
+    self.batch_sharding, self.cache_sharding = self.layout.rows, self.layout.cache_rows
     # dynamic loss scaling (train/loss_scale.py): its initial scale, or None when off
     self.loss_scale = (float(config.train.loss_scale_init) if loss_scale_lib.enabled(
         config.train.loss_scale, self.model_cfg.dtype) else None)
-    self.replicated = sharding_lib.replicated(self.mesh)
-    self.batch_sharding = NamedSharding(self.mesh, P(batch_axes, None))
-    self.cache_sharding = NamedSharding(self.mesh, P(batch_axes, None, None))
-    self.compiler = steps_lib.StepCompiler(
-        self.model_cfg, self.tx, self.mesh,
-        lambda st: sharding_lib.state_shardings(st, self.mesh, self.state_rule),
-        self.batch_sharding,
-        self.replicated, batch_split=config.optim.batch_split, log=_echo,
-        debug_nan_at_step=config.train.debug_nan_at_step, capacity=_device_memory(),
-        loss_scale_period=config.train.loss_scale_period)
     self.ckpt = None
     if self.workdir:
       self.ckpt = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -200,8 +177,7 @@ class Run:
     fn = lambda: steps_lib.init_state(self.model_cfg, self.tx, plan, d.batch, d.eval_batch,
                                       self.config.seed, loss_scale=self.loss_scale)
     abstract = jax.eval_shape(fn)
-    shardings = sharding_lib.state_shardings(abstract, self.mesh, self.state_rule)
-    return fn, abstract, shardings
+    return fn, abstract, self.layout.state_shardings(abstract)
 
   def init_state(self, plan):
     fn, _, shardings = self.abstract_state(plan)
@@ -302,7 +278,7 @@ class Run:
 
   def put_batch(self, b):
     """Host batch -> global arrays; with several processes `b` holds this process's rows only."""
-    return sharding_lib.shard_batch(b, self.mesh, self.batch_sharding.spec[0])
+    return self.layout.shard_batch(b)
 
   def streams(self, split: np.ndarray, batch: int, seed: int) -> batching.StreamIterator:
     """This process's share of the B training-style streams of a split."""
