@@ -257,10 +257,14 @@ class Layout:
     return shard_batch(x, self.mesh, self.batch_axes)
 
   def check_batches(self, batch: int, eval_batch: int, batch_split: int = 1,
-                    processes: int = 1) -> None:
+                    processes: int = 1, whole_pieces: bool = False) -> None:
     """Every batch splits evenly over the devices and the processes, the training batch into
-    batch_split pieces (the state carries both batches' caches, so both must)."""
+    batch_split pieces (the state carries both batches' caches, so both must). whole_pieces:
+    each piece must split over the devices too (the compile mode: no device idles in a piece)."""
     n = self.num_devices
+    if whole_pieces and (batch // batch_split) % n:
+      raise ValueError(f"config.data.batch / optim.batch_split = {batch // batch_split} does not "
+                       f"divide over {n} devices: choose a multiple of {n}")
     for field, b in (("batch", batch), ("eval_batch", eval_batch)):
       if b % n:
         raise ValueError(f"config.data.{field}={b} must be divisible by the {n} devices")

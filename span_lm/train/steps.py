@@ -454,7 +454,8 @@ class StepCompiler:
 
 def build(cfg: ModelConfig, tx, *, batch: int, eval_batch: int, batch_split: int = 1,
           fsdp: int = 1, num_devices: int | None = None, devices=None, processes: int = 1,
-          tune_block: int | None = None, log: Callable[[str], None] | None = None,
+          whole_pieces: bool = False, tune_block: int | None = None,
+          log: Callable[[str], None] | None = None,
           capacity: int | None = None, debug_nan_at_step: int = 0,
           loss_scale_period: int = 2000) -> StepCompiler:
   """The mesh, state rule and batch sharding (sharding.Layout) and the step compiler of a run:
@@ -462,11 +463,12 @@ def build(cfg: ModelConfig, tx, *, batch: int, eval_batch: int, batch_split: int
   same thing. Refuses batches that do not split over the devices and processes.
 
   devices: lay the mesh over these (a deviceless topology's), else the first num_devices (all).
+  whole_pieces: each batch_split piece must split over the devices (sharding.Layout).
   tune_block: resolve attn_tiles='tune' by timing the kernel at this block length and this
   run's rows per device (kernels/autotune.py); None: the config as it is.
   The compiler's `cfg` is the model config as resolved, its `layout` the arrays' layout."""
   layout = sharding_lib.Layout.make(fsdp, num_devices, devices)
-  layout.check_batches(batch, eval_batch, batch_split, processes)
+  layout.check_batches(batch, eval_batch, batch_split, processes, whole_pieces)
   if tune_block is not None:
     cfg = autotune.resolve(cfg, batch=batch // layout.num_devices // batch_split, m=tune_block,
                            echo=log or logging.info)

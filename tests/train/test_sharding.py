@@ -149,5 +149,8 @@ def test_layout_refuses_batches_that_do_not_split():
     layout.check_batches(4, 8, processes=8)
   with pytest.raises(ValueError, match=r"config.data.batch=4 must be divisible by config.optim"):
     layout.check_batches(4, 4, batch_split=3)
+  layout.check_batches(8, 4, batch_split=2)  # pieces of 4 rows: one per device
+  with pytest.raises(ValueError, match=r"batch / optim.batch_split = 2 does not divide over 4"):
+    layout.check_batches(8, 4, batch_split=4, whole_pieces=True)  # the compile mode's rule
   with pytest.raises(ValueError, match=r"config.dist.fsdp=3 must divide the 8 devices"):
     sharding.Layout.make(3)
