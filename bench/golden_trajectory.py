@@ -26,8 +26,11 @@ warmup 20, no dropout; tokens are bytes of enwik8's head, ids in order of first 
   adaptive  adaptive span from z' = 0, span loss 2e-6, adapt_span_cache (trimmed caches)
   pers      adaptive span + 16 persistent memory vectors per head, no feed-forward
 
-  /work/refvenv/bin/python bench/golden_trajectory.py --reference_dir /tmp/adaptive-span \\
-      --data ../shared/data/enwik8_head.bin
+  python bench/golden_trajectory.py --reference_dir /tmp/adaptive-span     # an env with torch
+
+The tokens are the first bytes of the enwik8 head packaged in span_lm/data/demo (read here
+with the standard library, so the torch environment needs none of span_lm's dependencies);
+--data reads another raw file instead.
 """
 import argparse
 import collections
@@ -46,10 +49,24 @@ SHAPES = dict(layers=2, d_model=64, heads=4, d_ff=64, span=256, ramp=32, block=6
 CASES = ("fixed", "adaptive", "pers")
 
 
-def tokens_from(path: str, batch: int, length: int) -> tuple[np.ndarray, int]:
-  """(batch, length) ids of the file's first bytes, reference batching (contiguous rows), ids in
-  order of first appearance (the reference's vocabulary order; newline is just one more id)."""
-  raw = np.frombuffer(open(path, "rb").read(batch * length), np.uint8)
+DEMO_XZ = os.path.join(REPO, "span_lm", "data", "demo", "enwik8_head.xz")
+
+
+def head_bytes(path: str | None, n: int) -> bytes:
+  """The first n bytes of a raw file, or of the packaged enwik8 head (path None)."""
+  if path is None:
+    import lzma  # pylint: disable=g-import-not-at-top
+    with lzma.open(DEMO_XZ, "rb") as f:
+      return f.read(n)
+  with open(path, "rb") as f:
+    return f.read(n)
+
+
+def tokens_from(path: str | None, batch: int, length: int) -> tuple[np.ndarray, int]:
+  """(batch, length) ids of the file's first bytes (path None: the packaged enwik8 head),
+  reference batching (contiguous rows), ids in order of first appearance (the reference's
+  vocabulary order; newline is just one more id)."""
+  raw = np.frombuffer(head_bytes(path, batch * length), np.uint8)
   ids = {}
   for b in raw.tolist():
     ids.setdefault(b, len(ids))
@@ -170,7 +187,8 @@ def main():
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--reference_dir", required=True,
                  help="an unmodified checkout of facebookresearch/adaptive-span (27b815f)")
-  p.add_argument("--data", default=os.path.join(REPO, "..", "shared", "data", "enwik8_head.bin"))
+  p.add_argument("--data", default=None,
+                 help="a raw byte file (default: span_lm/data/demo's head of enwik8)")
   p.add_argument("--out", default=os.path.join(REPO, "tests", "fixtures", "golden"))
   p.add_argument("--steps", type=int, default=60)
   p.add_argument("--seed", type=int, default=0)

@@ -5,8 +5,9 @@
      impl's function) in float32 with exact dots, at small shapes, for every variant: fixed /
      adaptive / dynamic spans, learned spans far below the window, persistent memory, attention
      dropout (the plain path given the kernel's hashed keep mask), head dims 64 and 96, bf16 and
-     float32; then the attention layer (SeqAttention, attn_impl=pallas) against gpu_suite's plain
-     definition with a learned plan whose windows are shorter than S (heads grouped by window);
+     float32; then the attention layer (SeqAttention, attn_impl=pallas) against the plain
+     definition (tests/reference_numpy.py run under jax) with a learned plan whose windows are
+     shorter than S (heads grouped by window);
   2. timings at configs/enwik8.py's layer shapes (B=8, H=8, M=512, W=8192, Dh=64, bf16): forward
      and forward+backward ms of the kernel (all spans at S; learned spans 3 to 0.7 W; the table's
      tiles and one other pipeline depth), the XLA path (`reference`), and cuDNN's flash attention

@@ -7,12 +7,13 @@
 #
 #   bash bench/gpu_prepare.sh                               # reference from GitHub (network)
 #   bash bench/gpu_prepare.sh --reference_dir ~/src/adaptive-span   # or from a checkout
-#   bash bench/gpu_prepare.sh --reference_git /path/to/adaptive-span.git
+#   bash bench/gpu_prepare.sh --reference_git /path/to/adaptive-span.git   # or a local clone
 #
-# The GPU image (Python 3.12, jax/jaxlib with CUDA, flax, optax, orbax-checkpoint, absl-py,
-# PyYAML, protobuf, numpy, torch, triton) lacks ml_collections and tensorboardX, and may lack
-# tqdm (the progress bar: optional, span_lm runs without it); WHEELS overrides
-# the list (pins: the versions the CPU tests run with). Needs pip and network here, not there.
+# The wheels are the dependencies a typical JAX GPU image (Python 3.12, jax/jaxlib with CUDA,
+# flax, optax, orbax-checkpoint, absl-py, PyYAML, protobuf, numpy, torch, triton) lacks:
+# ml_collections, tensorboardX and tqdm (the progress bar: optional, span_lm runs without it);
+# WHEELS overrides the list (pins: the versions the CPU tests run with). Needs pip and network
+# here, not on the GPU machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,8 +51,6 @@ if [[ -n "$REF_DIR" ]]; then
 else
   if [[ -z "$REF_GIT" ]]; then
     REF_GIT="https://github.com/facebookresearch/adaptive-span"
-    MIRROR=/work/.mirror/facebookresearch+adaptive-span/repo  # this project's offline mirror
-    [[ -d "$MIRROR" ]] && REF_GIT=$MIRROR
   fi
   if [[ -d "$REF_GIT" ]] && git --git-dir "$REF_GIT" rev-parse -q --verify "$REF_COMMIT^{commit}" \
       >/dev/null 2>&1; then
@@ -74,11 +73,11 @@ wheels/: $(cd "$OUT/wheels" && ls | tr '\n' ' ')
 adaptive-span/: facebookresearch/adaptive-span @$REF_COMMIT (CC-BY-NC 4.0, see its LICENSE).
 EOF
 
-# 3. Checks: size (the device tool carries at most 64 MiB with the working tree) and an offline
-#    install from the folder alone.
+# 3. Checks: size (the folder travels to the GPU machine with the checkout: keep it small) and
+#    an offline install from the folder alone.
 BYTES=$(du -sb "$OUT" | cut -f1)
 if (( BYTES > 48 * 1024 * 1024 )); then
-  echo "$OUT is $BYTES bytes: keep it well under the 64 MiB the device tool carries" >&2
+  echo "$OUT is $BYTES bytes: keep it under 48 MiB (it travels with the checkout)" >&2
   exit 1
 fi
 CHECK=$(mktemp -d)

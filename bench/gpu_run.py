@@ -1,5 +1,6 @@
-"""The device command: one run on one H100/H200 that finishes within 8 minutes and writes each row
-to disk as it completes, most important first. bench/README.md has the exact `run` call.
+"""GPU evidence in one command: one run on one GPU (written on an H100 and an H200) that finishes
+within 8 minutes and writes each row to disk as it completes, most important first.
+bench/README.md says what it needs and how to run it on a machine without network.
 
   python3 bench/gpu_run.py --out DIR              # a GPU machine: ~7-8 minutes, offline
   python3 bench/gpu_run.py --dry_run --out DIR    # CPU rehearsal: every family at tiny shapes
@@ -56,7 +57,7 @@ RESERVE_S = {"kernel": 0, "train_enwik8": 60, "reference": 25, "train_enwik8_lar
              "sampling": 30}
 ROW_EST_S = {"train_enwik8": 35, "train_enwik8_large": 50, "sampling": 15}  # one compile + reps
 BUDGET_S = 480.0  # 8 minutes: the 10-minute command keeps ~2 for pip, start-up and slack
-REFERENCE_GPUS = 8  # experiments/enwik8*.sh: --batch-sz 64 over 8 GPUs
+REFERENCE_GPUS = 8  # the paper's enwik8 runs: a batch of 64 streams over 8 GPUs
 REFERENCE_H200_MS = 469.6  # the PyTorch reference's enwik8 step, batch 8, H200 (docs/gpu/)
 IMPLS = ("pallas", "reference")
 

@@ -4,15 +4,16 @@ the reference PyTorch step and sampling speed, written to --out DIR as suite.jso
   python bench/gpu_suite.py --out /tmp/gpu_suite            # a GPU machine: < 9 minutes, offline
   python bench/gpu_suite.py --dry_run --out /tmp/gpu_dry     # CPU rehearsal: tiny shapes, < 1 min
 
-bench/README.md has the command for a lent GPU machine and the folder it needs (.gpu_carry, built
-by bench/gpu_prepare.sh); docs/benchmarks.md has what the numbers mean and the results.
+bench/README.md has the commands for a GPU machine without network and the folder it needs
+(.gpu_carry, built by bench/gpu_prepare.sh); docs/benchmarks.md has what the numbers mean and the
+results.
 
 Stages, in priority order (each with a time budget; what a stage leaves unused passes on, what
 does not fit is recorded as skipped with the reason, never silently dropped):
   env                 versions, device, memory, CUDA/cuDNN, measured matmul rates, TF32 or not
   correctness         each attention implementation (model.attn_impl; the Pallas kernel compiled,
-                      not interpreted) against the plain definition written below: output and the
-                      gradients of every input and parameter (q/k/v/out projections, the cache,
+                      not interpreted) against the plain definition of tests/reference_numpy.py,
+                      run under jax at full float32 precision: output and the gradients of every input and parameter (q/k/v/out projections, the cache,
                       key_pe, spans, persistent memory), float32 and bf16, fixed / adaptive /
                       dynamic spans, persistent memory, head dims 64 and 96
   train_enwik8        configs/enwik8.py's full training step (optimizer included) at the paper's
@@ -31,37 +32,48 @@ training child's peak memory is its own. With --dry_run everything runs on the C
 with the Pallas kernel in interpret mode, and the reference step is a recorded stand-in where
 PyTorch or the reference checkout is absent (tests/test_gpu_suite.py runs it in CI).
 """
+import _repo  # first: the checkout's span_lm (bench/_repo.py)
 import argparse
 import datetime
 import json
-import math
 import os
 import subprocess
 import sys
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(_repo.ROOT, "tests"))  # reference_numpy: the plain definition
+import reference_numpy  # pylint: disable=g-import-not-at-top,wrong-import-position
+from span_lm import config as config_lib  # pylint: disable=wrong-import-position
+from span_lm import kernels  # pylint: disable=wrong-import-position
+from span_lm.model import caches as caches_lib  # pylint: disable=wrong-import-position
+from span_lm.model import plan as plan_lib  # pylint: disable=wrong-import-position
+from span_lm.model.attention import SeqAttention  # pylint: disable=wrong-import-position
+from span_lm.model.config import ATTN_IMPLS, ModelConfig  # pylint: disable=wrong-import-position
+from span_lm.model.transformer import SpanTransformer  # pylint: disable=wrong-import-position
+from span_lm.tools import chips  # pylint: disable=wrong-import-position
+from span_lm.tools import flops as flops_lib  # pylint: disable=wrong-import-position
+from span_lm.tools import sample  # pylint: disable=wrong-import-position
+from span_lm.train import optimizer as optimizer_lib  # pylint: disable=wrong-import-position
+from span_lm.train import steps as steps_lib  # pylint: disable=wrong-import-position
+
+REPO = _repo.ROOT
 
 # ------------------------------------------------------------------------------------------------
-# The attention implementations behind model.attn_impl, the one place this suite names them.
-# name: (what it is, measured on GPU, measured in the CPU rehearsal). A name the installed span_lm
-# does not accept is replaced by its OLD_NAMES entry when that one is accepted (the tree before
-# the one-door refactor has xla | pallas | pallas_interpret), and two names that resolve to the
-# same implementation are measured once.
+# The attention implementations behind model.attn_impl that this suite measures:
+# name: (what it is, measured on GPU, measured in the CPU rehearsal).
 IMPLS = {
     "reference": ("the readable jnp definition (plain autodiff)", True, True),
     "cpu": ("XLA:CPU's layouts and custom VJPs", False, True),
     "pallas": ("the fused Triton kernel, compiled", True, False),
     "pallas_interpret": ("the fused kernel, interpreted", False, True),
 }
-OLD_NAMES = {"reference": "xla", "cpu": "xla"}
 # ------------------------------------------------------------------------------------------------
 
-REFERENCE_GPUS = 8  # experiments/enwik8*.sh: --batch-sz 64 over 8 GPUs (data.py: batch // world)
+REFERENCE_GPUS = 8  # the paper's enwik8 runs: a batch of 64 streams over 8 GPUs
 STAGES = ("env", "correctness", "train_enwik8", "reference", "train_issue8",
           "train_enwik8_large", "sampling")
-# Seconds per stage on a GPU (510 in all: the 10-minute command keeps ~90 s for pip and start-up).
+# Seconds per stage on a GPU (510 in all: a 10-minute command keeps ~90 s for pip and start-up).
 BUDGET_S = {"env": 25, "correctness": 110, "train_enwik8": 170, "reference": 70,
             "train_issue8": 30, "train_enwik8_large": 70, "sampling": 35}
 PLANS = ("short", "mixed", "all_S")  # in order of growing memory (a child's peak is cumulative)
@@ -75,94 +87,26 @@ TOL = {"float32": 5e-3, "bfloat16": 5e-2}
 def peak_tflops(device_kind: str) -> dict | None:
   """Dense peak TFLOP/s by dtype (bf16 tensor cores, float32 without, TF32): span_lm/tools/chips.py,
   the table the compile mode's rooflines use too."""
-  from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
   return chips.peak_tflops(device_kind)
 
 
-# ------------------------------------------------------------------ span_lm's API, where it lives
-# Modules move (the one-door refactor re-partitions span_lm/model); names stay. Each name is
-# looked up in these modules first, then in any span_lm module that defines it.
-HINTS = {
-    "ModelConfig": ("span_lm.model.config",),
-    "SeqAttention": ("span_lm.model.attention", "span_lm.model.transformer"),
-    "SpanTransformer": ("span_lm.model.transformer",),
-    "full_plan": ("span_lm.model.plan",),
-    "plan_from_ratios": ("span_lm.model.plan",),
-    "check_plan": ("span_lm.model.plan",),
-    "init_caches": ("span_lm.model.caches",),
-    "init_state": ("span_lm.train.steps",),
-    "with_span_ratios": ("span_lm.model.plan",),
-    "build": ("span_lm.train.steps",),
-    "host_batch": ("span_lm.train.steps",),
-    "make_optimizer": ("span_lm.train.optimizer",),
-    "train_step_flops": ("span_lm.tools.flops",),
-    "generate": ("span_lm.tools.sample",),
-    "load_config": ("span_lm.config",),
-}
-
-
-def api(name: str):
-  """span_lm's `name`, wherever the installed tree keeps it."""
-  import importlib  # pylint: disable=g-import-not-at-top
-  import pkgutil  # pylint: disable=g-import-not-at-top
-  for mod in HINTS.get(name, ()):
-    try:
-      m = importlib.import_module(mod)
-    except ImportError:
-      continue
-    if hasattr(m, name):
-      return getattr(m, name)
-  import span_lm  # pylint: disable=g-import-not-at-top
-  for info in pkgutil.walk_packages(span_lm.__path__, "span_lm."):
-    try:
-      m = importlib.import_module(info.name)
-    except Exception:  # pylint: disable=broad-except
-      continue  # optional dependencies (tensorflow_datasets, torch)
-    if hasattr(m, name):
-      return getattr(m, name)
-  raise LookupError(f"span_lm defines no {name!r}: update bench/gpu_suite.py's HINTS")
-
-
 def accepted_impls() -> list[str]:
-  """The attn_impl names the installed span_lm accepts: its declared tuple, else probed."""
-  import importlib  # pylint: disable=g-import-not-at-top
-  for mod, attr in (("span_lm.kernels", "ATTN_IMPLS"), ("span_lm.kernels", "IMPLS"),
-                    ("span_lm.model.config", "ATTN_IMPLS")):
-    try:
-      names = getattr(importlib.import_module(mod), attr)
-    except (ImportError, AttributeError):
-      continue
-    if isinstance(names, (tuple, list, dict)) and all(isinstance(n, str) for n in names):
-      return list(names)
-  model_config = api("ModelConfig")
-  out = []
-  for name in sorted(set(IMPLS) | set(OLD_NAMES.values()) | {"auto"}):
-    try:
-      model_config(vocab_size=8, d_model=64, n_heads=2, span=64, attn_impl=name)
-    except ValueError as e:
-      if "attn_impl" in str(e) and "choose" in str(e):
-        continue
-    out.append(name)
-  return out
+  """The attn_impl names span_lm accepts (span_lm.model.config.ATTN_IMPLS)."""
+  return list(ATTN_IMPLS)
 
 
 def resolve_impls(accepted, on_gpu: bool, only=None) -> dict:
   """{suite name: the attn_impl it runs as, or None with why} for this machine."""
-  out, seen = {}, {}
-  for name, (_, gpu, cpu) in IMPLS.items():
+  out = {}
+  for name, (why, gpu, cpu) in IMPLS.items():
     if only and name not in only:
       continue
     if not (gpu if on_gpu else cpu):
       continue
-    use = name if name in accepted else OLD_NAMES.get(name)
-    if use not in accepted:
-      out[name] = {"use": None, "why": f"span_lm accepts attn_impl in {accepted}"}
-    elif use in seen:
-      out[name] = {"use": None, "why": f"the same implementation as {seen[use]!r} here "
-                                       f"(attn_impl={use!r})"}
+    if name in accepted:
+      out[name] = {"use": name, "why": why}
     else:
-      seen[use] = name
-      out[name] = {"use": use, "why": IMPLS[name][0]}
+      out[name] = {"use": None, "why": f"span_lm accepts attn_impl in {accepted}"}
   return out
 
 
@@ -245,57 +189,6 @@ def child_env(spec):
   emit(row)
 
 
-# The plain definition of one attention layer (reference_semantics.md "Model", "Adaptive span",
-# "Persistent memory"): dense attention over concat(cache, block) with an explicit distance mask,
-# float32, matmuls at HIGHEST precision; written from the equations, not from span_lm's code.
-def plain_attention(cfg, p, key_pe_DxS, h_BxMxD, cache_BxLxD):
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  hp = jax.lax.Precision.HIGHEST
-  ein = lambda s, a, b: jnp.einsum(s, a, b, precision=hp)
-  b, m, d = h_BxMxD.shape
-  length, nh, s, ramp = cache_BxLxD.shape[1], cfg.n_heads, cfg.span, float(cfg.ramp)
-  dh = d // nh
-  x = jnp.concatenate([cache_BxLxD, h_BxMxD], axis=1)
-  q = ein("bmd,de->bme", h_BxMxD, p["proj_query"]["kernel"]).reshape(b, m, nh, dh)
-  k = ein("btd,de->bte", x, p["proj_key"]["kernel"]).reshape(b, length + m, nh, dh)
-  v = ein("btd,de->bte", x, p["proj_val"]["kernel"]).reshape(b, length + m, nh, dh)
-  dist = (length + jnp.arange(m))[:, None] - jnp.arange(length + m)[None, :]  # M x P
-  allowed = (dist >= 1) & (dist <= s)
-  pe = key_pe_DxS[:, jnp.clip(s - dist, 0, s - 1)]  # Dh x M x P: column S - d is distance d
-  logits = ein("bmhe,bphe->bhmp", q, k) + ein("bmhe,emp->bhmp", q, pe)
-  logits = jnp.where(allowed[None, None], logits, -jnp.inf)
-  z = None
-  if cfg.span_mode == "adaptive":
-    z = (s * p["span_ratio"])[None, :, None, None]
-  elif cfg.span_mode == "dynamic":
-    sp = p["span_predictor"]
-    z = (s * jax.nn.sigmoid(ein("bmd,dh->bmh", h_BxMxD, sp["kernel"]) + sp["bias"][None, None]))
-    z = z.transpose(0, 2, 1)[..., None]
-  mask = None
-  if z is not None:  # m(d) = clamp((R + z - (d - 1)) / R, 0, 1)
-    mask = jnp.clip((ramp + z - (dist[None, None] - 1.0)) / ramp, 0.0, 1.0) * allowed[None, None]
-  scale = math.sqrt(dh)
-  if cfg.pers_mem:
-    n = cfg.pers_mem
-    pk, pv = p["pers_key"] * math.sqrt(dh), p["pers_val"] * math.sqrt(n)
-    joint = jax.nn.softmax(jnp.concatenate(
-        [logits, ein("bmhe,hen->bhmn", q, pk)], axis=-1) / scale, axis=-1)
-    a_ctx, a_pers = joint[..., :length + m], joint[..., length + m:]
-    if mask is not None:
-      a_ctx = a_ctx * mask
-      tot = a_ctx.sum(-1, keepdims=True) + a_pers.sum(-1, keepdims=True) + 1e-8
-      a_ctx, a_pers = a_ctx / tot, a_pers / tot
-    out = ein("bhmp,bphe->bmhe", a_ctx, v) + ein("bhmn,hne->bmhe", a_pers, pv)
-  else:
-    a_ctx = jax.nn.softmax(logits / scale, axis=-1)
-    if mask is not None:
-      a_ctx = a_ctx * mask
-      a_ctx = a_ctx / (a_ctx.sum(-1, keepdims=True) + 1e-8)
-    out = ein("bhmp,bphe->bmhe", a_ctx, v)
-  return ein("bmd,de->bme", out.reshape(b, m, d), p["proj_out"]["kernel"])
-
-
 def correctness_cases(dry: bool) -> list[dict]:
   """On a GPU every combination, most telling first (a budget cut drops the tail): bf16, then
   float32; head dim 64, then 96. The dry run covers each value once (head dims 16 and 24: a
@@ -354,7 +247,7 @@ def child_correctness(spec):
 
 def _case_cfg(case, use, nh, s, block):
   hd = case["head_dim"]
-  return api("ModelConfig")(
+  return ModelConfig(
       vocab_size=8, d_model=nh * hd, n_heads=nh, d_ff=4 * nh * hd, span=s,
       span_mode=case["span_mode"], ramp=max(8, s // 8), pers_mem=block if case["pers_mem"] else 0,
       dtype=case["dtype"], attn_impl=use, attn_block=block, plan_granularity=block, n_layers=1)
@@ -375,15 +268,15 @@ def _case_setup(jax, jnp, np, case, uses, nh, b, m, s, block):
   ratios = rng.uniform(0.05, 0.95, nh).astype(np.float32)
   ratios[0] = 0.1  # one short head: the plan groups heads by window
   if cfg.span_mode == "adaptive":
-    plan = api("plan_from_ratios")(cfg, [ratios])
+    plan = plan_lib.plan_from_ratios(cfg, [ratios])
   else:
-    plan = api("full_plan")(cfg)
+    plan = plan_lib.full_plan(cfg)
   lp = plan.layers[0]
   hd = case["head_dim"]
   h = jnp.asarray(rng.standard_normal((b, m, cfg.d_model)), jnp.float32)
   cache = jnp.asarray(rng.standard_normal((b, lp.cache_len, cfg.d_model)), jnp.float32)
   key_pe = jnp.asarray(rng.standard_normal((hd, s)), jnp.float32)
-  module = api("SeqAttention")(cfg, lp)
+  module = SeqAttention(cfg, lp)
   init = jax.jit(lambda k, h, c, pe: module.init(k, h, c, pe, False)["params"])  # eager: slow
   params = jax.tree.map(np.asarray, init(jax.random.key(0), h, cache, key_pe))
   if cfg.span_mode == "adaptive":
@@ -397,8 +290,10 @@ def _case_setup(jax, jnp, np, case, uses, nh, b, m, s, block):
 
 
 def _plain_fn(setup):
+  """The plain definition (tests/reference_numpy.py) under jax: float32, matmuls at HIGHEST."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   cfg = setup["cfg"]
-  return lambda p, h, c, pe: plain_attention(cfg, p, pe, h, c)
+  return lambda p, h, c, pe: reference_numpy.attention(cfg, p, pe, h, c, xp=jnp)
 
 
 def _values_and_grads(jax, setup, fn) -> dict:
@@ -420,7 +315,7 @@ def _values_and_grads(jax, setup, fn) -> dict:
 def _compare(jax, np, setup, use, want, dtype):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   cfg = _case_cfg_like(setup["cfg"], use)
-  module = api("SeqAttention")(cfg, setup["lp"])
+  module = SeqAttention(cfg, setup["lp"])
   t0 = time.perf_counter()
   got = _values_and_grads(
       jax, setup, lambda p, h, c, pe: module.apply({"params": p}, h, c, pe, False)[0].astype(
@@ -445,7 +340,7 @@ def _compare(jax, np, setup, use, want, dtype):
 def _case_cfg_like(cfg, use):
   """cfg with another attn_impl, validated again (a refusal is this implementation's error)."""
   import dataclasses  # pylint: disable=g-import-not-at-top
-  return api("ModelConfig")(**dict(
+  return ModelConfig(**dict(
       {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, attn_impl=use))
 
 
@@ -476,16 +371,15 @@ def _span_ratios(cfg, plan_name: str):
 def _model_cfg(spec):
   """ModelConfig and run config of a training/sampling child: a config file with overrides, or
   bench/train_step.py's issue-8 shapes."""
-  model_config = api("ModelConfig")
   if spec.get("config"):
-    run = api("load_config")(spec["config"])
+    run = config_lib.load_config(spec["config"])
     fields = dict(run.model.to_dict(), dtype=spec["dtype"], attn_impl=spec["use"])
     fields["vocab_size"] = fields.get("vocab_size") or 205
     fields.update(spec.get("model", {}))
-    names = {f for f in model_config.__dataclass_fields__}
-    cfg = model_config(**{k: v for k, v in fields.items() if k in names})
+    names = {f for f in ModelConfig.__dataclass_fields__}
+    cfg = ModelConfig(**{k: v for k, v in fields.items() if k in names})
     return cfg, run.optim
-  cfg = model_config(**dict(spec["model"], dtype=spec["dtype"], attn_impl=spec["use"]))
+  cfg = ModelConfig(**dict(spec["model"], dtype=spec["dtype"], attn_impl=spec["use"]))
   from configs import base  # pylint: disable=g-import-not-at-top
   optim = base.get_base_config().optim  # bench/train_step.py's: the reference's Adagrad
   optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
@@ -510,7 +404,7 @@ def child_train(spec):
             for plan_name in var.get("plans", spec["plans"])]
     try:
       base_cfg, optim = _model_cfg(dict(spec, **var))
-      tx, _ = api("make_optimizer")(optim)
+      tx, _ = optimizer_lib.make_optimizer(optim)
     except Exception as e:  # pylint: disable=broad-except  # e.g. a config the impl refuses
       for row in rows:
         emit(dict(row, **_error(e)))
@@ -530,15 +424,14 @@ def child_train(spec):
                           if hasattr(cfg, f)})
         if cfg.attn_impl.startswith("pallas"):
           try:
-            from span_lm import kernels  # pylint: disable=g-import-not-at-top
             row["tiles"] = list(kernels.gpu_tiles(cfg, cfg.attn_impl, cfg.dtype))
           except Exception as e:  # pylint: disable=broad-except
             row["tiles"] = f"n/a ({type(e).__name__})"
         key = (cfg.span_mode, cfg.dtype)
         if key not in inits:  # parameters do not depend on the plan: init once
-          full = api("full_plan")(cfg)
+          full = plan_lib.full_plan(cfg)
           inits[key] = jax.tree.map(np.asarray, jax.jit(
-              lambda cfg=cfg, full=full: api("init_state")(cfg, tx, full, 1, 1, 0))())
+              lambda cfg=cfg, full=full: steps_lib.init_state(cfg, tx, full, 1, 1, 0))())
         row.update(_time_step(jax, np, cfg, tx, inits[key], batch, block, split, plan_name,
                               spec))
         sec = row["seconds"]
@@ -558,28 +451,27 @@ def child_train(spec):
 
 
 def _time_step(jax, np, cfg, tx, init, batch, block, split, plan_name, spec):
-  init_caches = api("init_caches")
   params = init["params"]
   if cfg.span_mode == "adaptive":
     ratios = _span_ratios(cfg, plan_name)
-    params = api("with_span_ratios")(params, ratios)
-    plan = api("plan_from_ratios")(cfg, ratios)
+    params = plan_lib.with_span_ratios(params, ratios)
+    plan = plan_lib.plan_from_ratios(cfg, ratios)
   else:
-    plan = api("full_plan")(cfg)
-  api("check_plan")(cfg, params, plan)
+    plan = plan_lib.full_plan(cfg)
+  plan_lib.check_plan(cfg, params, plan)
   # the trainer's builder: its mesh (every device), state rule, batch sharding and checks
-  compiler = api("build")(cfg, tx, batch=batch, eval_batch=jax.device_count(), batch_split=split,
-                          log=lambda _: None)
+  compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=jax.device_count(),
+                             batch_split=split, log=lambda _: None)
   layout = compiler.layout
   rng = np.random.default_rng(0)
   state = {"step": init["step"], "params": params, "opt_state": jax.jit(tx.init)(params),
            "rng": init["rng"],
            "caches": tuple(np.asarray(rng.standard_normal(c.shape), np.float32)
-                           for c in init_caches(cfg, plan, batch)),
-           "eval_caches": init_caches(cfg, plan, jax.device_count())}
+                           for c in caches_lib.init_caches(cfg, plan, batch)),
+           "eval_caches": caches_lib.init_caches(cfg, plan, jax.device_count())}
   state = jax.device_put(state, layout.state_shardings(jax.eval_shape(lambda: state)))
-  host = api("host_batch")(rng.integers(0, cfg.vocab_size, (batch, block)),
-                           rng.integers(0, cfg.vocab_size, (batch, block)), False)
+  host = steps_lib.host_batch(rng.integers(0, cfg.vocab_size, (batch, block)),
+                              rng.integers(0, cfg.vocab_size, (batch, block)), False)
   dev = layout.shard_batch(host)
   t0 = time.perf_counter()
   step = compiler.train(plan, state, dev)
@@ -603,7 +495,7 @@ def _time_step(jax, np, cfg, tx, init, batch, block, split, plan_name, spec):
   out["seconds"] = float(np.median(times))
   out["min_seconds"] = float(min(times))
   out["loss"] = float(metrics["loss"])
-  out["flops"] = int(api("train_step_flops")(cfg, plan, batch, block))
+  out["flops"] = int(flops_lib.train_step_flops(cfg, plan, batch, block))
   stats = jax.devices()[0].memory_stats() or {}
   out["peak_bytes"] = stats.get("peak_bytes_in_use")
   return out
@@ -614,7 +506,6 @@ def child_sampling(spec):
   import dataclasses  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   cfg, _ = _model_cfg(spec)
-  generate = api("generate")
   for plan_name in spec["plans"]:
     for batch in spec["batches"]:
       row = {"label": spec["label"], "plan": plan_name, "batch": batch, "dtype": spec["dtype"],
@@ -626,20 +517,20 @@ def child_sampling(spec):
         c = dataclasses.replace(cfg, span_mode="adaptive", dropout=0.0)
         row["attn_impl"] = c.attn_impl
         ratios = _span_ratios(c, plan_name)
-        plan = api("plan_from_ratios")(c, ratios)
-        model = api("SpanTransformer")(c, plan)
+        plan = plan_lib.plan_from_ratios(c, ratios)
+        model = SpanTransformer(c, plan)
         params = jax.jit(lambda k, model=model, c=c, plan=plan: model.init(
-            k, np.zeros((1, 1), np.int32), api("init_caches")(c, plan, 1))["params"])(
+            k, np.zeros((1, 1), np.int32), caches_lib.init_caches(c, plan, 1))["params"])(
                 jax.random.key(0))
-        params = api("with_span_ratios")(jax.tree.map(np.asarray, params), ratios)
+        params = plan_lib.with_span_ratios(jax.tree.map(np.asarray, params), ratios)
         prompt = np.zeros((batch, 1), np.int32)
         t0 = time.perf_counter()
-        generate(c, params, plan, prompt, spec["length"], temperature=1.0)
+        sample.generate(c, params, plan, prompt, spec["length"], temperature=1.0)
         row["compile_seconds"] = time.perf_counter() - t0
         times = []
         for _ in range(spec["reps"]):
           t = time.perf_counter()
-          generate(c, params, plan, prompt, spec["length"], temperature=1.0)
+          sample.generate(c, params, plan, prompt, spec["length"], temperature=1.0)
           times.append(time.perf_counter() - t)
         row["seconds"] = float(np.median(times))
         row["tokens_per_s"] = spec["length"] * batch / row["seconds"]
@@ -959,15 +850,11 @@ class Suite:
     model = {"n_layers": 1, "n_heads": 4, "d_model": 64, "d_ff": 128, "span": 128,
              "plan_granularity": 32} if dry else {}
     spec = {"label": "enwik8", "config": "configs/enwik8.py", "model": model,
-            "dtype": "float32", "impl": "default", "use": self._default_impl(),
+            "dtype": "float32", "impl": "default", "use": "auto",
             "plans": ["short", "all_S"], "batches": [2] if dry else [1, 8],
             "length": 8 if dry else 256,
             "reps": 1 if dry else 3}
     self.run_children(entry, deadline, [("sampling", spec, None)])
-
-  def _default_impl(self):
-    accepted = self.result.get("impls", {}).get("accepted", [])
-    return "auto" if "auto" in accepted else ("xla" if "xla" in accepted else "reference")
 
   def run(self):
     self.env, self.impls = {}, {}
@@ -1162,8 +1049,6 @@ def main():
   p.add_argument("--child", default=None, choices=sorted(CHILDREN), help=argparse.SUPPRESS)
   p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
   args = p.parse_args()
-  if REPO not in sys.path:
-    sys.path.insert(0, REPO)
   if args.child:
     CHILDREN[args.child](json.loads(args.spec))
     return

@@ -6,11 +6,12 @@ so the model, data, optimizer, trainer and checkpoints are the reference's own c
 It also writes the enwik8-head splits in the reference's text format (prep_enwik8.py: one byte
 value per token, newline bytes as line breaks, which its data.py turns into `<eos>`).
 
-  # the reference's input files for configs/tiny.py's splits of ../shared/data/enwik8_head.bin
-  python bench/reference_main.py --prepare_head ../shared/data/enwik8_head.bin \\
-      --split_bytes 3654000 3904000 --data_dir /tmp/ref_tiny_data
-  # the yardstick (1,250 steps = 5 iterations of 250 batches, validation every 250)
-  /work/refvenv/bin/python bench/reference_main.py --reference_dir /tmp/adaptive-span -- \\
+  # the reference's input files for configs/tiny.py's splits of the packaged enwik8 head
+  # (span_lm/data/demo: the first 4,154,000 bytes of enwik8)
+  python bench/reference_main.py --prepare_head demo --data_dir /tmp/ref_tiny_data
+  # the yardstick (1,250 steps = 5 iterations of 250 batches, validation every 250), with a
+  # Python that has torch and an unmodified checkout of the reference at 27b815f
+  /tmp/refvenv/bin/python bench/reference_main.py --reference_dir /tmp/adaptive-span -- \\
       --data /tmp/ref_tiny_data --nlayers 4 --hid-sz 256 --inner-hid-sz 1024 --nheads 4 \\
       --attn-span 1024 --block-sz 128 --batch-sz 16 --lr 0.07 --momentum 0 --dropout 0 \\
       --optim adagrad --lr-warmup 200 --grad-clip 0.03 --nbatches 250 --niter 5 \\
@@ -33,8 +34,17 @@ MAIN_SHA256 = {  # main.py and what it imports beyond reference_step's files, at
 
 
 def prepare_head(path: str, split_bytes, data_dir: str) -> None:
-  """train/valid/test.txt as prep_enwik8.py writes them, for the byte ranges of configs/tiny.py."""
-  raw = open(path, "rb").read()
+  """train/valid/test.txt as prep_enwik8.py writes them, for the byte ranges of configs/tiny.py.
+  path 'demo': the enwik8 head packaged in span_lm/data/demo (read with the standard library)."""
+  if path == "demo":
+    import lzma  # pylint: disable=g-import-not-at-top
+    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "span_lm",
+                        "data", "demo", "enwik8_head.xz")
+    with lzma.open(demo, "rb") as f:
+      raw = f.read()
+  else:
+    with open(path, "rb") as f:
+      raw = f.read()
   a, b = split_bytes
   os.makedirs(data_dir, exist_ok=True)
   for name, part in (("train", raw[:a]), ("valid", raw[a:b]), ("test", raw[b:])):
@@ -50,7 +60,9 @@ def main():
   p.add_argument("--reference_dir", default="")
   p.add_argument("--seed", type=int, default=None,
                  help="torch.manual_seed before anything runs (default: torch's own fixed seed)")
-  p.add_argument("--prepare_head", default="", help="write the reference's text files and stop")
+  p.add_argument("--prepare_head", default="",
+                 help="a raw byte file, or 'demo' for span_lm/data/demo's head of enwik8: write "
+                      "the reference's text files and stop")
   p.add_argument("--split_bytes", type=int, nargs=2, default=(3_654_000, 3_904_000))
   p.add_argument("--data_dir", default="")
   p.add_argument("rest", nargs=argparse.REMAINDER, help="-- then the reference main.py's flags")

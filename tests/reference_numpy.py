@@ -1,9 +1,14 @@
 """An independent float64 numpy implementation of the span Transformer forward pass.
 
-Written from the model equations (docs: reference_semantics.md, "Model", "Adaptive span",
+Written from the model equations (docs/reference_semantics.md, "The model", "The soft span mask",
 "Persistent memory") and NOT from the Flax code, so that the two can check each other. It is
 deliberately naive: dense attention over the whole concat(cache, block) with an explicit
 distance mask, no skew, no trimming, no head groups. Every array is float64.
+
+It is the project's one plain definition of attention: `attention(..., xp=jax.numpy)` runs the
+same lines under jax (float32, matmuls at HIGHEST precision, differentiable), which is how
+bench/gpu_suite.py and bench/gpu_kernel_check.py compare every implementation's output and
+gradients on a GPU. tests/test_gpu_suite.py checks that the two runs agree.
 
 Parameters use the same nested-dict tree as the Flax model (kernels are (in, out)):
 
@@ -29,6 +34,13 @@ LN_EPS = 1e-5
 RENORM_EPS = 1e-8
 
 
+def einsum(spec, a, b, xp=np):
+  """np.einsum, or jax.numpy's at full float32 precision (no TF32 or bf16 passes on a GPU)."""
+  if xp is np:
+    return np.einsum(spec, a, b)
+  return xp.einsum(spec, a, b, precision="highest")
+
+
 def to_float64(tree: Any) -> Any:
   """Recursively converts a nested mapping of arrays to float64 numpy arrays (plain dicts)."""
   if isinstance(tree, Mapping):
@@ -42,9 +54,9 @@ def layer_norm(x, scale, bias, eps=LN_EPS):
   return (x - mu) / np.sqrt(var + eps) * scale + bias
 
 
-def soft_mask(z, distance, ramp):
+def soft_mask(z, distance, ramp, xp=np):
   """m(d) = clip((R + z - (d - 1)) / R, 0, 1); distance 1 is the previous token."""
-  return np.clip((ramp + z - (distance - 1.0)) / ramp, 0.0, 1.0)
+  return xp.clip((ramp + z - (distance - 1.0)) / ramp, 0.0, 1.0)
 
 
 def clamp_slope(x):
@@ -97,14 +109,14 @@ def banded_attention(q, k, v, pe, z, ramp, pers_k=None, pers_v=None, ct=None):
   return out, (d_mask * clamp_slope(u) * allowed).sum(-1) / ramp
 
 
-def sigmoid(x):
-  return 1.0 / (1.0 + np.exp(-x))
+def sigmoid(x, xp=np):
+  return 1.0 / (1.0 + xp.exp(-x))
 
 
-def softmax(x, axis=-1):
+def softmax(x, axis=-1, xp=np):
   """Softmax tolerant of -inf entries (rows must hold at least one finite entry)."""
-  m = np.max(x, axis=axis, keepdims=True)
-  e = np.exp(x - m)
+  m = xp.max(x, axis=axis, keepdims=True)
+  e = xp.exp(x - m)
   return e / e.sum(axis=axis, keepdims=True)
 
 
@@ -114,7 +126,7 @@ def log_softmax(x, axis=-1):
   return y - np.log(np.exp(y).sum(axis=axis, keepdims=True))
 
 
-def span_values(cfg, attn_params, h):
+def span_values(cfg, attn_params, h, xp=np):
   """The span z used by the mask: None (fixed), (H,) (adaptive) or (B, M, H) (dynamic)."""
   s = float(cfg.span)
   if cfg.span_mode == "fixed":
@@ -123,11 +135,11 @@ def span_values(cfg, attn_params, h):
     return s * attn_params["span_ratio"]
   if cfg.span_mode == "dynamic":
     sp = attn_params["span_predictor"]
-    return s * sigmoid(h @ sp["kernel"] + sp["bias"])
+    return s * sigmoid(einsum("bmd,dh->bmh", h, sp["kernel"], xp) + sp["bias"][None, None], xp)
   raise ValueError(f"unknown span_mode {cfg.span_mode!r}")
 
 
-def attention(cfg, attn_params, key_pe, h, cache, return_weights=False):
+def attention(cfg, attn_params, key_pe, h, cache, return_weights=False, xp=np):
   """One multi-head attention sublayer (without residual / norm).
 
   Args:
@@ -137,6 +149,7 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False):
     h: (B, M, D) layer input (the queries).
     cache: (B, L, D) hidden states of the previous positions (any L >= 0).
     return_weights: also return the attention weights.
+    xp: numpy (float64 as given), or jax.numpy to run the same definition under jax.
 
   Returns:
     out (B, M, D), and if return_weights a dict with 'context' (B, H, M, L + M) and
@@ -150,10 +163,11 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False):
   ramp = float(cfg.ramp)
   n_pers = cfg.pers_mem
 
-  x = np.concatenate([cache, h], axis=1)  # (B, L + M, D)
-  q = (h @ attn_params["proj_query"]["kernel"]).reshape(b, m, n_heads, dh)
-  k = (x @ attn_params["proj_key"]["kernel"]).reshape(b, length + m, n_heads, dh)
-  v = (x @ attn_params["proj_val"]["kernel"]).reshape(b, length + m, n_heads, dh)
+  x = xp.concatenate([cache, h], axis=1)  # (B, L + M, D)
+  proj = lambda a, name: einsum("btd,de->bte", a, attn_params[name]["kernel"], xp)
+  q = proj(h, "proj_query").reshape(b, m, n_heads, dh)
+  k = proj(x, "proj_key").reshape(b, length + m, n_heads, dh)
+  v = proj(x, "proj_val").reshape(b, length + m, n_heads, dh)
 
   qpos = length + np.arange(m)
   kpos = np.arange(length + m)
@@ -162,18 +176,18 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False):
   pe_idx = np.clip(s - dist, 0, s - 1)
   pe = key_pe[:, pe_idx]  # (Dh, M, L + M); only read where allowed
 
-  content = np.einsum("bmhe,bphe->bhmp", q, k)
-  position = np.einsum("bmhe,emp->bhmp", q, pe)
-  logits = np.where(allowed[None, None], content + position, -np.inf)  # (B, H, M, P)
+  content = einsum("bmhe,bphe->bhmp", q, k, xp)
+  position = einsum("bmhe,emp->bhmp", q, pe, xp)
+  logits = xp.where(allowed[None, None], content + position, -np.inf)  # (B, H, M, P)
 
-  z = span_values(cfg, attn_params, h)
+  z = span_values(cfg, attn_params, h, xp)
   if z is None:
     mask = None
   elif z.ndim == 1:  # adaptive: (H,)
-    mask = soft_mask(z[None, :, None, None], dist[None, None].astype(np.float64), ramp)
+    mask = soft_mask(z[None, :, None, None], dist[None, None].astype(np.float64), ramp, xp)
   else:  # dynamic: (B, M, H)
-    z_bhm = np.transpose(z, (0, 2, 1))[..., None]  # (B, H, M, 1)
-    mask = soft_mask(z_bhm, dist[None, None].astype(np.float64), ramp)
+    z_bhm = z.transpose(0, 2, 1)[..., None]  # (B, H, M, 1)
+    mask = soft_mask(z_bhm, dist[None, None].astype(np.float64), ramp, xp)
   if mask is not None:
     mask = mask * allowed[None, None]
 
@@ -181,23 +195,23 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False):
   if n_pers > 0:
     pk = attn_params["pers_key"] * np.sqrt(dh)  # (H, Dh, N)
     pv = attn_params["pers_val"] * np.sqrt(n_pers)  # (H, N, Dh)
-    pers_logits = np.einsum("bmhe,hen->bhmn", q, pk)
-    joint = softmax(np.concatenate([logits, pers_logits], axis=-1) / scale)
+    pers_logits = einsum("bmhe,hen->bhmn", q, pk, xp)
+    joint = softmax(xp.concatenate([logits, pers_logits], axis=-1) / scale, xp=xp)
     a_ctx, a_pers = joint[..., : length + m], joint[..., length + m :]
     if mask is not None:
       a_ctx = a_ctx * mask
       tot = a_ctx.sum(-1, keepdims=True) + a_pers.sum(-1, keepdims=True) + RENORM_EPS
       a_ctx, a_pers = a_ctx / tot, a_pers / tot
-    out = np.einsum("bhmp,bphe->bmhe", a_ctx, v) + np.einsum("bhmn,hne->bmhe", a_pers, pv)
+    out = einsum("bhmp,bphe->bmhe", a_ctx, v, xp) + einsum("bhmn,hne->bmhe", a_pers, pv, xp)
   else:
-    a_ctx = softmax(logits / scale)
+    a_ctx = softmax(logits / scale, xp=xp)
     a_pers = None
     if mask is not None:
       a_ctx = a_ctx * mask
       a_ctx = a_ctx / (a_ctx.sum(-1, keepdims=True) + RENORM_EPS)
-    out = np.einsum("bhmp,bphe->bmhe", a_ctx, v)
+    out = einsum("bhmp,bphe->bmhe", a_ctx, v, xp)
 
-  out = out.reshape(b, m, d_model) @ attn_params["proj_out"]["kernel"]
+  out = proj(out.reshape(b, m, d_model), "proj_out")
   if return_weights:
     return out, {"context": a_ctx, "persistent": a_pers}
   return out

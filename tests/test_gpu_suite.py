@@ -151,23 +151,23 @@ def test_a_cut_row_file_still_renders(dry_run, tmp_path):
   assert "cut short" in md and "## Kernel correctness" in md and md in r.stdout
 
 
-def test_impl_names_resolve_on_trees_before_and_after_the_one_door():
-  old = gpu_suite.resolve_impls(["xla", "pallas", "pallas_interpret"], on_gpu=True)
-  assert old["reference"]["use"] == "xla" and old["pallas"]["use"] == "pallas"
-  assert "pallas_interpret" not in old and "cpu" not in old  # not measured on a GPU
-  cpu = gpu_suite.resolve_impls(["xla", "pallas", "pallas_interpret"], on_gpu=False)
-  assert cpu["reference"]["use"] == "xla" and cpu["cpu"]["use"] is None  # measured once
-  assert cpu["pallas_interpret"]["use"] == "pallas_interpret"
-  new = gpu_suite.resolve_impls(["auto", "reference", "cpu", "pallas", "pallas_interpret"],
-                                on_gpu=False)
-  assert {k: v["use"] for k, v in new.items()} == {
+def test_impl_names_are_span_lms_own():
+  accepted = gpu_suite.accepted_impls()
+  assert set(gpu_suite.IMPLS) <= set(accepted)  # every name the suite measures exists
+  gpu = gpu_suite.resolve_impls(accepted, on_gpu=True)
+  assert {k: v["use"] for k, v in gpu.items()} == {"reference": "reference", "pallas": "pallas"}
+  cpu = gpu_suite.resolve_impls(accepted, on_gpu=False)
+  assert {k: v["use"] for k, v in cpu.items()} == {
       "reference": "reference", "cpu": "cpu", "pallas_interpret": "pallas_interpret"}
+  missing = gpu_suite.resolve_impls(["auto", "reference"], on_gpu=True)
+  assert missing["reference"]["use"] == "reference" and missing["pallas"]["use"] is None
 
 
 @pytest.mark.parametrize("mode,pers", [("adaptive", 0), ("dynamic", 0), ("fixed", 4),
                                        ("adaptive", 4)])
-def test_plain_definition_equals_the_float64_numpy_model(mode, pers):
-  """The suite's yardstick against tests/reference_numpy.py (independent, float64)."""
+def test_plain_definition_under_jax_equals_the_float64_numpy_model(mode, pers):
+  """The suite's yardstick: tests/reference_numpy.py's attention run under jax in float32 (what
+  gpu_suite and gpu_kernel_check differentiate) against the same lines in float64 numpy."""
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   cfg = ModelConfig(vocab_size=8, d_model=16, n_heads=2, d_ff=32, span=24, ramp=4,
                     span_mode=mode, pers_mem=pers, n_layers=1)
@@ -184,5 +184,11 @@ def test_plain_definition_equals_the_float64_numpy_model(mode, pers):
   h, cache = rng.standard_normal((2, 6, 16)), rng.standard_normal((2, 24, 16))
   want = reference_numpy.attention(cfg, p, key_pe, h, cache)
   as32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
-  got = gpu_suite.plain_attention(cfg, as32(p), as32(key_pe), as32(h), as32(cache))
+  setup = {"cfg": cfg}
+  plain = gpu_suite._plain_fn(setup)  # pylint: disable=protected-access
+  got = plain(as32(p), as32(h), as32(cache), as32(key_pe))
+  assert got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
+  grads = jax.grad(lambda *a: jnp.sum(plain(*a) ** 2), argnums=(0, 1, 2, 3))(
+      as32(p), as32(h), as32(cache), as32(key_pe))
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))

@@ -1,6 +1,7 @@
 """The Colab notebook runs top to bottom (so it cannot rot): trains, plots, counts, samples."""
 import os
 import pathlib
+import re
 
 import pytest
 
@@ -27,6 +28,11 @@ def test_tour_notebook_executes(enwik8_head, tmp_path, monkeypatch):
   assert "| layer | h0 | h1 | h2 | h3 |" in text and "wrote heads plot" in text  # spans
   assert "XLA:" in text and "Table 1" in text  # FLOPs
   assert "temperature 0.8" in text  # sampled
+  # the drop-in layer: spans start at z = 8 and shrink towards the task's distance 6 (reach z + 4)
+  last = [line for line in text.splitlines() if line.startswith("step 300: loss")]
+  assert last, text[-2000:]
+  spans = [float(x) for x in re.findall(r"-?\d+\.\d+", last[0].split("spans z", 1)[1])]
+  assert len(spans) == 4 and max(spans) < 8.0 and float(last[0].split()[3].rstrip(",")) < 0.1
   images = sum(1 for c in nb.cells for o in c.get("outputs", [])
                if "image/png" in o.get("data", {}))
   assert images >= 3

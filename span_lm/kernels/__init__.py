@@ -255,8 +255,8 @@ def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_
 
 
 # ptxas, given a kernel's block size (.reqntid) and no occupancy target, may hold a kernel to 32
-# registers and spill: the float32 kernels at head size 128 (17.6 KB of spills in bwd_q on an
-# A100). One CTA per SM as the floor lets it use what it needs (docs/kernels.md).
+# registers and spill (the float32 kernels at head size 128, in bwd_q on an A100). One CTA per
+# SM as the floor lets it use what it needs (docs/kernels.md).
 GPU_COMPILER_OPTIONS = {"xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
 
 

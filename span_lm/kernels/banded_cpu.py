@@ -221,7 +221,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     if keyed:  # zero off the band
       mask = skew(jnp.broadcast_to(mask, mask.shape[:3] + (c, w)))
   logits = scores / math.sqrt(dh)
-  if keyed:  # a select (an added -inf constant: XLA:CPU kept the broadcast constant, +107 MiB)
+  if keyed:  # a select: with an added -inf constant XLA:CPU kept the broadcast constant in memory
     logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
 
   if pers_k_GxDxN is not None:

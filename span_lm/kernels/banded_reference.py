@@ -130,7 +130,7 @@ def residual_bytes(span_mode: str, pers_mem: int, dtype, batch: int, m: int, g: 
   saved_residuals; tests/tools/test_tools.py): the key/value windows, the float32 score bands (the
   softmax's output; with a span mask its exponentials and the masked copy, the dynamic mask's two
   more; dropout's output and its boolean keep mask) and the skewed weights. XLA may keep fewer:
-  XLA:TPU recomputes most of the elementwise chain (docs/benchmarks.md, issue 26)."""
+  XLA:TPU recomputes most of the elementwise chain (docs/benchmarks.md)."""
   act, f32 = jnp.dtype(dtype).itemsize, 4
   c = choose_chunk(m, w, chunk)
   rows = batch * g * m

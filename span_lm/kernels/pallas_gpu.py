@@ -50,6 +50,7 @@ from jax.experimental.pallas import triton as plt
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm.kernels import fused
 from span_lm.kernels import hashed_dropout
 from span_lm.kernels import span_mask
 
@@ -59,7 +60,7 @@ NEG = -1e30
 VERSION = "relshift-1"
 
 
-PRECISIONS = ("default", "highest")
+PRECISIONS = fused.PRECISIONS
 _exact_f32 = [False]  # set while a pallas_call traces its kernel (`_precision`)
 
 
@@ -177,9 +178,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
     v = v_ref[pl.ds(t0, bk), :]
     nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
     logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
-    mx_new = jnp.maximum(mx, jnp.max(logits, axis=1))
-    corr = jnp.exp(mx - mx_new)
-    p = jnp.where(visited, jnp.exp(logits - mx_new[:, None]), 0.0)
+    mx_new, corr, p = fused.online_softmax(mx, logits, visited, keepdims=False)
     pm = p * _mask_value(z, dist, ramp) if has_mask else p
     kept = pm
     if rate:
@@ -193,9 +192,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
     acc, mx, z_all, z_mask = carry
     n0 = c * bk
     logits = _dot(q, pk_ref[:, pl.ds(n0, bk)]) * scale
-    mx_new = jnp.maximum(mx, jnp.max(logits, axis=1))
-    corr = jnp.exp(mx - mx_new)
-    p = jnp.exp(logits - mx_new[:, None])
+    mx_new, corr, p = fused.online_softmax(mx, logits, keepdims=False)
     kept = p
     if rate:  # persistent key n is key w + n_rows + n of the dropout hash
       kept = p * _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
@@ -227,17 +224,8 @@ def _tile_grads(q, do, k, v, pos, t0, i0, win, z, mx, den, delta, seed, bh, *,
     keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
                          n_keys=w + n_rows + n_pers, rate=rate)
     gv = gv * keep
-  gv = gv - delta[:, None]
-  dz = None
-  if has_mask:
-    u = span_mask.ramp(z[:, None], dist, ramp)
-    a = p * span_mask.clamp01(u)
-    dl = a * gv - eps * p * delta[:, None]
-    du = span_mask.clamp01_slope(u)
-    dz = jnp.sum(p * gv * du, axis=1) / ramp
-  else:
-    a = p
-    dl = a * gv
+  dl, a, dz = fused.weights_grad(p, gv, delta, z, dist, renormalised=has_mask, eps=eps,
+                                 ramp=ramp, keepdims=False)
   kept = a if keep is None else a * keep
   return dl * scale, kept, dz, visited
 
@@ -288,8 +276,8 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
       keep = _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
                            n_keys=w + n_rows + n_pers, rate=rate)
       gv, kept = gv * keep, p * keep
-    gv = gv - delta[:, None]
-    dl = p * gv - eps * p * delta[:, None] if has_mask else p * gv
+    dl, _, _ = fused.weights_grad(p, gv, delta, renormalised=has_mask, eps=eps, ramp=ramp,
+                                  keepdims=False)
     ds = dl * scale
     plt.atomic_add(dpk_ref, (slice(None), pl.ds(n0, bk)), _dot(q, ds.astype(q.dtype), trans_a=True))
     plt.atomic_add(dpv_ref, (pl.ds(n0, bk), slice(None)),
@@ -529,49 +517,26 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   """
   if num_stages < 1:
     raise ValueError(f"fused attention: num_stages={num_stages}: Triton's pipeline depth is >= 1")
-  if dropout_rate and dropout_seed is None:
-    raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
-  if (pers_k_HxDxN is None) != (pers_v_HxNxD is None):
-    raise ValueError("fused attention: persistent keys and values come together")
+  fused.check_inputs(pers_k_HxDxN, pers_v_HxNxD, dropout_rate, dropout_seed, precision)
   block_k = block_k or block
   if pers_k_HxDxN is not None and pers_k_HxDxN.shape[-1] % block_k:
     raise ValueError(f"fused attention: {pers_k_HxDxN.shape[-1]} persistent vectors must be a "
                      f"multiple of {block_k}")
-  seed = jnp.zeros((1,), jnp.uint32) if dropout_seed is None else (
-      jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
   dh = q_BxHxMxD.shape[-1]
   static = (ramp, eps, block, block_k, interpret, num_warps, num_stages, float(dropout_rate),
             1.0 / math.sqrt(dh), precision)
   args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW,
                        pers_k_HxDxN, pers_v_HxNxD)
-  args = (*args[:4], z_BxHxM, seed, *args[4:])
-  mesh = jax.sharding.get_abstract_mesh()
-  # Axes that are already manual (inside a shard_map: the train step with batch_split > 1 runs the
-  # model per device over the batch axes) hold this device's rows already, and its dropout keys
-  # differ per device: shard over the other axes only, none left: the kernel itself.
-  axes = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
-  if math.prod(mesh.shape[a] for a in axes) == 1:
-    return _span_attention(*args, *static)[..., :dh]
-
-  # A pallas_call is opaque to XLA's partitioner, which would gather the whole batch onto every
-  # device; under a mesh (the trainer sets one; it shards batches over all of its axes, 'data'
-  # and 'fsdp') each device runs the kernel on its own streams.
-  def local(q, k, v, pe, z, seed, pk, pv):
-    seed = hashed_dropout.shard_seed(seed, axes)
-    return _span_attention(q, k, v, pe, z, seed, pk, pv, *static)
-
-  rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
-  maybe = lambda x, spec: None if x is None else spec
-  in_specs = (rows, rows, rows, rep, maybe(z_BxHxM, rows), rep, maybe(pers_k_HxDxN, rep),
-              maybe(pers_v_HxNxD, rep))
-  return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False, in_specs=in_specs,
-                       axis_names=frozenset(axes))(*args)[..., :dh]
+  args = (*args[:4], z_BxHxM, fused.seed_array(dropout_seed), *args[4:])
+  # q, k, v, z by batch rows; key_pe, the seed and the persistent vectors replicated
+  return fused.per_device(lambda *a: _span_attention(*a, *static), args,
+                          (True, True, True, False, True, False, False, False), seed_at=5)[..., :dh]
 
 
 # Tiles per target: (compute capability major, padded head size, dtype) -> (query tile, key tile,
 # warps, stages), from a deviceless ptxas sweep (bench/kernel_sweep.py; docs/kernels.md): 64-row
 # query tiles with no spills in bf16 on Hopper and Ampere (A100's mma.sync keeps its accumulators
-# in registers: 32-key tiles there; at head size 128 64-key tiles spilled 1.4 KB in bwd_q with
+# in registers: 32-key tiles there; at head size 128 64-key tiles spilled in bwd_q with
 # persistent memory), the fewest spills in float32. Untimed on a
 # device: `attn_tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
 TILES = {

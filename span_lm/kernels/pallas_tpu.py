@@ -66,13 +66,14 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm.kernels import fused
 from span_lm.kernels import hashed_dropout
 from span_lm.kernels import matmul
 from span_lm.kernels import span_mask
 
 NEG = -1e30
 LANES = 128
-PRECISIONS = ("default", "highest")
+PRECISIONS = fused.PRECISIONS
 
 
 class _Static(NamedTuple):
@@ -165,14 +166,8 @@ def _tile_grads(q, g, k_t, v_t, pe_ref, t0, i0, z, mx, den, delta, keep, s: _Sta
   gv = _dot(g, v_t, s.precision)
   if keep is not None:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
     gv = gv * keep
-  gv = gv - delta
-  if z is None:
-    a, dl, dz = p, p * gv, None
-  else:
-    u = span_mask.ramp(z, dist.astype(jnp.float32), s.ramp)
-    a = p * span_mask.clamp01(u)
-    dl = a * gv - s.eps * p * delta
-    dz = jnp.sum(p * gv * span_mask.clamp01_slope(u), axis=1, keepdims=True) / s.ramp
+  dl, a, dz = fused.weights_grad(p, gv, delta, z, dist.astype(jnp.float32),
+                                 renormalised=z is not None, eps=s.eps, ramp=s.ramp)
   return dl * s.scale, a if keep is None else a * keep, dz, pe
 
 
@@ -227,9 +222,7 @@ def _fwd_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static, 
       def pers(c, carry):
         acc, mx, tot = carry
         logits, rows = _pers_logits(q, pk_ref, c * s.bk, s)
-        mx_new = jnp.maximum(mx, jnp.max(logits, axis=1, keepdims=True))
-        corr = jnp.exp(mx - mx_new)
-        p = jnp.exp(logits - mx_new)
+        mx_new, corr, p = fused.online_softmax(mx, logits)
         kept = p * _keep(seed, bh, qi * s.bq, s.w + m + c * s.bk, m, s) if s.rate else p
         acc = acc * corr + _dot(kept.astype(q.dtype), pv_ref[rows, :].astype(q.dtype),
                                 s.precision)
@@ -247,10 +240,7 @@ def _fwd_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static, 
     k_t, v_t = _kv_tile(kvc_ref, kvb_ref, kb, s)
     z = _col(z_ref) if has_mask else None
     logits, dist, visited, _ = _tile(q, k_t, pe_ref, kb * s.bk, qi * s.bq, _windows(z, s), s)
-    m_prev = _col(m_ref)
-    m_new = jnp.maximum(m_prev, jnp.max(logits, axis=1, keepdims=True))
-    corr = jnp.exp(m_prev - m_new)
-    p = jnp.where(visited, jnp.exp(logits - m_new), 0.0)
+    m_new, corr, p = fused.online_softmax(_col(m_ref), logits, visited)
     pm = p * span_mask.soft_mask(z, dist.astype(jnp.float32), s.ramp) if has_mask else p
     kept = pm * _keep(seed, bh, qi * s.bq, kb * s.bk, m, s) if s.rate else pm
     acc_ref[...] = acc_ref[...] * corr + _dot(kept.astype(v_t.dtype), v_t, s.precision,
@@ -312,8 +302,8 @@ def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static
         if s.rate:
           keep = _keep(seed, bh, qi * bq, s.w + m + c * bk, m, s)
           gv, kept = gv * keep, p * keep
-        gv = gv - delta
-        ds = (p * gv - s.eps * p * delta if has_mask else p * gv) * s.scale
+        ds = fused.weights_grad(p, gv, delta, renormalised=has_mask, eps=s.eps,
+                                ramp=s.ramp)[0] * s.scale
         dpk_ref[rows, :] += _dot(ds.astype(q.dtype), q, s.precision, trans_a=True)
         dpv_ref[rows, :] += _dot(kept.astype(g.dtype), g, s.precision, trans_a=True)
         return dq + _dot(ds.astype(q.dtype), pk_ref[rows, :].astype(q.dtype), s.precision)
@@ -729,12 +719,7 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
   Returns:
     (B, H, M, Dh) in the dtype of q.
   """
-  if (pers_k_HxDxN is None) != (pers_v_HxNxD is None):
-    raise ValueError("fused attention: persistent keys and values come together")
-  if dropout_rate and dropout_seed is None:
-    raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
-  if precision not in PRECISIONS:
-    raise ValueError(f"fused attention: precision={precision!r}: choose one of {PRECISIONS}")
+  fused.check_inputs(pers_k_HxDxN, pers_v_HxNxD, dropout_rate, dropout_seed, precision)
   b, h, m, dh = q_BxHxMxD.shape
   w = key_pe_DxW.shape[-1]
   bq, bk = block, block_k or block
@@ -775,28 +760,15 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
   # are cast in the kernel, so their gradients are summed in float32
   pers = (None, None) if not n_pers else (pad(jnp.swapaxes(pers_k_HxDxN, 1, 2)),
                                           pad(pers_v_HxNxD))
-  seed = jnp.zeros((1,), jnp.uint32) if dropout_seed is None else (
-      jnp.asarray(dropout_seed, jnp.uint32).reshape(1))
-  args = (pad(q_BxHxMxD), pad_kv(kv_cache_Bx2xHxDxL), pad_kv(kv_block_Bx2xHxDxM), pe_t)
+  args = (pad(q_BxHxMxD), pad_kv(kv_cache_Bx2xHxDxL), pad_kv(kv_block_Bx2xHxDxM), pe_t, z,
+          fused.seed_array(dropout_seed), *pers)
 
-  mesh = jax.sharding.get_abstract_mesh()
-  axes = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
-  as_i32 = lambda seed: lax.bitcast_convert_type(seed, jnp.int32)
-  if math.prod(mesh.shape[a] for a in axes) == 1:
-    return _attention(*args, z, as_i32(seed), *pers, s)[..., :dh]
+  def kernel(q, kvc, kvb, pe, z, seed, pk, pv):
+    return _attention(q, kvc, kvb, pe, z, lax.bitcast_convert_type(seed, jnp.int32), pk, pv, s)
 
-  # A pallas_call is opaque to XLA's partitioner: under a mesh each device runs the kernel on
-  # its own batch rows (as pallas_gpu.span_attention), with its own dropout masks.
-  def local(q, kvc, kvb, pe, z, seed, pk, pv):
-    seed = hashed_dropout.shard_seed(seed, axes)
-    return _attention(q, kvc, kvb, pe, z, as_i32(seed), pk, pv, s)
-
-  rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
-  maybe = lambda x, spec: None if x is None else spec
-  in_specs = (rows, rows, rows, rep, maybe(z, rows), rep, maybe(pers[0], rep),
-              maybe(pers[1], rep))
-  return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False, in_specs=in_specs,
-                       axis_names=frozenset(axes))(*args, z, seed, *pers)[..., :dh]
+  # q, the keys and values, z by batch rows; key_pe, the seed and persistent vectors replicated
+  return fused.per_device(kernel, args, (True, True, True, False, True, False, False, False),
+                          seed_at=5)[..., :dh]
 
 
 def tiles(attn_block: int, m: int, w: int, n_pers: int = 0) -> tuple[int, int]:

@@ -4,7 +4,7 @@ attention implementation, the decoder and the Pallas kernels.
 Distances count back from the query: distance 1 is the previous token. The reference's mask
 template gives distance d the value clamp((R + z - (d - 1)) / R, 0, 1): the previous token is the
 paper's "x = 0". The clamp is differentiated as torch.clamp (slope 1 on the closed interval), the
-reference's convention; see docs/reference_semantics.md.
+reference's convention; see docs/reference_semantics.md ("The clamp's subgradient").
 """
 import jax
 import jax.numpy as jnp

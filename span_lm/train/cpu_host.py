@@ -23,10 +23,9 @@ pages in again (the kernel zeroing them). One arena that is never trimmed keeps 
 What is not done: serving the large buffers from the heap too (no mmap'd chunks). It removed
 more faults, but the single no-mmap heap fragments: freed holes that a later, larger buffer
 does not fit stay resident, and peak resident memory rose above glibc's defaults on every
-benchmark shape measured (1.7x for bf16 S=1024, 19.2 against 11.3 GB for a float32 S=8192
-step). Chunks above the mmap threshold (32 MiB, glibc's own maximum) are still mmap'd and
-returned when freed, so the heap only holds small and medium buffers and its peak stays at or
-below the defaults' (docs/benchmarks.md, "malloc and peak resident memory").
+benchmark shape measured. Chunks above the mmap threshold (32 MiB, glibc's own maximum) are
+still mmap'd and returned when freed, so the heap only holds small and medium buffers and its
+peak stays at or below the defaults' (docs/benchmarks.md, "malloc and peak resident memory").
 """
 import ctypes
 import logging

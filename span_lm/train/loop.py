@@ -227,30 +227,35 @@ class Run:
     in float16: meta['loss_scale'] says which it has (absent before loss scaling existed)."""
     def read(s):
       meta, plan = self._meta_and_plan(s)
-      _, abstract, shardings = self.abstract_state(plan)
-      mine, saved = "loss_scale" in abstract, bool(meta.get("loss_scale", False))
-      if mine and not saved:
-        abstract, shardings = dict(abstract), dict(shardings)
-        del abstract["loss_scale"], shardings["loss_scale"]
-      elif saved and not mine:
-        ls = jax.eval_shape(lambda: loss_scale_lib.init(1.0))
-        abstract = dict(abstract, loss_scale=ls)
-        shardings = dict(shardings, loss_scale=jax.tree.map(lambda _: self.replicated, ls))
-      target = sharding_lib.with_shardings(abstract, shardings)
-      state, meta = self.ckpt.restore(target, s)
-      if mine != saved:
-        state = dict(state)
-        if mine:
-          state["loss_scale"] = jax.device_put(loss_scale_lib.init(self.loss_scale),
-                                               self.replicated)
-        else:
-          del state["loss_scale"]
-        _echo(f"checkpoint step {s} was saved {'without' if mine else 'with'} loss scaling; "
-              + (f"the scale starts at {self.loss_scale:g}" if mine else "this run has none "
-                 f"(train.loss_scale={self.config.train.loss_scale!r}, model.dtype="
-                 f"{self.model_cfg.dtype!r}): its scale is dropped"))
-      return state, meta
+      return self.read_state(self.ckpt, s, meta, plan), meta
     return self._newest_readable(read, step, move_aside)
+
+  def read_state(self, ckpt, step, meta, plan):
+    """The state of checkpoint `step` in `ckpt`, laid out for this mesh and this run's loss
+    scaling: a scale saved by a run with scaling is dropped here without it, and one starts at
+    train.loss_scale_init where the checkpoint has none (meta['loss_scale'])."""
+    _, abstract, shardings = self.abstract_state(plan)
+    mine, saved = "loss_scale" in abstract, bool(meta.get("loss_scale", False))
+    if mine and not saved:
+      abstract, shardings = dict(abstract), dict(shardings)
+      del abstract["loss_scale"], shardings["loss_scale"]
+    elif saved and not mine:
+      ls = jax.eval_shape(lambda: loss_scale_lib.init(1.0))
+      abstract = dict(abstract, loss_scale=ls)
+      shardings = dict(shardings, loss_scale=jax.tree.map(lambda _: self.replicated, ls))
+    state, _ = ckpt.restore(sharding_lib.with_shardings(abstract, shardings), step)
+    if mine != saved:
+      state = dict(state)
+      if mine:
+        state["loss_scale"] = jax.device_put(loss_scale_lib.init(self.loss_scale),
+                                             self.replicated)
+      else:
+        del state["loss_scale"]
+      _echo(f"checkpoint step {step} was saved {'without' if mine else 'with'} loss scaling; "
+            + (f"the scale starts at {self.loss_scale:g}" if mine else "this run has none "
+               f"(train.loss_scale={self.config.train.loss_scale!r}, model.dtype="
+               f"{self.model_cfg.dtype!r}): its scale is dropped"))
+    return state
 
   def restore_params(self, step=None):
     """(params, span plan, meta) of a checkpoint: a params-only restore for evaluation/tools."""
@@ -364,8 +369,7 @@ def _init_from(run: Run, planner, fresh, path: str):
     run._check_meta(meta)
     planner.load_state_dict(meta["planner"])
     planner.changes = 0
-    _, abstract, shardings = run.abstract_state(planner.plan)
-    state, _ = src.restore(sharding_lib.with_shardings(abstract, shardings))
+    state = run.read_state(src, src.latest_step(), meta, planner.plan)
   _echo(f"initialised from {directory} step {meta['step']} (params, optimizer state, span plan)")
   return dict(state, step=fresh["step"], rng=fresh["rng"],
               caches=tuple(jnp.zeros_like(c) for c in state["caches"]),

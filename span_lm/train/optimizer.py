@@ -4,7 +4,7 @@ The reference (facebookresearch/adaptive-span, AdagradWithGradClip) is easy to p
 its "gradient clip" shrinks each tensor's *step size*, the accumulator sees the *unclipped*
 gradient, and eps sits outside the square root. "Clip, then optax.adagrad" is a different algorithm
 (Adagrad's normalisation cancels the clip scale), so that one piece is written by hand here; the
-rest is stock optax. See docs/reference_semantics.md (Optimizer).
+rest is stock optax. See docs/reference_semantics.md ("The optimizer").
 """
 from typing import Any, NamedTuple
 

@@ -1,8 +1,8 @@
 """Model tests: the Flax SpanTransformer against the independent float64 numpy reference.
 
-reference_numpy.py is written from the equations in reference_semantics.md, not from the Flax
-code; the equality tests below are what ties span_lm to the reference semantics. Everything runs
-on CPU with tiny shapes.
+reference_numpy.py is written from the equations in docs/reference_semantics.md, not from the
+Flax code; the equality tests below are what ties span_lm to the reference semantics. Everything
+runs on CPU with tiny shapes.
 """
 import dataclasses
 import json

@@ -211,6 +211,26 @@ def test_a_float32_run_resumes_in_float16_and_back(tmp_path):
   assert back["step"] == 9 and "loss_scale" not in back["state"]
 
 
+def test_init_from_a_float32_run_into_float16_and_back(tmp_path):
+  """train.init_from (a new phase from another run) across a change of scaling: a float32
+  checkpoint starts a float16 phase with the scale at loss_scale_init and the float32 run's
+  parameters; a float16 checkpoint starts a float32 phase with its scale dropped."""
+  common = {"train.full_eval_at_end": False, "model.dropout": 0.0}
+  f32 = loop.train(sr.config_for(tmp_path / "f32", common, {"train.steps": 3}))
+  other_seed = {"train.steps": 2, "seed": 7}  # a fresh init would differ from f32's
+  half = loop.train(sr.config_for(tmp_path / "half", common, FP16, other_seed, {
+      "train.init_from": str(tmp_path / "f32")}))
+  assert half["step"] == 2 and float(half["state"]["loss_scale"]["scale"]) == 2.0 ** 15
+  back = loop.train(sr.config_for(tmp_path / "back", common, {
+      "train.steps": 2, "train.init_from": str(tmp_path / "half")}))
+  assert back["step"] == 2 and "loss_scale" not in back["state"]
+  # the phases started from their sources' parameters, not from a fresh init
+  fresh = loop.train(sr.config_for(tmp_path / "fresh", common, FP16, other_seed))
+  moved = lambda a, b: max(float(np.max(np.abs(x - y))) for x, y in zip(_leaves(a), _leaves(b)))
+  assert moved(half["state"]["params"], f32["state"]["params"]) < moved(
+      fresh["state"]["params"], f32["state"]["params"])
+
+
 # ---------------------------------------------------------------------------- float16 vs float32
 
 
