@@ -43,13 +43,12 @@ def make_case(case: str, s: int, args):
   params = model.init(jax.random.key(0), tok, caches_lib.init_caches(cfg, None, 1))["params"]
   if mode == "adaptive":
     short = (args.short_span - cfg.ramp) / s  # z' such that z + R = short_span
-    for i in range(cfg.n_layers):
-      z = np.full(cfg.n_heads, short, np.float32)
-      if case.startswith("mixed"):
-        z[0] = 1.0
-      if case == "long":
-        z[:] = 1.0
-      params[f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(z)
+    z = np.full(cfg.n_heads, short, np.float32)
+    if case.startswith("mixed"):
+      z[0] = 1.0
+    if case == "long":
+      z[:] = 1.0
+    params = plan_lib.with_span_ratios(params, [jnp.asarray(z)] * cfg.n_layers)
   plan = plan_lib.plan_from_params(cfg, params)
   plan_lib.check_plan(cfg, params, plan)
   return cfg, plan, params

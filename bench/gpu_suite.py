@@ -55,7 +55,6 @@ from span_lm.tools import chips  # pylint: disable=wrong-import-position
 from span_lm.tools import flops as flops_lib  # pylint: disable=wrong-import-position
 from span_lm.tools import sample  # pylint: disable=wrong-import-position
 from span_lm.train import optimizer as optimizer_lib  # pylint: disable=wrong-import-position
-from span_lm.train import sharding  # pylint: disable=wrong-import-position
 from span_lm.train import steps as steps_lib  # pylint: disable=wrong-import-position
 
 REPO = _repo.ROOT
@@ -394,9 +393,6 @@ def child_train(spec):
   import dataclasses  # pylint: disable=g-import-not-at-top
   import gc  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  mesh = sharding.make_mesh()
-  replicated = sharding.replicated(mesh)
   batch, block, split = spec["batch"], spec["block"], spec["batch_split"]
   kind = jax.devices()[0].device_kind
   peaks = peak_tflops(kind)
@@ -436,8 +432,8 @@ def child_train(spec):
           full = plan_lib.full_plan(cfg)
           inits[key] = jax.tree.map(np.asarray, jax.jit(
               lambda cfg=cfg, full=full: steps_lib.init_state(cfg, tx, full, 1, 1, 0))())
-        row.update(_time_step(jax, np, NamedSharding, P, cfg, tx, inits[key], mesh,
-                              replicated, batch, block, split, plan_name, spec))
+        row.update(_time_step(jax, np, cfg, tx, inits[key], batch, block, split, plan_name,
+                              spec))
         sec = row["seconds"]
         row["tokens_per_s"] = batch * block / sec
         row["model_tflops_per_s"] = row["flops"] / sec / 1e12
@@ -454,32 +450,29 @@ def child_train(spec):
       gc.collect()
 
 
-def _time_step(jax, np, NamedSharding, P, cfg, tx, init, mesh, replicated, batch, block, split,
-               plan_name, spec):
-  params = jax.tree.map(lambda x: x, init["params"])  # a copy: span ratios are set per plan
+def _time_step(jax, np, cfg, tx, init, batch, block, split, plan_name, spec):
+  params = init["params"]
   if cfg.span_mode == "adaptive":
     ratios = _span_ratios(cfg, plan_name)
-    for i in range(cfg.n_layers):
-      params[f"layers_{i}"]["attn"]["span_ratio"] = ratios[i]
+    params = plan_lib.with_span_ratios(params, ratios)
     plan = plan_lib.plan_from_ratios(cfg, ratios)
   else:
     plan = plan_lib.full_plan(cfg)
   plan_lib.check_plan(cfg, params, plan)
+  # the trainer's builder: its mesh (every device), state rule, batch sharding and checks
+  compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=jax.device_count(),
+                             batch_split=split, log=lambda _: None)
+  layout = compiler.layout
   rng = np.random.default_rng(0)
   state = {"step": init["step"], "params": params, "opt_state": jax.jit(tx.init)(params),
            "rng": init["rng"],
            "caches": tuple(np.asarray(rng.standard_normal(c.shape), np.float32)
                            for c in caches_lib.init_caches(cfg, plan, batch)),
            "eval_caches": caches_lib.init_caches(cfg, plan, jax.device_count())}
-  st_sh = sharding.state_shardings(jax.eval_shape(lambda: state), mesh, sharding.default_state_rule)
-  state = jax.device_put(state, st_sh)
-  b_sh = NamedSharding(mesh, P(sharding.DATA_AXIS, None))
-  compiler = steps_lib.StepCompiler(cfg, tx, mesh, lambda st: st_sh, b_sh, replicated,
-                                 batch_split=split, log=lambda _: None)
+  state = jax.device_put(state, layout.state_shardings(jax.eval_shape(lambda: state)))
   host = steps_lib.host_batch(rng.integers(0, cfg.vocab_size, (batch, block)),
-                           rng.integers(0, cfg.vocab_size, (batch, block)), False)
-  dev = {"x": jax.device_put(host["x"], b_sh), "y": jax.device_put(host["y"], b_sh),
-         "reset": jax.device_put(host["reset"], replicated)}
+                              rng.integers(0, cfg.vocab_size, (batch, block)), False)
+  dev = layout.shard_batch(host)
   t0 = time.perf_counter()
   step = compiler.train(plan, state, dev)
   out = {"compile_seconds": time.perf_counter() - t0, "plan_keys": plan.attention_keys(),
@@ -529,9 +522,7 @@ def child_sampling(spec):
         params = jax.jit(lambda k, model=model, c=c, plan=plan: model.init(
             k, np.zeros((1, 1), np.int32), caches_lib.init_caches(c, plan, 1))["params"])(
                 jax.random.key(0))
-        params = jax.tree.map(np.asarray, params)
-        for i in range(c.n_layers):
-          params[f"layers_{i}"]["attn"]["span_ratio"] = ratios[i]
+        params = plan_lib.with_span_ratios(jax.tree.map(np.asarray, params), ratios)
         prompt = np.zeros((batch, 1), np.int32)
         t0 = time.perf_counter()
         sample.generate(c, params, plan, prompt, spec["length"], temperature=1.0)

@@ -79,8 +79,8 @@ def run_case(case: dict) -> dict:
   plan = plan_lib.plan_from_ratios(cfg, ratios)
   state = jax.jit(lambda: steps_lib.init_state(cfg, tx, plan, case["batch"], 1, 0))()
   if kind == "adaptive":
-    for i, r in enumerate(ratios):
-      state["params"][f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(r, jnp.float32)
+    state["params"] = plan_lib.with_span_ratios(
+        state["params"], [jnp.asarray(r, jnp.float32) for r in ratios])
   plan_lib.check_plan(cfg, state["params"], plan)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, cfg.vocab_size, (case["batch"], case["block"] + 1))

@@ -71,13 +71,11 @@ def worker(spec: dict) -> dict:
   if spec["devices"] > 1:  # CPU: split the host (an accelerator's devices are what they are)
     jax.config.update("jax_num_cpu_devices", spec["devices"])
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
-  from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
   from configs import base  # pylint: disable=g-import-not-at-top
 
@@ -108,7 +106,9 @@ def worker(spec: dict) -> dict:
       pass  # a bare string
     cfg = dataclasses.replace(cfg, **{key: value})
   tx, _ = optimizer_lib.make_optimizer(optim)
-  mesh = sharding_lib.make_mesh()
+  compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=jax.device_count(),
+                             log=lambda _: None)
+  layout = compiler.layout
 
   # The plan first (from span ratios), then the state at that plan.
   full = plan_lib.full_plan(cfg)
@@ -116,8 +116,8 @@ def worker(spec: dict) -> dict:
   params = state["params"]
   if case == "short":
     z = (a["short_span"] - cfg.ramp) / cfg.span
-    for i in range(cfg.n_layers):
-      params[f"layers_{i}"]["attn"]["span_ratio"] = np.full(cfg.n_heads, z, np.float32)
+    params = plan_lib.with_span_ratios(params, [np.full(cfg.n_heads, z, np.float32)] *
+                                       cfg.n_layers)
   plan = plan_lib.plan_from_params(cfg, params)
   plan_lib.check_plan(cfg, params, plan)
   rng = np.random.default_rng(0)
@@ -126,16 +126,10 @@ def worker(spec: dict) -> dict:
            "caches": tuple(np.asarray(rng.standard_normal(c.shape), np.float32)
                            for c in caches_lib.init_caches(cfg, plan, batch)),
            "eval_caches": caches_lib.init_caches(cfg, plan, jax.device_count())}
-  st_sh = sharding_lib.state_shardings(jax.eval_shape(lambda: state), mesh,
-                                       sharding_lib.default_state_rule)
-  state = jax.device_put(state, st_sh)
-  b_sh = NamedSharding(mesh, P(sharding_lib.DATA_AXIS, None))
-  compiler = steps_lib.StepCompiler(cfg, tx, mesh, lambda st: st_sh, b_sh,
-                                    sharding_lib.replicated(mesh), log=lambda _: None)
+  state = jax.device_put(state, layout.state_shardings(jax.eval_shape(lambda: state)))
   host = steps_lib.host_batch(rng.integers(0, 205, (batch, block)),
                               rng.integers(0, 205, (batch, block)), False)
-  dev = {"x": jax.device_put(host["x"], b_sh), "y": jax.device_put(host["y"], b_sh),
-         "reset": jax.device_put(host["reset"], sharding_lib.replicated(mesh))}
+  dev = layout.shard_batch(host)
   t0 = time.perf_counter()
   step = compiler.train(plan, state, dev)
   compile_s = time.perf_counter() - t0

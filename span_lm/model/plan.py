@@ -147,14 +147,31 @@ def check_plan(cfg: ModelConfig, params, plan: SpanPlan) -> None:
       raise ValueError(f"span plan layer {i}: cache_len {lp.cache_len} < window {max(windows)}")
 
 
-def span_ratios(params) -> list[np.ndarray]:
-  """Per-layer z' arrays (H,) read on the host, in layer order."""
+def span_ratio_leaves(params) -> list:
+  """Per-layer z' parameters (H,) as they are (on the device, or traced), in layer order: the
+  one place that knows where the span Transformer keeps them."""
   out = []
   i = 0
   while f"layers_{i}" in params:
-    out.append(np.asarray(jax.device_get(params[f"layers_{i}"]["attn"]["span_ratio"])))
+    out.append(params[f"layers_{i}"]["attn"]["span_ratio"])
     i += 1
   return out
+
+
+def span_ratios(params) -> list[np.ndarray]:
+  """Per-layer z' arrays (H,) read on the host, in layer order."""
+  return [np.asarray(jax.device_get(z)) for z in span_ratio_leaves(params)]
+
+
+def with_span_ratios(params, ratios: Sequence) -> dict:
+  """params with layer i's z' set to ratios[i] (a copy down to the layers; benchmarks and tests
+  put spans where a case needs them)."""
+  params = dict(params)
+  for i, z in enumerate(ratios):
+    layer = dict(params[f"layers_{i}"])
+    layer["attn"] = dict(layer["attn"], span_ratio=z)
+    params[f"layers_{i}"] = layer
+  return params
 
 
 def plan_to_json(plan: SpanPlan) -> list:

@@ -229,15 +229,12 @@ def compile_target(config, tgt: Target) -> dict:
   """Compiles the train and eval steps for one target in this process (the child)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   from span_lm.kernels import target as target_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
-  from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import loss_scale as loss_scale_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
@@ -263,35 +260,22 @@ def compile_target(config, tgt: Target) -> dict:
   d = config.data
   split = config.optim.batch_split
   steps = [s.strip() for s in config.compile.steps.split(",") if s.strip()]
-  # The training state carries the evaluation caches too, so eval_batch must divide either way.
-  for what, b, kind in (("data.batch", d.batch // split, "train"),
-                        ("data.eval_batch", d.eval_batch, "")):
-    if (kind in steps or not kind) and b % n:
-      per = " / optim.batch_split" if kind == "train" else ""
-      row["error"] = (f"config.{what}{per} = {b} does not divide over {n} devices: choose a "
-                      f"multiple of {n}")
-      return row
   tx, _ = optimizer_lib.make_optimizer(config.optim)
   plan = plan_lib.full_plan(cfg) if config.compile.plan == "full" else plan_lib.initial_plan(cfg)
   row["plan"] = config.compile.plan
   row["attention_keys"] = plan.attention_keys()
-  fsdp = config.dist.fsdp
-  if fsdp > 1:
-    mesh = Mesh(np.asarray(devices).reshape(n // fsdp, fsdp), dist_lib.BATCH_AXES,
-                axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    rule, axes = dist_lib.fsdp_state_rule(), dist_lib.BATCH_AXES
-  else:
-    mesh = Mesh(np.asarray(devices), (sharding_lib.DATA_AXIS,),
-                axis_types=(jax.sharding.AxisType.Auto,))
-    rule, axes = sharding_lib.default_state_rule, sharding_lib.DATA_AXIS
-  replicated = NamedSharding(mesh, P())
-  rows = NamedSharding(mesh, P(axes, None))
-  shardings = lambda st: sharding_lib.state_shardings(st, mesh, rule)
   log = []
-  compiler = steps_lib.StepCompiler(cfg, tx, mesh, shardings, rows, replicated,
-                                    batch_split=split, log=log.append,
-                                    capacity=row["device_memory"],
-                                    loss_scale_period=config.train.loss_scale_period)
+  try:  # train's own builder: its mesh, state rule, batch sharding and checks
+    compiler = steps_lib.build(cfg, tx, batch=d.batch, eval_batch=d.eval_batch, batch_split=split,
+                               fsdp=config.dist.fsdp, devices=devices, whole_pieces=True,
+                               log=log.append,
+                               capacity=row["device_memory"],
+                               loss_scale_period=config.train.loss_scale_period)
+  except ValueError as e:  # a batch (or fsdp) that does not split over the devices
+    row["error"] = str(e)
+    return row
+  layout = compiler.layout
+  replicated, rows = layout.replicated, layout.rows
   # float16 (or train.loss_scale=dynamic): the step with its loss scale, as train runs it
   loss_scale = (float(config.train.loss_scale_init) if loss_scale_lib.enabled(
       config.train.loss_scale, cfg.dtype) else None)
@@ -304,7 +288,7 @@ def compile_target(config, tgt: Target) -> dict:
         chip, cfg, lambda span: impl.schedule_cost(cfg, d.batch // n, d.block, cfg.span, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
                                                            config.seed, loss_scale=loss_scale))
-    state = sharding_lib.with_shardings(abstract, shardings(abstract))
+    state = sharding_lib.with_shardings(abstract, layout.state_shardings(abstract))
     sds = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
     batch = {"x": sds((d.batch, d.block), jnp.int32, rows),
              "y": sds((d.batch, d.block), jnp.int32, rows),

@@ -24,11 +24,7 @@ import signal
 from typing import Mapping
 
 import jax
-import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-from span_lm.train import sharding as sharding_lib
 
 log = logging.getLogger("span_lm")
 
@@ -153,34 +149,3 @@ class PreemptionWatch:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
-
-
-# ------------------------------------------------------------------------- FSDP-style layout
-
-FSDP_AXIS = "fsdp"
-BATCH_AXES = (sharding_lib.DATA_AXIS, FSDP_AXIS)  # batches and caches: over every device
-# Parameters (and the optimizer state that mirrors them) split their model dimension over the
-# 'fsdp' axis; GSPMD gathers each weight where it is used and reduce-scatters its gradient.
-FSDP_RULES = (("batch", sharding_lib.DATA_AXIS), ("embed", FSDP_AXIS))
-
-
-def fsdp_mesh(fsdp: int, num_devices: int | None = None) -> Mesh:
-  """A 2-D ('data', 'fsdp') mesh; consecutive devices (one host's, first) share a 'data' row."""
-  devices = jax.devices()
-  n = len(devices) if num_devices is None else num_devices
-  if not 1 <= n <= len(devices) or n % fsdp:
-    raise ValueError(f"config.dist.fsdp={fsdp} must divide the {n} devices")
-  grid = np.asarray(devices[:n]).reshape(n // fsdp, fsdp)
-  return Mesh(grid, BATCH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
-
-
-def fsdp_state_rule():
-  """Caches over all devices on their batch dim; params/optimizer state by logical names."""
-  by_name = sharding_lib.make_state_rule(FSDP_RULES)
-
-  def rule(path, leaf, mesh):
-    if path and sharding_lib._key_name(path[0]) in sharding_lib.CACHE_KEYS:  # pylint: disable=protected-access
-      return NamedSharding(mesh, P(BATCH_AXES, *([None] * (np.ndim(leaf) - 1))))
-    return by_name(path, leaf, mesh)
-
-  return rule

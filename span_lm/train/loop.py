@@ -15,7 +15,8 @@ reported by path and the run resumes from the newest readable one.
 The host reads nothing from the device between logging, evaluation and checkpoint steps, so
 steps are dispatched ahead for adaptive spans as for fixed ones: non-finite flags and span ratios
 are read at those steps. A step whose span plan the spans outgrew in the meantime changes nothing
-(train/steps.py); the host then widens the plan and replays the data from that step on. The plan's
+(train/steps.py); the host then widens the plan and replays the data from that step on
+(train/pending.py keeps the unread steps and says what to replay). The plan's
 headroom alone could not be trusted: Adagrad moves z' by up to lr per step (its accumulator holds
 g^2, so |g| / sqrt(acc) <= 1), lr x S tokens, e.g. 573 at the paper's lr 0.07 and S 8192.
 """
@@ -31,12 +32,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from span_lm import config as config_lib
 from span_lm import kernels
 from span_lm.data import batching, sources
-from span_lm.kernels import autotune
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
@@ -46,6 +45,7 @@ from span_lm.train import cpu_host
 from span_lm.train import distributed as dist_lib
 from span_lm.train import loss_scale as loss_scale_lib
 from span_lm.train import optimizer as optimizer_lib
+from span_lm.train import pending as pending_lib
 from span_lm.train import sharding as sharding_lib
 from span_lm.train import steps as steps_lib
 from span_lm.train import metrics as metrics_lib
@@ -53,11 +53,8 @@ from span_lm.train.metrics import LN2, MetricWriter
 
 log = logging.getLogger("span_lm")
 
-# Steps dispatched ahead of the host before it waits for the oldest one. Unbounded asynchronous
-# dispatch deadlocks XLA:CPU once a program with collectives (any multi-device mesh) has 32
-# executions queued per device (an all-reduce rendezvous that never completes); on accelerators a
-# few queued steps already hide the host's latency.
-MAX_IN_FLIGHT = 8
+# Steps (and evaluation blocks) dispatched ahead of the host before it waits: train/pending.py
+MAX_IN_FLIGHT = pending_lib.MAX_IN_FLIGHT
 
 
 def _echo(msg: str) -> None:
@@ -146,41 +143,20 @@ class Run:
     d = config.data
     sources.check_lengths(self.splits, d.block, d.batch, d.eval_batch)
     self.fsdp = config.dist.fsdp
-    if self.fsdp > 1:  # parameters and optimizer state sharded over a second mesh axis
-      self.mesh = dist_lib.fsdp_mesh(self.fsdp, num_devices)
-      self.state_rule = dist_lib.fsdp_state_rule()
-      batch_axes = dist_lib.BATCH_AXES
-    else:
-      self.mesh = sharding_lib.make_mesh(num_devices)
-      self.state_rule = sharding_lib.default_state_rule
-      batch_axes = sharding_lib.DATA_AXIS
-    n_dev = self.mesh.devices.size
-    for field, b in (("batch", d.batch), ("eval_batch", d.eval_batch)):
-      if b % n_dev:
-        raise ValueError(f"config.data.{field}={b} must be divisible by the {n_dev} devices")
-      if b % self.process_count:
-        raise ValueError(f"config.data.{field}={b} must be divisible by the "
-                         f"{self.process_count} processes")
-    if d.batch % config.optim.batch_split:
-      raise ValueError(f"config.data.batch={d.batch} must be divisible by "
-                       f"config.optim.batch_split={config.optim.batch_split}")
-    # attn_tiles='tune': time the GPU kernel's tile candidates now, before any step compiles
-    self.model_cfg = autotune.resolve(
-        self.model_cfg, batch=d.batch // n_dev // config.optim.batch_split, m=d.block, echo=_echo)
     self.tx, self.schedule = optimizer_lib.make_optimizer(config.optim)
+    # attn_tiles='tune' is timed here (tune_block), before any step compiles
+    self.compiler = steps_lib.build(
+        self.model_cfg, self.tx, batch=d.batch, eval_batch=d.eval_batch,
+        batch_split=config.optim.batch_split, fsdp=self.fsdp, num_devices=num_devices,
+        processes=self.process_count, tune_block=d.block, log=_echo,
+        capacity=_device_memory(), debug_nan_at_step=config.train.debug_nan_at_step,
+        loss_scale_period=config.train.loss_scale_period)
+    self.model_cfg, self.layout = self.compiler.cfg, self.compiler.layout
+    self.mesh, self.replicated = self.layout.mesh, self.layout.replicated
+    self.batch_sharding, self.cache_sharding = self.layout.rows, self.layout.cache_rows
     # dynamic loss scaling (train/loss_scale.py): its initial scale, or None when off
     self.loss_scale = (float(config.train.loss_scale_init) if loss_scale_lib.enabled(
         config.train.loss_scale, self.model_cfg.dtype) else None)
-    self.replicated = sharding_lib.replicated(self.mesh)
-    self.batch_sharding = NamedSharding(self.mesh, P(batch_axes, None))
-    self.cache_sharding = NamedSharding(self.mesh, P(batch_axes, None, None))
-    self.compiler = steps_lib.StepCompiler(
-        self.model_cfg, self.tx, self.mesh,
-        lambda st: sharding_lib.state_shardings(st, self.mesh, self.state_rule),
-        self.batch_sharding,
-        self.replicated, batch_split=config.optim.batch_split, log=_echo,
-        debug_nan_at_step=config.train.debug_nan_at_step, capacity=_device_memory(),
-        loss_scale_period=config.train.loss_scale_period)
     self.ckpt = None
     if self.workdir:
       self.ckpt = ckpt_lib.Checkpointer(os.path.join(self.workdir, "checkpoints"),
@@ -194,8 +170,7 @@ class Run:
     fn = lambda: steps_lib.init_state(self.model_cfg, self.tx, plan, d.batch, d.eval_batch,
                                       self.config.seed, loss_scale=self.loss_scale)
     abstract = jax.eval_shape(fn)
-    shardings = sharding_lib.state_shardings(abstract, self.mesh, self.state_rule)
-    return fn, abstract, shardings
+    return fn, abstract, self.layout.state_shardings(abstract)
 
   def init_state(self, plan):
     fn, _, shardings = self.abstract_state(plan)
@@ -301,7 +276,7 @@ class Run:
 
   def put_batch(self, b):
     """Host batch -> global arrays; with several processes `b` holds this process's rows only."""
-    return sharding_lib.shard_batch(b, self.mesh, self.batch_sharding.spec[0])
+    return self.layout.shard_batch(b)
 
   def streams(self, split: np.ndarray, batch: int, seed: int) -> batching.StreamIterator:
     """This process's share of the B training-style streams of a split."""
@@ -409,25 +384,58 @@ def train(config) -> dict[str, Any]:
 
 
 def _train(run: Run) -> dict[str, Any]:
-  config = run.config
-  cfg, d, t = run.model_cfg, config.data, config.train
-  planner = planner_lib.SpanPlanner(cfg)
-  train_batcher = run.streams(run.splits.train, d.batch, config.seed)
-  valid_batcher = run.streams(run.splits.valid, d.eval_batch, config.seed + 1)
-  start = 0
-  skipped = 0  # non-finite updates dropped so far (config.train.nonfinite='skip')
-  if run.ckpt.latest_step() is not None:
-    state, meta = run.restore(move_aside=True)
-    planner.load_state_dict(meta["planner"])
-    train_batcher.state = meta["data"]["train"]
-    valid_batcher.state = meta["data"]["valid"]
-    start = int(meta["step"])
-    skipped = int(meta.get("nonfinite_skipped", 0))
-    _echo(f"resumed from {run.ckpt.directory} at step {start}")
-  else:
-    state = run.init_state(planner.plan)
-    if t.init_from:
-      state = _init_from(run, planner, state, t.init_from)
+  tr = _Training(run)
+  try:
+    tr.train_steps()
+    tr.finish()
+  finally:
+    tr.close()
+  return tr.result()
+
+
+class _Training:
+  """One call of `train`, cut into its phases (start, dispatch, read, log, evaluate, save,
+  finish); the attributes are what the phases share."""
+
+  def __init__(self, run: Run):
+    self.run, self.config = run, run.config
+    self.d, self.t = run.config.data, run.config.train
+    self.planner = planner_lib.SpanPlanner(run.model_cfg)
+    self.train_batcher = run.streams(run.splits.train, self.d.batch, self.config.seed)
+    self.valid_batcher = run.streams(run.splits.valid, self.d.eval_batch, self.config.seed + 1)
+    self.skipped = 0  # non-finite updates dropped so far (config.train.nonfinite='skip')
+    self.start, self.state = self._start()
+    t = self.t
+    self.writer = MetricWriter(run.workdir, tensorboard=t.tensorboard)
+    dropped = self.writer.truncate_after(self.start)  # rows this run replays (after a kill -9)
+    if dropped:
+      log.info("metrics.jsonl: dropped %d rows past step %d", dropped, self.start)
+    self.watch = dist_lib.PreemptionWatch(enabled=t.preemption)
+    self.ctrl_c = _CtrlC(enabled=run.process_count == 1)
+    self.bar = metrics_lib.progress(t.steps, initial=self.start)
+    self.eval_batches = t.eval_batches or math.ceil(t.eval_every / 10)
+    self.last: dict[str, Any] = {}
+    self.window_t0 = time.perf_counter()
+    self.pending = pending_lib.PendingSteps(MAX_IN_FLIGHT)
+    self.metrics = None  # the last dispatched step's
+    self.stopped = None
+    self.step = self.start
+
+  def _start(self):
+    """(first step, state): resumed from the work dir's checkpoint, or fresh (or init_from)."""
+    run, cfg = self.run, self.run.model_cfg
+    if run.ckpt.latest_step() is not None:
+      state, meta = run.restore(move_aside=True)
+      self.planner.load_state_dict(meta["planner"])
+      self.train_batcher.state = meta["data"]["train"]
+      self.valid_batcher.state = meta["data"]["valid"]
+      start = int(meta["step"])
+      self.skipped = int(meta.get("nonfinite_skipped", 0))
+      _echo(f"resumed from {run.ckpt.directory} at step {start}")
+      return start, state
+    state = run.init_state(self.planner.plan)
+    if self.t.init_from:
+      state = _init_from(run, self.planner, state, self.t.init_from)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     _echo(f"model: {n_params / 1e6:.2f}M parameters; {cfg.n_layers} layers, span {cfg.span} "
           f"({cfg.span_mode}); data {run.splits.name}: {len(run.splits.train):,} train tokens, "
@@ -436,187 +444,191 @@ def _train(run: Run) -> dict[str, Any]:
     if jax.process_index() == 0:
       os.makedirs(run.workdir, exist_ok=True)
       with open(os.path.join(run.workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2))
+        f.write(self.config.to_json_best_effort(indent=2))
+    return 0, state
 
-  def meta_at(step):
-    return {"step": step, "planner": planner.state_dict(),
-            "data": {"train": train_batcher.state.to_dict(),
-                     "valid": valid_batcher.state.to_dict()},
-            "model_cfg": dataclass_dict(cfg), "config": config.to_dict(),
-            "compilations": len(run.compiler.compilations), "nonfinite_skipped": skipped,
-            "loss_scale": run.loss_scale is not None}
+  def meta_at(self, step):
+    return {"step": step, "planner": self.planner.state_dict(),
+            "data": {"train": self.train_batcher.state.to_dict(),
+                     "valid": self.valid_batcher.state.to_dict()},
+            "model_cfg": dataclass_dict(self.run.model_cfg), "config": self.config.to_dict(),
+            "compilations": len(self.run.compiler.compilations),
+            "nonfinite_skipped": self.skipped, "loss_scale": self.run.loss_scale is not None}
 
-  writer = MetricWriter(run.workdir, tensorboard=t.tensorboard)
-  dropped = writer.truncate_after(start)  # rows of the steps this run replays (after a kill -9)
-  if dropped:
-    log.info("metrics.jsonl: dropped %d rows past step %d", dropped, start)
-  watch = dist_lib.PreemptionWatch(enabled=t.preemption)
-  ctrl_c = _CtrlC(enabled=run.process_count == 1)
-  bar = metrics_lib.progress(t.steps, initial=start)
-  eval_batches = t.eval_batches or math.ceil(t.eval_every / 10)
-  tokens_per_step = d.batch * d.block
-  last: dict[str, Any] = {}
-  window_t0, window_steps, window_loss = time.perf_counter(), 0, []
-  # Dispatched steps whose flags (non-finite, plan too short) and span ratios are not read yet,
-  # each with the data position before it (to replay from).
-  pending: list[tuple[int, dict, Any]] = []
-  stopped = None
-  step = start
-
-  def read_pending() -> bool:
-    """Reads the flags and span ratios of every pending step, in order; returns True when the
-    run went back (a step ran on a plan its spans outgrew: it and all later ones were no-ops)."""
-    nonlocal skipped, step, state, window_steps
-    if not pending:
-      return False
-    fields = ("skipped", "short", "span_ratio")
-    got = jax.device_get([{k: m[k] for k in fields if k in m} for _, m, _ in pending])
-    plan_changed = back = False
-    for i, ((s, _, data_before), g) in enumerate(zip(pending, got)):
-      if int(g.get("short", 0)):
-        if not all(int(f["short"]) for f in got[i:]):  # a later step applied on a missing state
-          raise RuntimeError(f"internal: step {s} was refused but a later step was applied")
-        ratios = list(np.asarray(g["span_ratio"]))  # the spans step s starts from
-        planner.update(ratios, s - 1)  # grows the plan unless an earlier pending step did
-        if not all(np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= plan_lib.needed_tokens(cfg, z))
-                   for lp, z in zip(planner.plan.layers, ratios)):
-          raise RuntimeError(f"internal: step {s} was refused and the plan still does not "
-                             "cover its spans")
-        plan_changed = back = True
-        n = len(pending) - i
-        _echo(f"step {s}: spans outgrew the plan before the host read them; widened to "
-              f"{planner.plan.describe()}; replaying {n} step(s)")
-        step = s - 1
-        del window_loss[len(window_loss) - n:]
-        window_steps -= n
-        train_batcher.state = data_before
-        break
-      if int(g["skipped"]):
-        if t.nonfinite == "stop":
-          latest = run.ckpt.latest_step()
-          kept = (f"the last good checkpoint is step {latest} in {run.ckpt.directory}"
-                  if latest is not None else "no checkpoint was written yet")
-          raise NonFiniteLossError(
-              f"step {s}: the loss or gradient is not finite; the update was not applied and the "
-              f"run stops (config.train.nonfinite='stop'); {kept}. Resume from it with a lower "
-              "learning rate or more warmup, or pass --config.train.nonfinite=skip to drop such "
-              "updates.")
-        skipped += 1
-        _echo(f"step {s}: non-finite loss or gradient, update skipped ({skipped} so far)")
-      if "span_ratio" in g and planner.update(list(np.asarray(g["span_ratio"])), s):
-        plan_changed = True
-        _echo(f"step {s}: span plan change #{planner.changes}: {planner.plan.describe()}")
-    pending.clear()
-    if plan_changed:
-      state = _fit_caches(run, state, planner.plan)
-    if bar is not None:
-      bar.n = step
-    return back
-
-  try:
-    while step < t.steps:
-      data_before = train_batcher.state
-      blk = next(train_batcher)
-      batch = run.put_batch(steps_lib.host_batch(blk.x, blk.y, blk.reset))
-      fn = run.compiler.train(planner.plan, state, batch)
-      state, metrics = fn(state, batch)
-      step += 1
-      window_steps += 1
-      window_loss.append(metrics["loss"])
-      pending.append((step, metrics, data_before))
-      if len(window_loss) > MAX_IN_FLIGHT:
-        jax.block_until_ready(window_loss[-MAX_IN_FLIGHT - 1])
-      if bar is not None:
-        bar.update(1)
-      stop = watch.should_stop(step)
-      if ctrl_c.requested and not stop:
+  def train_steps(self):
+    t = self.t
+    while self.step < t.steps:
+      self._dispatch()
+      step = self.step
+      stop = self.watch.should_stop(step)
+      if self.ctrl_c.requested and not stop:
         stop = "interrupted"
       elif stop:
         stop = "preempted"
       do_log = step % t.log_every == 0 or step == t.steps
       do_eval = step % t.eval_every == 0 or step == t.steps
-      do_save = run.ckpt.should_save(step) or step == t.steps or stop
+      do_save = self.run.ckpt.should_save(step) or step == t.steps or stop
       if not (do_log or do_eval or do_save):
         continue
       with _host_reads():
-        if read_pending():  # never log, evaluate or checkpoint past an unread step
+        if self._read():  # never log, evaluate or checkpoint past an unread step
           continue
         if do_log:
-          losses = np.asarray(jax.device_get(window_loss))
-          secs = time.perf_counter() - window_t0
-          m = jax.device_get(metrics)
-          last = {"loss": float(losses.mean()), "bpc": float(losses.mean() / LN2),
-                  "lr": float(run.schedule(step - 1)), "grad_norm": float(m["grad_norm"]),
-                  "span_loss": float(m["span_loss"]), "span_avg": m["span_avg"].tolist(),
-                  "span_max": m["span_max"].tolist(),
-                  "ms_per_step": 1000 * secs / max(window_steps, 1),
-                  "tokens_per_s": tokens_per_step * window_steps / secs,
-                  "compilations": len(run.compiler.compilations),
-                  "plan_changes": planner.changes, "skipped": skipped}
-          if "loss_scale" in m:  # dynamic loss scaling: the scale now, attempts thrown away so far
-            last["loss_scale"] = float(m["loss_scale"])
-            last["loss_scale_skips"] = int(m["loss_scale_skips"])
-          writer.write(step, "train", last)
-          _echo(f"step {step:7d} | loss {last['loss']:.4f} bpc {last['bpc']:.4f} | "
-                f"{last['ms_per_step']:.0f} ms/step {last['tokens_per_s']:.0f} tok/s | "
-                f"span avg {np.mean(last['span_avg']):.0f} max {max(last['span_max']):.0f} | "
-                f"lr {last['lr']:.4g}" + (f" | loss scale 2^{math.log2(last['loss_scale']):.0f} "
-                                          f"({last['loss_scale_skips']} overflows)"
-                                          if "loss_scale" in last else ""))
-          if bar is not None:
-            bar.set_postfix(loss=f"{last['loss']:.3f}", bpc=f"{last['bpc']:.3f}", refresh=False)
-          window_t0, window_steps, window_loss = time.perf_counter(), 0, []
+          self._log()
         if do_eval:
-          res, eval_caches = evaluate_stream(run, state["params"], planner.plan, run.splits.valid,
-                                             d.eval_batch, caches=state["eval_caches"],
-                                             batcher=valid_batcher, n_blocks=eval_batches,
-                                             desc="valid")
-          state = dict(state, eval_caches=eval_caches)
-          writer.write(step, "valid", res)
-          _echo(f"step {step:7d} | valid bpc {res['bpc']:.4f} ({res['tokens']} tokens)")
-          last["valid_bpc"] = res["bpc"]
-          if bar is not None:
-            bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}",
-                            bpc=f"{last.get('bpc', float('nan')):.3f}",
-                            valid_bpc=f"{res['bpc']:.3f}", refresh=False)
-          window_t0 = time.perf_counter()
+          self._evaluate()
         if do_save:
-          run.ckpt.save(step, state, meta_at(step), force=step == t.steps or bool(stop))
+          self.run.ckpt.save(step, self.state, self.meta_at(step),
+                             force=step == t.steps or bool(stop))
         if stop:
-          stopped = stop
-          run.ckpt.wait()
-          why = "Ctrl-C" if stop == "interrupted" else "preempted"
-          _echo(f"step {step:7d} | {why}: checkpoint at step {step} written to "
-                f"{run.ckpt.directory}; stopping (rerun the same command to resume)")
+          self._stop(stop)
           break
+
+  def _dispatch(self):
+    """Runs one step without waiting for it (the device queue is bounded by PendingSteps)."""
+    data_before = self.train_batcher.state
+    blk = next(self.train_batcher)
+    batch = self.run.put_batch(steps_lib.host_batch(blk.x, blk.y, blk.reset))
+    fn = self.run.compiler.train(self.planner.plan, self.state, batch)
+    self.state, self.metrics = fn(self.state, batch)
+    self.step += 1
+    self.pending.push(self.step, self.metrics, data_before)
+    if self.bar is not None:
+      self.bar.update(1)
+
+  def _read(self) -> bool:
+    """Reads the flags and span ratios of every pending step, in order; returns True when the
+    run went back (a step ran on a plan its spans outgrew: it and all later ones were no-ops)."""
+    if not len(self.pending):
+      return False
+    reads, refused = self.pending.drain()
+    plan_changed = False
+    for r in reads:
+      if r.skipped:
+        self._nonfinite(r.step)
+      if r.ratios is not None and self.planner.update(r.ratios, r.step):
+        plan_changed = True
+        _echo(f"step {r.step}: span plan change #{self.planner.changes}: "
+              f"{self.planner.plan.describe()}")
+    if refused is not None:
+      self._widen_and_replay(refused)
+      plan_changed = True
+    if plan_changed:
+      self.state = _fit_caches(self.run, self.state, self.planner.plan)
+    if self.bar is not None:
+      self.bar.n = self.step
+    return refused is not None
+
+  def _nonfinite(self, s: int):
+    """A step whose loss or gradient was not finite (its update was not applied)."""
+    if self.t.nonfinite == "stop":
+      latest = self.run.ckpt.latest_step()
+      kept = (f"the last good checkpoint is step {latest} in {self.run.ckpt.directory}"
+              if latest is not None else "no checkpoint was written yet")
+      raise NonFiniteLossError(
+          f"step {s}: the loss or gradient is not finite; the update was not applied and the "
+          f"run stops (config.train.nonfinite='stop'); {kept}. Resume from it with a lower "
+          "learning rate or more warmup, or pass --config.train.nonfinite=skip to drop such "
+          "updates.")
+    self.skipped += 1
+    _echo(f"step {s}: non-finite loss or gradient, update skipped ({self.skipped} so far)")
+
+  def _widen_and_replay(self, refused: pending_lib.Refused):
+    """Widens the plan to the spans the refused step starts from; the data goes back to it."""
+    cfg, s = self.run.model_cfg, refused.step
+    self.planner.update(refused.ratios, s - 1)  # grows the plan unless an earlier step did
+    if not all(np.all(np.asarray(lp.head_windows(cfg.n_heads)) >= plan_lib.needed_tokens(cfg, z))
+               for lp, z in zip(self.planner.plan.layers, refused.ratios)):
+      raise RuntimeError(f"internal: step {s} was refused and the plan still does not "
+                         "cover its spans")
+    _echo(f"step {s}: spans outgrew the plan before the host read them; widened to "
+          f"{self.planner.plan.describe()}; replaying {refused.replay} step(s)")
+    self.step = s - 1
+    self.train_batcher.state = refused.data_before
+
+  def _log(self):
+    step, run = self.step, self.run
+    losses = np.asarray(jax.device_get(self.pending.take_losses()))
+    n = len(losses)
+    secs = time.perf_counter() - self.window_t0
+    m = jax.device_get(self.metrics)
+    last = {"loss": float(losses.mean()), "bpc": float(losses.mean() / LN2),
+            "lr": float(run.schedule(step - 1)), "grad_norm": float(m["grad_norm"]),
+            "span_loss": float(m["span_loss"]), "span_avg": m["span_avg"].tolist(),
+            "span_max": m["span_max"].tolist(),
+            "ms_per_step": 1000 * secs / max(n, 1),
+            "tokens_per_s": self.d.batch * self.d.block * n / secs,
+            "compilations": len(run.compiler.compilations),
+            "plan_changes": self.planner.changes, "skipped": self.skipped}
+    if "loss_scale" in m:  # dynamic loss scaling: the scale now, attempts thrown away so far
+      last["loss_scale"] = float(m["loss_scale"])
+      last["loss_scale_skips"] = int(m["loss_scale_skips"])
+    self.last = last
+    self.writer.write(step, "train", last)
+    _echo(f"step {step:7d} | loss {last['loss']:.4f} bpc {last['bpc']:.4f} | "
+          f"{last['ms_per_step']:.0f} ms/step {last['tokens_per_s']:.0f} tok/s | "
+          f"span avg {np.mean(last['span_avg']):.0f} max {max(last['span_max']):.0f} | "
+          f"lr {last['lr']:.4g}" + (f" | loss scale 2^{math.log2(last['loss_scale']):.0f} "
+                                    f"({last['loss_scale_skips']} overflows)"
+                                    if "loss_scale" in last else ""))
+    if self.bar is not None:
+      self.bar.set_postfix(loss=f"{last['loss']:.3f}", bpc=f"{last['bpc']:.3f}", refresh=False)
+    self.window_t0 = time.perf_counter()
+
+  def _evaluate(self):
+    step, state, last = self.step, self.state, self.last
+    res, eval_caches = evaluate_stream(self.run, state["params"], self.planner.plan,
+                                       self.run.splits.valid, self.d.eval_batch,
+                                       caches=state["eval_caches"], batcher=self.valid_batcher,
+                                       n_blocks=self.eval_batches, desc="valid")
+    self.state = dict(state, eval_caches=eval_caches)
+    self.writer.write(step, "valid", res)
+    _echo(f"step {step:7d} | valid bpc {res['bpc']:.4f} ({res['tokens']} tokens)")
+    last["valid_bpc"] = res["bpc"]
+    if self.bar is not None:
+      self.bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}",
+                           bpc=f"{last.get('bpc', float('nan')):.3f}",
+                           valid_bpc=f"{res['bpc']:.3f}", refresh=False)
+    self.window_t0 = time.perf_counter()
+
+  def _stop(self, stop: str):
+    """After the checkpoint of a preempted or interrupted step: wait for it and say so."""
+    self.stopped = stop
+    self.run.ckpt.wait()
+    why = "Ctrl-C" if stop == "interrupted" else "preempted"
+    _echo(f"step {self.step:7d} | {why}: checkpoint at step {self.step} written to "
+          f"{self.run.ckpt.directory}; stopping (rerun the same command to resume)")
+
+  def finish(self):
+    """The last read and checkpoint, then (train.full_eval_at_end) valid and test in full."""
+    run, t = self.run, self.t
     with _host_reads():
-      read_pending()
+      self._read()
       run.ckpt.wait()
-      if bar is not None:
-        bar.close()
-        bar = None
-      if t.full_eval_at_end and start < t.steps and not stopped:
+      if self.bar is not None:
+        self.bar.close()
+        self.bar = None
+      if t.full_eval_at_end and self.start < t.steps and not self.stopped:
         for name in ("valid", "test"):
-          res, _ = evaluate_stream(run, state["params"], planner.plan, run.splits.split(name),
-                                   d.eval_batch, drop_last=t.eval_drop_last, desc=f"full {name}")
-          writer.write(step, f"full_{name}", res)
+          res, _ = evaluate_stream(run, self.state["params"], self.planner.plan,
+                                   run.splits.split(name), self.d.eval_batch,
+                                   drop_last=t.eval_drop_last, desc=f"full {name}")
+          self.writer.write(self.step, f"full_{name}", res)
           _echo(f"full {name}: bpc {res['bpc']:.4f} ppl {res['ppl']:.3f} over "
                 f"{res['tokens']:,} tokens" + (" (last partial block dropped)"
                                                if t.eval_drop_last else ""))
-          last[f"full_{name}_bpc"] = res["bpc"]
-  finally:
-    if bar is not None:
-      bar.close()
-    ctrl_c.close()
-    watch.close()
-    writer.close()
-  last["preempted"] = stopped is not None
-  last["stopped"] = stopped
-  last["skipped"] = skipped
-  last["step"] = step
-  last["state"] = state
-  last["plan"] = planner.plan
-  return last
+          self.last[f"full_{name}_bpc"] = res["bpc"]
+
+  def close(self):
+    if self.bar is not None:
+      self.bar.close()
+    self.ctrl_c.close()
+    self.watch.close()
+    self.writer.close()
+
+  def result(self) -> dict[str, Any]:
+    return dict(self.last, preempted=self.stopped is not None, stopped=self.stopped,
+                skipped=self.skipped, step=self.step, state=self.state, plan=self.planner.plan)
 
 
 def evaluate(config, step: int | None = None) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""Device mesh and shardings for data-parallel training.
+"""Device mesh and shardings for data-parallel (and FSDP-style) training.
 
 One 1-D mesh axis ('data'): batches and the per-sequence attention caches are split over it on their
 leading (batch) dimension; parameters, optimizer state, step and rng are replicated. Which leaf gets
 which sharding is a single rule function of (key path, leaf), so a different layout (FSDP, tensor
-parallelism via Flax logical axis names) is a configuration change, not a rewrite.
+parallelism via Flax logical axis names) is a configuration change, not a rewrite. `Layout` is
+the one place that picks between them (config.dist.fsdp).
 """
+import dataclasses
 import math
 import re
 from typing import Any, Callable, Optional, Sequence
@@ -173,3 +175,101 @@ def shard_batch(x: Any, mesh: Mesh, axis: str | tuple[str, ...] = DATA_AXIS) -> 
     return jax.device_put(a, sharding)
 
   return jax.tree_util.tree_map_with_path(put, x)
+
+
+# ------------------------------------------------------------------------- FSDP-style layout
+
+FSDP_AXIS = "fsdp"
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)  # batches and caches: over every device
+# Parameters (and the optimizer state that mirrors them) split their model dimension over the
+# 'fsdp' axis; GSPMD gathers each weight where it is used and reduce-scatters its gradient.
+FSDP_RULES = (("batch", DATA_AXIS), ("embed", FSDP_AXIS))
+
+
+def fsdp_mesh(fsdp: int, num_devices: int | None = None, devices: Sequence | None = None) -> Mesh:
+  """A 2-D ('data', 'fsdp') mesh; consecutive devices (one host's, first) share a 'data' row.
+  devices: these (e.g. a deviceless topology's) instead of the first num_devices."""
+  if devices is None:
+    n = len(jax.devices()) if num_devices is None else num_devices
+    devices = jax.devices()[:n] if 1 <= n <= len(jax.devices()) else []
+  else:
+    n = len(devices)
+  if not devices or n % fsdp:
+    raise ValueError(f"config.dist.fsdp={fsdp} must divide the {n} devices")
+  grid = np.asarray(devices).reshape(n // fsdp, fsdp)
+  return Mesh(grid, BATCH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def fsdp_state_rule() -> ShardingRule:
+  """Caches over all devices on their batch dim; params/optimizer state by logical names."""
+  by_name = make_state_rule(FSDP_RULES)
+
+  def rule(path, leaf, mesh):
+    if path and _key_name(path[0]) in CACHE_KEYS:
+      return NamedSharding(mesh, P(BATCH_AXES, *([None] * (np.ndim(leaf) - 1))))
+    return by_name(path, leaf, mesh)
+
+  return rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where a run's arrays live: the mesh, the state rule and the axes batches are split over.
+  One constructor (`Layout.make`) chooses data parallel or FSDP for the loop, the compile mode
+  and the benchmarks alike."""
+  mesh: Mesh
+  state_rule: ShardingRule
+  batch_axes: str | tuple[str, ...]
+
+  @classmethod
+  def make(cls, fsdp: int = 1, num_devices: int | None = None,
+           devices: Sequence | None = None) -> "Layout":
+    """fsdp > 1: parameters and optimizer state sharded over a second mesh axis ('fsdp').
+    devices: a mesh over these (a deviceless topology's) instead of the first num_devices."""
+    if fsdp > 1:
+      return cls(fsdp_mesh(fsdp, num_devices, devices), fsdp_state_rule(), BATCH_AXES)
+    mesh = (make_mesh(num_devices) if devices is None else
+            Mesh(np.asarray(devices), (DATA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,)))
+    return cls(mesh, default_state_rule, DATA_AXIS)
+
+  @property
+  def num_devices(self) -> int:
+    return self.mesh.devices.size
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return replicated(self.mesh)
+
+  @property
+  def rows(self) -> NamedSharding:
+    """A (B, M) batch: its rows over the batch axes."""
+    return NamedSharding(self.mesh, P(self.batch_axes, None))
+
+  @property
+  def cache_rows(self) -> NamedSharding:
+    """A (B, L, D) cache: its rows over the batch axes."""
+    return NamedSharding(self.mesh, P(self.batch_axes, None, None))
+
+  def state_shardings(self, abstract_state: Any) -> Any:
+    return state_shardings(abstract_state, self.mesh, self.state_rule)
+
+  def shard_batch(self, x: Any) -> Any:
+    return shard_batch(x, self.mesh, self.batch_axes)
+
+  def check_batches(self, batch: int, eval_batch: int, batch_split: int = 1,
+                    processes: int = 1, whole_pieces: bool = False) -> None:
+    """Every batch splits evenly over the devices and the processes, the training batch into
+    batch_split pieces (the state carries both batches' caches, so both must). whole_pieces:
+    each piece must split over the devices too (the compile mode: no device idles in a piece)."""
+    n = self.num_devices
+    if whole_pieces and (batch // batch_split) % n:
+      raise ValueError(f"config.data.batch / optim.batch_split = {batch // batch_split} does not "
+                       f"divide over {n} devices: choose a multiple of {n}")
+    for field, b in (("batch", batch), ("eval_batch", eval_batch)):
+      if b % n:
+        raise ValueError(f"config.data.{field}={b} must be divisible by the {n} devices")
+      if b % processes:
+        raise ValueError(f"config.data.{field}={b} must be divisible by the {processes} processes")
+    if batch % batch_split:
+      raise ValueError(f"config.data.batch={batch} must be divisible by "
+                       f"config.optim.batch_split={batch_split}")

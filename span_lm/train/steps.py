@@ -18,6 +18,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from span_lm import kernels
+from span_lm.kernels import autotune
 from span_lm.model import build_model
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
@@ -26,6 +27,7 @@ from span_lm.model.config import ModelConfig
 from span_lm.model.plan import SpanPlan
 from span_lm.train import loss_scale as loss_scale_lib
 from span_lm.train import optimizer as optimizer_lib
+from span_lm.train import sharding as sharding_lib
 
 State = dict[str, Any]
 
@@ -91,8 +93,8 @@ def _plan_covers(cfg: ModelConfig, plan: SpanPlan, params) -> jax.Array | None:
   if cfg.span_mode != "adaptive":
     return None
   ok = jnp.asarray(True)
-  for i, lp in enumerate(plan.layers):
-    need = plan_lib.needed_tokens(cfg, params[f"layers_{i}"]["attn"]["span_ratio"], xp=jnp)
+  for lp, z in zip(plan.layers, plan_lib.span_ratio_leaves(params), strict=True):
+    need = plan_lib.needed_tokens(cfg, z, xp=jnp)
     ok &= jnp.all(need <= jnp.asarray(lp.head_windows(cfg.n_heads), jnp.int32))
   return ok
 
@@ -279,8 +281,7 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
     metrics["short"] = (~covered).astype(jnp.int32)
   if cfg.span_mode == "adaptive":
     # Post-update z' per layer: the host re-derives the span plan from these.
-    metrics["span_ratio"] = jnp.stack([params[f"layers_{i}"]["attn"]["span_ratio"]
-                                       for i in range(cfg.n_layers)])
+    metrics["span_ratio"] = jnp.stack(plan_lib.span_ratio_leaves(params))
   return new_state, metrics
 
 
@@ -368,23 +369,22 @@ def peak_bytes(compiled) -> int | None:
 
 class StepCompiler:
   """Compiles the train/eval steps once per (plan, shapes) and records each compilation.
+  Built by `build` (the one constructor the loop, the compile mode and the benchmarks call).
 
   capacity: device memory in bytes (None: unchecked). A step that `auto` gave the XLA attention
   and that does not fit in it is compiled again with the fused kernel (kernels.fit_fallback), and
   the log says so."""
 
-  def __init__(self, cfg: ModelConfig, tx, mesh, state_shardings_fn: Callable, batch_sharding,
-               replicated, batch_split: int = 1, log: Callable[[str], None] | None = None,
-               debug_nan_at_step: int = 0, capacity: int | None = None,
-               loss_scale_period: int = 2000):
-    self.cfg, self.tx, self.mesh = cfg, tx, mesh
+  def __init__(self, cfg: ModelConfig, tx, layout: sharding_lib.Layout, batch_split: int = 1,
+               log: Callable[[str], None] | None = None, debug_nan_at_step: int = 0,
+               capacity: int | None = None, loss_scale_period: int = 2000):
+    self.cfg, self.tx, self.layout, self.mesh = cfg, tx, layout, layout.mesh
     self.capacity = capacity
     self._fallen_back = None  # the config a step that did not fit was compiled with
     self.loss_scale_period = loss_scale_period  # used when the state has a loss scale
     self.debug_nan_at_step = debug_nan_at_step
-    self._state_shardings = state_shardings_fn
-    self._batch_sharding = batch_sharding
-    self._replicated = replicated
+    self._batch_sharding = layout.rows
+    self._replicated = layout.replicated
     self.batch_split = batch_split
     self._cache: dict = {}
     self.compilations: list[dict[str, Any]] = []
@@ -435,9 +435,9 @@ class StepCompiler:
     fn = lambda cfg: functools.partial(train_step, cfg=cfg, plan=plan, tx=self.tx,
                                        batch_split=self.batch_split,
                                        debug_nan_at_step=self.debug_nan_at_step, mesh=self.mesh,
-                                       batch_axes=self._batch_sharding.spec[0],
+                                       batch_axes=self.layout.batch_axes,
                                        loss_scale_period=self.loss_scale_period)
-    st_sh = self._state_shardings(state)
+    st_sh = self.layout.state_shardings(state)
     b_sh = {"x": self._batch_sharding, "y": self._batch_sharding, "reset": self._replicated}
     return self._compile("train", plan, fn, (state, batch), (st_sh, b_sh),
                          (st_sh, self._replicated), (0,))
@@ -450,6 +450,31 @@ class StepCompiler:
     return self._compile("eval_kv" if kv_cache else "eval", plan, fn, (params, caches, batch),
                          (p_sh, c_sh, b_sh),
                          (self._replicated, c_sh), (1,))
+
+
+def build(cfg: ModelConfig, tx, *, batch: int, eval_batch: int, batch_split: int = 1,
+          fsdp: int = 1, num_devices: int | None = None, devices=None, processes: int = 1,
+          whole_pieces: bool = False, tune_block: int | None = None,
+          log: Callable[[str], None] | None = None,
+          capacity: int | None = None, debug_nan_at_step: int = 0,
+          loss_scale_period: int = 2000) -> StepCompiler:
+  """The mesh, state rule and batch sharding (sharding.Layout) and the step compiler of a run:
+  the one way the loop, the compile mode and the benchmarks build a step, so they compile the
+  same thing. Refuses batches that do not split over the devices and processes.
+
+  devices: lay the mesh over these (a deviceless topology's), else the first num_devices (all).
+  whole_pieces: each batch_split piece must split over the devices (sharding.Layout).
+  tune_block: resolve attn_tiles='tune' by timing the kernel at this block length and this
+  run's rows per device (kernels/autotune.py); None: the config as it is.
+  The compiler's `cfg` is the model config as resolved, its `layout` the arrays' layout."""
+  layout = sharding_lib.Layout.make(fsdp, num_devices, devices)
+  layout.check_batches(batch, eval_batch, batch_split, processes, whole_pieces)
+  if tune_block is not None:
+    cfg = autotune.resolve(cfg, batch=batch // layout.num_devices // batch_split, m=tune_block,
+                           echo=log or logging.info)
+  return StepCompiler(cfg, tx, layout, batch_split=batch_split, log=log,
+                      debug_nan_at_step=debug_nan_at_step, capacity=capacity,
+                      loss_scale_period=loss_scale_period)
 
 
 def host_batch(x: np.ndarray, y: np.ndarray, reset: bool, w: np.ndarray | None = None):

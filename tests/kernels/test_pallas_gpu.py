@@ -270,7 +270,7 @@ def test_runs_per_shard_under_a_mesh():
   """Under a mesh (the trainer compiles under one) the kernel runs in a shard_map over the batch
   axis, since XLA would otherwise gather the whole batch to every device for an opaque kernel:
   same values and gradients, and dropout masks that differ between shards."""
-  from span_lm.train import distributed, sharding  # pylint: disable=g-import-not-at-top
+  from span_lm.train import sharding  # pylint: disable=g-import-not-at-top
   q, k, v, pe, key = _inputs()
   z = _spans("dynamic", key)
   loss = lambda q, k, v, pe, z: jnp.sum(_fused(q, k, v, pe, z) ** 2)
@@ -283,7 +283,7 @@ def test_runs_per_shard_under_a_mesh():
     dropped = jax.jit(lambda q, k, v: fa.span_attention(
         q, k, v, pe, None, ramp=R, block=BLOCK, interpret=True, dropout_rate=0.5,
         dropout_seed=jnp.uint32(7)))(*same)
-  with jax.set_mesh(distributed.fsdp_mesh(2, 2)):  # the FSDP mesh: batches over both axes
+  with jax.set_mesh(sharding.fsdp_mesh(2, 2)):  # the FSDP mesh: batches over both axes
     got_fsdp = step(q, k, v, pe, z)
   for result in (got, got_fsdp):
     np.testing.assert_allclose(result[0], want[0], rtol=1e-5)

@@ -696,3 +696,17 @@ def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
     np.testing.assert_allclose(np.asarray(r), np.asarray(s_), rtol=1e-5, atol=1e-5)  # round)
   with pytest.raises(ValueError, match="one token"):
     model.apply({"params": params}, tokens[:, :2], ring, ring_pos=jnp.int32(3))
+
+
+def test_span_ratios_are_read_and_set_through_one_path():
+  """plan.span_ratio_leaves / span_ratios / with_span_ratios: the one place that knows where
+  the z' parameters live; setting them copies down to the layers and leaves the rest shared."""
+  params = {f"layers_{i}": {"attn": {"span_ratio": np.full(2, 0.1 * i), "key_pe": np.zeros(1)},
+                            "ff": {"w": np.ones(1)}} for i in range(3)}
+  params["in_emb"] = {"embedding": np.ones(2)}
+  new = plan_lib.with_span_ratios(params, [np.full(2, 0.5 + i) for i in range(3)])
+  assert [z.tolist() for z in plan_lib.span_ratios(new)] == [[0.5, 0.5], [1.5, 1.5], [2.5, 2.5]]
+  assert [z.tolist() for z in plan_lib.span_ratios(params)] == [[0.0, 0.0], [0.1, 0.1],
+                                                                [0.2, 0.2]]  # untouched
+  assert new["layers_1"]["ff"] is params["layers_1"]["ff"] and new["in_emb"] is params["in_emb"]
+  assert plan_lib.span_ratio_leaves(new)[2] is new["layers_2"]["attn"]["span_ratio"]

@@ -111,3 +111,46 @@ def test_params_carry_logical_axis_names_that_rules_map_to_the_mesh():
   assert fsdp["opt_state"][0]["sum"]["layers_0"]["attn"]["proj_key"]["kernel"].spec == P("data", None)
   # 11 rows do not divide over 8 devices: that dimension stays replicated.
   assert fsdp["params"]["in_emb"]["embedding"].spec == P(None, "data")
+
+
+@pytest.mark.parametrize("fsdp", [1, 2])
+def test_layout_is_the_one_choice_between_data_parallel_and_fsdp(fsdp):
+  """Layout.make picks mesh, state rule and batch axes together (loop, compile mode, benchmarks
+  all go through it): with fsdp 2, caches split over both axes and a kernel's 'embed' dim over
+  'fsdp'; with fsdp 1 the 1-D data mesh and replicated parameters."""
+  layout = sharding.Layout.make(fsdp)
+  assert layout.num_devices == 8
+  tree = _abstract_state()
+  tree["params"]["proj_key"] = {"kernel": jax.ShapeDtypeStruct((6, 4), jnp.float32)}
+  sh = layout.state_shardings(tree)
+  if fsdp == 1:
+    assert layout.mesh.axis_names == ("data",) and layout.batch_axes == "data"
+    assert sh["params"]["proj_key"]["kernel"].is_fully_replicated
+  else:
+    assert layout.mesh.axis_names == ("data", "fsdp") and layout.mesh.shape["fsdp"] == 2
+    assert sh["params"]["proj_key"]["kernel"].spec == P("fsdp", None)
+  assert sh["caches"][0].spec == P(layout.batch_axes, None, None) == layout.cache_rows.spec
+  assert layout.rows.spec == P(layout.batch_axes, None)
+  b = layout.shard_batch({"x": np.zeros((8, 3), np.int32), "reset": np.asarray(False)})
+  assert b["x"].sharding.spec == layout.rows.spec and b["reset"].sharding.is_fully_replicated
+  # a deviceless topology's devices give the same layout over exactly those devices
+  same = sharding.Layout.make(fsdp, devices=jax.devices()[:4])
+  assert same.num_devices == 4 and same.mesh.axis_names == layout.mesh.axis_names
+
+
+def test_layout_refuses_batches_that_do_not_split():
+  layout = sharding.Layout.make(1, num_devices=4)
+  layout.check_batches(8, 4, batch_split=2, processes=2)
+  with pytest.raises(ValueError, match=r"config.data.batch=6 must be divisible by the 4 devices"):
+    layout.check_batches(6, 4)
+  with pytest.raises(ValueError, match=r"config.data.eval_batch=2 must be divisible by the 4 dev"):
+    layout.check_batches(8, 2)
+  with pytest.raises(ValueError, match=r"config.data.batch=4 must be divisible by the 8 proc"):
+    layout.check_batches(4, 8, processes=8)
+  with pytest.raises(ValueError, match=r"config.data.batch=4 must be divisible by config.optim"):
+    layout.check_batches(4, 4, batch_split=3)
+  layout.check_batches(8, 4, batch_split=2)  # pieces of 4 rows: one per device
+  with pytest.raises(ValueError, match=r"batch / optim.batch_split = 2 does not divide over 4"):
+    layout.check_batches(8, 4, batch_split=4, whole_pieces=True)  # the compile mode's rule
+  with pytest.raises(ValueError, match=r"config.dist.fsdp=3 must divide the 8 devices"):
+    sharding.Layout.make(3)
