@@ -205,7 +205,9 @@ def markdown(results) -> str:
     if res.get("skipped"):
       fit += " (cannot fit, not compiled: " + ", ".join(
           f"split {a} remat {b}" for a, b in res["skipped"]) + ")"
-    lines.append(f"| {res['config']} | {res['target']} | {s.get('attention', '')} | {comp} | "
+    # what the step ran: the train row's own (auto's fit fallback recompiles with the kernel)
+    attention = (s.get("train") or {}).get("attention") or s.get("attention", "")
+    lines.append(f"| {res['config']} | {res['target']} | {attention} | {comp} | "
                  f"{peak} | {fit} | {fpeak} | {roof} | {csec} |")
   return "\n".join(lines)
 
