@@ -35,6 +35,7 @@ def test_criteria_skip_spans_without_the_cases_they_need():
   assert attention_span.criteria([_row(1024, "fixed", 32768, 1.0)]) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,expect_long", [("long", 4), ("mixed", 1), ("short", 0)])
 def test_cases_set_the_long_heads(case, expect_long):
   args = type("A", (), dict(d_model=32, layers=1, heads=4, d_ff=64, short_span=64,

@@ -46,6 +46,7 @@ def _no_tmp_dirs(workdir):
 # ------------------------------------------------------------------------------------ preemption
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_current_step_and_resume_matches(tmp_path):
   interrupted = tmp_path / "interrupted"
   ov = dict(sr.TINY, workdir=str(interrupted), **{
@@ -98,6 +99,7 @@ NAN = {"train.steps": 8, "train.checkpoint_every": 3, "train.eval_every": 100,
        "train.full_eval_at_end": False, "train.debug_nan_at_step": 5}
 
 
+@pytest.mark.slow
 def test_nan_stops_and_keeps_the_last_good_checkpoint(tmp_path):
   config = sr.config_for(tmp_path, NAN)
   with pytest.raises(loop.NonFiniteLossError, match=r"step 5: the loss or gradient is not "
@@ -250,6 +252,7 @@ def test_recomputation_changes_nothing(policy):
       np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_bf16_tracks_float32(enwik8_head, tmp_path):
   """100 steps of the smoke config on the enwik8 head: bf16 compute vs float32."""
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
@@ -314,6 +317,7 @@ def _rows(workdir):
   return [(r["step"], r["split"]) for r in read_metrics(str(workdir))]
 
 
+@pytest.mark.slow
 def test_ctrl_c_checkpoints_kill9_resume_logs_once_sigterm_exits_75(tmp_path):
   """Ctrl-C saves the current step (exit 130); after a kill -9 the resumed run drops the rows of
   the steps it replays; SIGTERM saves and exits 75 (EX_TEMPFAIL) for requeueing schedulers."""
@@ -371,6 +375,7 @@ def _tree_files(directory: pathlib.Path) -> set:
   return {str(p.relative_to(directory)) for p in directory.rglob("*")}
 
 
+@pytest.mark.slow
 def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_path, capsys):
   from span_lm import cli  # pylint: disable=g-import-not-at-top
   common = {"train.checkpoint_every": 2, "train.eval_every": 100, "train.full_eval_at_end": False}
@@ -417,6 +422,7 @@ def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_pat
   assert _tree_files(workdir) == before
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_and_keeps_the_committed_checkpoint(tmp_path):
   """A real full file system (a small tmpfs; root only) under a run that checkpoints."""
   mnt = tmp_path / "disk"
@@ -448,6 +454,7 @@ def test_full_disk_is_one_line_and_keeps_the_committed_checkpoint(tmp_path):
     subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, message", [
     (["--config.model.d_modl=128"],
      "error: --config.model.d_modl: config.model has no field 'd_modl'; did you mean 'd_model'?"),
@@ -548,6 +555,7 @@ app.run(main)
 '''
 
 
+@pytest.mark.slow
 def test_orbax_task_failure_reported_by_asyncio_stays_one_line():
   """A failed Orbax write task that asyncio reports as 'Task exception was never retrieved' (when
   it is collected, possibly after the error line) adds nothing to the one-line error when it

@@ -127,6 +127,7 @@ def check_within_spread(case: str, got: dict) -> list[str]:
   return failures
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["fixed", "adaptive", "pers"])
 def test_trajectory_matches_the_reference(case):
   fx = fixture()

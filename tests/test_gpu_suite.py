@@ -44,6 +44,7 @@ def _family(rows, name):
   return [r for r in rows if r.get("family") == name and r.get("kind") != "family"]
 
 
+@pytest.mark.slow
 def test_every_family_ran_and_every_row_succeeded(dry_run):
   rows, md, _ = dry_run
   assert rows[0]["kind"] == "run" and rows[0]["dry_run"] and rows[-1]["kind"] == "done"
@@ -163,6 +164,7 @@ def test_impl_names_are_span_lms_own():
   assert missing["reference"]["use"] == "reference" and missing["pallas"]["use"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,pers", [("adaptive", 0), ("dynamic", 0), ("fixed", 4),
                                        ("adaptive", 4)])
 def test_plain_definition_under_jax_equals_the_float64_numpy_model(mode, pers):

@@ -23,6 +23,7 @@ def _cfg(**kw):
                               plan_granularity=32, plan_margin=0, attn_block=32), **kw))
 
 
+@pytest.mark.slow
 def test_tune_times_the_candidates_that_fit_and_caches_the_fastest(tmp_path):
   cfg = _cfg(attn_impl="pallas_interpret")
   path = str(tmp_path / "tiles.json")
@@ -69,6 +70,7 @@ def test_bad_tiles_are_one_line_naming_the_field(bad):
     _cfg(attn_tiles=bad)
 
 
+@pytest.mark.slow
 def test_named_tiles_reach_the_kernel_with_the_same_maths():
   """attn_tiles='16,4,1' with attn_block=32: the kernel runs 16-row tiles (its schedule's
   bytes change), and the model's values and gradients still equal the cpu implementation's."""

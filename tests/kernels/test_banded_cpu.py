@@ -67,6 +67,7 @@ def test_banded_attention_weights_match_reference(mode, n_pers, w, m, chunk):
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("w,m,chunk,dtype,preferred", [
     (16, 8, 0, "float32", True), (16, 8, 0, "bfloat16", True), (4, 8, 0, "bfloat16", False),
     (6, 8, 4, "float32", False)])
@@ -105,6 +106,7 @@ def test_banded_attention_positions_last_equals_first(w, m, chunk, dtype, prefer
       assert banded_cpu.prefer_positions_last(m, w, chunk, dtype) == (dtype == "float32")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("c,w,dtype", [(4, 6, "float32"), (8, 8, "float32"), (8, 3, "bfloat16"),
                                        (16, 40, "bfloat16"), (4, 12, "float32")])
 def test_skew_unskew_values_and_transposes(c, w, dtype):
@@ -167,6 +169,7 @@ def _dense_attention(q, k, v, pe, mask_W, pers_k, pers_v, eps=1e-8):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("w,m,chunk,mode,n_pers,dtype,last", [
     (16, 8, 0, "fixed", 0, "float32", True),  # one chunk, key coordinates, positions last
     (16, 8, 0, "adaptive", 3, "float32", False),
@@ -333,6 +336,7 @@ def test_project_rows_last_gradients_and_dead_cache_gradient(dtype):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("w,m,chunk,dynamic,pers,dtype,g_", [
     (16, 8, 0, False, 0, "float32", 2),     # long band, one chunk (keyed, custom VJP)
     (16, 8, 4, True, 0, "float32", 2),      # long band, several chunks, per-query spans

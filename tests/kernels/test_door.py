@@ -47,6 +47,7 @@ _CASES += [("pallas_tpu_interpret", *shape, dtype) for shape in _SHAPES
            for dtype in ("float32", "bfloat16") if dtype == "float32" or shape == _SHAPES[1]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,mode,m,w,n_pers,dtype", _CASES)
 def test_every_implementation_equals_the_reference(impl, mode, m, w, n_pers, dtype):
   (q, k, v, pe), z, (pk, pv) = _case(mode, m, w, n_pers, dtype)
@@ -191,6 +192,7 @@ print(sorted(m for m in sys.modules if m.startswith(loaded)))
 """
 
 
+@pytest.mark.slow
 def test_the_cpu_and_reference_paths_load_no_pallas():
   """Importing the door and the trainer and running the model with `auto` on a CPU (cpu) and
   with `reference` imports neither Pallas kernel nor Pallas' public API (jax and flax load some of its internals

@@ -52,6 +52,7 @@ def _grad_and_args(cfg):
 PLATFORMS = {"cuda": 9.0, "tpu": None}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("platform,dtype,head_dim",
                          list(itertools.product(PLATFORMS, ("float32", "bfloat16"), (64, 96))))
 def test_training_gradient_lowers_for_every_variant(platform, dtype, head_dim):

@@ -88,6 +88,7 @@ def test_dense_dot_general_matches_dense():
                              rtol=3e-2, atol=3e-2)
 
 
+@pytest.mark.slow
 def test_bf16_model_step_has_no_float32_matmul():
   """Every matmul of a bf16 model's forward and backward is bf16 x bf16 (the CPU fast path)."""
   cfg = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=16, ramp=4,
@@ -106,6 +107,7 @@ def test_bf16_model_step_has_no_float32_matmul():
   assert all(d == ("bfloat16", "bfloat16") for d in dots), [d for d in dots if d[0] != "bfloat16"]
 
 
+@pytest.mark.slow
 def test_precision_dense_is_nn_dense_and_sums_its_bias_gradient_in_float32():
   """matmul.Dense has nn.Dense's parameters and float32 results; in bf16 its bias gradient is
   a float32 sum (nn.Dense(dtype=bf16) accumulates it in bf16: visibly off over many tokens)."""
@@ -161,6 +163,7 @@ def test_bf16_weight_gradient_is_the_float32_product():
   np.testing.assert_array_equal(matmul.dot(xl, w), matmul.dot(xl, w.astype(jnp.bfloat16)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["cpu", "reference"])
 @pytest.mark.parametrize("kind", ["fixed", "adaptive_short", "persistent"])
 def test_bf16_model_parameter_gradients_are_not_rounded_to_bf16(impl, kind):
@@ -302,6 +305,7 @@ def test_contract_under_a_mesh_never_gathers_the_batch():
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fixed", "adaptive_short", "persistent"])
 def test_bf16_model_gradients_follow_float32(kind):
   """The whole bf16 model (every matmul through contract's layouts; key windows gathered (W > C)

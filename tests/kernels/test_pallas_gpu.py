@@ -65,6 +65,7 @@ def _spans(kind, key):
   raise ValueError(kind)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fixed", "adaptive", "dynamic", "integer", "beyond"])
 def test_matches_banded_attention_values_and_gradients(kind):
   q, k, v, pe, key = _inputs()
@@ -79,6 +80,7 @@ def test_matches_banded_attention_values_and_gradients(kind):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block,block_k", [(BLOCK, BLOCK // 2), (BLOCK // 2, BLOCK)])
 def test_query_and_key_tiles_of_different_sizes_match(block, block_k):
   """A query tile twice the key tile (the A100's bf16 table entry) or half of it: the key-block
@@ -102,6 +104,7 @@ def test_query_and_key_tiles_of_different_sizes_match(block, block_k):
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-4, err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 def test_dropout_matches_plain_path_with_the_same_keep_mask():
   """The kernel's hashed keep mask, given to the plain path as its dropout, gives the same
   outputs and gradients; and it keeps 1 - rate of the weights."""
@@ -141,6 +144,7 @@ def test_dropout_matches_plain_path_with_the_same_keep_mask():
   np.testing.assert_allclose(float(jnp.max(keep)), 1 / (1 - rate), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,rate", [("fixed", 0.0), ("dynamic", 0.0), ("integer", 0.3)])
 def test_persistent_memory_matches_banded_attention(kind, rate):
   """All-attention: N persistent keys/values per head in the same softmax (mask 1), with
@@ -210,6 +214,7 @@ def test_bfloat16_inputs_follow_float32():
   np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.slow
 def test_key_blocks_outside_every_span_are_never_read():
   """NaN keys and values beyond all spans leave outputs and gradients finite and unchanged; the
   same NaNs one block later (inside a span) reach the output, so the test can fail."""
@@ -266,6 +271,7 @@ def test_key_and_value_gradients_are_deterministic_and_spans_bound_the_work():
   assert float(jnp.max(jnp.abs(dv1[:, :, 48:]))) > 0
 
 
+@pytest.mark.slow
 def test_runs_per_shard_under_a_mesh():
   """Under a mesh (the trainer compiles under one) the kernel runs in a shard_map over the batch
   axis, since XLA would otherwise gather the whole batch to every device for an opaque kernel:
@@ -314,6 +320,7 @@ def _cfg(**kw):
   return ModelConfig(**base)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
                                          ("adaptive", 16)])
 @pytest.mark.parametrize("kv_cache", [False, True])
@@ -352,6 +359,7 @@ def test_model_fused_equals_cpu(mode, n_pers, kv_cache):
     np.testing.assert_allclose(gf, gx, atol=2e-5, rtol=1e-4, err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 def test_model_fused_dropout_trains_and_is_reproducible():
   cfg = _cfg(attn_impl="pallas_interpret", dropout=0.5)
   m = 16
@@ -372,6 +380,7 @@ def test_model_fused_dropout_trains_and_is_reproducible():
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_blocks_the_kernel_cannot_tile_take_the_jnp_path():
   """init_state builds parameters from a one-token block: that must work with attn_impl=pallas."""
   cfg = _cfg(attn_impl="pallas")  # not interpreted: the kernel would fail on CPU if called
@@ -417,6 +426,7 @@ def test_pallas_on_a_cpu_is_refused_before_anything_runs(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_sampling_with_the_fused_kernel_equals_cpu():
   """generate() with attn_impl='pallas_interpret': a prompt of one tile runs through the kernel,
   the one-token steps through the ring path; the tokens are those of attn_impl='xla'."""
@@ -430,6 +440,7 @@ def test_sampling_with_the_fused_kernel_equals_cpu():
                                 want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,n_pers", [("adaptive", 0), ("dynamic", 16)])
 def test_head_dim_96_is_padded_and_equals_the_reference(kind, n_pers):
   """Head sizes that are not a power of two (the large paper models' 96; 24 here) run with

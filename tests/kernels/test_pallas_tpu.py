@@ -83,6 +83,7 @@ def _check(got, want, atol, rtol, z):
                                err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fixed", "adaptive", "dynamic", "integer", "beyond"])
 def test_matches_banded_attention_values_and_gradients(kind):
   q, k, v, pe, ct, key = _inputs(d=D_FIXED if kind == "fixed" else D)
@@ -90,6 +91,7 @@ def test_matches_banded_attention_values_and_gradients(kind):
   _check(_fused(q, k, v, pe, z, ct), _plain(q, k, v, pe, z, ct), (1e-5, 2e-5), 1e-4, z)
 
 
+@pytest.mark.slow
 def test_bfloat16_unequal_tiles_unpadded_head_follow_float32():
   """bf16 operands, f32 accumulation, with bq = 8 query rows by bk = 16 keys and head size 32
   (run as it is, no lane padding; one interpreted compile for the three): values and gradients
@@ -209,6 +211,7 @@ def _with_pers_and_dropout(q, k, v, pe, z, pk, pv, ct, rate, impl):
   return out, vjp(ct)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,n_pers,rate", [("dynamic", N_PERS, 0.3), ("fixed", N_PERS, 0.0),
                                               ("integer", 0, 0.3)])
 def test_persistent_memory_and_dropout_match_the_reference(kind, n_pers, rate):
@@ -337,6 +340,7 @@ def test_xla_sees_the_kernel_cost_of_its_tile_schedule():
   assert cost["bytes accessed"] >= 2 * b * h * (w + m) * d * 2  # keys and values read once
 
 
+@pytest.mark.slow
 def test_the_model_through_the_tpu_kernel_equals_the_reference(mode="adaptive", n_pers=16):
   """The door's TPU path end to end: SpanTransformer with attn_impl=pallas_tpu_interpret streams
   two blocks (the second over a non-zero cache) with the reference's loss and parameter
@@ -386,6 +390,7 @@ def test_the_model_through_the_tpu_kernel_equals_the_reference(mode="adaptive", 
     np.testing.assert_allclose(lk, lh, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_window_laid_out_in_whole_key_tiles_visits_only_the_window():
   """A window of 40 in 16-key tiles is laid out as 48 cached positions (the rows API pads) or
   80 (a caller's longer cache part, its 40 oldest positions set to 1e4): dynamic spans up to

@@ -54,6 +54,7 @@ def door_cfg(impl, **kw):
   return ModelConfig(**(base | kw))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,g,m,w,dynamic,n_pers", [
     ("cpu", 2, 8, 16, False, 0),     # long band, per-head mask per key (custom VJP)
     ("cpu", 1, 8, 16, False, 0),     # one head: the band mask skewed

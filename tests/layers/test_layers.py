@@ -46,6 +46,7 @@ def _band(n, causal):
   return ((ij >= 0) if causal else True) & (np.abs(ij) < S)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal,n", [(True, 24), (False, 24), (True, 96)])
 def test_equals_flax_attention_at_full_span_without_positions(causal, n):
   """Within the span (n <= S), at z = S with zero position embeddings, the layer is
@@ -65,6 +66,7 @@ def test_equals_flax_attention_at_full_span_without_positions(causal, n):
   assert got.shape == x.shape
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("mask_dtype", [jnp.float32, jnp.bool_])
 def test_padding_changes_no_unpadded_output_and_gets_no_gradient(causal, mask_dtype):
@@ -90,6 +92,7 @@ def _dependence(layer, params, n):
   return np.abs(np.asarray(jac[0, :, :, 0])).sum(axis=(1, 3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal,impl", [(True, "auto"), (True, "plain"), (False, "auto")])
 def test_dependence_follows_direction_span_and_window(causal, impl):
   n = 96  # causal auto: the door runs queries 32..95
@@ -110,6 +113,7 @@ def test_dependence_follows_direction_span_and_window(causal, impl):
   assert dep[~near].max() < 1e-6 * dep.max()
 
 
+@pytest.mark.slow
 def test_span_penalty_gradient_reaches_the_spans():
   x = _x(48)
   layer = _layer(span_loss_coef=1e-3)
@@ -125,6 +129,7 @@ def test_span_penalty_gradient_reaches_the_spans():
   assert np.all(np.abs(np.asarray(g_data)) > 0)  # the data loss reaches them through the mask
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl,n,dtype", [
     ("cpu", 96, "float32"), ("cpu", 160, "float32"), ("reference", 96, "float32"),
     ("cpu", 96, "bfloat16"), ("pallas_interpret", 64, "float32")])
@@ -195,6 +200,7 @@ class _Stack(nn.Module):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan,remat", [(False, True), (True, False), (True, True)])
 def test_remat_and_scan_give_the_unrolled_values_gradients_and_span_loss(scan, remat):
   x = _x(96)
@@ -225,6 +231,7 @@ def test_remat_and_scan_give_the_unrolled_values_gradients_and_span_loss(scan, r
       {"layers": (2, H)} if scan else {"layer0": (H,), "layer1": (H,)})
 
 
+@pytest.mark.slow
 def test_vmap_and_data_parallel_sharding_give_the_batched_values():
   x = _x(96, b=8)
   layer = _layer()
@@ -245,6 +252,7 @@ def test_vmap_and_data_parallel_sharding_give_the_batched_values():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7), g_got, g_want)
 
 
+@pytest.mark.slow
 def test_clamp_and_read_spans():
   params = {"a": {"span_ratio": jnp.asarray([-0.5, 0.25, 1.5]), "pos_emb": jnp.full((2,), 5.0)}}
   clamped = layers.clamp_spans(params)

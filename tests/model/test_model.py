@@ -133,6 +133,7 @@ def test_init_caches_plan_none():
     assert np.all(np.asarray(c) == 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn_impl", ["cpu", "reference"])
 def test_bf16_models_carry_bf16_caches_with_the_same_outputs(attn_impl):
   """A bf16 model's caches are bf16: attention reads a cache only through its bf16 key/value
@@ -159,6 +160,7 @@ def test_bf16_models_carry_bf16_caches_with_the_same_outputs(attn_impl):
 # 1. Equality with the numpy reference.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_numpy_reference(case):
   cfg = make_cfg(**CASES[case])
@@ -211,6 +213,7 @@ def check_against_reference(cfg, m, seed):
                       what="dyn_spans")
 
 
+@pytest.mark.slow
 def test_dropout_is_identity_at_eval_and_active_in_training():
   cfg = make_cfg(span_mode="adaptive", dropout=0.3, span=16, n_layers=1)
   rng = np.random.default_rng(11)
@@ -282,6 +285,7 @@ def short_span_setup(seed=30):
   return cfg, params, jnp.asarray(tokens, jnp.int32), full
 
 
+@pytest.mark.slow
 def test_trimming_plan_matches_untrimmed():
   cfg, params, tokens, full = short_span_setup()
   plan = plan_lib.plan_from_params(cfg, params)
@@ -363,6 +367,7 @@ def test_check_plan_exact_boundary():
 # 4. Head grouping changes nothing.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,chunk", [(8, 0), (32, 4)])  # one chunk; 8 chunks of 4 < windows
 def test_head_groups_match_single_group_and_no_plan(m, chunk):
   cfg = make_cfg(span_mode="adaptive", span=32, ramp=4, plan_granularity=8, plan_margin=0,
@@ -453,6 +458,7 @@ def test_span_loss_gradient():
     np.testing.assert_allclose(g, cfg.span_loss * cfg.span / cfg.n_heads, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_dynamic_span_loss_gradient_reaches_predictor():
   cfg = make_cfg(span_mode="dynamic", span=16)
   rng = np.random.default_rng(61)
@@ -513,6 +519,7 @@ def test_persistent_memory_weights_sum_to_one(mode):
   np.testing.assert_allclose(e_logp, np.broadcast_to(expected, logp.shape), atol=1e-7)
 
 
+@pytest.mark.slow
 def test_dynamic_span_extremes():
   cfg_dyn = make_cfg(span_mode="dynamic", span=16)
   cfg_ad = make_cfg(span_mode="adaptive", span=16)
@@ -640,6 +647,7 @@ def _grouped_case(cfg, rng, mode):
   return to_jax(params64), plan
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
                                          ("adaptive", 3)])
 def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
@@ -668,6 +676,7 @@ def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
     kv_model.apply({"params": params}, tokens[:, :8], hc)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
                                          ("adaptive", 3), ("fixed", 3)])
 def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):

@@ -94,6 +94,7 @@ def test_local_alone_is_not_valid():
 # ------------------------------------------------------------------------ fast path == reference
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [32, 37])  # a multiple of l and not
 @pytest.mark.parametrize("pattern", sparse.PATTERNS)
 def test_fast_path_equals_dense_reference(pattern, n):
@@ -172,6 +173,7 @@ def base():
   return cfg, fresh, params, _loss_and_grads(cfg, params)
 
 
+@pytest.mark.slow
 def test_model_interface_and_init(base):
   cfg, fresh, _, (_, logp, _, (caches, new_caches, aux)) = base
   assert isinstance(build_model(cfg), SparseTransformer)
@@ -187,6 +189,7 @@ def test_model_interface_and_init(base):
   assert fresh["pos_emb_0"].shape == (5, 16) and fresh["pos_emb_1"].shape == (8, 16)
 
 
+@pytest.mark.slow
 def test_fast_and_dense_impl_agree_in_the_model(base):
   cfg, _, params, (loss, logp, grads, _) = base
   loss_d, logp_d, grads_d, _ = _loss_and_grads(dataclasses.replace(cfg, sparse_impl="dense"),
@@ -195,6 +198,7 @@ def test_fast_and_dense_impl_agree_in_the_model(base):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads_d)
 
 
+@pytest.mark.slow
 def test_remat_changes_nothing(base):
   cfg, _, params, (loss, _, grads, _) = base
   remat = dataclasses.replace(cfg, remat="layer", remat_policy="nothing_saveable")
@@ -203,6 +207,7 @@ def test_remat_changes_nothing(base):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads_r, grads)
 
 
+@pytest.mark.slow
 def test_bfloat16_close_to_float32(base):
   cfg, _, params, (loss, logp, _, _) = base
   loss_b, logp_b, grads_b, _ = _loss_and_grads(dataclasses.replace(cfg, dtype="bfloat16"), params)
@@ -212,6 +217,7 @@ def test_bfloat16_close_to_float32(base):
   np.testing.assert_allclose(logp_b, logp, atol=5e-2)
 
 
+@pytest.mark.slow
 def test_pre_and_post_activation_blocks(base):
   cfg, _, params, (loss, _, _, _) = base
   post = dataclasses.replace(cfg, sparse_prenorm=False, sparse_act="relu")
@@ -276,6 +282,7 @@ def _stack(params, cfg):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("combine,n_layers,remat", [("split", 3, "none"), ("interleaved", 4, "none"),
                                                     ("interleaved", 4, "layer")])
 def test_layer_scan_is_the_same_function(combine, n_layers, remat):
@@ -320,6 +327,7 @@ def test_reference_adagrad_clips_each_layer_of_a_stacked_tensor():
   assert not np.allclose(whole, got)  # one norm over both layers would differ: the test can fail
 
 
+@pytest.mark.slow
 def test_layer_scan_init_and_training_step():
   """Stacked init: every layer its own draw from the same distribution (split rngs), biases and
   gains left out of weight decay and the layer axis out of the sharding names; a train-mode
@@ -362,6 +370,7 @@ def test_min_context_windows_score_each_target_once():
     np.testing.assert_array_equal(seen[1:], 1)
 
 
+@pytest.mark.slow
 def test_tiny_sparse_config_trains_and_evaluates(tmp_path, enwik8_head, monkeypatch):
   monkeypatch.chdir(REPO)
   c = config_lib.load_config("configs/enwik8_sparse_fixed.py:smoke")

@@ -308,6 +308,7 @@ def _config(tmp_path, mode, **overrides):
   return c
 
 
+@pytest.mark.slow
 def test_main_import_eval_resume_export(tmp_path):
   cfg = make_cfg(n_layers=1)
   known = f32(ref.random_params(cfg, np.random.default_rng(4)))

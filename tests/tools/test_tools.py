@@ -69,6 +69,7 @@ def test_forward_macs_equal_a_hand_count():
       65 * 64 * 2 * 32 + 129 * 64 * 2 * 16 + 257 * 64 * 2 * 16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, ratios", [("fixed", None), ("adaptive", TRIMMED)])
 def test_matmul_count_equals_xla(mode, ratios):
   """Our matmul FLOPs equal the dots of the compiled train step exactly; XLA's total also counts
@@ -84,6 +85,7 @@ def test_matmul_count_equals_xla(mode, ratios):
   assert 1 / 1.5 < flops.peak_activation_bytes(cfg, plan, b, m) / x["temp_bytes"] < 1.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, ratios", [("fixed", None), ("adaptive", TRIMMED),
                                           ("dynamic", None)])
 def test_activation_bytes_match_jax_residuals(mode, ratios):
@@ -131,6 +133,7 @@ def test_reference_activation_bytes_match_jax_residuals(mode, dropout, pers, dty
   assert abs(ours / jax_bytes - 1) < 0.08, (ours, jax_bytes)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, mode, dtype", [("cpu", "adaptive", "bfloat16"),
                                                ("reference", "fixed", "float32"),
                                                ("reference", "dynamic", "bfloat16")])
@@ -172,6 +175,7 @@ def test_sparse_forward_macs_equal_a_hand_count():
   assert dense["attn_content"] == 2 * 4 * 64 * 64 * 8 > got["attn_content"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw, block", [
     ({"sparse_pattern": "fixed", "sparse_combine": "merged"}, 64),
     ({"sparse_pattern": "strided", "sparse_combine": "split", "sparse_qk_ratio": 0.5}, 60),
@@ -300,6 +304,7 @@ def greedy_matches_forward(cfg, params, plan, prompt, n):
   return out, np.asarray(jnp.argmax(logp[0], -1))[len(prompt) - 1:]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, ratios, n", [
     ("fixed", None, 150),  # the first 123 fit the span (128), then the window slides
     ("adaptive", TRIMMED, 60),  # trimmed plan with head groups and per-layer caches
@@ -314,6 +319,7 @@ def test_greedy_sampling_equals_argmax_of_full_forward(mode, ratios, n):
   np.testing.assert_array_equal(hidden, out)
 
 
+@pytest.mark.slow
 def test_sampling_top_k_temperature_seed():
   cfg, params, plan = make("fixed")
   prompt = np.asarray([4, 2])
@@ -384,6 +390,7 @@ def trained(tmp_path_factory):
   return runs
 
 
+@pytest.mark.slow
 def test_spans_mode_writes_figure4_and_history(trained, capsys):
   c = tiny_run_config(trained["adaptive"], "adaptive", mode="spans")
   out = cli.run(c)
@@ -403,6 +410,7 @@ def test_spans_mode_writes_figure4_and_history(trained, capsys):
   assert list(steps) == [2, 4] and avg.shape == mx.shape == (2, 2)
 
 
+@pytest.mark.slow
 def test_spans_mode_figure5_for_dynamic_span(trained, capsys):
   c = tiny_run_config(trained["dynamic"], "dynamic", mode="spans",
                       **{"tools.text": "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 0 1 2 3"})
@@ -423,6 +431,7 @@ def test_spans_mode_figure5_for_dynamic_span(trained, capsys):
   assert [t.get_text() for t in fig.axes[0].get_xticklabels()][:3] == ["1", "2", "3"]
 
 
+@pytest.mark.slow
 def test_flops_mode_of_a_sparse_run(tmp_path, capsys):
   """arch='sparse' (no checkpoint needed): its factorized attention against the dense pattern."""
   config = config_lib.load_config("configs/enwik8_sparse_fixed.py:smoke", {
@@ -436,6 +445,7 @@ def test_flops_mode_of_a_sparse_run(tmp_path, capsys):
   assert mine["per_token_generation"] is None and mine["activation_bytes"]["residuals"] > 0
 
 
+@pytest.mark.slow
 def test_flops_and_sample_modes(trained, capsys):
   wd = trained["adaptive"]
   out = cli.run(tiny_run_config(wd, "adaptive", mode="flops", **{"tools.xla": False}))

@@ -259,6 +259,7 @@ def _orbax_0_12_8_run_sync(coro):
     loop.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("late", [1, 2])
 def test_failed_async_writes_are_retrieved_before_orbax_closes_the_loop(tmp_path, caplog, late):
   """Issue 39: a full disk during an async save printed one 'Future exception was never retrieved'

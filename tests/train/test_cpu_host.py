@@ -214,6 +214,7 @@ def _main_lines(tmp_path, *flags):
   return proc.stdout
 
 
+@pytest.mark.slow
 def test_main_reexecutes_itself_with_huge_pages_unless_configured_off(tmp_path):
   if cpu_host.huge_pages_env({}) is None:
     pytest.skip("not glibc, or the kernel's transparent huge pages are off")

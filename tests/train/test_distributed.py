@@ -11,6 +11,8 @@ import socket
 import subprocess
 import time
 
+import pytest
+
 import synthetic_run
 from synthetic_run import TINY, config_for, train_losses, worker_command, worker_env
 
@@ -94,6 +96,7 @@ def test_decide_from_config_and_environment():
   assert kw == {"num_processes": 4, "process_id": 3, "initialization_timeout": 300}
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
@@ -145,6 +148,7 @@ def test_two_processes_equal_one(tmp_path):
   print(f"two processes: {t_two:.1f}s wall")
 
 
+@pytest.mark.slow
 def test_fsdp_mesh_equals_data_parallel(tmp_path):
   """('data', 'fsdp') = (4, 2): params and optimizer state split, same losses and parameters."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -174,6 +178,7 @@ def test_fsdp_mesh_equals_data_parallel(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_cpu_devices_split_trains_as_one_device(tmp_path):
   """config.dist.cpu_devices=2 in a fresh process (no XLA_FLAGS) gives 2 devices, and the same
   losses as the 8-device run in this process."""
@@ -193,6 +198,7 @@ def test_cpu_devices_split_trains_as_one_device(tmp_path):
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_restart_reads_the_persistent_compilation_cache(tmp_path):
   """A second process (a restart) loads its steps from train.compilation_cache instead of
   compiling them again."""
@@ -208,6 +214,7 @@ def test_restart_reads_the_persistent_compilation_cache(tmp_path):
   assert hits[0] == 0 and hits[1] >= 2, hits  # the train and eval steps at least
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
   """The preemption sync point: the signalled process and its peer checkpoint the same step."""
   workdir = tmp_path / "run"

@@ -94,6 +94,7 @@ def test_auto_scales_float16_only(dtype, mode, on):
 # ------------------------------------------------------------------------------------ exactness
 
 
+@pytest.mark.slow
 def test_scaling_is_transparent_in_float32():
   """float32 with dynamic scaling (2^15) takes the step float32 without it takes: the gradients
   reach the optimizer unscaled, so the reference Adagrad's per-tensor step clip sees true norms
@@ -117,6 +118,7 @@ def test_scaling_is_transparent_in_float32():
 # ------------------------------------------------------------------------------------- overflow
 
 
+@pytest.mark.slow
 def test_forced_overflow_halves_the_scale_and_retries_the_same_batch():
   """A huge initial scale (2^40: the float16 cotangents are inf) overflows: each attempt is
   thrown away, the scale halves, the same batch is tried again; the step finally taken is
@@ -144,6 +146,7 @@ def test_forced_overflow_halves_the_scale_and_retries_the_same_batch():
   assert float(state["loss_scale"]["scale"]) == float(first_state["loss_scale"]["scale"])
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_is_not_an_overflow(tmp_path):
   """A non-finite loss (the forward pass does not see the scale) is not retried: the scale stays,
   and train.nonfinite decides ('skip' here: the step is dropped and counted, as in float32)."""
@@ -160,6 +163,7 @@ def test_nonfinite_loss_is_not_an_overflow(tmp_path):
 # ------------------------------------------------------------------------ accumulation, resume
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices, batch", [(1, 8), (2, 8)], ids=["one_device", "per_device"])
 def test_batch_split_with_scaling_equals_the_unsplit_step(devices, batch):
   """float16 with scaling: batch_split=2 (a scan on one device; per-device accumulation and one
@@ -181,6 +185,7 @@ def test_batch_split_with_scaling_equals_the_unsplit_step(devices, batch):
   assert kw >= 1 and 0 <= ks - kw <= int(np.log2(2 * devices)), (ks, kw)
 
 
+@pytest.mark.slow
 def test_resume_restores_the_scale(tmp_path):
   """The scale, its finite-step count and the skip count are state: a run stopped at step 3 and
   resumed ends bit for bit where the uninterrupted one does; metrics.jsonl logs the scale."""
@@ -200,6 +205,7 @@ def test_resume_restores_the_scale(tmp_path):
         [(r["step"], r["loss_scale"], r["loss_scale_skips"]) for r in rows])
 
 
+@pytest.mark.slow
 def test_a_float32_run_resumes_in_float16_and_back(tmp_path):
   """The V100 user who followed the old advice (float32) switches to float16 mid-run: the
   checkpoint has no scale, the scale starts at loss_scale_init; and back to float32: dropped."""
@@ -211,6 +217,7 @@ def test_a_float32_run_resumes_in_float16_and_back(tmp_path):
   assert back["step"] == 9 and "loss_scale" not in back["state"]
 
 
+@pytest.mark.slow
 def test_init_from_a_float32_run_into_float16_and_back(tmp_path):
   """train.init_from (a new phase from another run) across a change of scaling: a float32
   checkpoint starts a float16 phase with the scale at loss_scale_init and the float32 run's

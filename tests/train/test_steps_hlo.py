@@ -96,6 +96,7 @@ def _param_sizes(abstract) -> list:
   return sorted(math.prod(p.shape) for p in jax.tree.leaves(abstract["params"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype, extra", [("float32", {}), ("bfloat16", {"dist.fsdp": 2})],
                          ids=["float32", "bfloat16_fsdp"])
 def test_batch_split_reduces_gradients_once_after_the_loop(tmp_path, dtype, extra):
@@ -112,6 +113,7 @@ def test_batch_split_reduces_gradients_once_after_the_loop(tmp_path, dtype, extr
   assert sum(n == 1 for _, n in arrays) == 1
 
 
+@pytest.mark.slow
 def test_bf16_weight_gradients_cross_devices_in_float32(tmp_path):
   """batch_split=1 (GSPMD's own reduction): every all-reduce is float32, and none of them is
   rounded to bf16 on its way to the float32 parameters."""

@@ -238,6 +238,7 @@ def test_batch_split_equals_one_batch(tmp_path, span_mode):
         np.testing.assert_allclose(cs[row], cw[row], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("span_mode, extra", [("adaptive", {}), ("dynamic", {}),
                                               ("adaptive", {"dist.fsdp": 2})],
                          ids=["adaptive", "dynamic", "fsdp"])
@@ -413,6 +414,7 @@ GROWING = {"optim.name": "adagrad", "optim.lr": 0.05, "optim.grad_clip": 0.0,
            "train.checkpoint_every": 6, "train.full_eval_at_end": False}
 
 
+@pytest.mark.slow
 def test_adaptive_steps_read_from_the_device_only_on_log_eval_checkpoint_steps(tmp_path, capsys):
   """Span ratios and non-finite flags are read late: between logging/eval/checkpoint steps the
   loop copies nothing device-to-host (explicit copies refused too). A step dispatched on a plan
