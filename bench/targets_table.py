@@ -12,7 +12,7 @@ Needs the toolchains: pip install "jax[cuda12]==<jax version>" "jax[tpu]==<jax v
       --out docs/targets
   # float16 rows: the same search with one more override on every row
   python bench/targets_table.py --configs configs/enwik8_large.py --targets v100_16:8 v100_32:8 \
-      --set model.dtype=float16 --out docs/targets_float16
+      --set model.dtype=float16 --out docs/targets_float16_v100
 """
 import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
