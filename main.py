@@ -63,6 +63,13 @@ def _parse_flags(argv):
     why = "is a directory, not a config file" if os.path.isdir(file) else "no such file"
     raise SystemExit(f"error: --config={config}: {why} (relative to {os.getcwd()}; e.g. "
                      "--config=configs/tiny.py)")
+  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
+  for a in argv[1:]:
+    if a.startswith("--config."):
+      name, _, value = a[len("--config."):].partition("=")
+      moved = config_lib.moved_override(name, value or None)
+      if moved:
+        raise SystemExit(f"error: {moved}")
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:

@@ -35,14 +35,14 @@ from span_lm.train import steps as steps_lib
 
 def make_case(case: str, s: int, args):
   mode = "fixed" if case == "fixed" else "adaptive"
-  cfg = ModelConfig(vocab_size=205, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+  cfg = ModelConfig.from_config(dict(vocab_size=205, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                     d_ff=args.d_ff, span=s, span_mode=mode, ramp=32,
-                    head_grouping=case != "mixed_nogroup", dtype=args.dtype)
+                    head_grouping=case != "mixed_nogroup", dtype=args.dtype))
   model = SpanTransformer(cfg, plan_lib.full_plan(cfg))
   tok = jnp.zeros((1, 1), jnp.int32)
   params = model.init(jax.random.key(0), tok, caches_lib.init_caches(cfg, None, 1))["params"]
   if mode == "adaptive":
-    short = (args.short_span - cfg.ramp) / s  # z' such that z + R = short_span
+    short = (args.short_span - cfg.span.ramp) / s  # z' such that z + R = short_span
     z = np.full(cfg.n_heads, short, np.float32)
     if case.startswith("mixed"):
       z[0] = 1.0

@@ -99,12 +99,12 @@ def family_specs(family: str, dry: bool) -> tuple[list[str], dict | None]:
     m = run.model
     e8 = {"layers": 1 if dry else m.n_layers, "d_model": 64 if dry else m.d_model,
           "heads": 4 if dry else m.n_heads, "d_ff": 128 if dry else m.d_ff,
-          "span": 128 if dry else m.span, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
+          "span": 128 if dry else m.span.size, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
           "block": 32 if dry else run.data.block, "dropout": m.dropout}
 
     class _C:  # what _span_ratios reads
       n_heads, n_layers, span, ramp, span_init = (e8["heads"], e8["layers"], e8["span"], 32,
-                                                  m.span_init)
+                                                  m.span.init)
     cases = [dict(e8, shapes="enwik8", plan=plan,
                   ratios=[np.asarray(z).tolist() for z in gpu_suite._span_ratios(_C, plan)])  # pylint: disable=protected-access
              for plan in ("learned", "all_S")]

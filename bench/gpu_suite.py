@@ -11,7 +11,7 @@ results.
 Stages, in priority order (each with a time budget; what a stage leaves unused passes on, what
 does not fit is recorded as skipped with the reason, never silently dropped):
   env                 versions, device, memory, CUDA/cuDNN, measured matmul rates, TF32 or not
-  correctness         each attention implementation (model.attn_impl; the Pallas kernel compiled,
+  correctness         each attention implementation (model.attention.impl; the Pallas kernel compiled,
                       not interpreted) against the plain definition of tests/reference_numpy.py,
                       run under jax at full float32 precision: output and the gradients of every input and parameter (q/k/v/out projections, the cache,
                       key_pe, spans, persistent memory), float32 and bf16, fixed / adaptive /
@@ -49,6 +49,7 @@ from span_lm import kernels  # pylint: disable=wrong-import-position
 from span_lm.model import caches as caches_lib  # pylint: disable=wrong-import-position
 from span_lm.model import plan as plan_lib  # pylint: disable=wrong-import-position
 from span_lm.model.attention import SeqAttention  # pylint: disable=wrong-import-position
+from span_lm.model import config as model_config  # pylint: disable=wrong-import-position
 from span_lm.model.config import ModelConfig  # pylint: disable=wrong-import-position
 from span_lm.model.transformer import SpanTransformer  # pylint: disable=wrong-import-position
 from span_lm.tools import chips  # pylint: disable=wrong-import-position
@@ -60,7 +61,7 @@ from span_lm.train import steps as steps_lib  # pylint: disable=wrong-import-pos
 REPO = _repo.ROOT
 
 # ------------------------------------------------------------------------------------------------
-# The attention implementations behind model.attn_impl that this suite measures:
+# The attention implementations behind model.attention.impl that this suite measures:
 # name: (what it is, measured on GPU, measured in the CPU rehearsal).
 IMPLS = {
     "reference": ("the readable jnp definition (plain autodiff)", True, True),
@@ -247,10 +248,10 @@ def child_correctness(spec):
 
 def _case_cfg(case, use, nh, s, block):
   hd = case["head_dim"]
-  return ModelConfig(
+  return ModelConfig.from_config(dict(
       vocab_size=8, d_model=nh * hd, n_heads=nh, d_ff=4 * nh * hd, span=s,
       span_mode=case["span_mode"], ramp=max(8, s // 8), pers_mem=block if case["pers_mem"] else 0,
-      dtype=case["dtype"], attn_impl=use, attn_block=block, plan_granularity=block, n_layers=1)
+      dtype=case["dtype"], attn_impl=use, attn_block=block, plan_granularity=block, n_layers=1))
 
 
 def _case_setup(jax, jnp, np, case, uses, nh, b, m, s, block):
@@ -267,7 +268,7 @@ def _case_setup(jax, jnp, np, case, uses, nh, b, m, s, block):
   rng = np.random.default_rng(0)
   ratios = rng.uniform(0.05, 0.95, nh).astype(np.float32)
   ratios[0] = 0.1  # one short head: the plan groups heads by window
-  if cfg.span_mode == "adaptive":
+  if cfg.span.mode == "adaptive":
     plan = plan_lib.plan_from_ratios(cfg, [ratios])
   else:
     plan = plan_lib.full_plan(cfg)
@@ -279,9 +280,9 @@ def _case_setup(jax, jnp, np, case, uses, nh, b, m, s, block):
   module = SeqAttention(cfg, lp)
   init = jax.jit(lambda k, h, c, pe: module.init(k, h, c, pe, False)["params"])  # eager: slow
   params = jax.tree.map(np.asarray, init(jax.random.key(0), h, cache, key_pe))
-  if cfg.span_mode == "adaptive":
+  if cfg.span.mode == "adaptive":
     params["span_ratio"] = ratios
-  if cfg.span_mode == "dynamic":  # spans spread over the window, not at the init's 2 %
+  if cfg.span.mode == "dynamic":  # spans spread over the window, not at the init's 2 %
     params["span_predictor"]["bias"] = rng.normal(-1.0, 0.5, nh).astype(np.float32)
   ct = jnp.asarray(rng.standard_normal((b, m, cfg.d_model)), jnp.float32)
   return {"cfg": cfg, "lp": lp, "params": params, "inputs": (h, cache, key_pe), "ct": ct,
@@ -340,15 +341,15 @@ def _compare(jax, np, setup, use, want, dtype):
 def _case_cfg_like(cfg, use):
   """cfg with another attn_impl, validated again (a refusal is this implementation's error)."""
   import dataclasses  # pylint: disable=g-import-not-at-top
-  return ModelConfig(**dict(
-      {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, attn_impl=use))
+  return ModelConfig.from_config(dict(**dict(
+      {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, attn_impl=use)))
 
 
 def _span_ratios(cfg, plan_name: str):
   """z' per layer for a named plan (see docs/benchmarks.md, "GPU suite")."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  nh, s, r = cfg.n_heads, cfg.span, cfg.ramp
-  short = np.full(nh, cfg.span_init, np.float32)  # the initial plan: z' at its init
+  nh, s, r = cfg.n_heads, cfg.span.size, cfg.span.ramp
+  short = np.full(nh, cfg.span.init, np.float32)  # the initial plan: z' at its init
   if plan_name == "short":
     return [short] * cfg.n_layers
   if plan_name == "all_S":
@@ -373,13 +374,10 @@ def _model_cfg(spec):
   bench/train_step.py's issue-8 shapes."""
   if spec.get("config"):
     run = config_lib.load_config(spec["config"])
-    fields = dict(run.model.to_dict(), dtype=spec["dtype"], attn_impl=spec["use"])
-    fields["vocab_size"] = fields.get("vocab_size") or 205
-    fields.update(spec.get("model", {}))
-    names = {f for f in ModelConfig.__dataclass_fields__}
-    cfg = ModelConfig(**{k: v for k, v in fields.items() if k in names})
+    cfg = model_config.updated(ModelConfig.from_config(run.model, vocab_size=205),
+                               dtype=spec["dtype"], attn_impl=spec["use"], **spec.get("model", {}))
     return cfg, run.optim
-  cfg = ModelConfig(**dict(spec["model"], dtype=spec["dtype"], attn_impl=spec["use"]))
+  cfg = ModelConfig.from_config(dict(spec["model"], dtype=spec["dtype"], attn_impl=spec["use"]))
   from configs import base  # pylint: disable=g-import-not-at-top
   optim = base.get_base_config().optim  # bench/train_step.py's: the reference's Adagrad
   optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
@@ -416,7 +414,7 @@ def child_train(spec):
             "row_estimate_s") else f"under the ~{spec['row_estimate_s']}s a row takes was left"))
         continue
       try:
-        cfg = dataclasses.replace(base_cfg, span_mode="fixed" if plan_name == "fixed" else
+        cfg = model_config.updated(base_cfg, span_mode="fixed" if plan_name == "fixed" else
                                   "adaptive")
         row.update(model={f: getattr(cfg, f) for f in ("n_layers", "d_model", "n_heads",
                                                        "head_dim", "d_ff", "span", "dropout",
@@ -424,10 +422,10 @@ def child_train(spec):
                           if hasattr(cfg, f)})
         if cfg.attn_impl.startswith("pallas"):
           try:
-            row["tiles"] = list(kernels.gpu_tiles(cfg, cfg.attn_impl, cfg.dtype))
+            row["tiles"] = list(kernels.gpu_tiles(cfg, cfg.attention.impl, cfg.dtype))
           except Exception as e:  # pylint: disable=broad-except
             row["tiles"] = f"n/a ({type(e).__name__})"
-        key = (cfg.span_mode, cfg.dtype)
+        key = (cfg.span.mode, cfg.dtype)
         if key not in inits:  # parameters do not depend on the plan: init once
           full = plan_lib.full_plan(cfg)
           inits[key] = jax.tree.map(np.asarray, jax.jit(
@@ -452,7 +450,7 @@ def child_train(spec):
 
 def _time_step(jax, np, cfg, tx, init, batch, block, split, plan_name, spec):
   params = init["params"]
-  if cfg.span_mode == "adaptive":
+  if cfg.span.mode == "adaptive":
     ratios = _span_ratios(cfg, plan_name)
     params = plan_lib.with_span_ratios(params, ratios)
     plan = plan_lib.plan_from_ratios(cfg, ratios)
@@ -514,8 +512,8 @@ def child_sampling(spec):
         emit(dict(row, status="skipped", error="stage budget spent"))
         continue
       try:
-        c = dataclasses.replace(cfg, span_mode="adaptive", dropout=0.0)
-        row["attn_impl"] = c.attn_impl
+        c = model_config.updated(cfg, span_mode="adaptive", dropout=0.0)
+        row["attn_impl"] = c.attention.impl
         ratios = _span_ratios(c, plan_name)
         plan = plan_lib.plan_from_ratios(c, ratios)
         model = SpanTransformer(c, plan)
@@ -832,12 +830,12 @@ class Suite:
     m = run.model
     e8 = {"layers": 1 if dry else m.n_layers, "d_model": 64 if dry else m.d_model,
           "heads": 4 if dry else m.n_heads, "d_ff": 128 if dry else m.d_ff,
-          "span": 128 if dry else m.span, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
+          "span": 128 if dry else m.span.size, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
           "block": 32 if dry else run.data.block, "dropout": m.dropout}
 
     class _C:  # what _span_ratios reads
       n_heads, n_layers, span, ramp, span_init = (e8["heads"], e8["layers"], e8["span"], 32,
-                                                  m.span_init)
+                                                  m.span.init)
     for plan in self.args.plans:
       ratios = [np.asarray(z).tolist() for z in _span_ratios(_C, plan)]
       cases.append(dict(e8, shapes="enwik8", plan=plan, ratios=ratios))

@@ -19,13 +19,14 @@ import numpy as np
 
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
+from span_lm.model import config as model_config
 from span_lm.model.config import ModelConfig
 
 
 def trajectories(cfg: ModelConfig, steps: int, noise: float, seed: int) -> np.ndarray:
   """(steps, layers, heads) z' values."""
   rng = np.random.default_rng(seed)
-  nl, nh, s = cfg.n_layers, cfg.n_heads, cfg.span
+  nl, nh, s = cfg.n_layers, cfg.n_heads, cfg.span.size
   z_end = np.zeros((nl, nh))
   for layer in range(nl - max(1, nl // 3), nl):
     z_end[layer, :3] = (4000.0, 1500.0, 500.0)[:min(3, nh)]
@@ -74,15 +75,15 @@ def main():
   p.add_argument("--attn_impl", default="auto", choices=["auto", "reference", "cpu", "pallas"],
                  help="pallas: the fused kernel's plans (one window per layer, spans at run time)")
   args = p.parse_args()
-  base = ModelConfig(vocab_size=256, d_model=512, n_layers=args.layers, n_heads=args.heads,
-                     d_ff=2048, span=args.span, ramp=32, attn_impl=args.attn_impl)
+  base = ModelConfig.from_config(dict(vocab_size=256, d_model=512, n_layers=args.layers, n_heads=args.heads,
+                     d_ff=2048, span=args.span, ramp=32, attn_impl=args.attn_impl))
   z = trajectories(base, args.steps, args.noise, args.seed)
   print(f"{args.steps} steps, {args.layers} layers x {args.heads} heads, S={args.span}; "
-        f"granularity {base.plan_granularity}, shrink patience {base.plan_shrink_patience}")
+        f"granularity {base.plan.granularity}, shrink patience {base.plan.shrink_patience}")
   print("| plan_growth | plan changes | per 1000 steps: mean / max | attention keys vs tightest |")
   print("|---|---|---|---|")
   for g in args.growth:
-    r = count_changes(dataclasses.replace(base, plan_growth=g), z)
+    r = count_changes(model_config.updated(base, plan_growth=g), z)
     print(f"| {g} | {r['changes']} | {r['changes'] / (args.steps / 1000):.2f} / "
           f"{r['max_per_1000_steps']} | {r['mean_keys_over_tight']:.2f}x |", flush=True)
 

@@ -44,8 +44,8 @@ def main():
         "| ring vs shifted | ring vs hidden |")
   print("|---|---|---|---|---|---|")
   for s in args.span:
-    cfg = ModelConfig(vocab_size=205, d_model=args.d_model, n_layers=args.layers,
-                      n_heads=args.heads, d_ff=args.d_ff, span=s, span_mode="fixed")
+    cfg = ModelConfig.from_config(dict(vocab_size=205, d_model=args.d_model, n_layers=args.layers,
+                      n_heads=args.heads, d_ff=args.d_ff, span=s, span_mode="fixed"))
     plan = plan_lib.full_plan(cfg)
     params = SpanTransformer(cfg, plan).init(
         jax.random.key(0), np.zeros((1, 1), np.int32), caches_lib.init_caches(cfg, plan, 1))["params"]

@@ -50,16 +50,16 @@ def checkpoint_z(workdir: str):
   from span_lm.train.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
   with Checkpointer(os.path.join(workdir, "checkpoints"), max_to_keep=None) as ckpt:
     meta = ckpt.restore_meta()
-    cfg = ModelConfig(**meta["model_cfg"])
-    if cfg.span_mode != "adaptive":
-      raise ValueError(f"{workdir}: span_mode {cfg.span_mode!r} has no learned spans")
+    cfg = ModelConfig.from_config(meta["model_cfg"])
+    if cfg.span.mode != "adaptive":
+      raise ValueError(f"{workdir}: span.mode {cfg.span.mode!r} has no learned spans")
     shapes = jax.eval_shape(lambda: SpanTransformer(cfg).init(
         jax.random.key(0), jnp.zeros((1, 1), jnp.int32), caches_lib.init_caches(cfg, None, 1)))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one),
                           shapes["params"])
     params = ckpt.restore_params(target)
-  z = [np.asarray(r) * cfg.span for r in plan_lib.span_ratios(params)]
+  z = [np.asarray(r) * cfg.span.size for r in plan_lib.span_ratios(params)]
   return meta["model_cfg"], np.stack(z).tolist()
 
 
@@ -73,7 +73,7 @@ def run_case(case: dict) -> dict:
   from span_lm.tools import flops  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
   s, kind = case["span"], case["kind"]
-  cfg = ModelConfig(**dict(case["model"], span=s, span_mode=kind, span_loss=0.0))
+  cfg = ModelConfig.from_config(dict(**dict(case["model"], span=s, span_mode=kind, span_loss=0.0)))
   tx = flops.default_optimizer()
   ratios = [np.minimum(np.asarray(z, np.float32), s) / s for z in case["z"]]
   plan = plan_lib.plan_from_ratios(cfg, ratios)

@@ -73,6 +73,7 @@ def worker(spec: dict) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
   from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
@@ -85,16 +86,14 @@ def worker(spec: dict) -> dict:
   if a["config"]:  # a run config's model, block, batch and optimizer
     from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
     run = config_lib.load_config(a["config"])
-    fields = dict(run.model.to_dict(), span_mode=mode, dtype=a["dtype"],
-                  attn_impl=a["attn_impl"])
-    fields["vocab_size"] = fields.get("vocab_size") or 205
-    cfg = ModelConfig(**fields)
+    cfg = model_config.updated(ModelConfig.from_config(run.model, vocab_size=205),
+                               span_mode=mode, dtype=a["dtype"], attn_impl=a["attn_impl"])
     optim = run.optim
     batch, block = a["batch"] or run.data.batch, run.data.block
   else:
-    cfg = ModelConfig(vocab_size=205, d_model=a["d_model"], n_layers=a["layers"],
+    cfg = ModelConfig.from_config(dict(vocab_size=205, d_model=a["d_model"], n_layers=a["layers"],
                       n_heads=a["heads"], d_ff=a["d_ff"], span=a["span"], span_mode=mode,
-                      ramp=32, dtype=a["dtype"], attn_impl=a["attn_impl"])
+                      ramp=32, dtype=a["dtype"], attn_impl=a["attn_impl"]))
     optim = base.get_base_config().optim
     optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
     batch, block = a["batch"] or 16, a["block"]
@@ -104,7 +103,7 @@ def worker(spec: dict) -> dict:
       value = ast.literal_eval(value)
     except (ValueError, SyntaxError):
       pass  # a bare string
-    cfg = dataclasses.replace(cfg, **{key: value})
+    cfg = model_config.updated(cfg, **{key: value})
   tx, _ = optimizer_lib.make_optimizer(optim)
   compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=jax.device_count(),
                              log=lambda _: None)
@@ -115,7 +114,7 @@ def worker(spec: dict) -> dict:
   state = steps_lib.init_state(cfg, tx, full, 1, 1, 0)
   params = state["params"]
   if case == "short":
-    z = (a["short_span"] - cfg.ramp) / cfg.span
+    z = (a["short_span"] - cfg.span.ramp) / cfg.span.size
     params = plan_lib.with_span_ratios(params, [np.full(cfg.n_heads, z, np.float32)] *
                                        cfg.n_layers)
   plan = plan_lib.plan_from_params(cfg, params)

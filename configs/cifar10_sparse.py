@@ -22,12 +22,12 @@ from configs.enwik8_sparse_fixed import sparse_model
 
 
 def _dense(c):
-  c.model.sparse_pattern = "dense"
+  c.model.sparse.pattern = "dense"
 
 
 def _fixed(c):
-  c.model.sparse_pattern = "fixed"
-  c.model.sparse_c = 16
+  c.model.sparse.pattern = "fixed"
+  c.model.sparse.c = 16
 
 
 def _smoke(c):
@@ -61,14 +61,14 @@ def get_config(arg=None):
   c.model.n_heads = 2
   c.model.d_model = 256
   c.model.d_ff = 512
-  c.model.sparse_qk_ratio = 0.5
-  c.model.sparse_pattern = "strided"
-  c.model.sparse_combine = "split"
-  c.model.sparse_stride = 96
-  c.model.sparse_c = 8
-  c.model.sparse_pos = "data"
-  c.model.sparse_data_shape = (32, 32, 3)
-  c.model.scan_layers = True  # 128 identical blocks: compile one (ModelConfig.scan_layers)
+  c.model.sparse.qk_ratio = 0.5
+  c.model.sparse.pattern = "strided"
+  c.model.sparse.combine = "split"
+  c.model.sparse.stride = 96
+  c.model.sparse.c = 8
+  c.model.sparse.pos = "data"
+  c.model.sparse.data_shape = (32, 32, 3)
+  c.model.sparse.scan_layers = True  # 128 identical blocks: compile one (Sparse.scan_layers)
   c.model.dropout = 0.25
   c.data.batch = 16
   c.data.eval_batch = 16

@@ -23,9 +23,9 @@ def get_config(arg=None):
   c.model.d_model = 512
   c.model.d_ff = 2048
   c.model.n_heads = 8
-  c.model.span = 8192
+  c.model.span.size = 8192
   c.model.dropout = 0.3
-  c.model.span_loss = 5e-7  # lambda is 2e-6 except at S=8192 (spans stopped growing past 4000)
+  c.model.span.loss = 5e-7  # lambda is 2e-6 except at S=8192 (spans stopped growing past 4000)
   c.data.block = 512
   c.data.batch = 64
   c.optim.warmup = 32_000

@@ -18,11 +18,11 @@ from configs import variants
 
 
 def _strided(c):
-  c.model.sparse_pattern = "strided"
+  c.model.sparse.pattern = "strided"
 
 
 def _dense(c):
-  c.model.sparse_pattern = "dense"
+  c.model.sparse.pattern = "dense"
 
 
 def _head(c):
@@ -45,9 +45,9 @@ def _smoke(c):
   c.model.d_model = 32
   c.model.d_ff = 64
   c.model.n_heads = 2
-  c.model.span = 64
-  c.model.sparse_stride = 8
-  c.model.sparse_c = 2
+  c.model.sparse.context = 64
+  c.model.sparse.stride = 8
+  c.model.sparse.c = 2
   c.model.dropout = 0.0
   c.model.dtype = "float32"
   c.model.remat = "none"
@@ -71,12 +71,10 @@ VARIANTS = {"strided": _strided, "dense": _dense, "head": _head, "small": _small
 def sparse_model(c, context: int) -> None:
   """The architecture switch shared by the Sparse Transformer configs."""
   c.model.arch = "sparse"
-  c.model.span_mode = "fixed"  # no learned spans: span is the context length
-  c.model.span_loss = 0.0
-  c.model.span = context
-  c.model.sparse_prenorm = True
-  c.model.sparse_act = "gelu"
-  c.model.sparse_init_scale = True
+  c.model.sparse.context = context  # n; the span model's settings (model.span.*) are unused
+  c.model.sparse.prenorm = True
+  c.model.sparse.act = "gelu"
+  c.model.sparse.init_scale = True
   c.model.remat = "layer"  # Sec. 5.4: recompute attention and feed-forward in the backward pass
   c.model.remat_policy = "nothing_saveable"
   c.model.dtype = "bfloat16"  # Sec. 5.6 (float32 on V100)
@@ -91,11 +89,11 @@ def get_config(arg=None):
   c.model.n_heads = 8
   c.model.d_model = 512
   c.model.d_ff = 2048
-  c.model.sparse_pattern = "fixed"
-  c.model.sparse_combine = "merged"
-  c.model.sparse_stride = 128
-  c.model.sparse_c = 32
-  c.model.sparse_pos = "attn"
+  c.model.sparse.pattern = "fixed"
+  c.model.sparse.combine = "merged"
+  c.model.sparse.stride = 128
+  c.model.sparse.c = 32
+  c.model.sparse.pos = "attn"
   c.model.dropout = 0.4
   c.data.batch = 8
   c.data.eval_batch = 8

@@ -24,10 +24,10 @@ def get_config(arg=None):
   c.model.d_model = 64
   c.model.d_ff = 256
   c.model.n_heads = 4
-  c.model.span = 256
-  c.model.ramp = 16
-  c.model.span_init = 0.5  # z = 128 > D, so the dependency is inside every head's span at start
-  c.model.span_loss = 1e-4  # strong enough to shrink unneeded spans within the run
+  c.model.span.size = 256
+  c.model.span.ramp = 16
+  c.model.span.init = 0.5  # z = 128 > D, so the dependency is inside every head's span at start
+  c.model.span.loss = 1e-4  # strong enough to shrink unneeded spans within the run
   c.model.dropout = 0.0
   c.data.block = 128
   c.data.batch = 32
@@ -36,5 +36,5 @@ def get_config(arg=None):
   c.train.log_every = 20
   c.train.eval_every = 100
   c.train.checkpoint_every = 100
-  c.model.plan_shrink_patience = 50  # let the plan follow the shrinking spans within the demo
+  c.model.plan.shrink_patience = 50  # let the plan follow the shrinking spans within the demo
   return variants.apply(c, arg, VARIANTS)

@@ -44,29 +44,29 @@ def fixed(span: int | None = None) -> Variant:
   span: the limit S; None keeps the config's (so it composes with e.g. `smoke`).
   """
   def fn(c):
-    c.model.span_mode = "fixed"
+    c.model.span.mode = "fixed"
     if span is not None:
-      c.model.span = span
-    c.model.span_loss = 0.0
+      c.model.span.size = span
+    c.model.span.loss = 0.0
   return fn
 
 
 def adaptive(span: int | None = None, span_loss: float = 2e-6) -> Variant:
   """An adaptive-span model with limit `span` (the paper uses lambda 2e-6 below S=8192)."""
   def fn(c):
-    c.model.span_mode = "adaptive"
+    c.model.span.mode = "adaptive"
     if span is not None:
-      c.model.span = span
-    c.model.span_loss = span_loss
+      c.model.span.size = span
+    c.model.span.loss = span_loss
   return fn
 
 
 def dynamic(span: int | None = None, span_loss: float = 2e-6) -> Variant:
   """A dynamic-span model, z_t = S sigmoid(v.x_t + b) with b initialised to -4 (paper Sec. 3)."""
   def fn(c):
-    c.model.span_mode = "dynamic"
+    c.model.span.mode = "dynamic"
     if span is not None:
-      c.model.span = span
-    c.model.span_loss = span_loss
-    c.model.dynamic_bias_init = -4.0
+      c.model.span.size = span
+    c.model.span.loss = span_loss
+    c.model.span.dynamic_bias_init = -4.0
   return fn

@@ -50,9 +50,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.import_from = config_dict.placeholder(str)
   c.export_to = config_dict.placeholder(str)
 
-  c.model = ml_collections.ConfigDict(
-      {"vocab_size": 0, **{f.name: f.default for f in dataclasses.fields(ModelConfig)
-                           if f.default is not dataclasses.MISSING}})
+  c.model = ml_collections.ConfigDict({"vocab_size": 0, **_defaults(ModelConfig)})
 
   c.data = d = ml_collections.ConfigDict()
   d.dataset = "enwik8"  # enwik8 | text8 | wikitext103 | enwik8_head | file | synthetic | cifar10
@@ -156,7 +154,7 @@ def base_config() -> ml_collections.ConfigDict:
   # v100_16:8), TPUs as chip[:topology] (v5e:4x4, v5p:2x2x2, v6e:2x4, v4:2x2x2).
   c.compile = cp = ml_collections.ConfigDict()
   cp.targets = "h100:8,v5p:2x2x2"
-  cp.plan = "full"  # full (every head at model.span: the worst case) | initial (the run's start)
+  cp.plan = "full"  # full (every head at model.span.size: the worst case) | initial (the run's start)
   cp.steps = "train,eval"
   cp.out = ""  # report directory; "": config.workdir, else ./compile_report
   c.sample = s = ml_collections.ConfigDict()
@@ -166,6 +164,17 @@ def base_config() -> ml_collections.ConfigDict:
   s.top_k = 0  # draw among the k most likely tokens; 0: all
   s.seed = 0
   return c
+
+
+def _defaults(cls) -> dict[str, Any]:
+  """A dataclass's fields and defaults as a dict, its sections (dataclass defaults) as dicts."""
+  out = {}
+  for f in dataclasses.fields(cls):
+    if f.default is not dataclasses.MISSING:
+      out[f.name] = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      out[f.name] = _defaults(f.default_factory)
+  return out
 
 
 class ConfigError(ValueError):
@@ -219,12 +228,48 @@ def _check_unknown_fields(config):
   unknown = sorted(set(config.keys()) - set(schema.keys()))
   if unknown:
     raise ConfigError(f"config has unknown top-level fields {unknown} (schema: span_lm/config.py)")
-  for section in schema.keys():
-    if not isinstance(schema[section], ml_collections.ConfigDict):
-      continue
-    extra = sorted(set(_get(config, section).keys()) - set(schema[section].keys()))
-    if extra:
-      raise ConfigError(f"config.{section} has unknown fields {extra} (schema: span_lm/config.py)")
+  def check(node, schema_node, prefix):
+    for name in schema_node.keys():
+      if not isinstance(schema_node[name], ml_collections.ConfigDict):
+        continue
+      section = _get(config, prefix + name)
+      if not isinstance(section, ml_collections.ConfigDict):
+        _bad(prefix + name, section, "is a section: set its fields (config." + prefix + name
+             + ".FIELD), not the section")
+      extra = sorted(set(section.keys()) - set(schema_node[name].keys()))
+      if extra:
+        raise ConfigError(f"config.{prefix}{name} has unknown fields {extra}" + _moved_hint(
+            prefix + name, extra, config) + " (schema: span_lm/config.py)")
+      check(section, schema_node[name], prefix + name + ".")
+  check(config, schema, "")
+
+
+def moved_override(name: str, value: Any = None) -> str | None:
+  """The one line refusing an override of a config.model field that moved into a section
+  (`model.span_mode` -> `model.span.mode`), or None. name: dotted, as after --config."""
+  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
+  parts = name.split(".")
+  if len(parts) != 2 or parts[0] != "model":
+    return None
+  new = model_config.moved_to(parts[1])
+  if new is None:
+    return None
+  if parts[1] == "span":
+    new = "span.size (the sparse model's context: model.sparse.context)"
+  shown = "" if value is None else f"={value}"
+  return (f"--config.{name}{shown}: config.model.{parts[1]} is now config.model.{new} "
+          f"(config.model is in sections: span_lm/model/config.py)")
+
+
+def _moved_hint(section: str, names: list[str], config) -> str:
+  """'; span_mode is now model.span.mode' for fields that config.model held before its sections."""
+  if section != "model":
+    return ""
+  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
+  arch = config.model.get("arch", "span")
+  moved = [f"{n} is now model.{model_config.moved_to(n, arch)}" for n in names
+           if model_config.moved_to(n, arch)]
+  return ("; " + ", ".join(moved)) if moved else ""
 
 
 def _validate_data(config):
@@ -442,6 +487,9 @@ def load_config(path: str, overrides: Mapping[str, Any] | None = None) -> ml_col
   config.lock()
   if overrides:
     for key, value in overrides.items():
+      moved = moved_override(key)
+      if moved:
+        raise ValueError(moved.replace("--config.", "config.", 1))
       try:
         config.update_from_flattened_dict({key: value})
       except KeyError:

@@ -10,10 +10,13 @@ from typing import Any, Iterable
 import ml_collections
 
 from span_lm import config as config_lib
+from span_lm.model import config as model_config
 
 CONFIG_NAME = "config.json"
 RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its checkpoints
-QUIET_DEFAULTS = ("dist.",)  # host and launch settings: a default changes no result
+# Defaults that change no result: host and launch settings; the sparse model's context, which an
+# older span run's flat config.model lacked (a sparse run's old `span` becomes it).
+QUIET_DEFAULTS = ("dist.", "model.sparse.context")
 
 
 def config_path(workdir: str) -> str:
@@ -43,6 +46,8 @@ def load_saved(workdir: str) -> ml_collections.ConfigDict:
                      "with the run's overrides instead") from None
   if not isinstance(data, dict) or "model" not in data:
     raise ValueError(f"{path} is not a span_lm run config; pass --config=configs/FILE.py instead")
+  if isinstance(data["model"], dict) and model_config.is_flat(data["model"]):
+    data["model"] = model_config.upgrade(data["model"])  # written before config.model's sections
   config = ml_collections.ConfigDict(_tuples(data))
   filled = [n for n in _fill_missing(config, config_lib.base_config())
             if not n.startswith(QUIET_DEFAULTS)]

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm.model import config as model_config
 from span_lm.model.config import ModelConfig
 
 
@@ -10,7 +11,7 @@ def make_cfg(**kw):
   base = dict(vocab_size=11, d_model=16, n_layers=2, n_heads=4, d_ff=24, span=16,
               span_mode="fixed", ramp=4, span_loss=0.1, pers_mem=0, dropout=0.0)
   base.update(kw)
-  return ModelConfig(**base)
+  return ModelConfig.from_config(base)
 
 
 def to_jax(tree):
@@ -19,3 +20,10 @@ def to_jax(tree):
 
 def to_np(tree):
   return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
+
+
+def replace_flat(cfg, **changes):
+  """`cfg` with `changes` named as config.model's flat fields (span_mode='fixed', attn_impl=...),
+  through the shim old run directories load through (span_lm.model.config.updated)."""
+  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
+  return model_config.updated(cfg, **changes)

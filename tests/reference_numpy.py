@@ -128,15 +128,15 @@ def log_softmax(x, axis=-1):
 
 def span_values(cfg, attn_params, h, xp=np):
   """The span z used by the mask: None (fixed), (H,) (adaptive) or (B, M, H) (dynamic)."""
-  s = float(cfg.span)
-  if cfg.span_mode == "fixed":
+  s = float(cfg.span.size)
+  if cfg.span.mode == "fixed":
     return None
-  if cfg.span_mode == "adaptive":
+  if cfg.span.mode == "adaptive":
     return s * attn_params["span_ratio"]
-  if cfg.span_mode == "dynamic":
+  if cfg.span.mode == "dynamic":
     sp = attn_params["span_predictor"]
     return s * sigmoid(einsum("bmd,dh->bmh", h, sp["kernel"], xp) + sp["bias"][None, None], xp)
-  raise ValueError(f"unknown span_mode {cfg.span_mode!r}")
+  raise ValueError(f"unknown span_mode {cfg.span.mode!r}")
 
 
 def attention(cfg, attn_params, key_pe, h, cache, return_weights=False, xp=np):
@@ -159,8 +159,8 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False, xp=np):
   length = cache.shape[1]
   n_heads = cfg.n_heads
   dh = d_model // n_heads
-  s = cfg.span
-  ramp = float(cfg.ramp)
+  s = cfg.span.size
+  ramp = float(cfg.span.ramp)
   n_pers = cfg.pers_mem
 
   x = xp.concatenate([cache, h], axis=1)  # (B, L + M, D)
@@ -234,7 +234,7 @@ def forward(cfg, params, tokens, caches, return_weights=False):
   """
   params = to_float64(params)
   tokens = np.asarray(tokens)
-  s = float(cfg.span)
+  s = float(cfg.span.size)
   h = params["in_emb"]["embedding"][tokens]  # (B, M, D)
   new_caches = []
   span_loss = 0.0
@@ -246,13 +246,13 @@ def forward(cfg, params, tokens, caches, return_weights=False):
     full = np.concatenate([cache, h], axis=1)
     new_caches.append(full[:, full.shape[1] - length :])
 
-    if cfg.span_mode == "adaptive":
+    if cfg.span.mode == "adaptive":
       zr = lp["attn"]["span_ratio"]
-      span_loss += cfg.span_loss * s * zr.mean()
+      span_loss += cfg.span.loss * s * zr.mean()
       span_z.append(s * zr)
-    elif cfg.span_mode == "dynamic":
+    elif cfg.span.mode == "dynamic":
       zt = span_values(cfg, lp["attn"], h)
-      span_loss += cfg.span_loss * s * (zt / s).mean()
+      span_loss += cfg.span.loss * s * (zt / s).mean()
       dyn_spans.append(zt)
 
     res = attention(cfg, lp["attn"], params["key_pe"], h, cache, return_weights)
@@ -268,12 +268,12 @@ def forward(cfg, params, tokens, caches, return_weights=False):
 
   logits = h @ params["out_emb"]["kernel"] + params["out_emb"]["bias"]
   aux = {"span_loss": np.float64(span_loss)}
-  if cfg.span_mode == "adaptive":
+  if cfg.span.mode == "adaptive":
     z = np.stack(span_z) / s  # (n_layers, H) = z'
     aux["span_z"] = s * z
-    aux["span_avg"] = np.clip(np.ceil(z.mean(-1) * s) + cfg.ramp, 0, s)
-    aux["span_max"] = np.clip(np.ceil(z.max(-1) * s) + cfg.ramp, 0, s)
-  if cfg.span_mode == "dynamic":
+    aux["span_avg"] = np.clip(np.ceil(z.mean(-1) * s) + cfg.span.ramp, 0, s)
+    aux["span_max"] = np.clip(np.ceil(z.max(-1) * s) + cfg.span.ramp, 0, s)
+  if cfg.span.mode == "dynamic":
     aux["dyn_spans"] = tuple(dyn_spans)
   if return_weights:
     aux["weights"] = weights
@@ -282,7 +282,7 @@ def forward(cfg, params, tokens, caches, return_weights=False):
 
 def param_shapes(cfg):
   """The parameter tree's shapes, as the spec describes it (nested dict of tuples)."""
-  v, d, h, f, s, n = (cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.span,
+  v, d, h, f, s, n = (cfg.vocab_size, cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.span.size,
                       cfg.pers_mem)
   dh = d // h
   tree = {"in_emb": {"embedding": (v, d)}, "key_pe": (dh, s),
@@ -290,9 +290,9 @@ def param_shapes(cfg):
   for i in range(cfg.n_layers):
     attn = {name: {"kernel": (d, d)} for name in
             ("proj_query", "proj_key", "proj_val", "proj_out")}
-    if cfg.span_mode == "adaptive":
+    if cfg.span.mode == "adaptive":
       attn["span_ratio"] = (h,)
-    if cfg.span_mode == "dynamic":
+    if cfg.span.mode == "dynamic":
       attn["span_predictor"] = {"kernel": (d, h), "bias": (h,)}
     if n > 0:
       attn["pers_key"] = (h, dh, n)

@@ -18,10 +18,10 @@ SMALL = {
     "model.n_layers": 2,
     "model.n_heads": 2,
     "model.d_ff": 64,
-    "model.span": 64,
-    "model.ramp": 8,
-    "model.plan_granularity": 16,
-    "model.plan_margin": 0,  # cache length = the largest window: a shrink resizes the caches
+    "model.span.size": 64,
+    "model.span.ramp": 8,
+    "model.plan.granularity": 16,
+    "model.plan.margin": 0,  # cache length = the largest window: a shrink resizes the caches
     "model.dropout": 0.1,
     "data.dataset": "synthetic",
     "data.path": None,

@@ -81,12 +81,12 @@ def test_reference_run_matches_table(run, tmp_path):
   c = _load(f"configs/{run}.py", tmp_path)
   layers, d, ff, heads, span, block, batch, drop, emb_drop, span_loss, n, steps, warmup = TABLE[run]
   m = c.model
-  assert (m.n_layers, m.d_model, m.n_heads, m.span) == (layers, d, heads, span)
+  assert (m.n_layers, m.d_model, m.n_heads, m.span.size) == (layers, d, heads, span)
   if ff is not None:
     assert m.d_ff == ff
   assert (m.dropout, m.emb_dropout, m.pers_mem) == (drop, emb_drop, n)
-  assert math.isclose(m.span_loss, span_loss)
-  assert m.span_mode == "adaptive" and m.span_cache and m.ramp == 32 and m.span_init == 0.0
+  assert math.isclose(m.span.loss, span_loss)
+  assert m.span.mode == "adaptive" and m.span.cache and m.span.ramp == 32 and m.span.init == 0.0
   assert (c.data.block, c.data.batch, c.data.eval_batch) == (block, batch, 8)
   assert c.data.dataset == DATASET.get(run, "enwik8") and c.data.path is None
   assert (c.train.steps, c.optim.warmup, c.train.eval_every) == (steps, warmup, 1000)
@@ -121,23 +121,23 @@ def test_finetune_variant(run, tmp_path):
 ])
 def test_span_variants(spec, mode, span, span_loss, tmp_path):
   c = _load(spec, tmp_path)
-  assert (c.model.span_mode, c.model.span, c.model.span_loss) == (mode, span, span_loss)
+  assert (c.model.span.mode, c.model.span.size, c.model.span.loss) == (mode, span, span_loss)
   if mode == "dynamic":
-    assert c.model.dynamic_bias_init == -4.0
+    assert c.model.span.dynamic_bias_init == -4.0
 
 
 def test_tiny_and_smoke(tmp_path):
   c = _load("configs/tiny.py", tmp_path)
   m = c.model
-  assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.span, m.ramp) == (4, 256, 1024, 4, 1024, 32)
-  assert (m.span_mode, m.span_loss, m.span_cache, m.dropout) == ("adaptive", 2e-6, True, 0.0)
+  assert (m.n_layers, m.d_model, m.d_ff, m.n_heads, m.span.size, m.span.ramp) == (4, 256, 1024, 4, 1024, 32)
+  assert (m.span.mode, m.span.loss, m.span.cache, m.dropout) == ("adaptive", 2e-6, True, 0.0)
   assert (c.data.block, c.data.batch) == (128, 16)
   assert (c.data.dataset, c.data.path, tuple(c.data.split_bytes)) == ("enwik8_head", None, ())
   o = c.optim
   assert (o.name, o.lr, o.warmup, o.grad_clip) == ("adagrad", 0.07, 200, 0.03)
   assert (c.train.steps, c.train.eval_every, c.train.checkpoint_every) == (1250, 250, 250)
   s = _load("configs/tiny.py:smoke", tmp_path)
-  assert (s.model.n_layers, s.model.d_model, s.model.span) == (2, 64, 128)
+  assert (s.model.n_layers, s.model.d_model, s.model.span.size) == (2, 64, 128)
   assert (s.data.block, s.data.batch, s.train.steps) == (64, 8, 50)
   assert s.data.path == c.data.path
 
@@ -145,17 +145,17 @@ def test_tiny_and_smoke(tmp_path):
 def test_synthetic(tmp_path):
   c = _load("configs/synthetic.py", tmp_path)
   assert (c.data.dataset, c.data.synthetic_distance) == ("synthetic", 64)
-  assert c.model.span_mode == "adaptive"
-  assert c.model.span * c.model.span_init > c.data.synthetic_distance  # D starts inside the span
+  assert c.model.span.mode == "adaptive"
+  assert c.model.span.size * c.model.span.init > c.data.synthetic_distance  # D starts inside the span
   assert 100 <= c.train.steps <= 1000
 
 
 # One bad value per check: (field, value, text the message must contain).
 BAD = [
     ("mode", "predict", "config.mode='predict'"),
-    ("model.span", 0, "config.model.span=0"),
+    ("model.span.size", 0, "config.model.span.size=0"),
     ("model.n_heads", 3, "config.model.n_heads=3"),
-    ("model.span_mode", "sliding", "config.model.span_mode"),
+    ("model.span.mode", "sliding", "config.model.span.mode"),
     ("model.dropout", 1.0, "config.model.dropout"),
     ("model.vocab_size", -1, "config.model.vocab_size=-1"),
     ("data.dataset", "ptb", "config.data.dataset='ptb'"),
@@ -163,7 +163,7 @@ BAD = [
     ("data.batch", 0, "config.data.batch=0"),
     ("data.align", 0, "config.data.align=0"),
     ("data.align", 3, "config.data.align=3: must divide config.data.block"),
-    ("model.attn_impl", "triton", "config.model.attn_impl='triton'"),
+    ("model.attention.impl", "triton", "config.model.attention.impl='triton'"),
     ("data.eval_batch", 0, "config.data.eval_batch=0"),
     ("data.data_dir", "", "config.data.data_dir"),
     ("data.split_fractions", (0.9, 0.1, 0.1), "config.data.split_fractions"),
@@ -370,7 +370,7 @@ def test_validated_once_per_command(tmp_path, monkeypatch):
       "train.steps": 0, "train.tensorboard": False, "train.full_eval_at_end": False,
       "train.compilation_cache": "", "data.synthetic_length": 4000, "data.block": 8,
       "data.batch": 8, "data.eval_batch": 8, "model.n_layers": 1, "model.d_model": 16,
-      "model.d_ff": 16, "model.span": 16, "model.ramp": 4})
+      "model.d_ff": 16, "model.span.size": 16, "model.span.ramp": 4})
   cli.run(c)
   assert calls == ["train"]
   c.optim.lr = 0.0
@@ -394,7 +394,7 @@ def test_a_saved_run_config_from_an_older_span_lm_takes_defaults_and_names_them(
   config_lib.validate(saved)
   base = config_lib.base_config()
   assert saved.dist.cpu_huge_pages == base.dist.cpu_huge_pages
-  assert saved.data.align == base.data.align and saved.model.attn_impl == base.model.attn_impl
+  assert saved.data.align == base.data.align and saved.model.attention.impl == base.model.attention.impl
   assert saved.data.block == 48  # what the run saved is kept
   err = capsys.readouterr().err
-  assert "data.align" in err and "model.attn_impl" in err and "cpu_huge_pages" not in err
+  assert "data.align" in err and "model.attention.impl" in err and "cpu_huge_pages" not in err

@@ -458,7 +458,7 @@ def test_full_disk_is_one_line_and_keeps_the_committed_checkpoint(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--config.model.d_modl=128"],
      "error: --config.model.d_modl: config.model has no field 'd_modl'; did you mean 'd_model'?"),
-    (["--config.model.span=4"], "error: config.model.span=4: is below the soft mask's ramp"),
+    (["--config.model.span.size=4"], "error: config.model.span.size=4: is below the soft mask's ramp"),
     (["--config.workdir=/dev/null/run"], "error: Not a directory writing /dev/null"),
     (["--config.mode=eval"], "error: no checkpoint in "),
 ])

@@ -171,8 +171,8 @@ def test_plain_definition_under_jax_equals_the_float64_numpy_model(mode, pers):
   """The suite's yardstick: tests/reference_numpy.py's attention run under jax in float32 (what
   gpu_suite and gpu_kernel_check differentiate) against the same lines in float64 numpy."""
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  cfg = ModelConfig(vocab_size=8, d_model=16, n_heads=2, d_ff=32, span=24, ramp=4,
-                    span_mode=mode, pers_mem=pers, n_layers=1)
+  cfg = ModelConfig.from_config(dict(vocab_size=8, d_model=16, n_heads=2, d_ff=32, span=24, ramp=4,
+                    span_mode=mode, pers_mem=pers, n_layers=1))
   rng = np.random.default_rng(3)
   p = {n: {"kernel": rng.standard_normal((16, 16)) / 4} for n in
        ("proj_query", "proj_key", "proj_val", "proj_out")}

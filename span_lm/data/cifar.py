@@ -4,7 +4,7 @@ Reads the standard `cifar-10-batches-py` files (data_batch_1..5, test_batch: pic
 b'data' is uint8 (N, 3072), channel-planar R, G, B of a 32x32 image) from a local directory;
 nothing is downloaded. Each image becomes 3072 byte tokens in raster order, row by row, each
 pixel's R, G, B together: position p is (row, column, channel) = unravel(p, (32, 32, 3)), the
-coordinates of the model's data position embeddings (sparse_pos='data').
+coordinates of the model's data position embeddings (model.sparse.pos='data').
 
 Splits as the paper: the last 2000 training images are the validation set (1/25 of the training
 images when fewer than 50000 are present, e.g. a test fixture), test_batch is the test set. Each

@@ -3,7 +3,7 @@
 `impl.attend`, ...); `check` refuses, naming the field, an explicit choice that cannot run. Only
 this package names a platform implementation (as MaxText's AttentionOp.apply_attention does).
 
-Implementations (`model.attn_impl`):
+Implementations (`model.attention.impl`; the section is `Attention`, below):
   reference         banded_reference: the readable definition, plain autodiff; the numerical
                     reference for the others. Default on TPU, and on GPU where the kernel does not apply.
   cpu               banded_cpu: the same maths laid out for XLA:CPU (docs/benchmarks.md). CPU default.
@@ -31,9 +31,57 @@ from typing import Any, NamedTuple
 from span_lm.kernels import target
 
 ATTN_PRECISIONS = ("default", "highest")  # float32 dots of the fused kernels
-ALIASES = {"xla": "cpu"}  # old names, read as the new (config.model warns)
+ALIASES = {"xla": "cpu"}  # old names, read as the new (with a warning)
 log = logging.getLogger("span_lm")
 _logged: set = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+  """`config.model.attention`: how span attention executes. Nothing here changes the model's
+  maths (beyond float32 rounding with `precision`); it is owned here, beside the implementations
+  that read it, and checks itself on construction (the sizes a kernel must tile: `check`)."""
+  # auto (by target: cpu on CPUs; on GPUs and TPUs the fused kernel where it fits and is faster,
+  # else reference) | reference | cpu | pallas | pallas_interpret | pallas_tpu |
+  # pallas_tpu_interpret: the module docstring above.
+  impl: str = "auto"
+  block: int = 64  # fused kernels: query/key tile; divides the block length and the plan windows
+  # fused kernels, float32 models: default (TF32 tensor cores on Ampere and later, as XLA's own
+  # float32 matmuls) | highest (exact float32, no tensor cores). bf16 models are unaffected.
+  precision: str = "default"
+  # pallas (GPU): the kernel's (tile, warps, stages): table (pallas_gpu.TILES, by compute
+  # capability and head size) | tune (time the candidates on this GPU at startup, cached:
+  # kernels/autotune.py; the run then records what it chose) | "T,W,S", e.g. "64,4,2" (S, the
+  # pipeline depth, 1-4: kernels/pallas_gpu.py).
+  tiles: str = "table"
+  chunk: int = 0  # reference/cpu: queries per chunk of the banded scores (0: automatic)
+
+  def __post_init__(self):
+    def bad(field, why):
+      raise ValueError(f"config.model.attention.{field}={getattr(self, field)!r}: {why}")
+
+    if self.impl in ALIASES:  # 'xla': its name before the one door
+      log.warning(f"config.model.attention.impl={self.impl!r} is deprecated: it now reads "
+                  f"{ALIASES[self.impl]!r} (or use 'auto')")
+      object.__setattr__(self, "impl", ALIASES[self.impl])
+    if self.impl not in ATTN_IMPLS:
+      bad("impl", f"choose one of {ATTN_IMPLS}")
+    if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+      bad("block", "must be a positive integer")
+    if self.precision not in ATTN_PRECISIONS:
+      bad("precision", f"choose one of {ATTN_PRECISIONS}")
+    if self.tiles not in ("table", "tune"):
+      tiles = parse_tiles(self.tiles)
+      if tiles is None:
+        bad("tiles", "'table', 'tune', or 'TILE,WARPS,STAGES' (e.g. '64,4,2': a power of two "
+            ">= 16, warps 1-16 a power of two, stages 1-4)")
+      if self.block % tiles[0]:  # a larger tile leaves a remainder too
+        bad("tiles", f"its tile must divide attention.block={self.block}")
+    if isinstance(self.chunk, bool) or not isinstance(self.chunk, int) or self.chunk < 0:
+      bad("chunk", "must be an integer >= 0 (0: automatic)")
+
+  def replace(self, **changes) -> "Attention":
+    return dataclasses.replace(self, **changes)
 
 
 class KV(NamedTuple):
@@ -113,7 +161,7 @@ IMPLS: dict[str, Impl] = {i.name: i for i in (
     Impl("pallas_tpu", "span_lm.kernels.impl_tpu", fused=True, platform="tpu", needs=_TPU),
     Impl("pallas_tpu_interpret", "span_lm.kernels.impl_tpu", fused=True, interpret=True),
 )}
-ATTN_IMPLS = ("auto",) + tuple(IMPLS)  # what config.model.attn_impl may name
+ATTN_IMPLS = ("auto",) + tuple(IMPLS)  # what config.model.attention.impl may name
 
 
 def parse_tiles(text: str) -> tuple[int, int, int] | None:
@@ -133,49 +181,38 @@ def fused_misfit(cfg, m: int | None = None, w: int | None = None) -> tuple[str, 
   """('', '') when the fused kernels (GPU and TPU) tile a layer with a block of m queries and a
   window of w (None: the config's own sizes only), else (field, what it must be). The one rule:
   `select` falls back to the reference where it fails, `check` refuses an explicit choice."""
-  b = cfg.attn_block
+  b = cfg.attention.block
   if cfg.arch != "span":
     return "arch", "must be 'span' (the sparse model has its own attention)"
   if not isinstance(b, int) or b < 16 or b & (b - 1):
-    return "attn_block", "must be a power of two >= 16"
-  for f, n in (("pers_mem", cfg.pers_mem), ("span", cfg.span),
-               ("plan_granularity", cfg.plan_granularity), ("block", m), ("window", w)):
+    return "attention.block", "must be a power of two >= 16"
+  for f, n in (("pers_mem", cfg.pers_mem), ("span.size", cfg.span.size),
+               ("plan.granularity", cfg.plan.granularity), ("block", m), ("window", w)):
     if n is not None and n % b:
-      return f, f"must be a multiple of attn_block={b}"
+      return f, f"must be a multiple of attention.block={b}"
   return "", ""
 
 
 def check(cfg, *, block: int | None = None, backend: str | None = None) -> None:
-  """Raises a ValueError naming the field where the attention settings cannot run: an unknown
-  name, precision or tiles; an explicit fused choice whose sizes (and the run's block length)
-  the kernel cannot tile; with `backend` (jax's, once known), a compiled kernel on a backend
-  without it. cfg: a ModelConfig, or the run config's model section."""
-  def bad(field, why):
-    raise ValueError(f"config.model.{field}={getattr(cfg, field)!r}: {why}")
-
-  name = ALIASES.get(cfg.attn_impl, cfg.attn_impl)
-  if name not in ATTN_IMPLS:
-    bad("attn_impl", f"choose one of {ATTN_IMPLS}")
-  if cfg.attn_precision not in ATTN_PRECISIONS:
-    bad("attn_precision", f"choose one of {ATTN_PRECISIONS}")
-  if cfg.attn_tiles not in ("table", "tune"):
-    tiles = parse_tiles(cfg.attn_tiles)
-    if tiles is None:
-      bad("attn_tiles", "'table', 'tune', or 'TILE,WARPS,STAGES' (e.g. '64,4,2': a power of "
-          "two >= 16, warps 1-16 a power of two, stages 1-4)")
-    if cfg.attn_block % tiles[0]:  # a larger tile leaves a remainder too
-      bad("attn_tiles", f"its tile must divide attn_block={cfg.attn_block}")
+  """Raises a ValueError naming the field where an explicit fused choice cannot run: the model's
+  sizes (and the run's block length) the kernel cannot tile; with `backend` (jax's, once known),
+  a compiled kernel on a backend without it. Names, precision and tiles are `Attention`'s own
+  checks. cfg: a ModelConfig."""
+  name = cfg.attention.impl
   impl = IMPLS.get(name)
   if impl is None or not impl.fused:
     return
   field, why = fused_misfit(cfg)
   if field:
-    bad(field, f"{why} with attn_impl={name!r}")
-  if block is not None and block % cfg.attn_block:
+    value = cfg
+    for part in field.split("."):
+      value = getattr(value, part)
+    raise ValueError(f"config.model.{field}={value!r}: {why} with attention.impl={name!r}")
+  if block is not None and block % cfg.attention.block:
     raise ValueError(f"config.data.block={block!r}: must be a multiple of "
-                     f"model.attn_block={cfg.attn_block} with the fused kernel")
+                     f"model.attention.block={cfg.attention.block} with the fused kernel")
   if backend is not None and impl.platform not in (None, backend):
-    raise ValueError(f"config.model.attn_impl={name!r} runs {impl.needs}; this process has "
+    raise ValueError(f"config.model.attention.impl={name!r} runs {impl.needs}; this process has "
                      f"{backend} devices: use 'auto' (or {name + '_interpret'!r} to run the "
                      "kernel interpreted)")
 
@@ -221,9 +258,9 @@ def fit_fallback(cfg):
   the backward pass (its position scores, O(block x window), are recomputed per layer) where the
   XLA path saves O(block x window) score bands per layer; None where there is nothing to fall
   back to."""
-  if cfg.attn_impl != "auto" or select(cfg).fused or not _gpu_runs_triton(target.current()):
+  if cfg.attention.impl != "auto" or select(cfg).fused or not _gpu_runs_triton(target.current()):
     return None
-  return dataclasses.replace(cfg, attn_impl="pallas")
+  return cfg.replace(attention=cfg.attention.replace(impl="pallas"))
 
 
 def select(cfg, m: int | None = None, w: int | None = None) -> Impl:
@@ -233,10 +270,11 @@ def select(cfg, m: int | None = None, w: int | None = None) -> Impl:
   one-token block); `auto` picks by backend, and on a GPU by `gpu_preference`. Logged once per
   distinct choice and shape."""
   impl, why = _select(cfg, m, w)
-  key = (cfg.attn_impl, impl.name, m, w, why)
+  key = (cfg.attention.impl, impl.name, m, w, why)
   if key not in _logged:
     _logged.add(key)
-    log.info("attention: %s (attn_impl=%s, block %s, window %s%s)", impl.name, cfg.attn_impl, m,
+    log.info("attention: %s (attention.impl=%s, block %s, window %s%s)", impl.name,
+             cfg.attention.impl, m,
              w, f"; {why}" if why else "")
   return impl
 
@@ -252,8 +290,8 @@ def why(cfg, m: int | None = None, w: int | None = None) -> str:
 
 
 def _select(cfg, m, w) -> tuple[Impl, str]:
-  if cfg.attn_impl != "auto":
-    impl = IMPLS[cfg.attn_impl]
+  if cfg.attention.impl != "auto":
+    impl = IMPLS[cfg.attention.impl]
     why = impl.misfit(cfg, m, w)
     return (IMPLS["reference"] if why else impl), why
   platform = target.current()
@@ -297,7 +335,7 @@ def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_
   """One-token attention over ring caches ((keys, values), each (B, H, L, Dh)): (B, H, Dh)."""
   from span_lm.kernels import ring as ring_lib  # pylint: disable=g-import-not-at-top  (jax)
   return ring_lib.ring_attention(q_BxHxD, ring[0], ring[1], key_pe_DxS, pos, windows_H,
-                                 span_z=span_z, ramp=cfg.ramp, pers_k_HxDxN=pers_k_HxDxN,
+                                 span_z=span_z, ramp=cfg.span.ramp, pers_k_HxDxN=pers_k_HxDxN,
                                  pers_v_HxNxD=pers_v_HxNxD)
 
 

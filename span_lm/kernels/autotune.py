@@ -1,4 +1,4 @@
-"""On-device autotune of the fused GPU kernel's tiles (`--config.model.attn_tiles=tune`).
+"""On-device autotune of the fused GPU kernel's tiles (`--config.model.attention.tiles=tune`).
 
 pallas_gpu.TILES comes from a deviceless ptxas sweep (bench/kernel_sweep.py): it knows registers,
 spills and shared memory, not time. On a GPU, `tune` times the forward and backward of one layer's
@@ -39,9 +39,9 @@ def cache_key(cfg, device_kind: str, batch: int, m: int, w: int) -> str:
   """What the fastest tile depends on: the chip, the compiler, and the layer's shapes."""
   from span_lm.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
   return (f"{device_kind}|jax {jax.__version__}|kernel {pallas_gpu.VERSION}|{cfg.dtype}|"
-          f"precision {cfg.attn_precision}|"
+          f"precision {cfg.attention.precision}|"
           f"B{batch} H{cfg.n_heads} M{m} W{w} Dh{cfg.head_dim} N{cfg.pers_mem}|"
-          f"dropout {cfg.dropout > 0}|spans {cfg.span_mode != 'fixed'}")
+          f"dropout {cfg.dropout > 0}|spans {cfg.span.mode != 'fixed'}")
 
 
 def _read(path: str) -> dict:
@@ -67,7 +67,7 @@ def _inputs(cfg, batch: int, m: int, w: int):
   k = jax.random.normal(ks[1], (batch, h, w + m, dh), dt)
   v = jax.random.normal(ks[2], (batch, h, w + m, dh), dt)
   pe = 0.1 * jax.random.normal(ks[3], (dh, w), jnp.float32)
-  z = None if cfg.span_mode == "fixed" else jnp.full((batch, h, m), float(w), jnp.float32)
+  z = None if cfg.span.mode == "fixed" else jnp.full((batch, h, m), float(w), jnp.float32)
   pk = 0.1 * jax.random.normal(ks[4], (h, dh, n), jnp.float32) if n else None
   pv = 0.1 * jax.random.normal(ks[5], (h, n, dh), jnp.float32) if n else None
   return q, k, v, pe, z, pk, pv
@@ -95,7 +95,7 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
   ct = jax.random.normal(jax.random.PRNGKey(1), args[0].shape, args[0].dtype)
   times = {}
   for tile, warps, stages in candidates:
-    if cfg.attn_block % tile or w % tile or cfg.pers_mem % tile:  # as ModelConfig's rule
+    if cfg.attention.block % tile or w % tile or cfg.pers_mem % tile:  # as ModelConfig's rule
       continue
 
     cc = None if interpret else target.current().compute_capability
@@ -103,11 +103,11 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
 
     def loss(q, k, v, pe, z, pk, pv, tile=tile, bk=bk, warps=warps, stages=stages):
       out = pallas_gpu.span_attention(
-          q, k, v, pe, z, ramp=cfg.ramp, block=tile, block_k=bk, num_warps=warps,
+          q, k, v, pe, z, ramp=cfg.span.ramp, block=tile, block_k=bk, num_warps=warps,
           num_stages=stages,
           pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=cfg.dropout,
           dropout_seed=jnp.uint32(7) if cfg.dropout else None, interpret=interpret,
-          precision=cfg.attn_precision)
+          precision=cfg.attention.precision)
       return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
 
     grads = tuple(i for i, a in enumerate(args) if a is not None)
@@ -116,7 +116,7 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
       step = _compile(f, args, interpret)
       jax.block_until_ready(step(*args))  # the first run's one-off costs stay out of the timing
     except Exception as e:  # pylint: disable=broad-except  (shared memory, registers: next one)
-      echo(f"attn_tiles tune: {tile},{warps},{stages} does not run here: "
+      echo(f"attention.tiles=tune: {tile},{warps},{stages} does not run here: "
            f"{str(e).splitlines()[0][:160]}")
       continue
     runs = []
@@ -125,7 +125,7 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
       jax.block_until_ready(step(*args))
       runs.append(time.perf_counter() - t0)
     times[(tile, warps, stages)] = statistics.median(runs)
-    echo(f"attn_tiles tune: {tile},{warps},{stages}: {1e3 * times[(tile, warps, stages)]:.3f} ms")
+    echo(f"attention.tiles=tune: {tile},{warps},{stages}: {1e3 * times[(tile, warps, stages)]:.3f} ms")
   return times
 
 
@@ -140,38 +140,38 @@ def tune(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATES, 
   cache = _read(path)
   cached = cache.get(key, {}).get("tiles")
   if cached is not None and kernels.parse_tiles(cached) is not None:
-    echo(f"attn_tiles tune: {cached} (cached in {path})")
+    echo(f"attention.tiles=tune: {cached} (cached in {path})")
     return cached
   if cached is not None:  # an entry the config no longer accepts: measure again
-    echo(f"attn_tiles tune: the cached {cached} is no longer allowed; measuring again")
+    echo(f"attention.tiles=tune: the cached {cached} is no longer allowed; measuring again")
   times = measure(cfg, batch=batch, m=m, w=w, candidates=candidates, reps=reps,
                   interpret=interpret, echo=echo)
   if not times:
-    raise ValueError(f"attn_tiles=tune: no candidate tile runs this layer (block {m}, window "
-                     f"{w}, attn_block {cfg.attn_block}); name one as 'T,W,S' or use 'table'")
+    raise ValueError(f"attention.tiles=tune: no candidate tile runs this layer (block {m}, window "
+                     f"{w}, attention.block {cfg.attention.block}); name one as 'T,W,S' or use 'table'")
   best = min(times, key=times.get)
   tiles = ",".join(map(str, best))
   cache = _read(path)  # another process may have added keys meanwhile
   cache[key] = {"tiles": tiles, "ms": {",".join(map(str, c)): 1e3 * t for c, t in times.items()}}
   _write(path, cache)
-  echo(f"attn_tiles tune: {tiles} is fastest of {len(times)} ({1e3 * times[best]:.3f} ms); "
+  echo(f"attention.tiles=tune: {tiles} is fastest of {len(times)} ({1e3 * times[best]:.3f} ms); "
        f"cached in {path}")
   return tiles
 
 
 def resolve(cfg, *, batch: int, m: int, echo: Callable[[str], None] = log.info):
-  """The model config with attn_tiles='tune' replaced by the measured 'T,W,S' where the fused
+  """The model config with attention.tiles='tune' replaced by the measured 'T,W,S' where the fused
   GPU kernel runs; elsewhere the config as it is ('tune' then reads as 'table')."""
-  if cfg.attn_tiles != "tune":
+  if cfg.attention.tiles != "tune":
     return cfg
-  impl = kernels.select(cfg, m, cfg.span)
+  impl = kernels.select(cfg, m, cfg.span.size)
   if impl.platform != "gpu":  # the compiled GPU kernel, timed on this GPU
-    echo(f"attn_tiles=tune times the fused GPU kernel; this run's attention is {impl.name!r}: "
+    echo(f"attention.tiles=tune times the fused GPU kernel; this run's attention is {impl.name!r}: "
          "nothing to tune")
     return cfg
-  tiles = tune(cfg, batch=batch, m=m, w=cfg.span, echo=echo)
+  tiles = tune(cfg, batch=batch, m=m, w=cfg.span.size, echo=echo)
   if jax.process_count() > 1:  # every process must compile the same kernel: process 0's choice
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     chosen = multihost_utils.broadcast_one_to_all(np.asarray(tiles.split(","), np.int32))
     tiles = ",".join(str(int(x)) for x in chosen)
-  return dataclasses.replace(cfg, attn_tiles=tiles)
+  return cfg.replace(attention=cfg.attention.replace(tiles=tiles))

@@ -23,7 +23,7 @@ def choose_chunk(m: int, w: int, requested: int = 0) -> int:
     return m
   if requested:
     if m % requested:
-      raise ValueError(f"config.model.attn_chunk={requested} must divide the block length {m}")
+      raise ValueError(f"config.model.attention.chunk={requested} must divide the block length {m}")
     return requested
   for c in range(min(w, m), m + 1):
     if m % c == 0:

@@ -16,14 +16,14 @@ class CpuKV(NamedTuple):
 
 def project_kv(impl, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> CpuKV:
   del impl
-  last = banded_cpu.prefer_positions_last(h_BxMxD.shape[1], window, cfg.attn_chunk,
+  last = banded_cpu.prefer_positions_last(h_BxMxD.shape[1], window, cfg.attention.chunk,
                                           h_BxMxD.dtype)
   return CpuKV(*banded_cpu.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads, last), last)
 
 
 def split_kv(impl, cfg, kv_BxTx2Z, *, window: int, heads: int) -> CpuKV:
   del impl
-  last = banded_cpu.prefer_positions_last(kv_BxTx2Z.shape[1] - window, window, cfg.attn_chunk,
+  last = banded_cpu.prefer_positions_last(kv_BxTx2Z.shape[1] - window, window, cfg.attention.chunk,
                                           kv_BxTx2Z.dtype)
   return CpuKV(*banded_cpu.split_kv(kv_BxTx2Z, heads, last), last)
 
@@ -33,8 +33,8 @@ def attend(impl, cfg, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=No
   """kv: a CpuKV, or the door's KV (rows)."""
   del impl, dropout_seed  # dropout draws its own mask
   return banded_cpu.banded_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.ramp,
-      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attn_chunk,
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.span.ramp,
+      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attention.chunk,
       dropout=dropout, positions_last=isinstance(kv, CpuKV) and kv.positions_last,
   )[0].astype(q_BxGxMxD.dtype)
 
@@ -47,5 +47,5 @@ misfit = impl_reference.misfit
 
 def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del impl
-  return banded_cpu.residual_bytes(cfg.span_mode, cfg.pers_mem, cfg.dtype, batch, m, heads, w,
-                                   cfg.head_dim, cfg.attn_chunk, train and cfg.dropout > 0)
+  return banded_cpu.residual_bytes(cfg.span.mode, cfg.pers_mem, cfg.dtype, batch, m, heads, w,
+                                   cfg.head_dim, cfg.attention.chunk, train and cfg.dropout > 0)

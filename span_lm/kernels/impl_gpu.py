@@ -21,10 +21,10 @@ def _cc(impl):
 def tiles(impl, cfg, dtype) -> tuple[int, int, int]:
   """The kernel's (tile, warps, stages): the config's own 'T,W,S' (or what 'tune' measured:
   train/loop.py writes it there), else pallas_gpu's table for the target."""
-  explicit = kernels.parse_tiles(cfg.attn_tiles)
+  explicit = kernels.parse_tiles(cfg.attention.tiles)
   if explicit is not None:
     return explicit
-  return pallas_gpu.tiles(_cc(impl), cfg.head_dim, dtype, cfg.attn_block)
+  return pallas_gpu.tiles(_cc(impl), cfg.head_dim, dtype, cfg.attention.block)
 
 
 def key_tile(impl, cfg, dtype, tile: int) -> int:
@@ -39,12 +39,12 @@ def attend(impl, cfg, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=No
   seed = None if dropout is None else dropout_seed()
   tile, warps, stages = tiles(impl, cfg, q_BxGxMxD.dtype)
   return pallas_gpu.span_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=cfg.ramp, block=tile,
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=cfg.span.ramp, block=tile,
       block_k=key_tile(impl, cfg, q_BxGxMxD.dtype, tile), num_warps=warps, num_stages=stages,
       # float32 parameters go in as such: the kernel casts them, their gradients stay float32
       pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
       dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
-      interpret=impl.interpret, precision=cfg.attn_precision)
+      interpret=impl.interpret, precision=cfg.attention.precision)
 
 
 def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
@@ -57,7 +57,7 @@ def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: boo
 def schedule_cost(impl, cfg, batch: int, m: int, w: int, span) -> dict:
   tile = tiles(impl, cfg, cfg.dtype)[0]
   return pallas_gpu.schedule_cost(batch, cfg.n_heads, m, w, cfg.head_dim, cfg.dtype, tile,
-                                  span=span, ramp=cfg.ramp, n_pers=cfg.pers_mem,
+                                  span=span, ramp=cfg.span.ramp, n_pers=cfg.pers_mem,
                                   key_tile=key_tile(impl, cfg, cfg.dtype, tile))
 
 

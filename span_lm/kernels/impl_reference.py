@@ -19,8 +19,8 @@ def attend(impl, cfg, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k_GxDx
            pers_v_GxNxD=None, dropout=None, dropout_seed=None):
   del impl, dropout_seed  # dropout draws its own mask
   return banded_reference.banded_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.ramp,
-      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attn_chunk,
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.span.ramp,
+      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attention.chunk,
       dropout=dropout)
 
 
@@ -31,8 +31,8 @@ def cached_rows(impl, w: int) -> int:
 
 def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del impl
-  return banded_reference.residual_bytes(cfg.span_mode, cfg.pers_mem, cfg.dtype, batch, m, heads,
-                                         w, cfg.head_dim, cfg.attn_chunk,
+  return banded_reference.residual_bytes(cfg.span.mode, cfg.pers_mem, cfg.dtype, batch, m, heads,
+                                         w, cfg.head_dim, cfg.attention.chunk,
                                          train and cfg.dropout > 0)
 
 

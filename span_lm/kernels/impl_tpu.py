@@ -34,14 +34,14 @@ def attend(impl, cfg, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=No
   seed = None if dropout is None else dropout_seed()
   laid_out = isinstance(kv, TpuKV)
   cached = kv.cached.shape[-1] if laid_out else cached_rows(impl, key_pe_DxW.shape[-1])
-  bq, bk = pallas_tpu.tiles(cfg.attn_block, m, cached,
+  bq, bk = pallas_tpu.tiles(cfg.attention.block, m, cached,
                             0 if pers_k_GxDxN is None else pers_k_GxDxN.shape[-1])
   fused = pallas_tpu.span_attention_kv if laid_out else pallas_tpu.span_attention
   return fused(  # float32 parameters go in as such: their gradients stay float32
-      q_BxGxMxD, *kv, key_pe_DxW.astype(jnp.float32), z, ramp=cfg.ramp,
+      q_BxGxMxD, *kv, key_pe_DxW.astype(jnp.float32), z, ramp=cfg.span.ramp,
       block=bq, block_k=bk, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
       dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
-      interpret=impl.interpret, precision=cfg.attn_precision)
+      interpret=impl.interpret, precision=cfg.attention.precision)
 
 
 def cached_rows(impl, w: int) -> int:
@@ -71,4 +71,4 @@ def misfit(impl, cfg, m, w) -> str:
   interpreted)."""
   if impl.interpret or m is None or w is None:
     return ""
-  return pallas_tpu.misfit(cfg.attn_block, m, w, cfg.pers_mem)
+  return pallas_tpu.misfit(cfg.attention.block, m, w, cfg.pers_mem)

@@ -538,7 +538,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 # query tiles with no spills in bf16 on Hopper and Ampere (A100's mma.sync keeps its accumulators
 # in registers: 32-key tiles there; at head size 128 64-key tiles spilled in bwd_q with
 # persistent memory), the fewest spills in float32. Untimed on a
-# device: `attn_tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
+# device: `attention.tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
 TILES = {
     (9, 64, "bfloat16"): (64, 64, 4, 3), (9, 128, "bfloat16"): (64, 64, 8, 3),
     (9, 64, "float32"): (64, 32, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),

@@ -41,10 +41,11 @@ def door_config(num_heads: int, head_dim: int, max_span: int, ramp: int, *, attn
   tile (the largest of 64, 32, 16 dividing max_span; the fused kernels need one)."""
   block = next((b for b in (64, 32, 16) if max_span % b == 0), 64)
   return model_config.ModelConfig(
-      vocab_size=1, d_model=num_heads * head_dim, n_heads=num_heads, d_ff=1, span=max_span,
-      span_mode="adaptive", ramp=ramp, span_loss=span_loss_coef, dropout=dropout_rate,
-      dtype=jnp.dtype(dtype).name, attn_impl="auto" if attn_impl == "plain" else attn_impl,
-      attn_block=block, plan_granularity=block)
+      vocab_size=1, d_model=num_heads * head_dim, n_heads=num_heads, d_ff=1,
+      span=model_config.Span(size=max_span, mode="adaptive", ramp=ramp, loss=span_loss_coef),
+      dropout=dropout_rate, dtype=jnp.dtype(dtype).name,
+      attention=kernels.Attention(impl="auto" if attn_impl == "plain" else attn_impl, block=block),
+      plan=model_config.Plan(granularity=block))
 
 
 def choose(cfg: model_config.ModelConfig, attn_impl: str, *, causal: bool, masked: bool,
@@ -56,7 +57,7 @@ def choose(cfg: model_config.ModelConfig, attn_impl: str, *, causal: bool, maske
   of queries after the first max_span - 1; anything else runs plain. Logged once per case."""
   if attn_impl not in IMPLS:
     raise ValueError(f"attn_impl={attn_impl!r}: choose one of {IMPLS}")
-  w, blk = cfg.span, cfg.attn_block
+  w, blk = cfg.span.size, cfg.attention.block
   m = blk * ((q_len - w + 1) // blk)  # queries the door runs: whole tiles
   why = next((text for bad, text in (
       (attn_impl == "plain", "attn_impl='plain'"), (not causal, "bidirectional"),
@@ -156,7 +157,7 @@ def _door(cfg, impl, head: int, q, k, v, z_H, pos_back_DxS, dropout_rng):
   """Causal span attention through span_lm.kernels for queries head.. (the kernel's block) and
   the plain path for the first `head`. The kernel's query i (distance 1 = the previous key) is
   fed keys shifted by one, so it sees the query's own key at its distance 1 (x = 0)."""
-  w = cfg.span
+  w = cfg.span.size
   rngs = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
   dropout, seed = _dropout(cfg.dropout, rngs[0])
   off = head - w + 1  # first key any door query reaches
@@ -166,7 +167,7 @@ def _door(cfg, impl, head: int, q, k, v, z_H, pos_back_DxS, dropout_rng):
   if head == 0:
     return out
   first = plain_attention(q[:, :, :head], k[:, :, :head], v[:, :, :head], z_H, pos_back_DxS,
-                          causal=True, ramp=cfg.ramp, dropout=_dropout(cfg.dropout, rngs[1])[0])
+                          causal=True, ramp=cfg.span.ramp, dropout=_dropout(cfg.dropout, rngs[1])[0])
   return jnp.concatenate([first, out.astype(first.dtype)], axis=2)
 
 

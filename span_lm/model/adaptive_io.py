@@ -41,11 +41,11 @@ def uniform_bias_init(fan_in: int):
 
 def cluster_bounds(cfg: ModelConfig) -> list[tuple[int, int, int]]:
   """(start, end, dim) of each cluster; refuses cutoffs that do not fit the vocabulary."""
-  edges = [0, *cfg.adapt_io_cutoffs, cfg.vocab_size]
+  edges = [0, *cfg.adapt_io.cutoffs, cfg.vocab_size]
   if any(b <= a for a, b in zip(edges, edges[1:])):
-    raise ValueError(f"config.model.adapt_io_cutoffs={tuple(cfg.adapt_io_cutoffs)}: must be "
+    raise ValueError(f"config.model.adapt_io.cutoffs={tuple(cfg.adapt_io.cutoffs)}: must be "
                      f"increasing, > 0 and < the vocabulary size {cfg.vocab_size}")
-  return [(a, b, cfg.d_model // cfg.adapt_io_div ** i)
+  return [(a, b, cfg.d_model // cfg.adapt_io.div ** i)
           for i, (a, b) in enumerate(zip(edges, edges[1:]))]
 
 

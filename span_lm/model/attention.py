@@ -72,7 +72,7 @@ class SeqAttention(nn.Module):
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     b, m, d = h_BxMxD.shape
-    nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span
+    nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span.size
     if dt in matmul.LOW:  # the float32 kernel into the matmul, which casts it: float32 gradient
       dense = lambda name: lambda x: matmul.dot(x.astype(dt), _DenseKernel(d, name=name)())
     else:
@@ -93,15 +93,15 @@ class SeqAttention(nn.Module):
     if self.kv_cache:  # the block's keys and values for every head, for the next cache
       aux["kv"] = matmul.dot(h_in, jnp.concatenate([k_kernel, v_kernel], axis=1))  # B M 2D
     z_H = z_BxMxH = None
-    if cfg.span_mode == "adaptive":
-      ratio = self.param("span_ratio", nn.initializers.constant(cfg.span_init), (nh,))
+    if cfg.span.mode == "adaptive":
+      ratio = self.param("span_ratio", nn.initializers.constant(cfg.span.init), (nh,))
       z_H = ratio.astype(jnp.float32) * s
       aux["span_loss"] = spans_lib.span_loss(ratio, cfg)
       aux["span_avg"], aux["span_max"] = spans_lib.span_stats(z_H, cfg)
       aux["span_z"] = z_H
-    elif cfg.span_mode == "dynamic":
+    elif cfg.span.mode == "dynamic":
       pred = nn.Dense(nh, kernel_init=torch_linear_init(),
-                      bias_init=nn.initializers.constant(cfg.dynamic_bias_init),
+                      bias_init=nn.initializers.constant(cfg.span.dynamic_bias_init),
                       name="span_predictor")
       sig = jax.nn.sigmoid(pred(h_BxMxD.astype(jnp.float32)))
       z_BxMxH = s * sig

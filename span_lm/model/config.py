@@ -1,11 +1,21 @@
-"""ModelConfig: the static (hashable) description of a span Transformer, validated up front.
+"""ModelConfig: the static (hashable) description of a model, in sections, validated up front.
 
-It is the schema of `config.model`: the run config's defaults are this dataclass's
-(span_lm/config.py `base_config`), so a field and its default are written once, here, and a bad
-value is a ValueError naming the field before anything is traced or compiled.
+It is the schema of `config.model`: the run config's defaults are these dataclasses' (span_lm/
+config.py `base_config`), so a field and its default are written once, here, and a bad value is a
+ValueError naming the field (`config.model.span.ramp=0: ...`) before anything is traced or
+compiled. The sections, each checking itself:
+
+  config.model.*            the Transformer both architectures share (sizes, dropout, dtype, remat)
+  config.model.span.*       the span model's attention span (S, fixed/adaptive/dynamic, the ramp)
+  config.model.plan.*       how learned spans become compiled windows (span_lm/model/plan.py)
+  config.model.attention.*  how attention executes (span_lm/kernels: implementation, tiles)
+  config.model.adapt_io.*   adaptive input and softmax (span_lm/model/adaptive_io.py)
+  config.model.sparse.*     arch='sparse': the Sparse Transformer (span_lm/model/sparse*.py)
+
+Run directories and checkpoints written before the sections (flat fields: `span`, `span_mode`,
+`attn_impl`, ...) load through `upgrade`.
 """
 import dataclasses
-import logging
 import math
 from typing import Any
 
@@ -24,25 +34,159 @@ REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_
                   "everything_saveable")
 
 
-# The sparse model's layer scan (scan_layers=True) stacks its blocks' parameters under this name;
-# the optimizer and the sharding rules find stacked leaves by it (train/sharding.is_stacked).
+# The sparse model's layer scan (sparse.scan_layers=True) stacks its blocks' parameters under
+# this name; the optimizer and the sharding rules find stacked leaves by it (sharding.is_stacked).
 SCANNED_LAYERS = "layers"
 
 
+def _checker(section: str, obj):
+  def bad(field, why):
+    raise ValueError(f"config.model.{section}{field}={getattr(obj, field)!r}: {why}")
+  return bad
+
+
+def _positive_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+class _Section:
+  def replace(self, **changes):
+    """A copy with `changes` (frozen dataclasses: `cfg.replace(span=cfg.span.replace(size=64))`)."""
+    return dataclasses.replace(self, **changes)
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class Span(_Section):
+  """`config.model.span`: each head's attention span (Sukhbaatar et al. 2019)."""
+  size: int = 1024  # S, the maximum span (and the cache length)
+  mode: str = "adaptive"  # fixed | adaptive | dynamic
+  ramp: int = 32  # R, width of the soft mask ramp
+  init: float = 0.0  # initial z' (adaptive)
+  loss: float = 2e-6  # L1 span penalty coefficient
+  cache: bool = True  # shrink each layer's cache with its span (reference: adapt_span_cache)
+  dynamic_bias_init: float = -4.0  # b in z_t = S sigmoid(v.x_t + b)
+
+  def __post_init__(self):
+    bad = _checker("span.", self)
+    if not _positive_int(self.size):
+      bad("size", "must be a positive integer")
+    if self.mode not in SPAN_MODES:
+      bad("mode", f"unknown span mode; choose one of {SPAN_MODES}")
+    if not _positive_int(self.ramp):
+      bad("ramp", "the ramp width R must be an integer >= 1")
+    if self.mode != "fixed" and self.size < self.ramp:
+      bad("size", f"is below the soft mask's ramp span.ramp={self.ramp}: every distance keeps a "
+          f"mask >= 1 - size/ramp, so spans cannot shrink; use size >= {self.ramp} or a smaller "
+          "ramp")
+    if not 0.0 <= self.init <= 1.0:
+      bad("init", "z' lives in [0, 1]")
+    if self.loss < 0:
+      bad("loss", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan(_Section):
+  """`config.model.plan`: how learned spans become the windows a step is compiled for."""
+  granularity: int = 64  # span-plan bucket size (reference: 64)
+  margin: int = 64  # extra window kept beyond the learned span (reference: 64)
+  shrink_patience: int = 1000  # steps a smaller plan must persist before shrinking
+  # Headroom: windows cover growth x the needed tokens (then rounded up to the granularity), so a
+  # growing span recompiles every ~50 % of growth, not every 64 tokens.
+  growth: float = 1.5
+  head_grouping: bool = True  # group heads by span bucket (False: per-layer max, as the reference)
+
+  def __post_init__(self):
+    bad = _checker("plan.", self)
+    if not _positive_int(self.granularity):
+      bad("granularity", "must be a positive integer")
+    if self.margin < 0:
+      bad("margin", "must be >= 0")
+    if self.shrink_patience < 0:
+      bad("shrink_patience", "must be >= 0")
+    if not 1.0 <= self.growth <= 4.0:
+      bad("growth", "must be in [1, 4]")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptIO(_Section):
+  """`config.model.adapt_io`: adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)."""
+  enabled: bool = False
+  cutoffs: tuple[int, ...] = (20000, 40000, 200000)  # cluster boundaries (frequency order)
+  div: int = 4  # cluster i has dimension d_model // div**i
+  tied: bool = False  # share the input and output cluster tables (--adapt-io-tied)
+
+  def __post_init__(self):
+    object.__setattr__(self, "cutoffs", tuple(self.cutoffs))  # hashable whatever the config held
+    bad = _checker("adapt_io.", self)
+    cuts = self.cutoffs
+    if not all(isinstance(c, int) and c > 0 for c in cuts) or list(cuts) != sorted(set(cuts)):
+      bad("cutoffs", "must be strictly increasing positive token counts")
+    if not _positive_int(self.div):
+      bad("div", "must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sparse(_Section):
+  """`config.model.sparse`: the Sparse Transformer (Child et al. 2019), arch='sparse'."""
+  context: int = 1024  # n, the context length (no cache, no spans)
+  pattern: str = "fixed"  # fixed | strided | local | dense
+  combine: str = "merged"  # merged (eq. 7) | interleaved (eq. 6) | split (eq. 8)
+  stride: int = 128  # l
+  c: int = 32  # fixed: summary positions per block per head
+  distinct: bool = True  # fixed: heads attend to distinct c-sub-blocks (Sec. 4.3)
+  impl: str = "fast"  # fast (O(n sqrt n)) | dense (the masked n x n reference)
+  prenorm: bool = True  # pre-activation residual blocks (eqs. 9-14); False: post-LN
+  act: str = "gelu"  # gelu: x * sigmoid(1.702 x) as the paper | relu
+  init_scale: bool = True  # W_p and W_2 init scaled by 1/sqrt(2N)
+  pos: str = "attn"  # attn: row/column in a width-l matrix | data: data_shape | none
+  data_shape: tuple[int, ...] = ()  # e.g. (32, 32, 3): row, column, channel of an image
+  qk_ratio: float = 1.0  # 0.5: half-size query and key projections
+  # One nn.scan over the residual blocks (parameters stacked under 'layers', a leading axis of
+  # n_layers) instead of n_layers traced copies: a 128-layer model compiles one block. False
+  # keeps the per-layer 'layers_{i}' parameters (checkpoints restore only into the same kind).
+  scan_layers: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "data_shape", tuple(self.data_shape))
+    bad = _checker("sparse.", self)
+    if not _positive_int(self.context):
+      bad("context", "must be a positive integer")
+    choices = {"pattern": SPARSE_PATTERNS, "combine": SPARSE_COMBINES, "impl": ("fast", "dense"),
+               "pos": SPARSE_POS, "act": SPARSE_ACTS}
+    for f, allowed in choices.items():
+      if getattr(self, f) not in allowed:
+        bad(f, f"choose one of {allowed}")
+    if not _positive_int(self.stride):
+      bad("stride", "must be a positive integer")
+    if self.pattern == "fixed" and not (isinstance(self.c, int) and 1 <= self.c <= self.stride):
+      bad("c", f"must be an integer in [1, sparse.stride={self.stride}]")
+    if not 0 < self.qk_ratio <= 1:
+      bad("qk_ratio", "must be in (0, 1]")
+    if self.pos == "data":
+      shape = self.data_shape
+      if not shape or not all(isinstance(x, int) and x > 0 for x in shape):
+        bad("data_shape", "sparse.pos='data' needs the data's shape, e.g. (32, 32, 3)")
+      if math.prod(shape) < self.context:
+        bad("data_shape", f"holds {math.prod(shape)} positions, fewer than the context "
+            f"sparse.context={self.context}")
+
+  @property
+  def scan_period(self) -> int:
+    """Layers after which the blocks' head patterns repeat (sparse.layer_heads)."""
+    return 2 if self.combine == "interleaved" and self.pattern in ("fixed", "strided") else 1
+
+
+SECTIONS = {"span": Span, "plan": Plan, "attention": kernels.Attention, "adapt_io": AdaptIO,
+            "sparse": Sparse}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(_Section):
   vocab_size: int  # the run config's 0 means the dataset's vocabulary
   d_model: int = 256
   n_layers: int = 8
   n_heads: int = 4
   d_ff: int = 1024
-  span: int = 1024  # S, the maximum attention span
-  span_mode: str = "adaptive"  # fixed | adaptive | dynamic
-  ramp: int = 32  # R, width of the soft mask ramp
-  span_init: float = 0.0  # initial z' (adaptive)
-  span_loss: float = 2e-6  # L1 span penalty coefficient
-  span_cache: bool = True  # shrink each layer's cache with its span (reference: adapt_span_cache)
-  dynamic_bias_init: float = -4.0  # b in z_t = S sigmoid(v.x_t + b)
   pers_mem: int = 0  # N persistent key/value vectors per head (all-attention); 0: off
   dropout: float = 0.0
   emb_dropout: float = 0.0
@@ -53,76 +197,30 @@ class ModelConfig:
   # What a recomputed layer keeps from the forward pass (jax.checkpoint_policies): nothing_saveable
   # (least memory), dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.
   remat_policy: str = "nothing_saveable"
-  plan_granularity: int = 64  # span-plan bucket size (reference: 64)
-  plan_margin: int = 64  # extra window kept beyond the learned span (reference: 64)
-  plan_shrink_patience: int = 1000  # steps a smaller plan must persist before shrinking
-  # Headroom of a plan: windows cover plan_growth x the needed tokens (then rounded up to the
-  # granularity), so a growing span recompiles every ~50 % of growth, not every 64 tokens.
-  plan_growth: float = 1.5
-  head_grouping: bool = True  # group heads by span bucket (False: per-layer max, as the reference)
-  attn_chunk: int = 0
-  # auto (by target: cpu on CPUs, pallas on GPUs and pallas_tpu on TPUs where they fit, else
-  # reference) | reference |
-  # cpu | pallas | pallas_interpret: see span_lm/kernels/__init__.py. "xla" is read as "cpu".
-  attn_impl: str = "auto"
-  attn_block: int = 64  # pallas: query/key tile; divides the block length and the plan windows
-  # pallas, float32 models: default (TF32 tensor cores on Ampere and later, as XLA's own float32
-  # matmuls) | highest (exact float32, no tensor cores). bf16 models are unaffected.
-  attn_precision: str = "default"
-  # pallas (GPU): the kernel's (tile, warps, stages): table (pallas_gpu.TILES, by compute
-  # capability and head size) | tune (time the candidates on this GPU at startup, cached:
-  # kernels/autotune.py; the run then records what it chose) | "T,W,S", e.g. "64,4,2" (S, the
-  # pipeline depth, 1-4: kernels/pallas_gpu.py).
-  attn_tiles: str = "table"
-  adapt_io: bool = False  # adaptive input + adaptive softmax (span_lm/model/adaptive_io.py)
-  adapt_io_cutoffs: tuple[int, ...] = (20000, 40000, 200000)  # cluster boundaries (frequency order)
-  adapt_io_div: int = 4  # cluster i has dimension d_model // div**i
-  adapt_io_tied: bool = False  # share the input and output cluster tables (--adapt-io-tied)
-  # arch='sparse': the Sparse Transformer (span_lm/model/sparse*.py); `span` is its context length
-  # n (no cache, no spans; span_mode 'fixed'): configs/enwik8_sparse_fixed.py, cifar10_sparse.py.
-  arch: str = "span"  # span | sparse
-  sparse_pattern: str = "fixed"  # fixed | strided | local | dense
-  sparse_combine: str = "merged"  # merged (eq. 7) | interleaved (eq. 6) | split (eq. 8)
-  sparse_stride: int = 128  # l
-  sparse_c: int = 32  # fixed: summary positions per block per head
-  sparse_distinct: bool = True  # fixed: heads attend to distinct c-sub-blocks (Sec. 4.3)
-  sparse_impl: str = "fast"  # fast (O(n sqrt n)) | dense (the masked n x n reference)
-  sparse_prenorm: bool = True  # pre-activation residual blocks (eqs. 9-14); False: post-LN
-  sparse_act: str = "gelu"  # gelu: x * sigmoid(1.702 x) as the paper | relu
-  sparse_init_scale: bool = True  # W_p and W_2 init scaled by 1/sqrt(2N)
-  sparse_pos: str = "attn"  # attn: row/column in a width-l matrix | data: sparse_data_shape | none
-  sparse_data_shape: tuple[int, ...] = ()  # e.g. (32, 32, 3): row, column, channel of an image
-  sparse_qk_ratio: float = 1.0  # 0.5: half-size query and key projections
-  # arch='sparse': one nn.scan over the residual blocks (parameters stacked under 'layers', a
-  # leading axis of n_layers) instead of n_layers traced copies: a 128-layer model compiles one
-  # block. False keeps the per-layer 'layers_{i}' parameters (checkpoints of either kind restore
-  # only into the same kind).
-  scan_layers: bool = False
+  arch: str = "span"  # span (span_lm/model/transformer.py) | sparse (sparse_transformer.py)
+  # arch='sparse' ignores what is set here: its span is fixed at sparse.context.
+  span: Span = dataclasses.field(default_factory=Span)
+  plan: Plan = dataclasses.field(default_factory=Plan)
+  attention: kernels.Attention = dataclasses.field(default_factory=kernels.Attention)
+  adapt_io: AdaptIO = dataclasses.field(default_factory=AdaptIO)
+  sparse: Sparse = dataclasses.field(default_factory=Sparse)
 
   def __post_init__(self):
     def bad(field, why):
       raise ValueError(f"config.model.{field}={getattr(self, field)!r}: {why}")
 
-    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "span", "plan_granularity"):
-      if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+    for name, section in SECTIONS.items():  # a mapping (a dict, a ConfigDict) becomes its section
+      value = getattr(self, name)
+      if not isinstance(value, section):
+        object.__setattr__(self, name, _section(section, name, value))
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads"):
+      if not _positive_int(getattr(self, f)):
         bad(f, "must be a positive integer")
     if self.d_model % self.n_heads:
       bad("n_heads", f"must divide d_model={self.d_model}")
-    if self.span_mode not in SPAN_MODES:
-      bad("span_mode", f"unknown span mode; choose one of {SPAN_MODES}")
-    if self.ramp < 1:
-      bad("ramp", "the ramp width R must be >= 1")
-    if self.span_mode != "fixed" and self.span < self.ramp:
-      bad("span", f"is below the soft mask's ramp model.ramp={self.ramp}: every distance keeps a "
-          f"mask >= 1 - span/ramp, so spans cannot shrink; use span >= {self.ramp} or a smaller "
-          "ramp")
-    if not 0.0 <= self.span_init <= 1.0:
-      bad("span_init", "z' lives in [0, 1]")
-    if self.span_loss < 0:
-      bad("span_loss", "must be >= 0")
     if self.pers_mem < 0:
       bad("pers_mem", "must be >= 0")
-    if self.pers_mem == 0 and self.d_ff < 1:
+    if (self.pers_mem == 0 or self.arch == "sparse") and self.d_ff < 1:
       bad("d_ff", "must be >= 1 unless persistent memory replaces the feed-forward (pers_mem > 0)")
     for f in ("dropout", "emb_dropout"):
       if not 0.0 <= getattr(self, f) < 1.0:
@@ -133,87 +231,50 @@ class ModelConfig:
       bad("remat", f"choose one of {REMAT}")
     if self.remat_policy not in REMAT_POLICIES:
       bad("remat_policy", f"choose one of {REMAT_POLICIES}")
-    if self.plan_margin < 0:
-      bad("plan_margin", "must be >= 0")
-    if self.plan_shrink_patience < 0:
-      bad("plan_shrink_patience", "must be >= 0")
-    if not 1.0 <= self.plan_growth <= 4.0:
-      bad("plan_growth", "must be in [1, 4]")
-    if self.attn_chunk < 0:
-      bad("attn_chunk", "must be >= 0 (0: automatic)")
-    if self.attn_impl in kernels.ALIASES:  # 'xla': its name before the one door
-      new = kernels.ALIASES[self.attn_impl]
-      logging.getLogger("span_lm").warning(
-          f"config.model.attn_impl={self.attn_impl!r} is deprecated: it now reads {new!r} (or use "
-          "'auto')")
-      object.__setattr__(self, "attn_impl", new)
-    kernels.check(self)  # names, precision, tiles; an explicit fused kernel's tiling
-    # Hashable (the config is a jit static argument) whatever sequence the config held.
-    object.__setattr__(self, "adapt_io_cutoffs", tuple(self.adapt_io_cutoffs))
-    object.__setattr__(self, "sparse_data_shape", tuple(self.sparse_data_shape))
     if self.arch not in ARCHS:
       bad("arch", f"choose one of {ARCHS}")
+    if self.arch == "sparse":  # no learned spans: what reads model.span sees a fixed span of n
+      object.__setattr__(self, "span", Span(size=self.sparse.context, mode="fixed", loss=0.0,
+                                            ramp=self.span.ramp))
+    kernels.check(self)  # an explicit fused kernel's tiling of these sizes
     if self.arch == "sparse":
       self._check_sparse(bad)
-    elif self.scan_layers:
-      bad("scan_layers", "only arch='sparse' scans its layers (the span model's layers differ: "
-          "each has its own span plan and cache)")
-    if self.adapt_io:
-      cuts = self.adapt_io_cutoffs
-      if not all(isinstance(c, int) and c > 0 for c in cuts) or list(cuts) != sorted(set(cuts)):
-        bad("adapt_io_cutoffs", "must be strictly increasing positive token counts")
+    elif self.sparse.scan_layers:
+      raise ValueError("config.model.sparse.scan_layers=True: only arch='sparse' scans its layers "
+                       "(the span model's layers differ: each has its own span plan and cache)")
+    if self.adapt_io.enabled:
+      cuts = self.adapt_io.cutoffs
       if self.vocab_size > 1 and cuts and cuts[-1] >= self.vocab_size:  # 1: not known yet
-        bad("adapt_io_cutoffs", f"must be < the vocabulary size {self.vocab_size}")
-      if not isinstance(self.adapt_io_div, int) or self.adapt_io_div < 1:
-        bad("adapt_io_div", "must be a positive integer")
-      if self.d_model // self.adapt_io_div ** len(cuts) < 1:
-        bad("adapt_io_div", f"leaves the last cluster of d_model={self.d_model} with no dimension")
+        raise ValueError(f"config.model.adapt_io.cutoffs={cuts!r}: must be < the vocabulary size "
+                         f"{self.vocab_size}")
+      if self.d_model // self.adapt_io.div ** len(cuts) < 1:
+        raise ValueError(f"config.model.adapt_io.div={self.adapt_io.div!r}: leaves the last "
+                         f"cluster of d_model={self.d_model} with no dimension")
 
   def _check_sparse(self, bad):
-    if self.span_mode != "fixed":
-      bad("span_mode", "arch='sparse' has no learned spans: use 'fixed' (span is the context)")
     if self.pers_mem:
       bad("pers_mem", "arch='sparse' has no persistent memory")
-    if self.adapt_io:
-      bad("adapt_io", "arch='sparse' has no adaptive input/softmax")
-    if self.d_ff < 1:
-      bad("d_ff", "must be >= 1")
-    choices = {"sparse_pattern": SPARSE_PATTERNS, "sparse_combine": SPARSE_COMBINES,
-               "sparse_impl": ("fast", "dense"), "sparse_pos": SPARSE_POS,
-               "sparse_act": SPARSE_ACTS}
-    for f, allowed in choices.items():
-      if getattr(self, f) not in allowed:
-        bad(f, f"choose one of {allowed}")
-    if not isinstance(self.sparse_stride, int) or self.sparse_stride < 1:
-      bad("sparse_stride", "must be a positive integer")
-    if self.sparse_pattern == "fixed" and not (
-        isinstance(self.sparse_c, int) and 1 <= self.sparse_c <= self.sparse_stride):
-      bad("sparse_c", f"must be an integer in [1, sparse_stride={self.sparse_stride}]")
-    if not 0 < self.sparse_qk_ratio <= 1 or self.d_qk % self.n_heads or self.d_qk < self.n_heads:
-      bad("sparse_qk_ratio", f"must be in (0, 1] with d_model * ratio divisible by "
-          f"n_heads={self.n_heads}")
-    if self.scan_layers and self.n_layers % self.scan_period:
-      bad("scan_layers", f"the blocks repeat every {self.scan_period} layers "
-          f"(sparse_combine='interleaved'): n_layers={self.n_layers} must be a multiple")
-    shape = self.sparse_data_shape
-    if self.sparse_pos == "data":
-      if not shape or not all(isinstance(x, int) and x > 0 for x in shape):
-        bad("sparse_data_shape", "sparse_pos='data' needs the data's shape, e.g. (32, 32, 3)")
-      if math.prod(shape) < self.span:
-        bad("sparse_data_shape", f"holds {math.prod(shape)} positions, fewer than the "
-            f"context span={self.span}")
+    if self.adapt_io.enabled:
+      raise ValueError("config.model.adapt_io.enabled=True: arch='sparse' has no adaptive "
+                       "input/softmax")
+    sp = self.sparse
+    if self.d_qk % self.n_heads or self.d_qk < self.n_heads:
+      raise ValueError(f"config.model.sparse.qk_ratio={sp.qk_ratio!r}: d_model * ratio must be "
+                       f"divisible by n_heads={self.n_heads}")
+    if sp.scan_layers and self.n_layers % sp.scan_period:
+      raise ValueError(f"config.model.sparse.scan_layers=True: the blocks repeat every "
+                       f"{sp.scan_period} layers (sparse.combine='interleaved'): "
+                       f"n_layers={self.n_layers} must be a multiple")
 
   @property
-  def scan_period(self) -> int:
-    """Layers after which the sparse blocks' head patterns repeat (sparse.layer_heads)."""
-    alternating = self.sparse_combine == "interleaved" and self.sparse_pattern in ("fixed",
-                                                                                   "strided")
-    return 2 if alternating else 1
+  def context(self) -> int:
+    """The farthest a query looks back: S for the span model, n for the sparse one."""
+    return self.sparse.context if self.arch == "sparse" else self.span.size
 
   @property
   def d_qk(self) -> int:
-    """Query/key width (all heads); the paper's half-size q/k is sparse_qk_ratio=0.5."""
-    return int(round(self.d_model * self.sparse_qk_ratio))
+    """Query/key width (all heads); the paper's half-size q/k is sparse.qk_ratio=0.5."""
+    return int(round(self.d_model * self.sparse.qk_ratio))
 
   @property
   def head_dim(self) -> int:
@@ -221,8 +282,10 @@ class ModelConfig:
 
   @classmethod
   def from_config(cls, model_cfg: Any, vocab_size: int | None = None) -> "ModelConfig":
-    """Builds from an ml_collections ConfigDict (or dict); vocab_size overrides a 0 in the config."""
+    """Builds from an ml_collections ConfigDict (or dict) of config.model, in sections or in
+    the old flat fields (`upgrade`); vocab_size overrides a 0 in the config."""
     d = dict(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else model_cfg)
+    d = upgrade(d)
     if vocab_size is not None and not d.get("vocab_size"):
       d["vocab_size"] = vocab_size
     names = {f.name for f in dataclasses.fields(cls)}
@@ -230,3 +293,84 @@ class ModelConfig:
     if unknown:
       raise ValueError(f"config.model has unknown fields {unknown}")
     return cls(**d)
+
+
+def _section(cls, name: str, value: Any):
+  d = dict(value.to_dict() if hasattr(value, "to_dict") else value)
+  unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+  if unknown:
+    raise ValueError(f"config.model.{name} has unknown fields {unknown}")
+  return cls(**d)
+
+
+# The flat fields of config.model before its sections, and where each lives now. `span` is the
+# span model's S, or the sparse model's context length where arch='sparse'.
+MOVED = {
+    "span_mode": "span.mode", "ramp": "span.ramp", "span_init": "span.init",
+    "span_loss": "span.loss", "span_cache": "span.cache",
+    "dynamic_bias_init": "span.dynamic_bias_init",
+    "plan_granularity": "plan.granularity", "plan_margin": "plan.margin",
+    "plan_shrink_patience": "plan.shrink_patience", "plan_growth": "plan.growth",
+    "head_grouping": "plan.head_grouping",
+    "attn_impl": "attention.impl", "attn_block": "attention.block",
+    "attn_precision": "attention.precision", "attn_tiles": "attention.tiles",
+    "attn_chunk": "attention.chunk",
+    "adapt_io_cutoffs": "adapt_io.cutoffs", "adapt_io_div": "adapt_io.div",
+    "adapt_io_tied": "adapt_io.tied",
+    "scan_layers": "sparse.scan_layers",
+    **{f"sparse_{f}": f"sparse.{f}" for f in (
+        "pattern", "combine", "stride", "c", "distinct", "impl", "prenorm", "act", "init_scale",
+        "pos", "data_shape", "qk_ratio")},
+}
+
+
+def moved_to(name: str, arch: str = "span") -> str | None:
+  """Where an old flat field of config.model lives now ('span.mode'), or None if it did not move."""
+  if name == "span":
+    return "sparse.context" if arch == "sparse" else "span.size"
+  if name == "adapt_io":
+    return "adapt_io.enabled"
+  return MOVED.get(name)
+
+
+def _moved(name: str, value: Any) -> bool:
+  """Whether (name, value) is one of config.model's old flat fields."""
+  return (name in MOVED or (name == "span" and isinstance(value, int))
+          or (name == "adapt_io" and isinstance(value, bool)))
+
+
+def is_flat(d: dict) -> bool:
+  """Whether a config.model mapping holds any of the old flat fields (before the sections)."""
+  return any(_moved(k, v) for k, v in d.items())
+
+
+def upgrade(d: dict) -> dict:
+  """config.model as a dict of sections, from one in either form (or a mix): the old flat fields
+  (a run directory's config.json, a checkpoint's metadata, a terse test) go to their sections,
+  the rest is returned as it was."""
+  if not is_flat(d):
+    return d
+  arch = d.get("arch", "span")
+  out = {k: v for k, v in d.items() if not _moved(k, v)}
+  for k, v in d.items():
+    if _moved(k, v):
+      section, field = moved_to(k, arch).split(".")
+      current = out.get(section, {})
+      current = dataclasses.asdict(current) if dataclasses.is_dataclass(current) else dict(
+          current.to_dict() if hasattr(current, "to_dict") else current)
+      out[section] = {**current, field: v}
+  return out
+
+
+def updated(cfg: ModelConfig, **changes) -> ModelConfig:
+  """`cfg` with `changes`, named as fields, dotted section fields (**{'span.mode': 'fixed'}),
+  whole sections (span=Span(...)) or the old flat fields (span_mode='fixed'): what scripts that
+  sweep one knob use."""
+  merged = dataclasses.asdict(cfg)
+  for k in [k for k in changes if "." in k]:
+    section, field = k.split(".", 1)
+    merged[section] = {**merged[section], field: changes.pop(k)}
+  for k, v in upgrade({"arch": changes.get("arch", cfg.arch), **changes}).items():
+    v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+    merged[k] = {**merged[k], **v} if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+  return ModelConfig.from_config(merged)

@@ -55,8 +55,8 @@ def full_plan(cfg: ModelConfig) -> SpanPlan:
   arch='sparse' carries no hidden states between blocks: its caches hold one unused state
   (cache_len 1, not 0: Orbax refuses to save zero-size arrays).
   """
-  cache_len = 1 if cfg.arch == "sparse" else cfg.span
-  lp = LayerPlan(cache_len=cache_len, groups=((tuple(range(cfg.n_heads)), cfg.span),))
+  cache_len = 1 if cfg.arch == "sparse" else cfg.span.size
+  lp = LayerPlan(cache_len=cache_len, groups=((tuple(range(cfg.n_heads)), cfg.span.size),))
   return SpanPlan(layers=(lp,) * cfg.n_layers)
 
 
@@ -65,9 +65,9 @@ def needed_tokens(cfg: ModelConfig, z_ratio, xp=np):
   xp=jnp: the same on the device (train/steps.py checks a plan's coverage in the step)."""
   # The mask is non-zero iff d - 1 < R + z, i.e. d <= ceil(z) + R; z is formed in float32 as the
   # model forms it, so the host and the device agree on the boundary.
-  z = xp.asarray(z_ratio, xp.float32) * xp.float32(cfg.span)
+  z = xp.asarray(z_ratio, xp.float32) * xp.float32(cfg.span.size)
   ints = np.int64 if xp is np else xp.int32
-  return xp.minimum(cfg.span, xp.ceil(z).astype(ints) + cfg.ramp).clip(1)
+  return xp.minimum(cfg.span.size, xp.ceil(z).astype(ints) + cfg.span.ramp).clip(1)
 
 
 def _round_up(n: int, g: int, cap: int) -> int:
@@ -81,16 +81,16 @@ def layer_plan_from_windows(cfg: ModelConfig, windows: Sequence[int]) -> LayerPl
   blocks at run time, so only the layer's largest window is a compile-time shape.
   """
   windows = [int(w) for w in windows]
-  if not cfg.head_grouping or kernels.runtime_spans(cfg):
+  if not cfg.plan.head_grouping or kernels.runtime_spans(cfg):
     windows = [max(windows)] * len(windows)
   by_w: dict[int, list[int]] = {}
   for h, w in enumerate(windows):
     by_w.setdefault(w, []).append(h)
   groups = tuple((tuple(hs), w) for w, hs in sorted(by_w.items()))
-  if cfg.span_cache:
-    cache_len = min(cfg.span, max(windows) + cfg.plan_margin)
+  if cfg.span.cache:
+    cache_len = min(cfg.span.size, max(windows) + cfg.plan.margin)
   else:
-    cache_len = cfg.span
+    cache_len = cfg.span.size
   return LayerPlan(cache_len=cache_len, groups=groups)
 
 
@@ -98,12 +98,12 @@ def windows_for(cfg: ModelConfig, need: np.ndarray, growth: float = 1.0) -> list
   """Head windows for needed tokens: growth x need, rounded up to the granularity, capped at S."""
   if growth > 1.0:
     need = np.ceil(np.asarray(need) * growth).astype(np.int64)
-  return [_round_up(int(n), cfg.plan_granularity, cfg.span) for n in need]
+  return [_round_up(int(n), cfg.plan.granularity, cfg.span.size) for n in need]
 
 
 def plan_from_ratios(cfg: ModelConfig, ratios: Sequence[np.ndarray], growth: float = 1.0) -> SpanPlan:
   """The tightest plan for these spans; growth > 1 leaves that much headroom per head."""
-  if cfg.span_mode != "adaptive":
+  if cfg.span.mode != "adaptive":
     return full_plan(cfg)
   return SpanPlan(layers=tuple(
       layer_plan_from_windows(cfg, windows_for(cfg, needed_tokens(cfg, z), growth))
@@ -112,13 +112,13 @@ def plan_from_ratios(cfg: ModelConfig, ratios: Sequence[np.ndarray], growth: flo
 
 def initial_plan(cfg: ModelConfig) -> SpanPlan:
   """The plan for freshly initialised span parameters (z' = span_init everywhere)."""
-  return plan_from_ratios(cfg, [np.full(cfg.n_heads, cfg.span_init, np.float32)] * cfg.n_layers,
-                          cfg.plan_growth)
+  return plan_from_ratios(cfg, [np.full(cfg.n_heads, cfg.span.init, np.float32)] * cfg.n_layers,
+                          cfg.plan.growth)
 
 
 def plan_from_params(cfg: ModelConfig, params) -> SpanPlan:
   """The tightest exact plan for the current span parameters (read on the host)."""
-  if cfg.span_mode != "adaptive":
+  if cfg.span.mode != "adaptive":
     return full_plan(cfg)
   return plan_from_ratios(cfg, span_ratios(params))
 
@@ -127,21 +127,21 @@ def check_plan(cfg: ModelConfig, params, plan: SpanPlan) -> None:
   """Refuses a plan that would silently truncate attention."""
   if len(plan.layers) != cfg.n_layers:
     raise ValueError(f"span plan has {len(plan.layers)} layers, the model {cfg.n_layers}")
-  ratios = span_ratios(params) if cfg.span_mode == "adaptive" else None
+  ratios = span_ratios(params) if cfg.span.mode == "adaptive" else None
   for i, lp in enumerate(plan.layers):
     windows = lp.head_windows(cfg.n_heads)
     seen = sorted(h for hs, _ in lp.groups for h in hs)
     if seen != list(range(cfg.n_heads)):
       raise ValueError(f"span plan layer {i}: groups must cover each head once, got {lp.groups}")
     if ratios is None:
-      need = np.full(cfg.n_heads, cfg.span)
+      need = np.full(cfg.n_heads, cfg.span.size)
     else:
       need = needed_tokens(cfg, ratios[i])
     for h in range(cfg.n_heads):
-      if windows[h] < need[h] or windows[h] > cfg.span:
+      if windows[h] < need[h] or windows[h] > cfg.span.size:
         raise ValueError(
             f"span plan layer {i} head {h}: window {windows[h]} does not cover the span plus ramp "
-            f"({int(need[h])} tokens, max {cfg.span}); re-derive the plan "
+            f"({int(need[h])} tokens, max {cfg.span.size}); re-derive the plan "
             "(plan.plan_from_params) instead of truncating attention")
     if lp.cache_len < max(windows) and cfg.arch != "sparse":  # sparse: no cache by design
       raise ValueError(f"span plan layer {i}: cache_len {lp.cache_len} < window {max(windows)}")

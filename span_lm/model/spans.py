@@ -7,12 +7,12 @@ from span_lm.model.config import ModelConfig
 
 def span_stats(z_tokens, cfg: ModelConfig):
   """Average and maximum span in tokens as the reference reports them (ramp included, in [0, S])."""
-  avg = jnp.clip(jnp.ceil(jnp.mean(z_tokens)) + cfg.ramp, 0, cfg.span)
-  mx = jnp.clip(jnp.ceil(jnp.max(z_tokens)) + cfg.ramp, 0, cfg.span)
+  avg = jnp.clip(jnp.ceil(jnp.mean(z_tokens)) + cfg.span.ramp, 0, cfg.span.size)
+  mx = jnp.clip(jnp.ceil(jnp.max(z_tokens)) + cfg.span.ramp, 0, cfg.span.size)
   return avg, mx
 
 
 def span_loss(ratio, cfg: ModelConfig):
   """coeff * S * mean(z'), added to the training loss only (z' = span / S: the adaptive span
   parameters, or the dynamic span's sigmoid outputs)."""
-  return cfg.span_loss * cfg.span * jnp.mean(ratio)
+  return cfg.span.loss * cfg.span.size * jnp.mean(ratio)

@@ -1,25 +1,25 @@
 """The Sparse Transformer (Child et al. 2019, Sec. 5) as a drop-in sequence model for the trainer.
 
 apply(tokens_BxM, caches, train) -> (logprobs_BxMxV, caches, aux), the SpanTransformer signature.
-It attends within the block only (M <= span = the context n): `caches` are unused placeholders
+It attends within the block only (M <= sparse.context = n): `caches` are unused placeholders
 (one state per layer, plan.full_plan; Orbax cannot save empty arrays) passed through unchanged;
 aux has span_loss 0 and span_avg / span_max = M per layer, so the loop's metrics keep a meaning
 ("the context each layer sees").
 
-Architecture options (config.model, see ModelConfig):
-  sparse_prenorm     eqs. 9-14: H += a + b, a = drop(attn(norm H)), b = drop(ff(norm(H + a))),
+Architecture options (config.model.sparse, see model/config.py Sparse):
+  prenorm           eqs. 9-14: H += a + b, a = drop(attn(norm H)), b = drop(ff(norm(H + a))),
                      y = softmax(norm(H_N) W_out); False: post-LN blocks (the original Transformer).
-  sparse_act         GELU as the paper, x * sigmoid(1.702 x); or ReLU.
-  sparse_init_scale  weights N(0, 0.125 / sqrt(d_in)), biases 0, W_p and W_2 times 1/sqrt(2N),
+  act               GELU as the paper, x * sigmoid(1.702 x); or ReLU.
+  init_scale        weights N(0, 0.125 / sqrt(d_in)), biases 0, W_p and W_2 times 1/sqrt(2N),
                      token embedding N(0, 0.125 / sqrt(d)), position tables
                      N(0, 0.125 / sqrt(d n_emb)),
                      W_out zero (Sec. 6); False drops only the 1/sqrt(2N).
-  sparse_pos         attn: one table per coordinate of a width-l matrix (row, column; text);
-                     data: one per coordinate of sparse_data_shape (images: row, column, channel).
-  scan_layers        one nn.scan over the blocks (a group of scan_period blocks per step, their
+  pos               attn: one table per coordinate of a width-l matrix (row, column; text);
+                     data: one per coordinate of data_shape (images: row, column, channel).
+  scan_layers       one nn.scan over the blocks (a group of scan_period blocks per step, their
                      parameters stacked under 'layers'): a 128-layer model compiles one group.
                      The same function as the unrolled 'layers_{i}' (tests/model/test_sparse*).
-  remat='layer'      each residual block is recomputed in the backward pass (jax.checkpoint)
+  model.remat='layer' each residual block is recomputed in the backward pass (jax.checkpoint)
                      under remat_policy: nothing_saveable keeps only block inputs (Sec. 5.4).
   dtype='bfloat16'   matmuls and attention in bf16; params, residual stream, layer norms and
                      softmax in float32 (use float32 on V100, which has no bf16).
@@ -38,7 +38,7 @@ from span_lm.model.config import ModelConfig
 
 def _init(cfg: ModelConfig, fan_in: int, residual_out: bool = False):
   std = 0.125 / math.sqrt(fan_in)
-  if residual_out and cfg.sparse_init_scale:
+  if residual_out and cfg.sparse.init_scale:
     std /= math.sqrt(2 * cfg.n_layers)
   return nn.initializers.normal(std)
 
@@ -51,18 +51,18 @@ def _dense(cfg, features, fan_in, name, residual_out=False):
 def position_coords(cfg: ModelConfig, m: int) -> list[np.ndarray]:
   """Per embedding table, the coordinate of each of the first m positions."""
   pos = np.arange(m)
-  if cfg.sparse_pos == "attn":
-    return [pos // cfg.sparse_stride, pos % cfg.sparse_stride]
-  if cfg.sparse_pos == "data":
-    return list(np.unravel_index(pos, cfg.sparse_data_shape))
+  if cfg.sparse.pos == "attn":
+    return [pos // cfg.sparse.stride, pos % cfg.sparse.stride]
+  if cfg.sparse.pos == "data":
+    return list(np.unravel_index(pos, cfg.sparse.data_shape))
   return []
 
 
 def position_sizes(cfg: ModelConfig) -> list[int]:
-  if cfg.sparse_pos == "attn":
-    return [-(-cfg.span // cfg.sparse_stride), cfg.sparse_stride]
-  if cfg.sparse_pos == "data":
-    return list(cfg.sparse_data_shape)
+  if cfg.sparse.pos == "attn":
+    return [-(-cfg.sparse.context // cfg.sparse.stride), cfg.sparse.stride]
+  if cfg.sparse.pos == "data":
+    return list(cfg.sparse.data_shape)
   return []
 
 
@@ -83,9 +83,9 @@ class SparseAttention(nn.Module):
     q = heads(_dense(cfg, h * dk, d, "query")(x_BxMxD), dk) * (1.0 / math.sqrt(dk))
     k = heads(_dense(cfg, h * dk, d, "key")(x_BxMxD), dk)
     v = heads(_dense(cfg, h * dv, d, "value")(x_BxMxD), dv)
-    pattern = sparse.layer_heads(cfg.sparse_pattern, cfg.sparse_combine, h, self.layer,
-                                 cfg.sparse_stride, cfg.sparse_c, cfg.sparse_distinct)
-    o_BxHxMxE = sparse.attention(q, k, v, pattern, cfg.sparse_impl)
+    pattern = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, self.layer,
+                                 cfg.sparse.stride, cfg.sparse.c, cfg.sparse.distinct)
+    o_BxHxMxE = sparse.attention(q, k, v, pattern, cfg.sparse.impl)
     o = o_BxHxMxE.transpose(0, 2, 1, 3).reshape(b, m, h * dv)
     return _dense(cfg, d, h * dv, "proj", residual_out=True)(o)
 
@@ -97,7 +97,7 @@ class FeedForward(nn.Module):
   def __call__(self, x):
     cfg = self.cfg
     y = _dense(cfg, cfg.d_ff, cfg.d_model, "fc1")(x)
-    y = y * jax.nn.sigmoid(1.702 * y) if cfg.sparse_act == "gelu" else jax.nn.relu(y)
+    y = y * jax.nn.sigmoid(1.702 * y) if cfg.sparse.act == "gelu" else jax.nn.relu(y)
     return _dense(cfg, cfg.d_model, cfg.d_ff, "fc2", residual_out=True)(y)
 
 
@@ -114,7 +114,7 @@ class ResBlock(nn.Module):
     drop = lambda y: nn.Dropout(cfg.dropout)(y.astype(jnp.float32), deterministic=not train)
     attn = SparseAttention(cfg, self.layer, name="attn")
     ff = FeedForward(cfg, name="ff")
-    if cfg.sparse_prenorm:
+    if cfg.sparse.prenorm:
       a = drop(attn(norm("norm1")(h).astype(dt)))
       b = drop(ff(norm("norm2")(h + a).astype(dt)))
       return h + a + b
@@ -131,7 +131,7 @@ class _BlockGroup(nn.Module):
 
   @nn.compact
   def __call__(self, h, _):
-    for j in range(self.cfg.scan_period):
+    for j in range(self.cfg.sparse.scan_period):
       h = self.block_cls(self.cfg, j, name=f"block_{j}")(h, self.train)
     return h, None
 
@@ -153,8 +153,9 @@ class SparseTransformer(nn.Module):
     if any(c.shape[1] > 1 for c in caches):
       raise ValueError("arch='sparse' keeps no hidden states: caches must be placeholders of "
                        "length <= 1 (caches.init_caches with plan.full_plan)")
-    if m > cfg.span:
-      raise ValueError(f"a block of {m} tokens exceeds the context config.model.span={cfg.span}")
+    if m > cfg.sparse.context:
+      raise ValueError(f"a block of {m} tokens exceeds the context config.model.sparse.context="
+                       f"{cfg.sparse.context}")
     d = cfg.d_model
     h = nn.Embed(cfg.vocab_size, d, embedding_init=nn.initializers.normal(0.125 / math.sqrt(d)),
                  name="in_emb")(tokens_BxM)
@@ -170,16 +171,16 @@ class SparseTransformer(nn.Module):
       policy = getattr(jax.checkpoint_policies, cfg.remat_policy)
       # under a scan, CSE cannot merge recomputation into the forward pass (jax.checkpoint)
       block_cls = nn.remat(ResBlock, static_argnums=(2,), policy=policy,
-                           prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
+                           prevent_cse=not cfg.sparse.scan_layers)
+    if cfg.sparse.scan_layers:
       scanned = nn.scan(_BlockGroup, variable_axes={"params": 0},
                         split_rngs={"params": True, "dropout": True},
-                        length=cfg.n_layers // cfg.scan_period)
+                        length=cfg.n_layers // cfg.sparse.scan_period)
       h, _ = scanned(cfg, block_cls, train, name=model_config.SCANNED_LAYERS)(h, None)
     else:
       for i in range(cfg.n_layers):
         h = block_cls(cfg, i, name=f"layers_{i}")(h, train)
-    if cfg.sparse_prenorm:
+    if cfg.sparse.prenorm:
       h = nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32, name="norm_out")(h)
     logits = nn.Dense(cfg.vocab_size, use_bias=False, kernel_init=nn.initializers.zeros,
                       dtype=jnp.dtype(cfg.dtype), name="out_emb")(h.astype(jnp.dtype(cfg.dtype)))

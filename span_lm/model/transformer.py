@@ -96,13 +96,13 @@ class SpanTransformer(nn.Module):
     if len(caches) != cfg.n_layers:
       raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers")
     tables = None
-    if cfg.adapt_io:
+    if cfg.adapt_io.enabled:
       h, tables = adaptive_io.AdaptiveInput(cfg, name="in_emb")(tokens_BxM)
     else:
       h = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(1.0),
                    name="in_emb")(tokens_BxM)
     h = nn.Dropout(cfg.emb_dropout)(h, deterministic=not train)
-    key_pe = self.param("key_pe", nn.initializers.normal(1.0), (cfg.head_dim, cfg.span))
+    key_pe = self.param("key_pe", nn.initializers.normal(1.0), (cfg.head_dim, cfg.span.size))
 
     layer_cls = SeqLayer
     if cfg.remat == "layer":
@@ -138,9 +138,9 @@ class SpanTransformer(nn.Module):
         new_caches.append(jax.lax.stop_gradient(both[:, both.shape[1] - lp.cache_len:]))
       auxes.append(aux)
     h = nn.Dropout(cfg.emb_dropout)(h, deterministic=not train)
-    if cfg.adapt_io:
+    if cfg.adapt_io.enabled:
       logp = adaptive_io.AdaptiveLogSoftmax(cfg, name="out_emb")(
-          h, tables if cfg.adapt_io_tied else None)
+          h, tables if cfg.adapt_io.tied else None)
     else:
       logits = matmul.Dense(cfg.vocab_size, torch_linear_init(), torch_bias_init(cfg.d_model),
                                cfg.dtype, name="out_emb")(h)
@@ -151,8 +151,8 @@ class SpanTransformer(nn.Module):
         "span_avg": jnp.stack([a["span_avg"] for a in auxes]),
         "span_max": jnp.stack([a["span_max"] for a in auxes]),
     }
-    if cfg.span_mode == "adaptive":
+    if cfg.span.mode == "adaptive":
       out_aux["span_z"] = jnp.stack([a["span_z"] for a in auxes])
-    if cfg.span_mode == "dynamic":
+    if cfg.span.mode == "dynamic":
       out_aux["dyn_spans"] = tuple(a["dyn_spans"] for a in auxes)
     return logp, tuple(new_caches), out_aux

@@ -281,11 +281,11 @@ def compile_target(config, tgt: Target) -> dict:
       config.train.loss_scale, cfg.dtype) else None)
   row["loss_scale"] = loss_scale is not None
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
-    impl = kernels.select(cfg, d.block, max(cfg.span, d.block))
+    impl = kernels.select(cfg, d.block, max(cfg.span.size, d.block))
     row["attention"] = impl.name
-    row["attention_why"] = kernels.why(cfg, d.block, max(cfg.span, d.block))
+    row["attention_why"] = kernels.why(cfg, d.block, max(cfg.span.size, d.block))
     row["kernels_roofline"] = kernel_roofline(
-        chip, cfg, lambda span: impl.schedule_cost(cfg, d.batch // n, d.block, cfg.span, span))
+        chip, cfg, lambda span: impl.schedule_cost(cfg, d.batch // n, d.block, cfg.span.size, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
                                                            config.seed, loss_scale=loss_scale))
     state = sharding_lib.with_shardings(abstract, layout.state_shardings(abstract))
@@ -324,8 +324,8 @@ def compile_target(config, tgt: Target) -> dict:
           r["gemms"] = {"error": _one_line(e)}
       cost = _cost(compiled)
       scale = split if kind == "train" else 1  # XLA counts the batch-split loop body once
-      if cfg.scan_layers:  # and the layer scan's: scaling the whole step is an upper bound
-        scale *= cfg.n_layers // cfg.scan_period  # on its bytes (docs/targets.md)
+      if cfg.sparse.scan_layers:  # and the layer scan's: scaling the whole step is an upper bound
+        scale *= cfg.n_layers // cfg.sparse.scan_period  # on its bytes (docs/targets.md)
       if cost:
         r["xla"] = dict(cost, loop_scale=scale)
       r["roofline"] = roofline(chip, cfg.dtype, per_chip, ours, cost, scale, tokens)
@@ -361,8 +361,8 @@ def kernel_roofline(chip: chips.Chip, cfg, cost_at) -> list[dict]:
   HBM times at the chip's peaks, and which binds ('either' when the time in between depends on
   the cache). [] where no such kernel runs (TPU: XLA's cost analysis sees its kernel)."""
   out = []
-  spans = [(f"span {cfg.span}", None)]  # None: every distance up to the window
-  if cfg.span_mode != "fixed":
+  spans = [(f"span {cfg.span.size}", None)]  # None: every distance up to the window
+  if cfg.span.mode != "fixed":
     spans.append((f"learned span {LEARNED_SPAN}", LEARNED_SPAN))
   for label, span in spans:
     cost = cost_at(span)
@@ -431,7 +431,7 @@ def report(config) -> dict:
       print(format_row(row), flush=True)
   result = {"config": config.get("config_name", ""), "rows": rows,
             "model": {"n_layers": config.model.n_layers, "d_model": config.model.d_model,
-                      "span": config.model.span, "dtype": config.model.dtype,
+                      "span": config.model.span.size, "dtype": config.model.dtype,
                       "batch": config.data.batch, "block": config.data.block,
                       "batch_split": config.optim.batch_split, "remat": config.model.remat}}
   with open(os.path.join(out_dir, "compile_report.json"), "w") as f:

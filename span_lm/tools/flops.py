@@ -57,13 +57,13 @@ def forward_macs(cfg: ModelConfig, plan: SpanPlan | None, block: int, batch: int
     out["q_proj"] += m * d * d
     out["out_proj"] += m * d * d
     for heads, w in lp.groups:
-      g, c = len(heads), choose_chunk(m, w, cfg.attn_chunk)
+      g, c = len(heads), choose_chunk(m, w, cfg.attention.chunk)
       out["kv_proj"] += (w + m) * d * 2 * g * dh
       out["attn_content"] += g * m * (w + c) * dh
       out["attn_position"] += g * m * w * dh
       out["attn_value"] += g * m * (w + c) * dh
       out["attn_persistent"] += 2 * g * m * cfg.pers_mem * dh
-    if cfg.span_mode == "dynamic":
+    if cfg.span.mode == "dynamic":
       out["span_predictor"] += m * d * cfg.n_heads
     if cfg.pers_mem == 0:
       out["ff"] += 2 * m * d * cfg.d_ff
@@ -75,18 +75,18 @@ def sparse_attention_macs(cfg: ModelConfig, layer: int, n: int) -> tuple[int, in
   """(score, value) multiply-adds of one sequence's factorized attention in residual block
   `layer`, as span_lm/model/sparse.py computes them: heads grouped by pattern, the length padded
   to a multiple of the stride l (nb = n / l blocks), and per head
-    dense          n x n keys (and every head under sparse_impl='dense', the masked reference);
+    dense          n x n keys (and every head under sparse.impl='dense', the masked reference);
     local  (A1)    strided: each block's l queries x the 2l keys of blocks b-1 and b; fixed: l x l;
     strided (A2)   the (l, nb) transpose: each column's nb queries x nb keys;
     summary (A2)   fixed: every query x the c summary keys of all nb blocks.
   Scores are d_qk / H long, values head_dim; masked products are computed (and counted) too."""
   from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
   h, dk, dv = cfg.n_heads, cfg.d_qk // cfg.n_heads, cfg.head_dim
-  heads = sparse.layer_heads(cfg.sparse_pattern, cfg.sparse_combine, h, layer, cfg.sparse_stride,
-                             cfg.sparse_c, cfg.sparse_distinct)
+  heads = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, layer, cfg.sparse.stride,
+                             cfg.sparse.c, cfg.sparse.distinct)
   keys = 0  # (query, key) pairs computed, summed over heads
   for head in heads:
-    if cfg.sparse_impl == "dense" or head.kind == "dense":
+    if cfg.sparse.impl == "dense" or head.kind == "dense":
       keys += n * n
       continue
     l = head.stride
@@ -218,7 +218,7 @@ def xla_tpu_score_bands(cfg: ModelConfig, batch: int, m: int, g: int, w: int) ->
   pass. Measured on deviceless v5p compiles (libtpu, jax 0.10.2): the compiled temporaries of
   1- and 3-layer models (fixed/adaptive, with and without dropout) and of configs/enwik8_large.py
   and enwik8_pers.py (tests/fixtures/tpu_hlo/memory.json, docs/benchmarks.md)."""
-  c = choose_chunk(m, w, cfg.attn_chunk)
+  c = choose_chunk(m, w, cfg.attention.chunk)
   return batch * g * m * ((w + c) + (w + cfg.pers_mem)) * 4
 
 
@@ -258,7 +258,7 @@ def peak_activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int,
                  for i in range(cfg.n_layers))
     return sum(activation_bytes(cfg, plan, batch, block).values()) + 2 * batch * widest * 4
   plan = plan or plan_lib.full_plan(cfg)
-  widest = max(len(h) * (w + choose_chunk(block, w, cfg.attn_chunk) + cfg.pers_mem)
+  widest = max(len(h) * (w + choose_chunk(block, w, cfg.attention.chunk) + cfg.pers_mem)
                for lp in plan.layers for h, w in lp.groups)
   return sum(activation_bytes(cfg, plan, batch, block).values()) + 2 * batch * block * widest * 4
 

@@ -86,18 +86,19 @@ def report(config) -> dict:
   cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
   if cfg.arch == "sparse":  # no spans, no plan: the factorized attention against the dense one
     plan = plan_lib.full_plan(cfg)
-    source = f"{cfg.sparse_combine} heads, stride {cfg.sparse_stride}"
-    base_name, base_cfg = f"dense attention n={cfg.span}", dataclasses.replace(
-        cfg, sparse_pattern="dense")
+    source = f"{cfg.sparse.combine} heads, stride {cfg.sparse.stride}"
+    base_name, base_cfg = f"dense attention n={cfg.sparse.context}", cfg.replace(
+        sparse=cfg.sparse.replace(pattern="dense"))
   elif meta is not None:
     plan, source = plan_lib.plan_from_json(meta["planner"]["plan"]), f"step {meta['step']}"
   else:
     plan, source = plan_lib.initial_plan(cfg), "initial plan, no checkpoint"
   if cfg.arch != "sparse":
-    base_name, base_cfg = f"fixed span S={cfg.span}", dataclasses.replace(cfg, span_mode="fixed")
+    base_name, base_cfg = f"fixed span S={cfg.span.size}", cfg.replace(
+        span=cfg.span.replace(mode="fixed"))
   b, m = config.data.batch, config.data.block
   xla = bool(restore_lib.tools_field(config, "xla", True))
-  mode = cfg.sparse_pattern if cfg.arch == "sparse" else cfg.span_mode
+  mode = cfg.sparse.pattern if cfg.arch == "sparse" else cfg.span.mode
   rows = [(base_name, flops_lib.account(base_cfg, None, b, m, xla)),
           (f"this run ({mode}, {source})", flops_lib.account(cfg, plan, b, m, xla))]
   print(f"vocabulary {vocab} ({vocab_from}); batch {b}, block {m}; MACs = multiply-adds")

@@ -25,7 +25,7 @@ import math
 import os
 
 from span_lm.model import plan as plan_lib
-from span_lm.model.config import ModelConfig
+from span_lm.model.config import ModelConfig, Span
 from span_lm.tools import flops as flops_lib
 
 TEXT8_VOCAB = 28  # a-z, '_' and <eos>
@@ -79,10 +79,10 @@ def uniform_model(row: PaperRow, span_limit: int, avg_span: int | None):
   """Our ModelConfig for a paper model and a plan with every head at `avg_span` (None: fixed)."""
   mode = "fixed" if avg_span is None else "adaptive"
   cfg = ModelConfig(vocab_size=TEXT8_VOCAB, d_model=row.d_model, n_layers=row.n_layers,
-                    n_heads=row.n_heads, d_ff=row.d_ff, span=span_limit, span_mode=mode)
+                    n_heads=row.n_heads, d_ff=row.d_ff, span=Span(size=span_limit, mode=mode))
   if avg_span is None:
     return cfg, plan_lib.full_plan(cfg)
-  g = cfg.plan_granularity
+  g = cfg.plan.granularity
   window = min(span_limit, max(g, math.ceil(avg_span / g) * g))
   lp = plan_lib.layer_plan_from_windows(cfg, [window] * cfg.n_heads)
   return cfg, plan_lib.SpanPlan((lp,) * cfg.n_layers)

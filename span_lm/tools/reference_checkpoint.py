@@ -89,7 +89,7 @@ def _to_reference(kind: str, a: np.ndarray) -> np.ndarray:
 def reference_entries(cfg: ModelConfig) -> list[Entry]:
   """The reference's state_dict keys for `cfg`, in its order (parameters, buffers, aliases)."""
   out = [Entry("key_pe", ("key_pe",), "key_pe")]
-  if cfg.adapt_io:
+  if cfg.adapt_io.enabled:
     n = len(adaptive_io.cluster_bounds(cfg))
     out += [Entry(f"in_emb.emb_layers.{i}.weight", ("in_emb", f"emb_{i}")) for i in range(n)]
     out += [Entry(f"in_emb.emb_projs.{i}", ("in_emb", f"proj_{i}"), "T") for i in range(n)]
@@ -98,12 +98,12 @@ def reference_entries(cfg: ModelConfig) -> list[Entry]:
               Entry("out_emb.cluster_proj.bias", ("out_emb", "cluster_bias"))]
     for i in range(n):
       w = f"out_emb.out_layers.{i}.weight"
-      out.append(Entry(w, None, alias_of=f"in_emb.emb_layers.{i}.weight") if cfg.adapt_io_tied
+      out.append(Entry(w, None, alias_of=f"in_emb.emb_layers.{i}.weight") if cfg.adapt_io.tied
                  else Entry(w, ("out_emb", f"emb_{i}")))
       out.append(Entry(f"out_emb.out_layers.{i}.bias", ("out_emb", f"bias_{i}")))
     for i in range(n):
       p = f"out_emb.out_projs.{i}"
-      out.append(Entry(p, None, alias_of=f"in_emb.emb_projs.{i}") if cfg.adapt_io_tied
+      out.append(Entry(p, None, alias_of=f"in_emb.emb_projs.{i}") if cfg.adapt_io.tied
                  else Entry(p, ("out_emb", f"proj_{i}"), "T"))
   else:
     out += [Entry("in_emb.weight", ("in_emb", "embedding")),
@@ -112,14 +112,14 @@ def reference_entries(cfg: ModelConfig) -> list[Entry]:
   for i in range(cfg.n_layers):
     r, p = f"layers.{i}.", (f"layers_{i}",)
     mask = f"{r}attn.attn.adaptive_span._mask."
-    if cfg.span_mode == "adaptive":
+    if cfg.span.mode == "adaptive":
       out += [Entry(mask + "current_val", p + ("attn", "span_ratio"), "span"),
               Entry(mask + "mask_template", None, "buffer")]
     if cfg.pers_mem:
       pm = f"{r}attn.attn.persistent_memory."
       out += [Entry(pm + "key", p + ("attn", "pers_key")),
               Entry(pm + "val", p + ("attn", "pers_val"))]
-      if cfg.span_mode == "adaptive":  # the same AdaptiveSpan module, registered twice
+      if cfg.span.mode == "adaptive":  # the same AdaptiveSpan module, registered twice
         out += [Entry(pm + "adaptive_span._mask.current_val", None, "span", mask + "current_val"),
                 Entry(pm + "adaptive_span._mask.mask_template", None, "buffer")]
     out += [Entry(f"{r}attn.{n}.weight", p + ("attn", n, "kernel"), "T")
@@ -146,7 +146,8 @@ def strip_prefix(state_dict) -> "collections.OrderedDict[str, np.ndarray]":
 
 
 def infer_model(sd) -> dict[str, Any]:
-  """ModelConfig fields read off the state_dict's shapes (what a config must agree with)."""
+  """ModelConfig fields read off the state_dict's shapes (what a config must agree with), by
+  their dotted names in config.model ('span.size')."""
   def need(key):
     if key not in sd:
       raise ValueError(f"not an adaptive-span state_dict: no '{key}' "
@@ -159,25 +160,26 @@ def infer_model(sd) -> dict[str, Any]:
   kpe = need("key_pe")
   if len(kpe) != 3 or kpe[0] != 1:
     raise ValueError(f"key_pe has shape {kpe}, expected (1, head_dim, span)")
-  out = {"n_layers": len(layers), "span": kpe[2]}
+  out = {"n_layers": len(layers), "span.size": kpe[2]}
   if "in_emb.emb_layers.0.weight" in sd:
     n = len([k for k in sd if re.fullmatch(r"in_emb\.emb_layers\.\d+\.weight", k)])
     rows = [sd[f"in_emb.emb_layers.{i}.weight"].shape[0] for i in range(n)]
     dims = [sd[f"in_emb.emb_layers.{i}.weight"].shape[1] for i in range(n)]
-    out.update(adapt_io=True, vocab_size=sum(rows), d_model=need("in_emb.emb_projs.0")[0],
-               adapt_io_cutoffs=tuple(int(c) for c in np.cumsum(rows)[:-1]))
+    out.update({"adapt_io.enabled": True, "vocab_size": sum(rows),
+                "d_model": need("in_emb.emb_projs.0")[0],
+                "adapt_io.cutoffs": tuple(int(c) for c in np.cumsum(rows)[:-1])})
     if n > 1:
-      out["adapt_io_div"] = dims[0] // dims[1]
+      out["adapt_io.div"] = dims[0] // dims[1]
     if "out_emb.out_layers.0.weight" in sd:  # tied: the same tensors under both names
       same = lambda a, b: a in sd and np.array_equal(sd[a], sd[b])
-      out["adapt_io_tied"] = all(
+      out["adapt_io.tied"] = all(
           same(f"out_emb.out_layers.{i}.weight", f"in_emb.emb_layers.{i}.weight")
           and same(f"out_emb.out_projs.{i}", f"in_emb.emb_projs.{i}") for i in range(n))
   else:
     v, d = need("in_emb.weight")
-    out.update(adapt_io=False, vocab_size=v, d_model=d)
+    out.update({"adapt_io.enabled": False, "vocab_size": v, "d_model": d})
   out["n_heads"] = out["d_model"] // kpe[1] if kpe[1] and out["d_model"] % kpe[1] == 0 else None
-  out["span_mode"] = ("adaptive" if "layers.0.attn.attn.adaptive_span._mask.current_val" in sd
+  out["span.mode"] = ("adaptive" if "layers.0.attn.attn.adaptive_span._mask.current_val" in sd
                       else "fixed")
   pk = "layers.0.attn.attn.persistent_memory.key"
   out["pers_mem"] = sd[pk].shape[-1] if pk in sd else 0
@@ -191,13 +193,14 @@ def check_fits(sd, cfg: ModelConfig) -> None:
   found = infer_model(sd)
   problems = []
   for field, value in found.items():
-    mine = getattr(cfg, field)
-    if field == "span_mode" and mine == "dynamic":
-      problems.append("config.model.span_mode='dynamic' has no reference counterpart; the "
+    mine = cfg
+    for part in field.split("."):
+      mine = getattr(mine, part)
+    if field == "span.mode" and mine == "dynamic":
+      problems.append("config.model.span.mode='dynamic' has no reference counterpart; the "
                       f"checkpoint's spans are {value!r}")
-    elif field == "adapt_io_cutoffs" and not cfg.adapt_io:
-      continue
-    elif field in ("adapt_io_div", "adapt_io_tied") and not cfg.adapt_io:
+    elif field in ("adapt_io.cutoffs", "adapt_io.div", "adapt_io.tied") and \
+        not cfg.adapt_io.enabled:
       continue
     elif mine != value:
       problems.append(f"config.model.{field}={mine!r}, the checkpoint has {value!r}")
@@ -217,7 +220,7 @@ def check_fits(sd, cfg: ModelConfig) -> None:
   for e in entries:
     if e.alias_of and e.key in sd and not np.array_equal(sd[e.key], sd[e.alias_of]):
       raise ValueError(f"{e.key} should be the same tensor as {e.alias_of} but differs"
-                       + (" (set config.model.adapt_io_tied=False)" if "out_emb" in e.key else ""))
+                       + (" (set config.model.adapt_io.tied=False)" if "out_emb" in e.key else ""))
   order = [k for k in sd if k in {e.key for e in entries if e.is_param}]
   if order != [e.key for e in entries if e.is_param]:
     raise ValueError("the state_dict's parameters are not in the reference's order, so its "
@@ -234,7 +237,7 @@ def _expected_shapes(cfg: ModelConfig, entries) -> dict[str, tuple]:
   out = {}
   for e in entries:
     if e.kind == "buffer":
-      out[e.key] = (cfg.span,)
+      out[e.key] = (cfg.span.size,)
     elif e.alias_of:
       out[e.key] = None
     else:
@@ -276,7 +279,7 @@ def to_reference(params, cfg: ModelConfig, prefix: str = PREFIX) -> collections.
   out = collections.OrderedDict()
   for e in reference_entries(cfg):
     if e.kind == "buffer":
-      a = np.linspace(1 - cfg.span, 0, cfg.span, dtype=np.float32)
+      a = np.linspace(1 - cfg.span.size, 0, cfg.span.size, dtype=np.float32)
     elif e.alias_of:
       a = out[prefix + e.alias_of]
     else:

@@ -36,9 +36,9 @@ def _save(fig, path: str) -> str:
 
 def head_spans(cfg: ModelConfig, params) -> np.ndarray:
   """(layers, heads) spans in tokens, min(S, ceil(z' S) + R), of an adaptive model."""
-  if cfg.span_mode != "adaptive":
-    raise ValueError(f"per-head learned spans exist for span_mode='adaptive', not "
-                     f"{cfg.span_mode!r}")
+  if cfg.span.mode != "adaptive":
+    raise ValueError(f"per-head learned spans exist for span.mode='adaptive', not "
+                     f"{cfg.span.mode!r}")
   return np.stack([plan_lib.needed_tokens(cfg, z) for z in plan_lib.span_ratios(params)])
 
 
@@ -111,8 +111,8 @@ def dynamic_spans(cfg: ModelConfig, params, plan, ids: np.ndarray, block: int) -
   The text runs as one stream in blocks of `block` tokens with carried caches (zeros before it),
   as in evaluation, so position t sees the t previous tokens of the text.
   """
-  if cfg.span_mode != "dynamic":
-    raise ValueError(f"dynamic spans need span_mode='dynamic', not {cfg.span_mode!r}")
+  if cfg.span.mode != "dynamic":
+    raise ValueError(f"dynamic spans need span.mode='dynamic', not {cfg.span.mode!r}")
   model = SpanTransformer(cfg, plan)
 
   @jax.jit
@@ -127,7 +127,7 @@ def dynamic_spans(cfg: ModelConfig, params, plan, ids: np.ndarray, block: int) -
     x = jnp.asarray(ids[start:start + block], jnp.int32)[None]
     caches, z = step(params, caches, x)
     out.append(np.asarray(z))
-  return np.minimum(cfg.span, np.concatenate(out) + cfg.ramp)
+  return np.minimum(cfg.span.size, np.concatenate(out) + cfg.span.ramp)
 
 
 def plot_dynamic_spans(labels: list[str], spans_T: np.ndarray, path: str, per_row: int = 64):
@@ -156,20 +156,20 @@ def report(config) -> dict:
   r = restore_lib.restore(config, restore_lib.tools_field(config, "step"))
   cfg = r.model_cfg
   out = {"step": r.step, "plots": {}}
-  print(f"checkpoint step {r.step} in {config.workdir} ({cfg.span_mode} span, S={cfg.span}, "
-        f"R={cfg.ramp})")
+  print(f"checkpoint step {r.step} in {config.workdir} ({cfg.span.mode} span, S={cfg.span.size}, "
+        f"R={cfg.span.ramp})")
   print(f"span plan: {r.plan.describe()}")
-  if cfg.span_mode == "adaptive":
+  if cfg.span.mode == "adaptive":
     spans = head_spans(cfg, r.params)
     out["spans"] = spans.tolist()
     print(spans_table(spans, r.plan))
     out["plots"]["heads"], _ = plot_head_spans(
-        spans, restore_lib.out_path(config, "spans_heads.png"), cfg.span, cfg.ramp)
+        spans, restore_lib.out_path(config, "spans_heads.png"), cfg.span.size, cfg.span.ramp)
   history = span_history(config.workdir)
   if history is not None:
     out["plots"]["history"], _ = plot_span_history(
-        history, restore_lib.out_path(config, "span_history.png"), cfg.span)
-  if cfg.span_mode == "dynamic":
+        history, restore_lib.out_path(config, "span_history.png"), cfg.span.size)
+  if cfg.span.mode == "dynamic":
     text = restore_lib.tools_field(config, "text")
     ids = (r.codec.encode(text) if text else np.asarray(r.splits.valid[:256], np.int32))
     spans_T = dynamic_spans(cfg, r.params, r.tight_plan, ids, config.data.block)

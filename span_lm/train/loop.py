@@ -20,6 +20,7 @@ are read at those steps. A step whose span plan the spans outgrew in the meantim
 headroom alone could not be trusted: Adagrad moves z' by up to lr per step (its accumulator holds
 g^2, so |g| / sqrt(acc) <= 1), lr x S tokens, e.g. 573 at the paper's lr 0.07 and S 8192.
 """
+import dataclasses
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from span_lm.data import batching, sources
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
+from span_lm.model import config as model_config
 from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import cpu_host
@@ -144,7 +146,7 @@ class Run:
     sources.check_lengths(self.splits, d.block, d.batch, d.eval_batch)
     self.fsdp = config.dist.fsdp
     self.tx, self.schedule = optimizer_lib.make_optimizer(config.optim)
-    # attn_tiles='tune' is timed here (tune_block), before any step compiles
+    # attention.tiles='tune' is timed here (tune_block), before any step compiles
     self.compiler = steps_lib.build(
         self.model_cfg, self.tx, batch=d.batch, eval_batch=d.eval_batch,
         batch_split=config.optim.batch_split, fsdp=self.fsdp, num_devices=num_devices,
@@ -263,11 +265,13 @@ class Run:
     return self._newest_readable(read, step, move_aside=False)
 
   def _check_meta(self, meta):
-    saved = meta.get("model_cfg", {})
-    mine = json.loads(json.dumps(dataclass_dict(self.model_cfg)))  # tuples as JSON gives them back
-    arch = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "span", "span_mode", "pers_mem",
-            "arch", "scan_layers")
-    arch += tuple(k for k in mine if k.startswith(("sparse_", "adapt_io")))
+    # Checkpoints written before config.model's sections hold its flat fields: upgraded first.
+    saved = _dotted(model_config.upgrade(meta.get("model_cfg", {})))
+    mine = _dotted(json.loads(json.dumps(dataclasses.asdict(self.model_cfg))))  # JSON's tuples
+    arch = [k for k in mine if k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
+                                     "pers_mem", "arch", "span.mode")
+            or k.startswith(("sparse.", "adapt_io."))]
+    arch.append("sparse.context" if self.model_cfg.arch == "sparse" else "span.size")
     diff = [f"{k}: checkpoint {saved.get(k)!r}, config {mine[k]!r}" for k in arch
             if k in saved and saved[k] != mine[k]]
     if diff:
@@ -286,9 +290,12 @@ class Run:
                                    align=self.config.data.align)
 
 
-def dataclass_dict(dc) -> dict:
-  import dataclasses
-  return dataclasses.asdict(dc)
+def _dotted(d: dict, prefix: str = "") -> dict:
+  """A nested dict's leaves by dotted name ({'span': {'size': 8}} -> {'span.size': 8})."""
+  out = {}
+  for k, v in d.items():
+    out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+  return out
 
 
 def _fit_caches(run: Run, state, plan):
@@ -437,8 +444,8 @@ class _Training:
     if self.t.init_from:
       state = _init_from(run, self.planner, state, self.t.init_from)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    _echo(f"model: {n_params / 1e6:.2f}M parameters; {cfg.n_layers} layers, span {cfg.span} "
-          f"({cfg.span_mode}); data {run.splits.name}: {len(run.splits.train):,} train tokens, "
+    _echo(f"model: {n_params / 1e6:.2f}M parameters; {cfg.n_layers} layers, span {cfg.span.size} "
+          f"({cfg.span.mode}); data {run.splits.name}: {len(run.splits.train):,} train tokens, "
           f"vocab {run.splits.vocab_size}")
     # Never lose the config that produced a run.
     if jax.process_index() == 0:
@@ -451,7 +458,7 @@ class _Training:
     return {"step": step, "planner": self.planner.state_dict(),
             "data": {"train": self.train_batcher.state.to_dict(),
                      "valid": self.valid_batcher.state.to_dict()},
-            "model_cfg": dataclass_dict(self.run.model_cfg), "config": self.config.to_dict(),
+            "model_cfg": dataclasses.asdict(self.run.model_cfg), "config": self.config.to_dict(),
             "compilations": len(self.run.compiler.compilations),
             "nonfinite_skipped": self.skipped, "loss_scale": self.run.loss_scale is not None}
 

@@ -12,10 +12,10 @@ class SpanPlanner:
   """Host-side keeper of the plan during training; every change is a recompilation.
 
   Growth is immediate (the next step never runs with a window shorter than a span needs) and
-  leaves headroom: every head's window is re-fitted to `cfg.plan_growth` x its need (never below
+  leaves headroom: every head's window is re-fitted to `cfg.plan.growth` x its need (never below
   its current window), so a steadily growing span recompiles geometrically rarely and heads that
   grow together share one change. Shrinking is lazy and noise-proof: once per
-  `cfg.plan_shrink_patience` steps the planner takes the largest need each head had over that
+  `cfg.plan.shrink_patience` steps the planner takes the largest need each head had over that
   window, adds the same headroom, and shrinks only if that saves at least `MIN_SHRINK_GAIN` of
   the attention keys. So there is at most one shrink per patience window and the shrunk plan still
   covers the spans' recent fluctuation. bench/plan_changes.py counts changes on long runs.
@@ -39,16 +39,16 @@ class SpanPlanner:
 
   def update(self, ratios: Sequence[np.ndarray] | None, step: int) -> bool:
     """Takes the post-update z' of every layer; returns True when the plan changed."""
-    if self.cfg.span_mode != "adaptive" or ratios is None:
+    if self.cfg.span.mode != "adaptive" or ratios is None:
       return False
     need = [needed_tokens(self.cfg, z) for z in ratios]
     current = self._windows(self.plan)
     if any(np.any(w < n) for w, n in zip(current, need)):  # grow now, with headroom
       # A growth soon after the last one (spans on the move, as early in training) doubles the
       # headroom for this change: a burst of per-head growths becomes a few changes.
-      quick = self._last_growth is not None and step - self._last_growth < self.cfg.plan_shrink_patience
+      quick = self._last_growth is not None and step - self._last_growth < self.cfg.plan.shrink_patience
       self._burst = self._burst + 1 if quick else 0
-      room = self.cfg.plan_growth * (2.0 ** min(self._burst, 2))
+      room = self.cfg.plan.growth * (2.0 ** min(self._burst, 2))
       self.plan = self._replan([np.maximum(w, windows_for(self.cfg, n, room))
                                 for w, n in zip(current, need)])
       self._last_growth = step
@@ -59,9 +59,9 @@ class SpanPlanner:
       self._shrink_since, self._max_need = step, need
       return False
     self._max_need = [np.maximum(a, n) for a, n in zip(self._max_need, need)]
-    if step - self._shrink_since < self.cfg.plan_shrink_patience:
+    if step - self._shrink_since < self.cfg.plan.shrink_patience:
       return False
-    target = self._replan([np.minimum(w, windows_for(self.cfg, m, self.cfg.plan_growth))
+    target = self._replan([np.minimum(w, windows_for(self.cfg, m, self.cfg.plan.growth))
                            for w, m in zip(current, self._max_need)])
     self._shrink_since = self._max_need = None
     if target.attention_keys() <= (1 - self.MIN_SHRINK_GAIN) * self.plan.attention_keys():

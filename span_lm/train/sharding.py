@@ -61,7 +61,7 @@ def _key_name(key) -> str:
 
 def is_stacked(path: Sequence[Any]) -> bool:
   """A layer scan's stacked parameter (or a leaf mirroring one): under the scanned module
-  (sparse_transformer, scan_layers=True), with a leading axis of one entry per step."""
+  (sparse_transformer, sparse.scan_layers=True), with a leading axis of one entry per step."""
   return any(_key_name(k) == model_config.SCANNED_LAYERS for k in path)
 
 

@@ -90,7 +90,7 @@ def _plan_covers(cfg: ModelConfig, plan: SpanPlan, params) -> jax.Array | None:
   """Whether every head's window covers its span plus ramp (plan.needed_tokens, in float32 as the
   host computes it), or None for fixed spans. The host reads span ratios late, so a step may be
   dispatched with a plan the spans have outgrown; such a step must not be applied."""
-  if cfg.span_mode != "adaptive":
+  if cfg.span.mode != "adaptive":
     return None
   ok = jnp.asarray(True)
   for lp, z in zip(plan.layers, plan_lib.span_ratio_leaves(params), strict=True):
@@ -279,7 +279,7 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
     metrics["loss_scale_skips"] = new_ls["skips"]
   if covered is not None:
     metrics["short"] = (~covered).astype(jnp.int32)
-  if cfg.span_mode == "adaptive":
+  if cfg.span.mode == "adaptive":
     # Post-update z' per layer: the host re-derives the span plan from these.
     metrics["span_ratio"] = jnp.stack(plan_lib.span_ratio_leaves(params))
   return new_state, metrics
@@ -418,7 +418,7 @@ class StepCompiler:
     if peak is not None and peak > self.capacity:
       self._log(f"attention: the {kind} step with {kernels.choose(cfg)} attention needs "
                 f"{peak / 2**30:.2f} GiB per device of {self.capacity / 2**30:.2f}: compiling it "
-                f"with attn_impl={alt.attn_impl!r} instead")
+                f"with attention.impl={alt.attention.impl!r} instead")
       cfg = self._fallen_back = alt
       compiled = self._lower_compile(cfg, make_fn(cfg), args, in_shardings, out_shardings,
                                      donate)
@@ -464,7 +464,7 @@ def build(cfg: ModelConfig, tx, *, batch: int, eval_batch: int, batch_split: int
 
   devices: lay the mesh over these (a deviceless topology's), else the first num_devices (all).
   whole_pieces: each batch_split piece must split over the devices (sharding.Layout).
-  tune_block: resolve attn_tiles='tune' by timing the kernel at this block length and this
+  tune_block: resolve attention.tiles='tune' by timing the kernel at this block length and this
   run's rows per device (kernels/autotune.py); None: the config as it is.
   The compiler's `cfg` is the model config as resolved, its `layout` the arrays' layout."""
   layout = sharding_lib.Layout.make(fsdp, num_devices, devices)

@@ -1,4 +1,4 @@
-"""model.attn_tiles: the GPU kernel's tiles from the table, named, or timed on the device.
+"""model.attention.tiles: the GPU kernel's tiles from the table, named, or timed on the device.
 
 The timing itself needs a GPU; here the same code runs the kernel interpreted, which exercises
 everything but the clock's meaning: candidates filtered and compiled, the fastest kept, the

@@ -45,7 +45,7 @@ def test_banded_attention_weights_match_reference(mode, n_pers, w, m, chunk):
   if mode == "adaptive":
     z = jnp.asarray(p["span_ratio"] * w, jnp.float32)
     mask = span_mask.soft_mask(z[None, :, None, None],
-                           jnp.arange(w, 0, -1, dtype=jnp.float32)[None, None, None, :], cfg.ramp)
+                           jnp.arange(w, 0, -1, dtype=jnp.float32)[None, None, None, :], cfg.span.ramp)
   kw = {}
   if n_pers:
     kw = dict(pers_k_GxDxN=jnp.asarray(p["pers_key"] * np.sqrt(dh), jnp.float32),

@@ -22,7 +22,7 @@ B, G, DH, R = 2, 2, 16, 4
 def cfg_for(impl, **kw):
   base = dict(vocab_size=11, d_model=G * DH, n_heads=G, d_ff=8, span=32, ramp=R,
               span_mode="adaptive", attn_impl=impl, attn_block=16, plan_granularity=16)
-  return ModelConfig(**(base | kw))
+  return ModelConfig.from_config(base | kw)
 
 
 def _case(mode, m, w, n_pers, dtype, seed=0):
@@ -119,7 +119,7 @@ def test_auto_on_a_gpu_runs_what_was_timed_faster(monkeypatch):
 
 def test_xla_is_read_as_cpu():
   assert cfg_for("xla").attn_impl == "cpu"
-  with pytest.raises(ValueError, match="config.model.attn_impl"):
+  with pytest.raises(ValueError, match="config.model.attention.impl"):
     cfg_for("triton")
 
 
@@ -151,7 +151,7 @@ def test_only_the_door_imports_a_platform_implementation():
 
 
 def test_one_table_every_implementation_offers_the_same_functions():
-  """config.model.attn_impl's names are the table's (and 'auto'); each implementation's module
+  """config.model.attention.impl's names are the table's (and 'auto'); each implementation's module
   offers the door's functions, and `select` hands out the table's entries."""
   assert kernels.ATTN_IMPLS == ("auto",) + tuple(kernels.IMPLS)
   surface = ("project_kv", "split_kv", "attend", "cached_rows", "residual_bytes",
@@ -212,14 +212,14 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
   kernels.check(cfg_for("pallas"), block=32, backend="gpu")
   cases = [
       ("pallas", dict(backend="cpu"),
-       "config.model.attn_impl='pallas' runs a Triton kernel, which needs a GPU (Ampere or "
+       "config.model.attention.impl='pallas' runs a Triton kernel, which needs a GPU (Ampere or "
        "newer); this process has cpu devices: use 'auto' (or 'pallas_interpret' to run the "
        "kernel interpreted)"),
       ("pallas_tpu", dict(backend="gpu"),
-       "config.model.attn_impl='pallas_tpu' runs a Mosaic kernel, which needs a TPU; this process "
+       "config.model.attention.impl='pallas_tpu' runs a Mosaic kernel, which needs a TPU; this process "
        "has gpu devices: use 'auto' (or 'pallas_tpu_interpret' to run the kernel interpreted)"),
       ("pallas_tpu_interpret", dict(block=24),
-       "config.data.block=24: must be a multiple of model.attn_block=16 with the fused kernel"),
+       "config.data.block=24: must be a multiple of model.attention.block=16 with the fused kernel"),
   ]
   for impl, where, line in cases:
     with pytest.raises(ValueError) as e:
@@ -231,7 +231,7 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
                           "attn_impl='pallas'")
   with pytest.raises(ValueError) as e:
     cfg_for("auto", attn_precision="exact")
-  assert str(e.value) == ("config.model.attn_precision='exact': choose one of "
+  assert str(e.value) == ("config.model.attention.precision='exact': choose one of "
                           "('default', 'highest')")
 
 

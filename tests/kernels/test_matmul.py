@@ -91,8 +91,8 @@ def test_dense_dot_general_matches_dense():
 @pytest.mark.slow
 def test_bf16_model_step_has_no_float32_matmul():
   """Every matmul of a bf16 model's forward and backward is bf16 x bf16 (the CPU fast path)."""
-  cfg = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=16, ramp=4,
-                    span_init=0.5, dtype="bfloat16")
+  cfg = ModelConfig.from_config(dict(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=16, ramp=4,
+                    span_init=0.5, dtype="bfloat16"))
   model = SpanTransformer(cfg, plan_lib.full_plan(cfg))
   x = jnp.zeros((2, 8), jnp.int32)
   caches = caches_lib.init_caches(cfg, None, 2)
@@ -177,7 +177,7 @@ def test_bf16_model_parameter_gradients_are_not_rounded_to_bf16(impl, kind):
   fields.update({"fixed": dict(span_mode="fixed"),
                  "adaptive_short": dict(span_mode="adaptive", span_init=0.1, plan_granularity=8),
                  "persistent": dict(span_mode="fixed", pers_mem=16)}[kind])
-  cfg = ModelConfig(**fields)
+  cfg = ModelConfig.from_config(fields)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.integers(0, 23, (4, 16)), jnp.int32)
   full = plan_lib.full_plan(cfg)
@@ -324,7 +324,7 @@ def test_bf16_model_gradients_follow_float32(kind):
   y = jnp.asarray(rng.integers(0, 23, (4, 16)), jnp.int32)
   grads = {}
   for dtype in ("float32", "bfloat16"):
-    cfg = ModelConfig(**fields, dtype=dtype)
+    cfg = ModelConfig.from_config(dict(fields, dtype=dtype))
     full = plan_lib.full_plan(cfg)
     params = SpanTransformer(cfg, full).init(jax.random.key(0), x,
                                              caches_lib.init_caches(cfg, full, 4))["params"]

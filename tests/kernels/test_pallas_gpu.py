@@ -317,7 +317,7 @@ def _cfg(**kw):
               span_mode="adaptive", ramp=4, span_loss=0.1, plan_granularity=16, plan_margin=0,
               attn_block=16)
   base.update(kw)
-  return ModelConfig(**base)
+  return ModelConfig.from_config(base)
 
 
 @pytest.mark.slow
@@ -411,7 +411,7 @@ def test_bad_fused_configs_raise(kw, field):
 
 def test_run_config_checks_block_length_against_the_tile():
   config = config_lib.load_config("configs/tiny.py", {
-      "model.attn_impl": "pallas", "model.attn_block": 64, "data.block": 96,
+      "model.attention.impl": "pallas", "model.attention.block": 64, "data.block": 96,
       "workdir": "/tmp/unused"})
   with pytest.raises(ValueError, match="config.data.block"):
     config_lib.validate(config)
@@ -420,7 +420,7 @@ def test_run_config_checks_block_length_against_the_tile():
 def test_pallas_on_a_cpu_is_refused_before_anything_runs(tmp_path):
   from span_lm.train import loop  # pylint: disable=g-import-not-at-top
   config = config_lib.load_config("configs/synthetic.py", {
-      "model.attn_impl": "pallas", "workdir": str(tmp_path / "run")})
+      "model.attention.impl": "pallas", "workdir": str(tmp_path / "run")})
   with pytest.raises(ValueError, match="needs a GPU"):
     loop.Run(config)
   assert not (tmp_path / "run").exists()

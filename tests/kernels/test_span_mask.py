@@ -51,7 +51,7 @@ def door_cfg(impl, **kw):
   """A model config for calling the door's attend directly (head size DH)."""
   base = dict(vocab_size=11, d_model=2 * DH, n_heads=2, d_ff=8, span=16, ramp=R,
               span_mode="adaptive", attn_impl=impl, attn_block=16, plan_granularity=16)
-  return ModelConfig(**(base | kw))
+  return ModelConfig.from_config(base | kw)
 
 
 @pytest.mark.slow

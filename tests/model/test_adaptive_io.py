@@ -28,7 +28,7 @@ def make_cfg(**kw):
               span_mode="fixed", adapt_io=True, adapt_io_cutoffs=(5, 12), adapt_io_div=2,
               adapt_io_tied=True)
   base.update(kw)
-  return ModelConfig(**base)
+  return ModelConfig.from_config(base)
 
 
 def init(module, *args, seed=0):
@@ -44,7 +44,7 @@ def run(module, params, *args):
 
 def numpy_adaptive_logp(sd, cfg, h):
   """Reference adaptive log-softmax (ProjectedAdaptiveLogSoftmax.forward, for every token)."""
-  edges = [0, *cfg.adapt_io_cutoffs, cfg.vocab_size]
+  edges = [0, *cfg.adapt_io.cutoffs, cfg.vocab_size]
   n_tail = len(edges) - 2
   w0 = np.concatenate([sd["out_emb.out_layers.0.weight"], sd["out_emb.cluster_proj.weight"]])
   b0 = np.concatenate([sd["out_emb.out_layers.0.bias"], sd["out_emb.cluster_proj.bias"]])
@@ -58,16 +58,16 @@ def numpy_adaptive_logp(sd, cfg, h):
 
 def numpy_embedding_table(sd, cfg):
   """AdaptiveEmbedding as a dense (V, D) table: row t = sqrt(D) * emb_i[t - c_i] P_i^T."""
-  n = len(cfg.adapt_io_cutoffs) + 1
+  n = len(cfg.adapt_io.cutoffs) + 1
   return np.concatenate([sd[f"in_emb.emb_layers.{i}.weight"] @ sd[f"in_emb.emb_projs.{i}"].T
                          for i in range(n)]) * np.sqrt(cfg.d_model)
 
 
 def random_reference_io(cfg, rng):
   """The reference's in_emb/out_emb tensors (tied: out_layers/out_projs repeat in_emb's)."""
-  edges = [0, *cfg.adapt_io_cutoffs, cfg.vocab_size]
+  edges = [0, *cfg.adapt_io.cutoffs, cfg.vocab_size]
   sd = collections.OrderedDict()
-  dims = [cfg.d_model // cfg.adapt_io_div ** i for i in range(len(edges) - 1)]
+  dims = [cfg.d_model // cfg.adapt_io.div ** i for i in range(len(edges) - 1)]
   for i, d in enumerate(dims):
     sd[f"in_emb.emb_layers.{i}.weight"] = rng.normal(size=(edges[i + 1] - edges[i], d))
   for i, d in enumerate(dims):
@@ -75,11 +75,11 @@ def random_reference_io(cfg, rng):
   sd["out_emb.cluster_proj.weight"] = rng.normal(size=(len(dims) - 1, cfg.d_model))
   sd["out_emb.cluster_proj.bias"] = rng.normal(size=(len(dims) - 1,))
   for i, d in enumerate(dims):
-    sd[f"out_emb.out_layers.{i}.weight"] = (sd[f"in_emb.emb_layers.{i}.weight"] if cfg.adapt_io_tied
+    sd[f"out_emb.out_layers.{i}.weight"] = (sd[f"in_emb.emb_layers.{i}.weight"] if cfg.adapt_io.tied
                                             else rng.normal(size=(edges[i + 1] - edges[i], d)))
     sd[f"out_emb.out_layers.{i}.bias"] = rng.normal(size=(edges[i + 1] - edges[i],))
   for i, d in enumerate(dims):
-    sd[f"out_emb.out_projs.{i}"] = (sd[f"in_emb.emb_projs.{i}"] if cfg.adapt_io_tied
+    sd[f"out_emb.out_projs.{i}"] = (sd[f"in_emb.emb_projs.{i}"] if cfg.adapt_io.tied
                                     else rng.normal(size=(cfg.d_model, d)) / np.sqrt(d))
   return sd
 
@@ -149,12 +149,12 @@ def test_model_matches_reference_equations_after_import(tied):
   sd = collections.OrderedDict(
       (e.key, np.asarray(sd[e.key], np.float32)) for e in rc.reference_entries(cfg)
       if e.key in sd)
-  assert rc.infer_model(sd)["adapt_io_tied"] == tied
+  assert rc.infer_model(sd)["adapt_io.tied"] == tied
   rc.check_fits(sd, cfg)
   params = rc.to_span_lm(sd, cfg)
 
   tokens = rng.integers(V, size=(2, 6))
-  caches = tuple(rng.normal(size=(2, cfg.span, D)) for _ in range(cfg.n_layers))
+  caches = tuple(rng.normal(size=(2, cfg.span.size, D)) for _ in range(cfg.n_layers))
   logp, _, _ = run(SpanTransformer(cfg), params, jnp.asarray(tokens),
                    tuple(jnp.asarray(c, jnp.float32) for c in caches))
 
@@ -182,8 +182,8 @@ def test_reference_order_is_torchs(tied):
   torch = pytest.importorskip("torch")
   nn = torch.nn
   cfg = make_cfg(adapt_io_tied=tied)
-  edges = [0, *cfg.adapt_io_cutoffs, V]
-  dims = [D // cfg.adapt_io_div ** i for i in range(len(edges) - 1)]
+  edges = [0, *cfg.adapt_io.cutoffs, V]
+  dims = [D // cfg.adapt_io.div ** i for i in range(len(edges) - 1)]
 
   class In(nn.Module):
     def __init__(self):
@@ -210,7 +210,7 @@ def test_reference_order_is_torchs(tied):
         for i in range(len(dims)):
           self.out_emb.out_layers[i].weight = self.in_emb.emb_layers[i].weight
           self.out_emb.out_projs[i] = self.in_emb.emb_projs[i]
-      self.key_pe = nn.Parameter(torch.zeros(1, cfg.head_dim, cfg.span))
+      self.key_pe = nn.Parameter(torch.zeros(1, cfg.head_dim, cfg.span.size))
 
   m = Seq()
   entries = [e for e in rc.reference_entries(cfg) if not e.key.startswith("layers.")]

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import reference_numpy as ref
-from model_helpers import make_cfg, to_jax, to_np
+from model_helpers import make_cfg, to_jax, to_np, replace_flat
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
@@ -71,7 +71,7 @@ def test_reference_self_consistency_stream():
   rng = np.random.default_rng(1)
   params = ref.random_params(cfg, rng)
   tokens = rng.integers(cfg.vocab_size, size=(B, 20))
-  zeros = [np.zeros((B, cfg.span, cfg.d_model))] * cfg.n_layers
+  zeros = [np.zeros((B, cfg.span.size, cfg.d_model))] * cfg.n_layers
   full, full_caches, _ = ref.forward(cfg, params, tokens, zeros)
   caches, outs = zeros, []
   for k in range(0, 20, 5):
@@ -89,7 +89,7 @@ def test_reference_weights_are_normalised_and_banded(mode, n_pers):
   rng = np.random.default_rng(2)
   params = ref.random_params(cfg, rng)
   tokens = rng.integers(cfg.vocab_size, size=(B, 6))
-  caches = random_caches(rng, cfg, [cfg.span] * cfg.n_layers)
+  caches = random_caches(rng, cfg, [cfg.span.size] * cfg.n_layers)
   _, _, aux = ref.forward(cfg, params, tokens, caches, return_weights=True)
   for w in aux["weights"]:
     tot = w["context"].sum(-1)
@@ -100,8 +100,8 @@ def test_reference_weights_are_normalised_and_banded(mode, n_pers):
     np.testing.assert_allclose(tot, 1.0, atol=1e-4)
     # Query i sits at S + i; only distances 1..S may carry weight.
     m, p = w["context"].shape[-2:]
-    dist = (cfg.span + np.arange(m))[:, None] - np.arange(p)[None, :]
-    outside = (dist < 1) | (dist > cfg.span)
+    dist = (cfg.span.size + np.arange(m))[:, None] - np.arange(p)[None, :]
+    outside = (dist < 1) | (dist > cfg.span.size)
     assert np.all(w["context"][..., outside] == 0)
 
 
@@ -186,7 +186,7 @@ def check_against_reference(cfg, m, seed):
   params = to_jax(params64)
   params64 = to_np(params)  # the float32-rounded values, so both sides see the same numbers
   tokens = rng.integers(cfg.vocab_size, size=(B, m))
-  caches64 = random_caches(rng, cfg, [cfg.span] * cfg.n_layers)
+  caches64 = random_caches(rng, cfg, [cfg.span.size] * cfg.n_layers)
   caches = to_jax(caches64)
   caches64 = to_np(caches)
 
@@ -201,14 +201,14 @@ def check_against_reference(cfg, m, seed):
   for key in ("span_avg", "span_max"):
     assert np.shape(aux[key]) == (cfg.n_layers,), key
     assert np.all(np.isfinite(np.asarray(aux[key]))), key
-  if cfg.span_mode == "fixed":
+  if cfg.span.mode == "fixed":
     assert float(aux["span_loss"]) == 0.0
-  if cfg.span_mode == "adaptive":
+  if cfg.span.mode == "adaptive":
     np.testing.assert_allclose(np.asarray(aux["span_z"]), e_aux["span_z"], rtol=1e-6,
                                err_msg="span_z")
     np.testing.assert_array_equal(np.asarray(aux["span_avg"]), e_aux["span_avg"])
     np.testing.assert_array_equal(np.asarray(aux["span_max"]), e_aux["span_max"])
-  if cfg.span_mode == "dynamic":
+  if cfg.span.mode == "dynamic":
     assert_close_tree(aux["dyn_spans"], e_aux["dyn_spans"], rtol=1e-5, atol=1e-5,
                       what="dyn_spans")
 
@@ -219,7 +219,7 @@ def test_dropout_is_identity_at_eval_and_active_in_training():
   rng = np.random.default_rng(11)
   params = to_jax(ref.random_params(cfg, rng))
   tokens = rng.integers(cfg.vocab_size, size=(B, 8))
-  caches = to_jax(random_caches(rng, cfg, [cfg.span] * cfg.n_layers))
+  caches = to_jax(random_caches(rng, cfg, [cfg.span.size] * cfg.n_layers))
   logp, _, _ = apply_fn(cfg)(params, jnp.asarray(tokens, jnp.int32), caches)
   e_logp, _, _ = ref.forward(cfg, to_np(params), tokens, to_np(caches))
   np.testing.assert_allclose(np.asarray(logp), e_logp, rtol=1e-5, atol=2e-5)
@@ -252,7 +252,7 @@ def test_stream_blocks_equal_numpy_single_pass():
   params = to_jax(ref.random_params(cfg, rng))
   tokens = rng.integers(cfg.vocab_size, size=(B, m * k))
   logp, caches = run_blocks(cfg, params, tokens, m)
-  zeros = [np.zeros((B, cfg.span, cfg.d_model))] * cfg.n_layers
+  zeros = [np.zeros((B, cfg.span.size, cfg.d_model))] * cfg.n_layers
   e_logp, e_caches, _ = ref.forward(cfg, to_np(params), tokens, zeros)
   np.testing.assert_allclose(logp, e_logp, rtol=1e-5, atol=2e-5)
   assert_close_tree(caches, e_caches, rtol=1e-5, atol=1e-5, what="final caches")
@@ -281,7 +281,7 @@ def short_span_setup(seed=30):
   # z' <= 0.15: z + R <= 13.6 < 16 for every head.
   params = to_jax(ref.random_params(cfg, rng, span_ratio_range=(0.0, 0.15)))
   tokens = rng.integers(cfg.vocab_size, size=(B, 8))
-  full = to_jax(random_caches(rng, cfg, [cfg.span] * cfg.n_layers))
+  full = to_jax(random_caches(rng, cfg, [cfg.span.size] * cfg.n_layers))
   return cfg, params, jnp.asarray(tokens, jnp.int32), full
 
 
@@ -292,13 +292,13 @@ def test_trimming_plan_matches_untrimmed():
   hash(plan)
   assert len(plan.layers) == cfg.n_layers
   lens = [lp.cache_len for lp in plan.layers]
-  assert all(n < cfg.span for n in lens), f"plan does not trim at all: {plan}"
+  assert all(n < cfg.span.size for n in lens), f"plan does not trim at all: {plan}"
   plan_lib.check_plan(cfg, params, plan)  # must not raise
 
   trimmed = caches_lib.resize_caches(full, cfg, plan)
   for t, f_, n in zip(trimmed, full, lens):
     assert t.shape == (B, n, cfg.d_model)
-    np.testing.assert_array_equal(np.asarray(t), np.asarray(f_)[:, cfg.span - n:])
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(f_)[:, cfg.span.size - n:])
   fresh = caches_lib.init_caches(cfg, plan, B)
   assert [c.shape for c in fresh] == [(B, n, cfg.d_model) for n in lens]
 
@@ -307,7 +307,7 @@ def test_trimming_plan_matches_untrimmed():
   np.testing.assert_allclose(np.asarray(logp1), np.asarray(logp0), rtol=1e-5, atol=1e-5)
   for c1, c0, n in zip(caches1, caches0, lens):
     assert c1.shape == (B, n, cfg.d_model)
-    np.testing.assert_allclose(np.asarray(c1), np.asarray(c0)[:, cfg.span - n:], rtol=1e-5,
+    np.testing.assert_allclose(np.asarray(c1), np.asarray(c0)[:, cfg.span.size - n:], rtol=1e-5,
                                atol=1e-5)
   np.testing.assert_allclose(float(aux1["span_loss"]), float(aux0["span_loss"]), rtol=1e-6)
   e_logp, _, _ = ref.forward(cfg, to_np(params), np.asarray(tokens), to_np(full))
@@ -321,9 +321,9 @@ def test_resize_caches_pads_left_with_zeros():
   back = caches_lib.resize_caches(trimmed, cfg, None)
   for bk, t in zip(back, trimmed):
     n = t.shape[1]
-    assert bk.shape == (B, cfg.span, cfg.d_model)
-    np.testing.assert_array_equal(np.asarray(bk)[:, :cfg.span - n], 0.0)
-    np.testing.assert_array_equal(np.asarray(bk)[:, cfg.span - n:], np.asarray(t))
+    assert bk.shape == (B, cfg.span.size, cfg.d_model)
+    np.testing.assert_array_equal(np.asarray(bk)[:, :cfg.span.size - n], 0.0)
+    np.testing.assert_array_equal(np.asarray(bk)[:, cfg.span.size - n:], np.asarray(t))
 
 
 def test_check_plan_rejects_too_short_window():
@@ -357,7 +357,7 @@ def test_check_plan_exact_boundary():
     plan_lib.check_plan(cfg, params, plan(8))
   plan_lib.check_plan(cfg, params, plan(9))
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 8)), jnp.int32)
-  full = to_jax(random_caches(rng, cfg, [cfg.span]))
+  full = to_jax(random_caches(rng, cfg, [cfg.span.size]))
   logp0, _, _ = apply_fn(cfg)(params, tokens, full)
   logp9, _, _ = apply_fn(cfg, plan(9))(params, tokens, caches_lib.resize_caches(full, cfg, plan(9)))
   np.testing.assert_allclose(np.asarray(logp9), np.asarray(logp0), rtol=1e-5, atol=1e-5)
@@ -379,7 +379,7 @@ def test_head_groups_match_single_group_and_no_plan(m, chunk):
   params64["layers_1"]["attn"]["span_ratio"] = np.array([0.2, 0.02, 0.45, 0.1])
   params = to_jax(params64)
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, m)), jnp.int32)
-  full = to_jax(random_caches(rng, cfg, [cfg.span] * cfg.n_layers))
+  full = to_jax(random_caches(rng, cfg, [cfg.span.size] * cfg.n_layers))
 
   grouped = plan_lib.SpanPlan(layers=(
       plan_lib.LayerPlan(cache_len=24, groups=(((0, 2), 8), ((1,), 16), ((3,), 24))),
@@ -419,7 +419,7 @@ def test_causality_by_gradient(mode, n_pers):
   params = to_jax(ref.random_params(cfg, rng))
   tokens = rng.permutation(cfg.vocab_size)[:m]  # one distinct token (embedding row) per position
   targets = rng.integers(cfg.vocab_size, size=m)
-  caches = to_jax(random_caches(rng, cfg, [cfg.span] * cfg.n_layers, b=1))
+  caches = to_jax(random_caches(rng, cfg, [cfg.span.size] * cfg.n_layers, b=1))
   model = SpanTransformer(cfg, plan=None)
 
   def losses(emb):
@@ -455,7 +455,7 @@ def test_span_loss_gradient():
   for i in range(cfg.n_layers):
     g = np.asarray(grads[f"layers_{i}"]["attn"]["span_ratio"])
     # d/dz' of coeff * S * mean(z') = coeff * S / H per head.
-    np.testing.assert_allclose(g, cfg.span_loss * cfg.span / cfg.n_heads, rtol=1e-6)
+    np.testing.assert_allclose(g, cfg.span.loss * cfg.span.size / cfg.n_heads, rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -493,7 +493,7 @@ def test_persistent_memory_weights_sum_to_one(mode):
   rng = np.random.default_rng(70)
   p64 = ref.random_params(cfg, rng)
   tokens = rng.integers(cfg.vocab_size, size=(B, 8))
-  caches = random_caches(rng, cfg, [cfg.span])
+  caches = random_caches(rng, cfg, [cfg.span.size])
   _, _, aux = ref.forward(cfg, p64, tokens, caches, return_weights=True)
   for w in aux["weights"]:  # the reference itself
     np.testing.assert_allclose(w["context"].sum(-1) + w["persistent"].sum(-1), 1.0, atol=1e-4)
@@ -505,7 +505,7 @@ def test_persistent_memory_weights_sum_to_one(mode):
   params = to_jax(p64)
   p64 = to_np(params)
   tokens = np.zeros((B, 8), np.int64)
-  caches = (np.tile(p64["in_emb"]["embedding"][0], (B, cfg.span, 1)),)
+  caches = (np.tile(p64["in_emb"]["embedding"][0], (B, cfg.span.size, 1)),)
   logp, _, _ = apply_fn(cfg)(params, jnp.asarray(tokens, jnp.int32), to_jax(caches))
 
   e = p64["in_emb"]["embedding"][0]
@@ -586,27 +586,27 @@ def _planner_walk(cfg, z, start=0, planner=None):
 
 def _noisy_growth(cfg, steps, seed=0):
   rng = np.random.default_rng(seed)
-  z_end = rng.uniform(0, 0.5, (cfg.n_layers, cfg.n_heads)) * cfg.span
+  z_end = rng.uniform(0, 0.5, (cfg.n_layers, cfg.n_heads)) * cfg.span.size
   t = np.arange(1, steps + 1)[:, None, None]
   walk = np.cumsum(rng.standard_normal((steps, cfg.n_layers, cfg.n_heads)) * 2, axis=0)
   walk -= np.linspace(0, 1, steps)[:, None, None] * walk[-1]  # a bridge: bounded noise
   z = z_end * (1 - np.exp(-t / rng.uniform(500, 3000, z_end.shape))) + walk
-  return (np.clip(z, 0, cfg.span) / cfg.span).astype(np.float32)
+  return (np.clip(z, 0, cfg.span.size) / cfg.span.size).astype(np.float32)
 
 
 def test_planner_always_covers_and_headroom_cuts_changes():
-  base = ModelConfig(vocab_size=8, d_model=16, n_layers=3, n_heads=4, d_ff=16, span=1024, ramp=16,
-                     plan_shrink_patience=300)
+  base = ModelConfig.from_config(dict(vocab_size=8, d_model=16, n_layers=3, n_heads=4, d_ff=16, span=1024, ramp=16,
+                     plan_shrink_patience=300))
   z = _noisy_growth(base, 4000)
-  _, tight = _planner_walk(dataclasses.replace(base, plan_growth=1.0), z)
-  _, roomy = _planner_walk(dataclasses.replace(base, plan_growth=1.5), z)
+  _, tight = _planner_walk(replace_flat(base, plan_growth=1.0), z)
+  _, roomy = _planner_walk(replace_flat(base, plan_growth=1.5), z)
   assert len(roomy) < len(tight) / 2, (len(roomy), len(tight))
   assert tight and roomy
 
 
 def test_planner_shrinks_once_per_window_to_recent_need():
-  cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=1, n_heads=2, d_ff=16, span=1024, ramp=16,
-                    plan_shrink_patience=10, plan_growth=1.5)
+  cfg = ModelConfig.from_config(dict(vocab_size=8, d_model=16, n_layers=1, n_heads=2, d_ff=16, span=1024, ramp=16,
+                    plan_shrink_patience=10, plan_growth=1.5))
   planner = planner_lib.SpanPlanner(cfg)
   big = np.array([[0.5, 0.0]], np.float32)
   assert planner.update(list(big), 1)  # growth is immediate
@@ -619,8 +619,8 @@ def test_planner_shrinks_once_per_window_to_recent_need():
 
 
 def test_planner_state_round_trip_mid_window():
-  cfg = ModelConfig(vocab_size=8, d_model=16, n_layers=2, n_heads=4, d_ff=16, span=512, ramp=16,
-                    plan_shrink_patience=50)
+  cfg = ModelConfig.from_config(dict(vocab_size=8, d_model=16, n_layers=2, n_heads=4, d_ff=16, span=512, ramp=16,
+                    plan_shrink_patience=50))
   z = _noisy_growth(cfg, 1200, seed=3)
   a, changes_a = _planner_walk(cfg, z)
   b, changes_b = _planner_walk(cfg, z[:600])

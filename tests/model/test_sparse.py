@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model_helpers import replace_flat
 from span_lm import config as config_lib
 from span_lm.data import cifar
 from span_lm.data import sources
@@ -136,7 +137,7 @@ def _cfg(**kw):
   base = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=40,
               span_mode="fixed", arch="sparse", sparse_stride=8, sparse_c=2)
   base.update(kw)
-  return ModelConfig(**base)
+  return ModelConfig.from_config(base)
 
 
 def _init(cfg, m):
@@ -192,7 +193,7 @@ def test_model_interface_and_init(base):
 @pytest.mark.slow
 def test_fast_and_dense_impl_agree_in_the_model(base):
   cfg, _, params, (loss, logp, grads, _) = base
-  loss_d, logp_d, grads_d, _ = _loss_and_grads(dataclasses.replace(cfg, sparse_impl="dense"),
+  loss_d, logp_d, grads_d, _ = _loss_and_grads(replace_flat(cfg, sparse_impl="dense"),
                                                params)
   np.testing.assert_allclose(logp, logp_d, atol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads_d)
@@ -220,7 +221,7 @@ def test_bfloat16_close_to_float32(base):
 @pytest.mark.slow
 def test_pre_and_post_activation_blocks(base):
   cfg, _, params, (loss, _, _, _) = base
-  post = dataclasses.replace(cfg, sparse_prenorm=False, sparse_act="relu")
+  post = replace_flat(cfg, sparse_prenorm=False, sparse_act="relu")
   assert "norm_out" in params
   post_params = {k: v for k, v in params.items() if k != "norm_out"}  # the same weights
   loss_p, _, grads_p, _ = _loss_and_grads(post, post_params)
@@ -274,7 +275,7 @@ def test_adamw_cosine_optimizer():
 def _stack(params, cfg):
   """Unrolled 'layers_{i}' parameters in the layer scan's layout: 'layers/block_j', stacked over
   the groups of cfg.scan_period blocks."""
-  p = cfg.scan_period
+  p = cfg.sparse.scan_period
   out = {k: v for k, v in params.items() if not k.startswith("layers_")}
   out["layers"] = {f"block_{j}": jax.tree.map(
       lambda *xs: jnp.stack(xs), *[params[f"layers_{g * p + j}"]
@@ -293,8 +294,8 @@ def test_layer_scan_is_the_same_function(combine, n_layers, remat):
   params = dict(fresh, out_emb={"kernel": 0.1 * jax.random.normal(
       jax.random.key(1), fresh["out_emb"]["kernel"].shape)})
   loss, logp, grads, _ = _loss_and_grads(cfg, params)
-  scan = dataclasses.replace(cfg, scan_layers=True)
-  assert scan.scan_period == (2 if combine == "interleaved" else 1)
+  scan = replace_flat(cfg, scan_layers=True)
+  assert scan.sparse.scan_period == (2 if combine == "interleaved" else 1)
   assert jax.tree.structure(_init(scan, 40)) == jax.tree.structure(_stack(params, scan))
   loss_s, logp_s, grads_s, _ = _loss_and_grads(scan, _stack(params, scan))
   np.testing.assert_allclose(loss_s, loss, rtol=1e-6)
@@ -427,7 +428,7 @@ def test_cifar_config_builds_a_run(tmp_path, monkeypatch):
   c.data.batch = c.data.eval_batch = 8  # the tests' 8 devices
   run = loop.Run(c)
   try:
-    assert run.splits.name == "cifar10" and run.model_cfg.sparse_data_shape == (32, 32, 3)
+    assert run.splits.name == "cifar10" and run.model_cfg.sparse.data_shape == (32, 32, 3)
     plan = plan_lib.full_plan(run.model_cfg)
     _, abstract, _ = run.abstract_state(plan)
     assert abstract["params"]["pos_emb_2"].shape == (3, 32)  # the channel table

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from model_helpers import replace_flat
 from span_lm import kernels
 from span_lm.kernels import pallas_gpu
 from span_lm.kernels import target as target_lib
@@ -116,8 +117,8 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
     assert cost["fwd"]["flops"] == b * h * tiles * 2 * 2 * t * t * dh  # q k^T and p v
     assert cost["position"]["flops"] == 4 * 2 * b * h * m * (w + 1) * dh  # four XLA matmuls
     assert all(c["bytes_min"] <= c["bytes"] for c in cost.values())
-  cfg = ModelConfig(vocab_size=11, d_model=512, n_heads=8, span=8192, span_mode="adaptive",
-                    dtype="bfloat16")
+  cfg = ModelConfig.from_config(dict(vocab_size=11, d_model=512, n_heads=8, span=8192, span_mode="adaptive",
+                    dtype="bfloat16"))
   with target_lib.compiling_for("cuda", 9.0):
     rows = compile_lib.kernel_roofline(
         chips.get("h100"), cfg,
@@ -135,12 +136,12 @@ def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():
   """ptxas' occupancy floor (docs/kernels.md, the 32-register cap) for a GPU step with the fused
   kernel; nothing for the reference path, the CPU or a TPU."""
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  cfg = ModelConfig(vocab_size=11, d_model=128, n_heads=2, span=128, attn_block=64,
-                    plan_granularity=64)
+  cfg = ModelConfig.from_config(dict(vocab_size=11, d_model=128, n_heads=2, span=128, attn_block=64,
+                    plan_granularity=64))
   with target_lib.compiling_for("cuda", 8.0):
-    assert kernels.compiler_options(dataclasses.replace(cfg, attn_impl="pallas")) == {
+    assert kernels.compiler_options(replace_flat(cfg, attn_impl="pallas")) == {
         "xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
-    assert kernels.compiler_options(dataclasses.replace(cfg, attn_impl="reference")) == {}
+    assert kernels.compiler_options(replace_flat(cfg, attn_impl="reference")) == {}
     assert kernels.compiler_options(cfg) == {}  # auto: the XLA path while the kernel is untimed
   with target_lib.compiling_for("gpu", 7.0):  # V100: the reference path
     assert kernels.compiler_options(cfg) == {}
@@ -193,7 +194,7 @@ def test_layer_scan_bytes_are_scaled_to_an_upper_bound(tmp_path):
     out = tmp_path / str(scan)
     r = subprocess.run([sys.executable, "main.py", "--config=configs/cifar10_sparse.py:smoke",
                         "--config.mode=compile", "--config.compile.targets=v5e:2x2",
-                        "--config.model.n_layers=4", f"--config.model.scan_layers={scan}",
+                        "--config.model.n_layers=4", f"--config.model.sparse.scan_layers={scan}",
                         "--config.data.batch=4", "--config.data.eval_batch=4",
                         "--config.compile.steps=train", f"--config.compile.out={out}"],
                        cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
@@ -215,7 +216,7 @@ def test_compile_mode_for_an_h100(tmp_path):
   r = subprocess.run([sys.executable, "main.py", "--config=configs/tiny.py",
                       "--config.mode=compile", "--config.compile.targets=h100:1",
                       "--config.model.dtype=bfloat16", "--config.compile.steps=train",
-                      "--config.model.attn_impl=pallas", f"--config.compile.out={tmp_path}"],
+                      "--config.model.attention.impl=pallas", f"--config.compile.out={tmp_path}"],
                      cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
   assert r.returncode == 0, r.stdout + r.stderr
   row = json.load(open(tmp_path / "compile_report.json"))["rows"][0]

@@ -36,7 +36,7 @@ def make_cfg(**kw):
   base = dict(vocab_size=11, d_model=16, n_layers=2, n_heads=4, d_ff=24, span=16,
               span_mode="adaptive", ramp=4, span_loss=0.0, pers_mem=0)
   base.update(kw)
-  return ModelConfig(**base)
+  return ModelConfig.from_config(base)
 
 
 def f32(tree):
@@ -53,13 +53,13 @@ def reference_state_dict(cfg, p):
   for i in range(cfg.n_layers):
     a, r = p[f"layers_{i}"], f"layers.{i}."
     mask = r + "attn.attn.adaptive_span._mask."
-    if cfg.span_mode == "adaptive":
+    if cfg.span.mode == "adaptive":
       sd[mask + "current_val"] = a["attn"]["span_ratio"][:, None, None]
-      sd[mask + "mask_template"] = np.linspace(1 - cfg.span, 0, cfg.span)
+      sd[mask + "mask_template"] = np.linspace(1 - cfg.span.size, 0, cfg.span.size)
     if cfg.pers_mem:
       sd[r + "attn.attn.persistent_memory.key"] = a["attn"]["pers_key"]
       sd[r + "attn.attn.persistent_memory.val"] = a["attn"]["pers_val"]
-      if cfg.span_mode == "adaptive":  # the reference registers the same module there too
+      if cfg.span.mode == "adaptive":  # the reference registers the same module there too
         for n in ("current_val", "mask_template"):
           sd[f"{r}attn.attn.persistent_memory.adaptive_span._mask.{n}"] = sd[mask + n]
     for n in ("proj_query", "proj_out", "proj_val", "proj_key"):
@@ -120,7 +120,7 @@ def test_import_places_every_tensor_and_matches_numpy_forward(tmp_path, kw, lega
   assert rest["iter_no"] == 3 and opt_sd["param_groups"][0]["lr"] == 0.07
 
   tokens = rng.integers(cfg.vocab_size, size=(2, 8))
-  caches = tuple(rng.normal(size=(2, cfg.span, cfg.d_model)) for _ in range(cfg.n_layers))
+  caches = tuple(rng.normal(size=(2, cfg.span.size, cfg.d_model)) for _ in range(cfg.n_layers))
   logp, _, _ = apply(cfg, params, tokens, tuple(jnp.asarray(c, jnp.float32) for c in caches))
   want, _, _ = ref.forward(cfg, known, tokens, caches)
   np.testing.assert_allclose(np.asarray(logp, np.float64), want, rtol=2e-5, atol=2e-5)
@@ -226,7 +226,7 @@ def test_parameter_order_is_torchs(tmp_path):
     def __init__(self):
       super().__init__()
       self.current_val = nn.Parameter(torch.rand(cfg.n_heads, 1, 1))
-      self.register_buffer("mask_template", torch.linspace(1 - cfg.span, 0, cfg.span))
+      self.register_buffer("mask_template", torch.linspace(1 - cfg.span.size, 0, cfg.span.size))
 
   class Span(nn.Module):
     def __init__(self):
@@ -269,7 +269,7 @@ def test_parameter_order_is_torchs(tmp_path):
       super().__init__()
       self.in_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
       self.out_emb = nn.Linear(cfg.d_model, cfg.vocab_size)
-      self.key_pe = nn.Parameter(torch.randn(1, cfg.head_dim, cfg.span))
+      self.key_pe = nn.Parameter(torch.randn(1, cfg.head_dim, cfg.span.size))
       self.layers = nn.ModuleList(Layer() for _ in range(cfg.n_layers))
 
   model = nn.DataParallel(Seq())
@@ -299,7 +299,7 @@ def _config(tmp_path, mode, **overrides):
   base = {"workdir": str(tmp_path / "run"), "mode": mode, "data.synthetic_length": 20_000,
           "data.synthetic_vocab": 11, "data.block": 8, "data.batch": 8, "data.eval_batch": 8,
           "model.n_layers": 1, "model.d_model": 16, "model.n_heads": 4, "model.d_ff": 24,
-          "model.span": 16, "model.ramp": 4, "model.span_init": 0.0, "model.span_loss": 0.0,
+          "model.span.size": 16, "model.span.ramp": 4, "model.span.init": 0.0, "model.span.loss": 0.0,
           "train.log_every": 1, "train.eval_every": 2, "train.eval_batches": 1,
           "train.checkpoint_every": 2, "train.tensorboard": False, "train.full_eval_at_end": False}
   base.update(overrides)
@@ -395,7 +395,7 @@ def test_real_torch_files_import_and_export_round_trip(tmp_path, case, fmt):
   original = torch_format.load(path, allow_torch=False)
   sd, opt_sd, rest = rc.read(path)
   found = rc.infer_model(sd)
-  assert found["pers_mem"] == (4 if case == "pers" else 0) and found["span_mode"] == "adaptive"
+  assert found["pers_mem"] == (4 if case == "pers" else 0) and found["span.mode"] == "adaptive"
   cfg = make_cfg(**{k: v for k, v in found.items() if k in ("vocab_size", "d_model", "n_layers",
                                                           "n_heads", "d_ff", "span", "pers_mem")},
                  ramp=8)

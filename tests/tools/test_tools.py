@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model_helpers import replace_flat
 from span_lm import cli
 from span_lm import config as config_lib
 from span_lm.model import caches as caches_lib
@@ -29,7 +30,7 @@ def make(mode="adaptive", ratios=None, **kw):
   """A tiny model, its parameters (span ratios set when given) and its tightest plan."""
   base = {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64, "span": 128,
           "ramp": 16, "span_mode": mode}
-  cfg = ModelConfig(**(base | kw))
+  cfg = ModelConfig.from_config(base | kw)
   params = jax.tree.map(lambda x: x, _init(cfg)["params"])  # fresh dicts: the cache stays intact
   for i, r in enumerate(ratios or []):
     params[f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(r, jnp.float32)
@@ -44,7 +45,7 @@ TRIMMED = [[0.0, 0.0, 0.0, 0.1], [0.1, 0.1, 0.5, 0.9]]
 
 
 def test_forward_macs_equal_a_hand_count():
-  cfg = ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4, d_ff=256, span=256)
+  cfg = ModelConfig.from_config(dict(vocab_size=50, d_model=64, n_layers=2, n_heads=4, d_ff=256, span=256))
   plan = plan_lib.plan_from_ratios(
       cfg, [np.asarray(r, np.float32) for r in [[0, 0, 0, 0.1], [0.1, 0.1, 0.3, 0.9]]])
   assert plan.describe() == "L0 cache=128 [0, 1, 2, 3]:64; L1 cache=256 [0, 1]:64 [2]:128 [3]:256"
@@ -113,9 +114,9 @@ def test_reference_activation_bytes_match_jax_residuals(mode, dropout, pers, dty
   one float32 band for a fixed span (was counted as two), three with the adaptive mask (was
   four), dropout's output and a boolean keep mask (was a float32 band)."""
   saved_residuals = pytest.importorskip("jax._src.ad_checkpoint").saved_residuals
-  cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, span=128, ramp=16,
+  cfg = ModelConfig.from_config(dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, span=128, ramp=16,
                     span_mode=mode, dropout=dropout, pers_mem=pers, dtype=dtype,
-                    attn_impl="reference")
+                    attn_impl="reference"))
   plan, b, m = plan_lib.full_plan(cfg), 2, 32
   model = SpanTransformer(cfg, plan)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
@@ -142,16 +143,16 @@ def test_peak_estimate_within_a_factor_of_xla_cpu_temporaries(impl, mode, dtype)
   peak_activation_bytes is within a factor 1.35 of the compiled step's temporaries on XLA:CPU
   (0.78-1.07 measured over impls, modes and dtypes): XLA:CPU keeps what JAX saves. XLA:TPU does
   not (the test below)."""
-  cfg = ModelConfig(vocab_size=50, d_model=64, n_layers=4, n_heads=4, d_ff=128, span=256, ramp=16,
-                    span_mode=mode, dropout=0.1, attn_impl=impl, dtype=dtype)
+  cfg = ModelConfig.from_config(dict(vocab_size=50, d_model=64, n_layers=4, n_heads=4, d_ff=128, span=256, ramp=16,
+                    span_mode=mode, dropout=0.1, attn_impl=impl, dtype=dtype))
   x = flops.xla_costs(cfg, None, 2, 64)
   assert 1 / 1.35 < flops.peak_activation_bytes(cfg, None, 2, 64) / x["temp_bytes"] < 1.35
 
 
 def test_trimming_cuts_flops():
-  cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, span=512, ramp=16)
+  cfg = ModelConfig.from_config(dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, span=512, ramp=16))
   plan = plan_lib.plan_from_ratios(cfg, [np.asarray(r, np.float32) for r in TRIMMED])
-  fixed = dataclasses.replace(cfg, span_mode="fixed")
+  fixed = replace_flat(cfg, span_mode="fixed")
   assert flops.per_token(cfg, plan, 64).total < 0.6 * flops.per_token(fixed, None, 64).total
 
 
@@ -163,7 +164,7 @@ SPARSE = {"arch": "sparse", "span_mode": "fixed", "span_loss": 0.0, "vocab_size"
 
 def test_sparse_forward_macs_equal_a_hand_count():
   """arch='sparse' has its own count: factorized attention, no cache, no span predictor."""
-  cfg = ModelConfig(**SPARSE, sparse_pattern="fixed", sparse_combine="merged")
+  cfg = ModelConfig.from_config(dict(**SPARSE, sparse_pattern="fixed", sparse_combine="merged"))
   got = flops.forward_macs(cfg, None, block=64)
   # per head: its block (8 blocks of 8 x 8) and every block's c = 2 summary keys (64 x 16)
   keys = 4 * (8 * 8 * 8 + 64 * 8 * 2)
@@ -171,7 +172,7 @@ def test_sparse_forward_macs_equal_a_hand_count():
   assert got["attn_position"] == got["attn_persistent"] == got["span_predictor"] == 0
   assert got["q_proj"] == got["out_proj"] == 2 * 64 * 32 * 32
   assert got["kv_proj"] == 2 * got["q_proj"]
-  dense = flops.forward_macs(dataclasses.replace(cfg, sparse_pattern="dense"), None, 64)
+  dense = flops.forward_macs(replace_flat(cfg, sparse_pattern="dense"), None, 64)
   assert dense["attn_content"] == 2 * 4 * 64 * 64 * 8 > got["attn_content"]
 
 
@@ -183,7 +184,7 @@ def test_sparse_forward_macs_equal_a_hand_count():
 def test_sparse_matmul_count_equals_xla(kw, block):
   """As the span model's: our count equals the dots of the compiled sparse train step (block 60:
   padded to a multiple of the stride; sparse_impl='dense': the masked n x n reference)."""
-  cfg = ModelConfig(**SPARSE, **kw)
+  cfg = ModelConfig.from_config({**SPARSE, **kw})
   x = flops.xla_costs(cfg, None, 2, block)
   assert flops.train_step_flops(cfg, None, 2, block) == x["dot_flops"]
   assert 0.75 < x["dot_flops"] / x["flops"] <= 1.0
@@ -207,7 +208,7 @@ def test_hlo_dot_flops_reads_tpu_hlo(name):
   with gzip.open(os.path.join(TPU_HLO, f"{name}.hlo.gz"), "rt") as f:
     text = f.read()
   assert " dot(" not in text and " convolution(" in text and "lhs_dilate=" in text
-  cfg = ModelConfig(**case["model"])
+  cfg = ModelConfig.from_config(case["model"])
   plan = (plan_lib.plan_from_ratios(cfg, [np.asarray(r, np.float32) for r in case["ratios"]])
           if case["ratios"] else plan_lib.full_plan(cfg))
   assert plan.describe() == case["plan"]
@@ -228,7 +229,7 @@ def test_peak_estimate_within_a_factor_of_xla_tpu_temporaries(record):
   one to six JAX saves; it was 1.5-1.9x over for the dropout configs (configs/enwik8_large.py
   72.7 GiB against 38.6 compiled), within 0.78-1.09x now."""
   from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
-  cfg = ModelConfig(**record["model"])
+  cfg = ModelConfig.from_config(record["model"])
   piece = record["batch_per_chip"] // record["batch_split"]
   with target.compiling_for("tpu"):
     ours = flops.peak_activation_bytes(cfg, None, piece, record["block"])
@@ -368,8 +369,8 @@ def test_codec_round_trip(vocab, name, text):
 
 def tiny_run_config(workdir, span_mode, **overrides):
   o = {"workdir": str(workdir), "model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4,
-       "model.d_ff": 64, "model.span": 256, "model.ramp": 16, "model.span_init": 0.2,
-       "model.span_mode": span_mode, "data.block": 32, "data.batch": 8, "data.eval_batch": 8,
+       "model.d_ff": 64, "model.span.size": 256, "model.span.ramp": 16, "model.span.init": 0.2,
+       "model.span.mode": span_mode, "data.block": 32, "data.batch": 8, "data.eval_batch": 8,
        "data.synthetic_length": 20_000, "train.steps": 4, "train.log_every": 2,
        "train.eval_every": 4, "train.checkpoint_every": 4, "train.full_eval_at_end": False,
        "train.tensorboard": False, "optim.warmup": 1}

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import synthetic_run
+from model_helpers import replace_flat
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
 from span_lm.model import plan as plan_lib
@@ -33,7 +34,7 @@ K = 6  # the resume test's checkpoint step; the run trains 2K steps
 TRAIN_TOKENS, VALID_TOKENS = 640, 480
 
 TINY = dict(synthetic_run.SMALL, **{
-    "model.span_mode": "adaptive",
+    "model.span.mode": "adaptive",
     "train.steps": 2 * K,
     "train.eval_every": K,
     "train.checkpoint_every": K,
@@ -43,10 +44,10 @@ TINY = dict(synthetic_run.SMALL, **{
 # gradient and an unclipped, high learning rate. The 48-token window suffices from step 4; with
 # patience 3 the planner adopts it at step 7, so the pending shrink crosses the step-K checkpoint.
 SHRINKING = {
-    "model.span_init": 0.9,
-    "model.span_loss": 0.05,
-    "model.plan_shrink_patience": 3,
-    "model.plan_growth": 1.0,  # no headroom: the shrink is to the tight 48-token window
+    "model.span.init": 0.9,
+    "model.span.loss": 0.05,
+    "model.plan.shrink_patience": 3,
+    "model.plan.growth": 1.0,  # no headroom: the shrink is to the tight 48-token window
     "optim.lr": 0.1,
     "optim.grad_clip": 0.0,
 }
@@ -172,7 +173,7 @@ def test_span_plan_changes_during_training(run_a):
                         (state["eval_caches"], config.data.eval_batch)):
     assert [c.shape for c in caches] == [(batch, lp.cache_len, run_cfg.d_model)
                                          for lp in plan.layers]
-  assert any(lp.cache_len < run_cfg.span for lp in plan.layers)
+  assert any(lp.cache_len < run_cfg.span.size for lp in plan.layers)
   plan_lib.check_plan(run_cfg, state["params"], plan)
   assert plan_lib.plan_from_params(run_cfg, state["params"]).attention_keys() <= plan.attention_keys()
 
@@ -223,7 +224,7 @@ def test_eight_devices_equal_one(tmp_path):
 @pytest.mark.parametrize("span_mode", ["adaptive", "dynamic"])
 def test_batch_split_equals_one_batch(tmp_path, span_mode):
   # Dropout off: the pieces draw different dropout masks than the whole batch.
-  common = dict(LINEAR_UPDATES, **{"model.dropout": 0.0, "model.span_mode": span_mode})
+  common = dict(LINEAR_UPDATES, **{"model.dropout": 0.0, "model.span.mode": span_mode})
   _, init, whole = _train_steps(_config(tmp_path / "whole", common))
   _, _, split = _train_steps(_config(tmp_path / "split", common, {"optim.batch_split": 2}),
                              init=init)
@@ -246,7 +247,7 @@ def test_per_device_batch_split_equals_one_device(tmp_path, span_mode, extra):
   """batch_split=2 on 2 devices accumulates per device and reduces once (steps._local_grads;
   tests/train/test_steps_hlo.py checks the program): without dropout, the same step as on one
   device, span statistics of the whole batch and caches in row order included."""
-  common = dict(LINEAR_UPDATES, **{"model.dropout": 0.0, "model.span_mode": span_mode,
+  common = dict(LINEAR_UPDATES, **{"model.dropout": 0.0, "model.span.mode": span_mode,
                                    "optim.batch_split": 2})
   _, init, one = _train_steps(_config(tmp_path / "one", common), num_devices=1)
   mesh2, _, two = _train_steps(_config(tmp_path / "two", common, extra), num_devices=2,
@@ -409,7 +410,7 @@ def test_full_evaluation_with_kv_caches_equals_hidden_state_caches(run_a):
 
 
 GROWING = {"optim.name": "adagrad", "optim.lr": 0.05, "optim.grad_clip": 0.0,
-           "model.span_init": 0.1, "model.span_loss": 0.0, "model.plan_growth": 1.0,
+           "model.span.init": 0.1, "model.span.loss": 0.0, "model.plan.growth": 1.0,
            "model.dropout": 0.0, "train.steps": 12, "train.eval_every": 6,
            "train.checkpoint_every": 6, "train.full_eval_at_end": False}
 
@@ -447,14 +448,14 @@ def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, 
   asked = []
 
   def fallback(cfg):  # on this CPU: cpu -> reference, the same maths
-    asked.append(cfg.attn_impl)
-    return dataclasses.replace(cfg, attn_impl="reference") if cfg.attn_impl == "cpu" else None
+    asked.append(cfg.attention.impl)
+    return replace_flat(cfg, attn_impl="reference") if cfg.attention.impl == "cpu" else None
 
   monkeypatch.setattr(kernels, "fit_fallback", fallback)
   for capacity, recompiled in ((1, True), (1 << 40, False)):
     monkeypatch.setattr(loop, "_device_memory", lambda c=capacity: c)
     work = tmp_path / str(capacity)
-    config = _config(work, {"model.attn_impl": "cpu"})
+    config = _config(work, {"model.attention.impl": "cpu"})
     run = loop.Run(config)
     try:
       plan = plan_lib.initial_plan(run.model_cfg)
