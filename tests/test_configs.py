@@ -387,7 +387,7 @@ def test_a_saved_run_config_from_an_older_span_lm_takes_defaults_and_names_them(
   cfg = config_lib.load_config("configs/tiny.py:smoke", {"workdir": str(tmp_path),
                                                         "data.block": 48})
   data = json.loads(cfg.to_json())
-  del data["dist"]["cpu_huge_pages"], data["data"]["align"], data["model"]["attn_impl"]
+  del data["dist"]["cpu_huge_pages"], data["data"]["align"], data["model"]["attention"]["impl"]
   (tmp_path / "config.json").write_text(json.dumps(data))
   capsys.readouterr()
   saved = run_dir.load_saved(str(tmp_path))

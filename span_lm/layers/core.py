@@ -84,7 +84,7 @@ def span_tokens(span_ratio, max_span: int):
 def span_loss(span_ratio, max_span: int, coef: float):
   """The reference's penalty coef * S * mean(z') (the model's spans_lib.span_loss), z' clipped as
   in `span_tokens`."""
-  cfg = types.SimpleNamespace(span_loss=coef, span=max_span)  # the two fields it reads
+  cfg = types.SimpleNamespace(span=types.SimpleNamespace(loss=coef, size=max_span))  # what it reads
   return spans_lib.span_loss(span_tokens(span_ratio, max_span) / max_span, cfg)
 
 

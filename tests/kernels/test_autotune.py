@@ -66,7 +66,7 @@ def test_resolve_leaves_runs_without_the_gpu_kernel_alone():
 
 @pytest.mark.parametrize("bad", ["33,8,1", "32,3,1", "32,8,0", "32,8,5", "big", "64,4,1"])
 def test_bad_tiles_are_one_line_naming_the_field(bad):
-  with pytest.raises(ValueError, match=r"config\.model\.attn_tiles="):
+  with pytest.raises(ValueError, match=r"config\.model\.attention\.tiles="):
     _cfg(attn_tiles=bad)
 
 

@@ -2,6 +2,7 @@
 gradient (queries, keys, values, position embeddings, spans, persistent memory), for fixed,
 adaptive and dynamic spans, in float32 and bfloat16; `auto` picks by backend; one table, one
 `select`, one `check`, and the Pallas kernels load only where chosen."""
+import dataclasses
 import logging
 import os
 import subprocess
@@ -112,13 +113,13 @@ def test_auto_on_a_gpu_runs_what_was_timed_faster(monkeypatch):
     monkeypatch.setattr(kernels, "GPU_TIMINGS",
                         timing(pallas_gpu.VERSION, (1.0, 5.0), (6.0, 5.0)))  # slower at one
     assert kernels.choose(cfg, 16, 32) == "reference"
-    assert kernels.fit_fallback(cfg).attn_impl == "pallas"  # unless the XLA path does not fit
+    assert kernels.fit_fallback(cfg).attention.impl == "pallas"  # unless the XLA path does not fit
   with target.compiling_for("gpu", 8.0):  # another generation: untimed
     assert kernels.choose(cfg, 16, 32) == "reference"
 
 
 def test_xla_is_read_as_cpu():
-  assert cfg_for("xla").attn_impl == "cpu"
+  assert cfg_for("xla").attention.impl == "cpu"
   with pytest.raises(ValueError, match="config.model.attention.impl"):
     cfg_for("triton")
 
@@ -157,7 +158,7 @@ def test_one_table_every_implementation_offers_the_same_functions():
   surface = ("project_kv", "split_kv", "attend", "cached_rows", "residual_bytes",
              "schedule_cost", "compiler_options", "misfit")
   for name, impl in kernels.IMPLS.items():
-    assert impl.name == name and cfg_for(name).attn_impl == name
+    assert impl.name == name and cfg_for(name).attention.impl == name
     missing = [f for f in surface if not callable(getattr(impl.ops, f, None))]
     assert not missing, f"{impl.ops_module} lacks {missing}"
     misfit = impl.misfit(cfg_for(name), 16, 32)
@@ -179,8 +180,9 @@ import jax, jax.numpy as jnp
 from span_lm.model import caches, config, transformer
 from span_lm.train import loop  # the trainer, its tile autotune included
 for impl in ("auto", "reference"):
-  cfg = config.ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ff=8, span=16,
-                           ramp=4, span_mode="adaptive", attn_impl=impl)
+  cfg = config.ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ff=8,
+                           span=config.Span(size=16, ramp=4, mode="adaptive"),
+                           attention=kernels.Attention(impl=impl))
   x = jnp.zeros((1, 16), jnp.int32)
   model = transformer.SpanTransformer(cfg)
   params = model.init(jax.random.key(0), x, caches.init_caches(cfg, None, 1))
@@ -206,7 +208,7 @@ def test_the_cpu_and_reference_paths_load_no_pallas():
 
 
 def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
-  """`check` holds the rules an explicit attn_impl must meet: one ValueError naming the field."""
+  """`check` holds the rules an explicit attention.impl must meet: one ValueError naming the field."""
   kernels.check(cfg_for("auto"), block=24, backend="cpu")  # auto always has somewhere to go
   kernels.check(cfg_for("pallas_interpret"), block=32, backend="cpu")  # interpreted: anywhere
   kernels.check(cfg_for("pallas"), block=32, backend="gpu")
@@ -227,8 +229,8 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
     assert str(e.value) == line
   with pytest.raises(ValueError) as e:  # ModelConfig asks `check` too
     cfg_for("pallas", pers_mem=24)
-  assert str(e.value) == ("config.model.pers_mem=24: must be a multiple of attn_block=16 with "
-                          "attn_impl='pallas'")
+  assert str(e.value) == ("config.model.pers_mem=24: must be a multiple of attention.block=16 "
+                          "with attention.impl='pallas'")
   with pytest.raises(ValueError) as e:
     cfg_for("auto", attn_precision="exact")
   assert str(e.value) == ("config.model.attention.precision='exact': choose one of "
@@ -239,8 +241,10 @@ def test_check_reads_the_run_configs_model_section():
   """train/loop.py checks the platform rule on config.model before the ModelConfig is built
   (old names included)."""
   import ml_collections  # pylint: disable=g-import-not-at-top
-  section = lambda impl: ml_collections.ConfigDict(
-      dict(vars(cfg_for("auto")), attn_impl=impl))
+  def section(impl):
+    d = dataclasses.asdict(cfg_for("auto"))
+    d["attention"]["impl"] = impl
+    return ml_collections.ConfigDict(d)
   kernels.check(section("xla"), backend="cpu")
   with pytest.raises(ValueError, match="needs a GPU"):
     kernels.check(section("pallas"), backend="tpu")

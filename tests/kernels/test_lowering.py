@@ -89,7 +89,7 @@ def test_auto_follows_the_target_not_the_host():
   with target.compiling_for("cuda", 9.0):  # the fused kernel is untimed on a GPU: the XLA path
     assert kernels.choose(cfg, 64, 128) == "reference"
     assert "untimed" in kernels.why(cfg, 64, 128)
-    assert kernels.fit_fallback(cfg).attn_impl == "pallas"  # where that does not fit
+    assert kernels.fit_fallback(cfg).attention.impl == "pallas"  # where that does not fit
     assert kernels.choose(replace_flat(cfg, attn_impl="pallas"), 64, 128) == "pallas"
   with target.compiling_for("gpu", 7.0):  # V100: no Triton backend in Pallas
     assert kernels.choose(cfg, 64, 128) == "reference"

@@ -400,9 +400,9 @@ def test_fused_plan_is_one_group_at_the_largest_window():
 
 @pytest.mark.parametrize("kw,field", [
     (dict(pers_mem=24), "pers_mem"),  # not a multiple of the tile
-    (dict(attn_block=24), "attn_block"),
-    (dict(plan_granularity=8), "plan_granularity"),
-    (dict(attn_impl="triton"), "attn_impl"),
+    (dict(attn_block=24), "attention.block"),
+    (dict(plan_granularity=8), "plan.granularity"),
+    (dict(attn_impl="triton"), "attention.impl"),
 ])
 def test_bad_fused_configs_raise(kw, field):
   with pytest.raises(ValueError, match=f"config.model.{field}"):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
+from model_helpers import replace_flat
 from span_lm.model import adaptive_io
 from span_lm.model import caches as caches_lib
 from span_lm.model.config import ModelConfig
@@ -172,7 +173,7 @@ def test_model_matches_reference_equations_after_import(tied):
 
 
 def dataclass_replace(cfg, **kw):
-  return dataclasses.replace(cfg, **kw)
+  return replace_flat(cfg, **kw)
 
 
 @pytest.mark.parametrize("tied", [True, False])

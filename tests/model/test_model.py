@@ -559,10 +559,10 @@ def test_dynamic_span_extremes():
 
 @pytest.mark.parametrize("kw,field", [
     (dict(d_model=16, n_heads=5), "n_heads"),
-    (dict(ramp=0), "ramp"),
-    (dict(span=0), "span"),
+    (dict(ramp=0), "span.ramp"),
+    (dict(span=0), "span.size"),
     (dict(dropout=-0.1), "dropout"),
-    (dict(span_mode="sliding"), "span_mode"),
+    (dict(span_mode="sliding"), "span.mode"),
 ])
 def test_bad_config_raises(kw, field):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):

@@ -237,14 +237,14 @@ def test_data_position_embeddings():
 
 @pytest.mark.parametrize("kw,field", [
     (dict(arch="sparse2"), "arch"),
-    (dict(span_mode="adaptive"), "span_mode"),
-    (dict(sparse_c=9), "sparse_c"),
-    (dict(sparse_pattern="axial"), "sparse_pattern"),
-    (dict(sparse_qk_ratio=0.3), "sparse_qk_ratio"),
-    (dict(sparse_pos="data"), "sparse_data_shape"),
+    (dict(pers_mem=4), "pers_mem"),
+    (dict(sparse_c=9), "sparse.c"),
+    (dict(sparse_pattern="axial"), "sparse.pattern"),
+    (dict(sparse_qk_ratio=0.3), "sparse.qk_ratio"),
+    (dict(sparse_pos="data"), "sparse.data_shape"),
     (dict(scan_layers=True, sparse_combine="interleaved", sparse_pattern="fixed", n_layers=3),
-     "scan_layers"),
-    (dict(scan_layers=True, arch="span", span_mode="adaptive"), "scan_layers"),
+     "sparse.scan_layers"),
+    (dict(scan_layers=True, arch="span", span_mode="adaptive"), "sparse.scan_layers"),
 ])
 def test_bad_sparse_config_names_the_field(kw, field):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):

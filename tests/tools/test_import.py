@@ -171,9 +171,10 @@ def test_refuses_a_checkpoint_that_does_not_fit():
   sd = rc.strip_prefix(reference_state_dict(cfg, known))
   for field, value in (("d_ff", 32), ("n_heads", 2), ("span", 32), ("n_layers", 3),
                        ("pers_mem", 4), ("vocab_size", 12)):
-    with pytest.raises(ValueError, match=rf"config\.model\.{field}={value}"):
+    name = "span.size" if field == "span" else field
+    with pytest.raises(ValueError, match=rf"config\.model\.{name}={value}"):
       rc.check_fits(sd, make_cfg(**{field: value}))
-  with pytest.raises(ValueError, match="span_mode='fixed'"):
+  with pytest.raises(ValueError, match=r"config\.model\.span\.mode='fixed'"):
     rc.check_fits(sd, make_cfg(span_mode="fixed"))
   bad = collections.OrderedDict(sd, **{"layers.0.ff.fc1.bias": np.zeros(23, np.float32)})
   with pytest.raises(ValueError, match=r"layers\.0\.ff\.fc1\.bias: checkpoint \(23,\)"):
@@ -397,8 +398,8 @@ def test_real_torch_files_import_and_export_round_trip(tmp_path, case, fmt):
   found = rc.infer_model(sd)
   assert found["pers_mem"] == (4 if case == "pers" else 0) and found["span.mode"] == "adaptive"
   cfg = make_cfg(**{k: v for k, v in found.items() if k in ("vocab_size", "d_model", "n_layers",
-                                                          "n_heads", "d_ff", "span", "pers_mem")},
-                 ramp=8)
+                                                          "n_heads", "d_ff", "pers_mem")},
+                 span=found["span.size"], ramp=8)
   rc.check_fits(sd, cfg)  # includes: the state_dict lists parameters in torch's order
   params = rc.to_span_lm(sd, cfg)
   attn = params["layers_0"]["attn"]

@@ -476,5 +476,5 @@ def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, 
         run.ckpt.close()
     said = capsys.readouterr().out
     assert run.compiler.compilations[-1]["attention"] == ("reference" if recompiled else "cpu")
-    assert ("compiling it with attn_impl='reference' instead" in said) == recompiled, said
+    assert ("compiling it with attention.impl='reference' instead" in said) == recompiled, said
   assert asked == ["cpu", "reference", "cpu"]  # the full plan's step went to the fallback first
