@@ -10,6 +10,7 @@ it re-executes itself once with glibc's huge-page tunable (config.dist.cpu_huge_
 All logic lives in the span_lm library so a notebook can call it without absl.
 """
 import os
+import re
 import sys
 
 from absl import app
@@ -73,6 +74,10 @@ def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
+    section = re.search(r"Could not override field '(\w+)'.*ConfigDict", str(e), re.S)
+    if section and config_lib.moved_override(f"model.{section.group(1)}") and not \
+        os.environ.get("SPAN_LM_DEBUG"):
+      raise SystemExit(f"error: --config={config}: {config_lib.moved_override(f'model.{section.group(1)}').split(': ', 1)[1]}; the config file sets the section itself") from None
     raise SystemExit(f"error: {e}") from None
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     if os.environ.get("SPAN_LM_DEBUG"):

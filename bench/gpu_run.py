@@ -68,6 +68,7 @@ def family_specs(family: str, dry: bool) -> tuple[list[str], dict | None]:
     return [os.path.join(HERE, "gpu_kernel_check.py")] + (["--dry_run"] if dry else []), None
   sys.path.insert(0, REPO)
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model.config import ModelConfig, Span  # pylint: disable=g-import-not-at-top
   impls = [("pallas", "pallas_interpret" if dry else "pallas"), ("reference", "reference")]
   if family.startswith("train_"):
     label = family[6:]
@@ -102,9 +103,8 @@ def family_specs(family: str, dry: bool) -> tuple[list[str], dict | None]:
           "span": 128 if dry else m.span.size, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
           "block": 32 if dry else run.data.block, "dropout": m.dropout}
 
-    class _C:  # what _span_ratios reads
-      n_heads, n_layers, span, ramp, span_init = (e8["heads"], e8["layers"], e8["span"], 32,
-                                                  m.span.init)
+    _C = ModelConfig(vocab_size=2, d_model=e8["d_model"], n_layers=e8["layers"],  # the shapes
+                     n_heads=e8["heads"], span=Span(size=e8["span"], ramp=32, init=m.span.init))
     cases = [dict(e8, shapes="enwik8", plan=plan,
                   ratios=[np.asarray(z).tolist() for z in gpu_suite._span_ratios(_C, plan)])  # pylint: disable=protected-access
              for plan in ("learned", "all_S")]

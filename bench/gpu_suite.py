@@ -50,7 +50,7 @@ from span_lm.model import caches as caches_lib  # pylint: disable=wrong-import-p
 from span_lm.model import plan as plan_lib  # pylint: disable=wrong-import-position
 from span_lm.model.attention import SeqAttention  # pylint: disable=wrong-import-position
 from span_lm.model import config as model_config  # pylint: disable=wrong-import-position
-from span_lm.model.config import ModelConfig  # pylint: disable=wrong-import-position
+from span_lm.model.config import ModelConfig, Span  # pylint: disable=wrong-import-position
 from span_lm.model.transformer import SpanTransformer  # pylint: disable=wrong-import-position
 from span_lm.tools import chips  # pylint: disable=wrong-import-position
 from span_lm.tools import flops as flops_lib  # pylint: disable=wrong-import-position
@@ -340,9 +340,7 @@ def _compare(jax, np, setup, use, want, dtype):
 
 def _case_cfg_like(cfg, use):
   """cfg with another attn_impl, validated again (a refusal is this implementation's error)."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  return ModelConfig.from_config(dict(**dict(
-      {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, attn_impl=use)))
+  return model_config.updated(cfg, attn_impl=use)
 
 
 def _span_ratios(cfg, plan_name: str):
@@ -416,11 +414,11 @@ def child_train(spec):
       try:
         cfg = model_config.updated(base_cfg, span_mode="fixed" if plan_name == "fixed" else
                                   "adaptive")
-        row.update(model={f: getattr(cfg, f) for f in ("n_layers", "d_model", "n_heads",
-                                                       "head_dim", "d_ff", "span", "dropout",
-                                                       "attn_block", "attn_tiles")
-                          if hasattr(cfg, f)})
-        if cfg.attn_impl.startswith("pallas"):
+        row.update(model={"n_layers": cfg.n_layers, "d_model": cfg.d_model,
+                          "n_heads": cfg.n_heads, "head_dim": cfg.head_dim, "d_ff": cfg.d_ff,
+                          "span": cfg.span.size, "dropout": cfg.dropout,
+                          "attn_block": cfg.attention.block, "attn_tiles": cfg.attention.tiles})
+        if cfg.attention.impl.startswith("pallas"):
           try:
             row["tiles"] = list(kernels.gpu_tiles(cfg, cfg.attention.impl, cfg.dtype))
           except Exception as e:  # pylint: disable=broad-except
@@ -833,9 +831,8 @@ class Suite:
           "span": 128 if dry else m.span.size, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
           "block": 32 if dry else run.data.block, "dropout": m.dropout}
 
-    class _C:  # what _span_ratios reads
-      n_heads, n_layers, span, ramp, span_init = (e8["heads"], e8["layers"], e8["span"], 32,
-                                                  m.span.init)
+    _C = ModelConfig(vocab_size=2, d_model=e8["d_model"], n_layers=e8["layers"],  # the shapes
+                     n_heads=e8["heads"], span=Span(size=e8["span"], ramp=32, init=m.span.init))
     for plan in self.args.plans:
       ratios = [np.asarray(z).tolist() for z in _span_ratios(_C, plan)]
       cases.append(dict(e8, shapes="enwik8", plan=plan, ratios=ratios))

@@ -158,3 +158,15 @@ def test_the_schema_stays_small():
   for name, section in model_config.SECTIONS.items():
     assert isinstance(getattr(ModelConfig(vocab_size=2), name), section)
   hash(ModelConfig(vocab_size=2))  # a jit static argument
+
+
+def test_a_config_file_that_sets_a_section_is_one_line(tmp_path):
+  """`c.model.span = 512` (S before the sections) in a user's config file: ml_collections refuses
+  to replace a section with a number; the user gets one line naming model.span.size."""
+  f = tmp_path / "old_span.py"
+  f.write_text("from span_lm import config\n\ndef get_config():\n  c = config.base_config()\n"
+               "  c.model.span = 512\n  return c\n")
+  proc = _main(f"--config={f}", f"--config.workdir={tmp_path / 'w'}")
+  assert proc.returncode == 1
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 1 and "config.model.span.size" in lines[0], proc.stderr
