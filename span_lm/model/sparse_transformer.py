@@ -22,7 +22,7 @@ Architecture options (config.model.sparse, see model/config.py Sparse):
   model.remat='layer' each residual block is recomputed in the backward pass (jax.checkpoint)
                      under remat_policy: nothing_saveable keeps only block inputs (Sec. 5.4).
   dtype='bfloat16'   matmuls and attention in bf16; params, residual stream, layer norms and
-                     softmax in float32 (use float32 on V100, which has no bf16).
+                     softmax in float32 (V100s have no bf16: dtype=float16 with loss scaling).
 Dropout sits only at the end of each residual branch and on the embeddings (Sec. 5.4).
 """
 import math
