@@ -39,7 +39,6 @@ instead of storing it. Persistent memory (all-attention layers) joins
 the softmax as extra key blocks with mask 1 and no position term. Interpret mode
 (`interpret=True`) runs the same kernels on CPU for tests.
 """
-import contextlib
 import functools
 import math
 
@@ -61,30 +60,17 @@ VERSION = "relshift-1"
 
 
 PRECISIONS = fused.PRECISIONS
-_exact_f32 = [False]  # set while a pallas_call traces its kernel (`_precision`)
 
 
-@contextlib.contextmanager
-def _precision(precision: str):
-  """float32 dots of the kernels traced inside: 'default' lets Triton use TF32 tensor cores
-  (sm_80+), as XLA does for float32 matmuls by default; 'highest' is exact float32, which
-  Triton runs as scalar FMAs (no tensor cores; docs/kernels.md)."""
-  if precision not in PRECISIONS:
-    raise ValueError(f"fused attention: precision={precision!r}: choose one of {PRECISIONS}")
-  old, _exact_f32[0] = _exact_f32[0], precision == "highest"
-  try:
-    yield
-  finally:
-    _exact_f32[0] = old
-
-
-def _dot(a, b, trans_a=False, trans_b=False):
-  """f32-accumulating matmul; float32 operands at the precision `_precision` set."""
+def _dot(a, b, trans_a=False, trans_b=False, *, exact: bool):
+  """f32-accumulating matmul. exact (precision='highest'): float32 operands as exact float32,
+  which Triton runs as scalar FMAs (no tensor cores; docs/kernels.md); else float32 dots may use
+  TF32 tensor cores (sm_80+), as XLA does for float32 matmuls by default."""
   if trans_a:
     a = a.T
   if trans_b:
     b = b.T
-  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 and _exact_f32[0] else None
+  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 and exact else None
   return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
 
 
@@ -135,10 +121,10 @@ def _load_pos(g_ref, i0, t0, *, w, bq, bk):
   return g_ref[_view(i0, t0, w=w, bq=bq, bk=bk)]
 
 
-def _tile(q, k, pos, t0, i0, win, *, w, bq, bk, scale):
+def _tile(q, k, pos, t0, i0, win, *, w, bq, bk, scale, exact):
   """Scaled logits of one tile (pos: its position scores), its distances and which entries are
   visited."""
-  cont = _dot(q, k, trans_b=True)  # bq x bk
+  cont = _dot(q, k, trans_b=True, exact=exact)  # bq x bk
   pos = pos.astype(jnp.float32)
   r = jnp.arange(bq)[:, None]
   c = jnp.arange(bk)[None, :]
@@ -160,7 +146,8 @@ def _mask_value(z, dist, ramp):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_ref, mx_ref,
-                den_ref, *, w, ramp, has_mask, bq, bk, eps, rate, n_heads, scale, n_rows, n_pers):
+                den_ref, *, w, ramp, has_mask, bq, bk, eps, rate, n_heads, scale, n_rows, n_pers,
+                exact):
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
@@ -177,28 +164,29 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
     k = k_ref[pl.ds(t0, bk), :]
     v = v_ref[pl.ds(t0, bk), :]
     nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
-    logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
+    logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale,
+                                  exact=exact)
     mx_new, corr, p = fused.online_softmax(mx, logits, visited, keepdims=False)
     pm = p * _mask_value(z, dist, ramp) if has_mask else p
     kept = pm
     if rate:
       kept = pm * _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
                                 n_keys=w + n_rows + n_pers, rate=rate)
-    acc = acc * corr[:, None] + _dot(kept.astype(v.dtype), v)
+    acc = acc * corr[:, None] + _dot(kept.astype(v.dtype), v, exact=exact)
     return (acc, mx_new, z_all * corr + jnp.sum(p, axis=1), z_mask * corr + jnp.sum(pm, axis=1),
             nxt)
 
   def pers_body(c, carry):  # persistent keys: no position term, mask 1, in the same softmax
     acc, mx, z_all, z_mask = carry
     n0 = c * bk
-    logits = _dot(q, pk_ref[:, pl.ds(n0, bk)]) * scale
+    logits = _dot(q, pk_ref[:, pl.ds(n0, bk)], exact=exact) * scale
     mx_new, corr, p = fused.online_softmax(mx, logits, keepdims=False)
     kept = p
     if rate:  # persistent key n is key w + n_rows + n of the dropout hash
       kept = p * _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
                                n_keys=w + n_rows + n_pers, rate=rate)
     pv = pv_ref[pl.ds(n0, bk), :]
-    acc = acc * corr[:, None] + _dot(kept.astype(pv.dtype), pv)
+    acc = acc * corr[:, None] + _dot(kept.astype(pv.dtype), pv, exact=exact)
     s_p = jnp.sum(p, axis=1)
     return acc, mx_new, z_all * corr + s_p, z_mask * corr + s_p
 
@@ -213,12 +201,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
 
 
 def _tile_grads(q, do, k, v, pos, t0, i0, win, z, mx, den, delta, seed, bh, *,
-                w, ramp, has_mask, bq, bk, eps, rate, n_rows, n_pers, scale):
+                w, ramp, has_mask, bq, bk, eps, rate, n_rows, n_pers, scale, exact):
   """Recomputes one tile and returns (ds: d (q.k + q.pe), the weights as applied to the
   values, the tile's span gradient per row, which entries are visited)."""
-  logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale)
+  logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale,
+                                exact=exact)
   p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
-  gv = _dot(do, v, trans_b=True)
+  gv = _dot(do, v, trans_b=True, exact=exact)
   keep = None
   if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (do . v_j)
     keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
@@ -233,7 +222,7 @@ def _tile_grads(q, do, k, v, pos, t0, i0, win, z, mx, den, delta, seed, bh, *,
 def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, do_ref, mx_ref,
                   den_ref, delta_ref, dg_in, dpk_in, dpv_in, dq_ref, dz_ref, dg_ref, dpk_ref,
                   dpv_ref, *, w, ramp, has_mask, bq, bk, eps, rate, n_heads, scale, n_rows,
-                  n_pers):
+                  n_pers, exact):
   """Per query block: dq's key term, the span gradient of its rows, the position-score
   gradient of its rows (stored once per visited cell; the buffer comes in zeroed), and
   (atomically) the persistent keys' and values' gradients."""
@@ -258,19 +247,19 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
     ds, _, dz_tile, visited = _tile_grads(
         q, do, k, v_ref[pl.ds(t0, bk), :], pos, t0, i0, win, z, mx, den, delta, seed, bh,
         w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate, n_rows=n_rows,
-        n_pers=n_pers, scale=scale)
+        n_pers=n_pers, scale=scale, exact=exact)
     if dz_tile is not None:
       dz = dz + dz_tile
     plt.store(dg_ref.at[_view(i0, t0, w=w, bq=bq, bk=bk)], ds.astype(dg_ref.dtype),
               mask=visited)
-    return dq + _dot(ds.astype(k.dtype), k), dz, nxt
+    return dq + _dot(ds.astype(k.dtype), k, exact=exact), dz, nxt
 
   def pers_body(c, dq):  # the persistent keys: mask 1, so no span gradient
     n0 = c * bk
     pk = pk_ref[:, pl.ds(n0, bk)]
     pv = pv_ref[pl.ds(n0, bk), :]
-    p = jnp.exp(_dot(q, pk) * scale - mx[:, None]) / den[:, None]
-    gv = _dot(do, pv, trans_b=True)
+    p = jnp.exp(_dot(q, pk, exact=exact) * scale - mx[:, None]) / den[:, None]
+    gv = _dot(do, pv, trans_b=True, exact=exact)
     kept = p
     if rate:
       keep = _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
@@ -279,10 +268,11 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
     dl, _, _ = fused.weights_grad(p, gv, delta, renormalised=has_mask, eps=eps, ramp=ramp,
                                   keepdims=False)
     ds = dl * scale
-    plt.atomic_add(dpk_ref, (slice(None), pl.ds(n0, bk)), _dot(q, ds.astype(q.dtype), trans_a=True))
+    plt.atomic_add(dpk_ref, (slice(None), pl.ds(n0, bk)),
+                   _dot(q, ds.astype(q.dtype), trans_a=True, exact=exact))
     plt.atomic_add(dpv_ref, (pl.ds(n0, bk), slice(None)),
-                   _dot(kept.astype(do.dtype), do, trans_a=True))
-    return dq + _dot(ds.astype(pk.dtype), pk, trans_b=True)
+                   _dot(kept.astype(do.dtype), do, trans_a=True, exact=exact))
+    return dq + _dot(ds.astype(pk.dtype), pk, trans_b=True, exact=exact)
 
   dq, dz, _ = lax.fori_loop(lo, hi, body, (jnp.zeros((bq, dh), jnp.float32),
                                            jnp.zeros((bq,), jnp.float32), view(lo * bk)))
@@ -293,7 +283,7 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
 
 def _bwd_kv_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, den_ref,
                    delta_ref, wmax_ref, dk_ref, dv_ref, *, w, ramp, has_mask, bq, bk, eps, rate,
-                   n_heads, n_rows, n_pers, scale):
+                   n_heads, n_rows, n_pers, scale, exact):
   """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
   key and value gradients are deterministic)."""
   t0 = pl.program_id(2) * bk
@@ -321,9 +311,9 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, 
     ds, kept, _, _ = _tile_grads(
         q, do, k, v, pos, t0, i0, win, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
         seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
-        n_rows=n_rows, n_pers=n_pers, scale=scale)
-    dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
-    dv = dv + _dot(kept.astype(do.dtype), do, trans_a=True)
+        n_rows=n_rows, n_pers=n_pers, scale=scale, exact=exact)
+    dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, exact=exact)
+    dv = dv + _dot(kept.astype(do.dtype), do, trans_a=True, exact=exact)
     return dk, dv
 
   dk, dv = lax.fori_loop(lo, hi, body, (jnp.zeros((bk, dh), jnp.float32),
@@ -379,7 +369,7 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, block_k, interpr
   row, keys, stat, view, seed_spec = _specs(m, w + m, dh, w, block)
   kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
                              bk=block_k, eps=eps, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers,
-                             scale=scale)
+                             scale=scale, exact=precision == "highest")
   call = pl.pallas_call(
       kernel, grid=(b, h, m // block),
       in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs],
@@ -390,8 +380,7 @@ def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, block_k, interpr
       interpret=interpret, name="span_attention_fwd",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
   g = position_scores(q, _pitched_pe(pe, q.dtype), precision)
-  with _precision(precision):
-    out, mx, den = call(q, k, v, g, z_in, seed, pk_in, pv_in)
+  out, mx, den = call(q, k, v, g, z_in, seed, pk_in, pv_in)
   return out, mx, den
 
 
@@ -414,7 +403,8 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
   row, keys, stat, view, seed_spec = _specs(m, t, dh, w, block)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
   static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block_k, eps=eps, rate=rate,
-                n_heads=h, n_rows=m, n_pers=n_pers, scale=scale)
+                n_heads=h, n_rows=m, n_pers=n_pers, scale=scale,
+                exact=precision == "highest")
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
   call_q = pl.pallas_call(
@@ -429,9 +419,8 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
                  jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)],
       input_output_aliases={12: 2, 13: 3, 14: 4}, interpret=interpret,
       name="span_attention_bwd_q", compiler_params=params)
-  with _precision(precision):
-    dq, dz, dg, dpk, dpv = call_q(q, k, v, g, z_in, seed, pk_in, pv_in, do, mx, den, delta,
-                                  zeros_g, zeros_pk, zeros_pv)
+  dq, dz, dg, dpk, dpv = call_q(q, k, v, g, z_in, seed, pk_in, pv_in, do, mx, den, delta,
+                                zeros_g, zeros_pk, zeros_pv)
 
   # Per key block: every row of its (b, h), and the largest row window there.
   all_rows = pl.BlockSpec((None, None, m, dh), lambda i, hh, kb: (i, hh, 0, 0))
@@ -447,8 +436,7 @@ def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, bloc
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       interpret=interpret, name="span_attention_bwd_kv", compiler_params=params)
-  with _precision(precision):
-    dk, dv = call_kv(q, k, v, g, z_in, seed, do, mx, den, delta, wmax)
+  dk, dv = call_kv(q, k, v, g, z_in, seed, do, mx, den, delta, wmax)
 
   # The position term's share, two plain matmuls over G's layout (its pad column is zero).
   prec = _xla_precision(precision, q.dtype)

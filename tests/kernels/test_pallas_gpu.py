@@ -516,6 +516,47 @@ for dt in (jnp.bfloat16, jnp.float32):
         sds(h, n, dh, d=jnp.float32)).compile(compiler_options=dict(kernels.GPU_COMPILER_OPTIONS))
 """
 
+_PTX_EXACT_CHILD = """
+import sys, jax, jax.numpy as jnp, numpy as np
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from span_lm import kernels
+from span_lm.kernels import pallas_gpu
+from span_lm.tools import chips
+chip = chips.get(sys.argv[1])
+topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
+                                    target_config=chips.gpu_target_config(chip))
+sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+b, h, m, w, dh = 1, 2, 64, 128, 64
+sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh)
+def loss(q, k, v, pe, z):
+  return jnp.sum(pallas_gpu.span_attention(q, k, v, pe, z, ramp=32, block=32, block_k=32,
+                                           num_warps=4, num_stages=2, precision="highest"))
+jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))).lower(
+    sds(b, h, m, dh), sds(b, h, w + m, dh), sds(b, h, w + m, dh), sds(dh, w),
+    sds(b, h, m)).compile(compiler_options=dict(kernels.GPU_COMPILER_OPTIONS))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+def test_precision_highest_reaches_every_kernel(tmp_path):
+  """attention.precision='highest' (exact float32) is passed to each kernel as it is traced: no
+  kernel of a float32 step then issues a tensor-core instruction, where the default (TF32) ones
+  do (test_ptx_pipelined_tensor_cores_no_read_back_no_spills)."""
+  from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
+  env = compile_lib.child_env("gpu")
+  env["XLA_FLAGS"] = f"--xla_dump_to={tmp_path}"
+  r = subprocess.run([sys.executable, "-c", _PTX_EXACT_CHILD, "h100"], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=900, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  facts = ptx.dumped_kernels(tmp_path, "span_attention")
+  assert len(facts) == 3, [f["kernel"] for f in facts]
+  for f in facts:
+    assert f["wgmma"] == 0 == f["mma"], f
+
+
 # The kernels' parameters (tools/ptx.py numbers them as the kernel's arguments, inputs first): G,
 # the position scores' rel-shift view, is parameter 3 of all three; bwd_q's zeroed gradient
 # buffers (12-14) alias its outputs and are never read.
