@@ -431,7 +431,8 @@ def report(config) -> dict:
       print(format_row(row), flush=True)
   result = {"config": config.get("config_name", ""), "rows": rows,
             "model": {"n_layers": config.model.n_layers, "d_model": config.model.d_model,
-                      "span": config.model.span.size, "dtype": config.model.dtype,
+                      "span": (config.model.sparse.context if config.model.arch == "sparse"
+                               else config.model.span.size), "dtype": config.model.dtype,
                       "batch": config.data.batch, "block": config.data.block,
                       "batch_split": config.optim.batch_split, "remat": config.model.remat}}
   with open(os.path.join(out_dir, "compile_report.json"), "w") as f:
