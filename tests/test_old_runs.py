@@ -56,8 +56,10 @@ def test_an_old_run_resumes_to_the_numbers_the_old_code_gave(tmp_path):
   rows = [json.loads(l) for l in (work / "metrics.jsonl").read_text().splitlines()]
   got = {(r["step"], r["split"]): r["loss"] for r in rows}
   want = json.loads((OLD_RUN / "expected.json").read_text())
-  assert got[(3, "train")] == pytest.approx(want["step3_train_loss"], rel=1e-6, abs=0)
-  assert got[(3, "valid")] == pytest.approx(want["step3_valid_loss"], rel=1e-6, abs=0)
+  # Equal here to the last bit; 1e-4 leaves room for another CPU's vectorisation while a field
+  # lost in the upgrade is caught (span.ramp 32 instead of the run's 16 moves it by 1e-3).
+  assert got[(3, "train")] == pytest.approx(want["step3_train_loss"], rel=1e-4, abs=0)
+  assert got[(3, "valid")] == pytest.approx(want["step3_valid_loss"], rel=1e-4, abs=0)
 
 
 def test_an_old_run_directory_is_read_in_sections(tmp_path, capsys):
