@@ -74,10 +74,14 @@ def _parse_flags(argv):
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
+    # A config file that sets what is now a section (`c.model.span = 512`): ml_collections
+    # refuses to replace a ConfigDict with a number; name the field's new place instead.
     section = re.search(r"Could not override field '(\w+)'.*ConfigDict", str(e), re.S)
-    if section and config_lib.moved_override(f"model.{section.group(1)}") and not \
-        os.environ.get("SPAN_LM_DEBUG"):
-      raise SystemExit(f"error: --config={config}: {config_lib.moved_override(f'model.{section.group(1)}').split(': ', 1)[1]}; the config file sets the section itself") from None
+    moved = section and config_lib.moved_override(f"model.{section.group(1)}")
+    if moved and not os.environ.get("SPAN_LM_DEBUG"):
+      why = moved.split(": ", 1)[1]
+      raise SystemExit(f"error: --config={config}: {why}; the config file sets the section "
+                       "itself") from None
     raise SystemExit(f"error: {e}") from None
   except (AttributeError, KeyError, TypeError, ValueError) as e:
     if os.environ.get("SPAN_LM_DEBUG"):

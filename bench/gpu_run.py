@@ -68,7 +68,6 @@ def family_specs(family: str, dry: bool) -> tuple[list[str], dict | None]:
     return [os.path.join(HERE, "gpu_kernel_check.py")] + (["--dry_run"] if dry else []), None
   sys.path.insert(0, REPO)
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-  from span_lm.model.config import ModelConfig, Span  # pylint: disable=g-import-not-at-top
   impls = [("pallas", "pallas_interpret" if dry else "pallas"), ("reference", "reference")]
   if family.startswith("train_"):
     label = family[6:]
@@ -94,20 +93,8 @@ def family_specs(family: str, dry: bool) -> tuple[list[str], dict | None]:
             "measured_tflops": {}, "row_estimate_s": 0 if dry else ROW_EST_S[family]}
     return [os.path.join(HERE, "gpu_suite.py"), "--child", "train"], spec
   if family == "reference":
-    import numpy as np  # pylint: disable=g-import-not-at-top
     import gpu_suite  # pylint: disable=g-import-not-at-top
-    run = config_lib.load_config("configs/enwik8.py")
-    m = run.model
-    e8 = {"layers": 1 if dry else m.n_layers, "d_model": 64 if dry else m.d_model,
-          "heads": 4 if dry else m.n_heads, "d_ff": 128 if dry else m.d_ff,
-          "span": 128 if dry else m.span.size, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
-          "block": 32 if dry else run.data.block, "dropout": m.dropout}
-
-    _C = ModelConfig(vocab_size=2, d_model=e8["d_model"], n_layers=e8["layers"],  # the shapes
-                     n_heads=e8["heads"], span=Span(size=e8["span"], ramp=32, init=m.span.init))
-    cases = [dict(e8, shapes="enwik8", plan=plan,
-                  ratios=[np.asarray(z).tolist() for z in gpu_suite._span_ratios(_C, plan)])  # pylint: disable=protected-access
-             for plan in ("learned", "all_S")]
+    cases = gpu_suite.enwik8_reference_cases(dry, ("learned", "all_S"))
     spec = {"label": "reference", "cases": cases, "reps": 2 if dry else 5,
             "reference_dir": os.path.join(REPO, ".gpu_carry", "adaptive-span")}
     return [os.path.join(HERE, "gpu_suite.py"), "--child", "reference"], spec

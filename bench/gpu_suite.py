@@ -367,6 +367,24 @@ def _span_ratios(cfg, plan_name: str):
   raise ValueError(plan_name)
 
 
+def enwik8_reference_cases(dry: bool, plans) -> list[dict]:
+  """configs/enwik8.py's shapes (one of the paper's 8 GPUs' share of its batch; tiny when dry)
+  with the span ratios of each named plan: the PyTorch reference's timing cases."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  run = config_lib.load_config("configs/enwik8.py")
+  m = run.model
+  e8 = {"layers": 1 if dry else m.n_layers, "d_model": 64 if dry else m.d_model,
+        "heads": 4 if dry else m.n_heads, "d_ff": 128 if dry else m.d_ff,
+        "span": 128 if dry else m.span.size,
+        "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
+        "block": 32 if dry else run.data.block, "dropout": m.dropout}
+  shapes = ModelConfig(vocab_size=2, d_model=e8["d_model"], n_layers=e8["layers"],
+                       n_heads=e8["heads"], span=Span(size=e8["span"], ramp=32, init=m.span.init))
+  return [dict(e8, shapes="enwik8", plan=plan,
+               ratios=[np.asarray(z).tolist() for z in _span_ratios(shapes, plan)])
+          for plan in plans]
+
+
 def _model_cfg(spec):
   """ModelConfig and run config of a training/sampling child: a config file with overrides, or
   bench/train_step.py's issue-8 shapes."""
@@ -386,7 +404,6 @@ def child_train(spec):
   """spec: variants [{impl, use, dtype}], plans; one row per (variant, plan). A GPU run gives
   each variant its own child (its own peak memory); the dry run puts them in one."""
   jax = _setup_jax(spec)
-  import dataclasses  # pylint: disable=g-import-not-at-top
   import gc  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   batch, block, split = spec["batch"], spec["block"], spec["batch_split"]
@@ -499,7 +516,6 @@ def _time_step(jax, np, cfg, tx, init, batch, block, split, plan_name, spec):
 
 def child_sampling(spec):
   jax = _setup_jax(spec)
-  import dataclasses  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   cfg, _ = _model_cfg(spec)
   for plan_name in spec["plans"]:
@@ -814,7 +830,6 @@ class Suite:
 
   def reference_stage(self, entry, deadline):
     dry = self.args.dry_run
-    import numpy as np  # pylint: disable=g-import-not-at-top
     cases = []
     i8 = {"layers": 1 if dry else 4, "d_model": 64 if dry else 256, "heads": 4,
           "d_ff": 128 if dry else 1024, "span": 128 if dry else 1024, "batch": 2 if dry else 16,
@@ -823,19 +838,7 @@ class Suite:
       z = (64 - 32) / i8["span"]
       cases.append(dict(i8, shapes="issue8", plan=plan,
                         ratios=[[z] * i8["heads"]] * i8["layers"]))
-    from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-    run = config_lib.load_config("configs/enwik8.py")
-    m = run.model
-    e8 = {"layers": 1 if dry else m.n_layers, "d_model": 64 if dry else m.d_model,
-          "heads": 4 if dry else m.n_heads, "d_ff": 128 if dry else m.d_ff,
-          "span": 128 if dry else m.span.size, "batch": 2 if dry else run.data.batch // REFERENCE_GPUS,
-          "block": 32 if dry else run.data.block, "dropout": m.dropout}
-
-    _C = ModelConfig(vocab_size=2, d_model=e8["d_model"], n_layers=e8["layers"],  # the shapes
-                     n_heads=e8["heads"], span=Span(size=e8["span"], ramp=32, init=m.span.init))
-    for plan in self.args.plans:
-      ratios = [np.asarray(z).tolist() for z in _span_ratios(_C, plan)]
-      cases.append(dict(e8, shapes="enwik8", plan=plan, ratios=ratios))
+    cases += enwik8_reference_cases(dry, self.args.plans)
     spec = {"label": "reference", "reference_dir": self.args.reference_dir, "cases": cases,
             "reps": 2 if dry else 5}
     self.run_children(entry, deadline, [("reference", spec, self.args.reference_python)])

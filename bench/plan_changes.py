@@ -13,7 +13,6 @@ step on z' x S), clipped to [0, S] as the reference clamps z'. Real runs log the
 """
 import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
-import dataclasses
 
 import numpy as np
 

@@ -30,7 +30,6 @@ accumulation, measured in the same run; "of peak" is the step's achieved FLOP ra
 import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import ast
-import dataclasses
 import json
 import os
 import subprocess

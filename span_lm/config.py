@@ -154,7 +154,7 @@ def base_config() -> ml_collections.ConfigDict:
   # v100_16:8), TPUs as chip[:topology] (v5e:4x4, v5p:2x2x2, v6e:2x4, v4:2x2x2).
   c.compile = cp = ml_collections.ConfigDict()
   cp.targets = "h100:8,v5p:2x2x2"
-  cp.plan = "full"  # full (every head at model.span.size: the worst case) | initial (the run's start)
+  cp.plan = "full"  # full (every head at model.span.size: the worst case) | initial (the start)
   cp.steps = "train,eval"
   cp.out = ""  # report directory; "": config.workdir, else ./compile_report
   c.sample = s = ml_collections.ConfigDict()
@@ -228,7 +228,7 @@ def _check_unknown_fields(config):
   unknown = sorted(set(config.keys()) - set(schema.keys()))
   if unknown:
     raise ConfigError(f"config has unknown top-level fields {unknown} (schema: span_lm/config.py)")
-  def check(node, schema_node, prefix):
+  def check(schema_node, prefix):
     for name in schema_node.keys():
       if not isinstance(schema_node[name], ml_collections.ConfigDict):
         continue
@@ -240,8 +240,8 @@ def _check_unknown_fields(config):
       if extra:
         raise ConfigError(f"config.{prefix}{name} has unknown fields {extra}" + _moved_hint(
             prefix + name, extra, config) + " (schema: span_lm/config.py)")
-      check(section, schema_node[name], prefix + name + ".")
-  check(config, schema, "")
+      check(schema_node[name], prefix + name + ".")
+  check(schema, "")
 
 
 def moved_override(name: str, value: Any = None) -> str | None:

@@ -81,10 +81,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   return load_saved(arg)
 
 
-def flatten(config: ml_collections.ConfigDict, prefix: str = "") -> dict[str, Any]:
+def flatten(config, prefix: str = "") -> dict[str, Any]:
+  """A ConfigDict's (or nested dict's) leaves by dotted name ({'span': {'size': 8}} ->
+  {'span.size': 8})."""
   out = {}
   for k, v in config.items():
-    if isinstance(v, ml_collections.ConfigDict):
+    if isinstance(v, (ml_collections.ConfigDict, dict)):
       out.update(flatten(v, f"{prefix}{k}."))
     else:
       out[f"{prefix}{k}"] = v

@@ -22,8 +22,6 @@ def to_np(tree):
   return jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
 
 
-def replace_flat(cfg, **changes):
-  """`cfg` with `changes` named as config.model's flat fields (span_mode='fixed', attn_impl=...),
-  through the shim old run directories load through (span_lm.model.config.updated)."""
-  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
-  return model_config.updated(cfg, **changes)
+# `cfg` with changes named as config.model's flat fields (span_mode='fixed', attn_impl=...), through
+# the shim old run directories load through.
+replace_flat = model_config.updated

@@ -8,7 +8,6 @@ device kind, jax version and shape, so the next run starts at once. train/loop.p
 before anything compiles and writes the choice into the model config as 'T,W,S'. Pallas loads
 only when the kernel is timed (every run calls `resolve`).
 """
-import dataclasses
 import itertools
 import json
 import logging
@@ -125,7 +124,8 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
       jax.block_until_ready(step(*args))
       runs.append(time.perf_counter() - t0)
     times[(tile, warps, stages)] = statistics.median(runs)
-    echo(f"attention.tiles=tune: {tile},{warps},{stages}: {1e3 * times[(tile, warps, stages)]:.3f} ms")
+    echo(f"attention.tiles=tune: {tile},{warps},{stages}: "
+         f"{1e3 * times[(tile, warps, stages)]:.3f} ms")
   return times
 
 
@@ -148,7 +148,8 @@ def tune(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATES, 
                   interpret=interpret, echo=echo)
   if not times:
     raise ValueError(f"attention.tiles=tune: no candidate tile runs this layer (block {m}, window "
-                     f"{w}, attention.block {cfg.attention.block}); name one as 'T,W,S' or use 'table'")
+                     f"{w}, attention.block {cfg.attention.block}); name one as 'T,W,S' or use "
+                     "'table'")
   best = min(times, key=times.get)
   tiles = ",".join(map(str, best))
   cache = _read(path)  # another process may have added keys meanwhile

@@ -167,7 +167,8 @@ def _door(cfg, impl, head: int, q, k, v, z_H, pos_back_DxS, dropout_rng):
   if head == 0:
     return out
   first = plain_attention(q[:, :, :head], k[:, :, :head], v[:, :, :head], z_H, pos_back_DxS,
-                          causal=True, ramp=cfg.span.ramp, dropout=_dropout(cfg.dropout, rngs[1])[0])
+                          causal=True, ramp=cfg.span.ramp,
+                          dropout=_dropout(cfg.dropout, rngs[1])[0])
   return jnp.concatenate([first, out.astype(first.dtype)], axis=2)
 
 

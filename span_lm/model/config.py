@@ -284,8 +284,7 @@ class ModelConfig(_Section):
   def from_config(cls, model_cfg: Any, vocab_size: int | None = None) -> "ModelConfig":
     """Builds from an ml_collections ConfigDict (or dict) of config.model, in sections or in
     the old flat fields (`upgrade`); vocab_size overrides a 0 in the config."""
-    d = dict(model_cfg.to_dict() if hasattr(model_cfg, "to_dict") else model_cfg)
-    d = upgrade(d)
+    d = upgrade(_as_dict(model_cfg))
     if vocab_size is not None and not d.get("vocab_size"):
       d["vocab_size"] = vocab_size
     names = {f.name for f in dataclasses.fields(cls)}
@@ -295,8 +294,15 @@ class ModelConfig(_Section):
     return cls(**d)
 
 
+def _as_dict(value: Any) -> dict:
+  """A section as a plain dict, whether a dataclass, a ConfigDict or a mapping."""
+  if dataclasses.is_dataclass(value):
+    return dataclasses.asdict(value)
+  return dict(value.to_dict() if hasattr(value, "to_dict") else value)
+
+
 def _section(cls, name: str, value: Any):
-  d = dict(value.to_dict() if hasattr(value, "to_dict") else value)
+  d = _as_dict(value)
   unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
   if unknown:
     raise ValueError(f"config.model.{name} has unknown fields {unknown}")
@@ -355,10 +361,7 @@ def upgrade(d: dict) -> dict:
   for k, v in d.items():
     if _moved(k, v):
       section, field = moved_to(k, arch).split(".")
-      current = out.get(section, {})
-      current = dataclasses.asdict(current) if dataclasses.is_dataclass(current) else dict(
-          current.to_dict() if hasattr(current, "to_dict") else current)
-      out[section] = {**current, field: v}
+      out[section] = {**_as_dict(out.get(section, {})), field: v}
   return out
 
 
@@ -371,6 +374,5 @@ def updated(cfg: ModelConfig, **changes) -> ModelConfig:
     section, field = k.split(".", 1)
     merged[section] = {**merged[section], field: changes.pop(k)}
   for k, v in upgrade({"arch": changes.get("arch", cfg.arch), **changes}).items():
-    v = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
-    merged[k] = {**merged[k], **v} if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    merged[k] = {**merged[k], **_as_dict(v)} if k in SECTIONS else v
   return ModelConfig.from_config(merged)

@@ -1,6 +1,5 @@
 """The `flops` mode: a run's plan against the fixed-span model, XLA's view and the paper's
 (span_lm/tools/flops.py counts; span_lm/tools/paper.py holds the paper's numbers)."""
-import dataclasses
 import json
 import os
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from span_lm import config as config_lib
 from span_lm import kernels
+from span_lm import run_dir
 from span_lm.data import batching, sources
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
@@ -266,8 +267,8 @@ class Run:
 
   def _check_meta(self, meta):
     # Checkpoints written before config.model's sections hold its flat fields: upgraded first.
-    saved = _dotted(model_config.upgrade(meta.get("model_cfg", {})))
-    mine = _dotted(json.loads(json.dumps(dataclasses.asdict(self.model_cfg))))  # JSON's tuples
+    saved = run_dir.flatten(model_config.upgrade(meta.get("model_cfg", {})))
+    mine = run_dir.flatten(json.loads(json.dumps(dataclasses.asdict(self.model_cfg))))  # lists
     arch = [k for k in mine if k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
                                      "pers_mem", "arch", "span.mode")
             or k.startswith(("sparse.", "adapt_io."))]
@@ -288,14 +289,6 @@ class Run:
                                    process_index=self.process_index,
                                    process_count=self.process_count,
                                    align=self.config.data.align)
-
-
-def _dotted(d: dict, prefix: str = "") -> dict:
-  """A nested dict's leaves by dotted name ({'span': {'size': 8}} -> {'span.size': 8})."""
-  out = {}
-  for k, v in d.items():
-    out.update(_dotted(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-  return out
 
 
 def _fit_caches(run: Run, state, plan):

@@ -46,7 +46,8 @@ class SpanPlanner:
     if any(np.any(w < n) for w, n in zip(current, need)):  # grow now, with headroom
       # A growth soon after the last one (spans on the move, as early in training) doubles the
       # headroom for this change: a burst of per-head growths becomes a few changes.
-      quick = self._last_growth is not None and step - self._last_growth < self.cfg.plan.shrink_patience
+      patience = self.cfg.plan.shrink_patience
+      quick = self._last_growth is not None and step - self._last_growth < patience
       self._burst = self._burst + 1 if quick else 0
       room = self.cfg.plan.growth * (2.0 ** min(self._burst, 2))
       self.plan = self._replan([np.maximum(w, windows_for(self.cfg, n, room))

@@ -488,7 +488,8 @@ def test_pipeline_depth_is_checked_before_tracing():
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
-_PTX_CHILD = """
+# Deviceless: one GPU of the chip named by argv[1], `sh` a sharding on it.
+_PTX_PRELUDE = """
 import json, sys, jax, jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -499,6 +500,9 @@ chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))
 sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+"""
+
+_PTX_CHILD = _PTX_PRELUDE + """
 b, h, m, w, n = 1, 2, 128, 256, 64
 for dt in (jnp.bfloat16, jnp.float32):
   for dh in (64, 96):  # enwik8's and enwik8_large's head sizes (96 runs padded to 128)
@@ -516,17 +520,7 @@ for dt in (jnp.bfloat16, jnp.float32):
         sds(h, n, dh, d=jnp.float32)).compile(compiler_options=dict(kernels.GPU_COMPILER_OPTIONS))
 """
 
-_PTX_EXACT_CHILD = """
-import sys, jax, jax.numpy as jnp, numpy as np
-from jax.experimental import topologies
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from span_lm import kernels
-from span_lm.kernels import pallas_gpu
-from span_lm.tools import chips
-chip = chips.get(sys.argv[1])
-topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
-                                    target_config=chips.gpu_target_config(chip))
-sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+_PTX_EXACT_CHILD = _PTX_PRELUDE + """
 b, h, m, w, dh = 1, 2, 64, 128, 64
 sds = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh)
 def loss(q, k, v, pe, z):

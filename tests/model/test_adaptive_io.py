@@ -6,7 +6,6 @@ P_i (D, d_i) maps a cluster embedding e to e P_i^T and a hidden state h to h P_i
 i reads head column -i), so the parameter map of the importer is checked on the way.
 """
 import collections
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -142,9 +141,9 @@ def test_model_matches_reference_equations_after_import(tied):
   """A reference wiki103-style state_dict imports; the model's log-probs equal numpy's."""
   cfg = make_cfg(adapt_io_tied=tied)
   rng = np.random.default_rng(0)
-  body = ref.random_params(dataclass_replace(cfg, adapt_io=False), rng)
+  body = ref.random_params(replace_flat(cfg, adapt_io=False), rng)
   sd = random_reference_io(cfg, rng)
-  sd.update((k, v) for k, v in rc.to_reference(body, dataclass_replace(cfg, adapt_io=False),
+  sd.update((k, v) for k, v in rc.to_reference(body, replace_flat(cfg, adapt_io=False),
                                                 prefix="").items()
             if not k.startswith(("in_emb", "out_emb")))
   sd = collections.OrderedDict(
@@ -164,16 +163,12 @@ def test_model_matches_reference_equations_after_import(tied):
   sd64 = {k: np.asarray(v, np.float64) for k, v in sd.items()}
   dense = dict(body, in_emb={"embedding": numpy_embedding_table(sd64, cfg)},
                out_emb={"kernel": np.eye(D, D + 1), "bias": np.zeros(D + 1)})
-  out, _, _ = ref.forward(dataclass_replace(cfg, adapt_io=False, vocab_size=D + 1), dense, tokens,
+  out, _, _ = ref.forward(replace_flat(cfg, adapt_io=False, vocab_size=D + 1), dense, tokens,
                           caches)
   h = out[..., :D] - out[..., D:]
   want = numpy_adaptive_logp(sd64, cfg, h)
   np.testing.assert_allclose(np.exp(want).sum(-1), 1.0, atol=1e-9)
   np.testing.assert_allclose(np.asarray(logp, np.float64), want, rtol=1e-4, atol=1e-4)
-
-
-def dataclass_replace(cfg, **kw):
-  return replace_flat(cfg, **kw)
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -4,7 +4,6 @@ reference_numpy.py is written from the equations in docs/reference_semantics.md,
 Flax code; the equality tests below are what ties span_lm to the reference semantics. Everything
 runs on CPU with tiny shapes.
 """
-import dataclasses
 import json
 import numpy as np
 import pytest

@@ -3,7 +3,6 @@
 Without the toolchains (CI's main environment) the mode must say in one line what to install;
 with them (`pytest -m compile`, run by .ci/run in a second environment that has libtpu, and by
 hand where the CUDA plugin is installed) it compiles a small config for real, deviceless."""
-import dataclasses
 import importlib.util
 import json
 import os

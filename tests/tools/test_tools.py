@@ -1,6 +1,5 @@
 """Tools: FLOPs/memory accounting against a hand count and XLA, the paper's numbers, span plots,
 sampling with the cache, and the CLI modes on a small trained run. Tiny shapes: < 90 s on a CPU."""
-import dataclasses
 import functools
 import json
 import os

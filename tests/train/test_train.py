@@ -444,7 +444,6 @@ def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, 
   kernel), which the log names, and trains; with memory to spare nothing is recompiled."""
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
-  import dataclasses  # pylint: disable=g-import-not-at-top
   asked = []
 
   def fallback(cfg):  # on this CPU: cpu -> reference, the same maths
