@@ -257,8 +257,11 @@ def fit_fallback(cfg):
   `auto`'s reference on a GPU falls back to the fused kernel, which saves O(block) per layer for
   the backward pass (its position scores, O(block x window), are recomputed per layer) where the
   XLA path saves O(block x window) score bands per layer; None where there is nothing to fall
-  back to."""
-  if cfg.attention.impl != "auto" or select(cfg).fused or not _gpu_runs_triton(target.current()):
+  back to (an explicit choice, a model the kernel cannot run: the sparse model, sizes it cannot
+  tile; a GPU without Triton)."""
+  if cfg.attention.impl != "auto" or not _gpu_runs_triton(target.current()):
+    return None
+  if fused_misfit(cfg)[0] or select(cfg).fused:
     return None
   return cfg.replace(attention=cfg.attention.replace(impl="pallas"))
 
