@@ -84,6 +84,53 @@ class Attention:
     return dataclasses.replace(self, **changes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """What the door needs of one layer's span attention, and nothing else: the model
+  (`ModelConfig.attn_spec`) and the drop-in layer (span_lm/layers) each build one, so both call
+  the same functions. Frozen and hashable (a jit static).
+
+  Keys lie at distances 1..window behind a query (distance 1: the previous row; the mask reads
+  distance d as x = d - 1) and, when ahead > 0, 1..ahead in front of it (x = distance): the rows
+  an implementation's `attend` is given are the window, the block of queries and the rows ahead.
+  """
+  heads: int
+  head_dim: int
+  window: int  # W: the longest window behind (the span S; a plan's windows are <= W)
+  ahead: int = 0  # A: the window ahead of each query; 0: causal
+  ramp: int = 32  # R, the soft mask's ramp
+  mode: str = "adaptive"  # fixed | adaptive | dynamic: the span mask (residual accounting)
+  dtype: str = "float32"
+  dropout: float = 0.0  # on the attention weights, in training
+  pers_mem: int = 0  # persistent key/value vectors per head, in the same softmax
+  segmented: bool = False  # segment ids given (padding, packing): `Segments`
+  attention: Attention = dataclasses.field(default_factory=Attention)
+
+  def __post_init__(self):
+    for f in ("heads", "head_dim", "window", "ahead", "ramp", "pers_mem"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, int) or v < (0 if f in ("ahead", "pers_mem")
+                                                               else 1):
+        raise ValueError(f"attention spec {f}={v!r}: must be an integer >= "
+                         f"{0 if f in ('ahead', 'pers_mem') else 1}")
+
+  def replace(self, **changes) -> "Spec":
+    return dataclasses.replace(self, **changes)
+
+
+def spec_of(x) -> Spec:
+  """A Spec as it is, or a ModelConfig's (`attn_spec`)."""
+  return x if isinstance(x, Spec) else x.attn_spec
+
+
+class Segments(NamedTuple):
+  """Segment ids (int32) of the queries, (B, M), and of the key rows, (B, W + M + A): a query
+  attends only to keys of its own segment; id 0 is padding, attended by no query, and a query of
+  id 0 gives zeros (also with persistent memory)."""
+  q: Any
+  kv: Any
+
+
 class KV(NamedTuple):
   """Keys and values of one head group as rows, each (B, G, T, Dh): what every implementation's
   `attend` takes. Its `project_kv` and `split_kv` may return its own layout instead."""
@@ -107,44 +154,68 @@ class Impl:
   def ops(self) -> ModuleType:
     return importlib.import_module(self.ops_module)
 
-  def misfit(self, cfg, m: int | None = None, w: int | None = None) -> str:
+  def misfit(self, spec, m: int | None = None, w: int | None = None) -> str:
     """Why this cannot run a layer of m queries and windows up to w ('' when it can)."""
+    spec = spec_of(spec)
     if not self.fused:
       return ""
-    field, rule = fused_misfit(cfg, m, w)
-    return f"{field} {rule}" if field else self.ops.misfit(self, cfg, m, w)
+    field, rule = fused_misfit(spec, m, w)
+    return f"{field} {rule}" if field else self.ops.misfit(self, spec, m, w)
 
-  def project_kv(self, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int):
+  def project_kv(self, spec, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int):
     """Keys and values of `heads` heads (w_kv: their [key | value] columns) over the last
     `window` cached states and the block, in this implementation's layout."""
-    return self.ops.project_kv(self, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window=window,
-                               heads=heads)
+    return self.ops.project_kv(self, spec_of(spec), cache_BxLxD, h_BxMxD, w_kv_Dx2Z,
+                               window=window, heads=heads)
 
-  def split_kv(self, cfg, kv_BxTx2Z, *, window: int, heads: int):
+  def split_kv(self, spec, kv_BxTx2Z, *, window: int, heads: int):
     """Keys and values from already projected [keys | values] rows (a key/value cache)."""
-    return self.ops.split_kv(self, cfg, kv_BxTx2Z, window=window, heads=heads)
+    return self.ops.split_kv(self, spec_of(spec), kv_BxTx2Z, window=window, heads=heads)
 
-  def attend(self, cfg, q_BxGxMxD, kv, key_pe_DxW, **kw):
-    """Banded span attention of one head group: (B, G, M, Dh) outputs. kv: a `KV` or what
-    project_kv/split_kv returned. span_z: spans in tokens, (1 or B, G, 1 or M), or None (fixed
-    span); pers_k_GxDxN, pers_v_GxNxD; dropout: applied to the attention weights (None: none),
-    the fused kernels draw their own keep mask from dropout_seed()."""
-    return self.ops.attend(self, cfg, q_BxGxMxD, kv, key_pe_DxW, **kw)
+  def attend(self, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span_z=None,
+             span_z_ahead=None, segments=None, pers_k_GxDxN=None, pers_v_GxNxD=None,
+             dropout=None, dropout_seed=None):
+    """Banded span attention of one head group: (B, G, M, Dh) outputs.
+
+    kv: a `KV` (rows: the W window rows, the M queries' rows, the A rows ahead) or what
+      project_kv/split_kv returned (causal only).
+    key_pe_DxW: position embeddings behind, column W - d for distance d; key_pe_ahead_DxA
+      (spec.ahead > 0): ahead, column a - 1 for distance a.
+    span_z, span_z_ahead: spans in tokens behind and ahead (ahead None: span_z), each (1 or B,
+      G, 1 or M), or None (fixed span).
+    segments: a `Segments` (spec.segmented), or None. pers_k_GxDxN, pers_v_GxNxD: persistent
+      memory (scaled). dropout: applied to the attention weights (None: none); the fused
+      kernels draw their own keep mask from dropout_seed()."""
+    spec = spec_of(spec)
+    if (key_pe_ahead_DxA is not None) != (spec.ahead > 0):
+      raise ValueError(f"attend: spec.ahead={spec.ahead} but key_pe_ahead "
+                       f"{'missing' if key_pe_ahead_DxA is None else 'given'}")
+    if (segments is not None) != spec.segmented:
+      raise ValueError(f"attend: spec.segmented={spec.segmented} but segments "
+                       f"{'missing' if segments is None else 'given'}")
+    extra = {}
+    if spec.ahead:
+      extra.update(key_pe_ahead_DxA=key_pe_ahead_DxA, span_z_ahead=span_z_ahead)
+    if spec.segmented:
+      extra["segments"] = segments
+    return self.ops.attend(self, spec, q_BxGxMxD, kv, key_pe_DxW, span_z=span_z,
+                           pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD,
+                           dropout=dropout, dropout_seed=dropout_seed, **extra)
 
   def cached_rows(self, w: int) -> int:
     """Cached positions read for a window of w (the TPU kernel's: whole 128-lane tiles)."""
     return self.ops.cached_rows(self, w)
 
-  def residual_bytes(self, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+  def residual_bytes(self, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
     """Bytes one head group's attention keeps for the backward pass, by kind (keys_values,
     score_bands, weights), as this implementation saves them (tools/flops asks here)."""
-    return self.ops.residual_bytes(self, cfg, batch, m, heads, w, train)
+    return self.ops.residual_bytes(self, spec_of(spec), batch, m, heads, w, train)
 
-  def schedule_cost(self, cfg, batch: int, m: int, w: int, span: float | None) -> dict | None:
+  def schedule_cost(self, spec, batch: int, m: int, w: int, span: float | None) -> dict | None:
     """{kernel: FLOPs, HBM bytes and bytes_min} of one layer's fused GPU kernels (batch streams,
     all heads, a block of m, window w, every row at `span`) for the compile mode's roofline;
     None elsewhere (XLA's cost analysis sees the rest, the TPU kernel through its estimate)."""
-    return self.ops.schedule_cost(self, cfg, batch, m, w, span)
+    return self.ops.schedule_cost(self, spec_of(spec), batch, m, w, span)
 
   def compiler_options(self) -> dict:
     """XLA compile options a step running this needs (ptxas' floor for the GPU kernel)."""
@@ -177,17 +248,22 @@ def parse_tiles(text: str) -> tuple[int, int, int] | None:
   return tile, warps, stages
 
 
-def fused_misfit(cfg, m: int | None = None, w: int | None = None) -> tuple[str, str]:
+def fused_misfit(spec, m: int | None = None, w: int | None = None) -> tuple[str, str]:
   """('', '') when the fused kernels (GPU and TPU) tile a layer with a block of m queries and a
-  window of w (None: the config's own sizes only), else (field, what it must be). The one rule:
-  `select` falls back to the reference where it fails, `check` refuses an explicit choice."""
-  b = cfg.attention.block
-  if cfg.arch != "span":
-    return "arch", "must be 'span' (the sparse model has its own attention)"
+  window of w (None: the spec's own sizes only), else (field, what it must be). The one rule:
+  `select` falls back to the reference where it fails, `check` refuses an explicit choice.
+  spec: a Spec (fields named as its own), or a ModelConfig (named as config.model's)."""
+  if isinstance(spec, Spec):
+    sizes = (("pers_mem", spec.pers_mem), ("window", spec.window))
+  else:  # a ModelConfig, or the run config's model section
+    if spec.arch != "span":
+      return "arch", "must be 'span' (the sparse model has its own attention)"
+    sizes = (("pers_mem", spec.pers_mem), ("span.size", spec.span.size),
+             ("plan.granularity", spec.plan.granularity))
+  b = spec.attention.block
   if not isinstance(b, int) or b < 16 or b & (b - 1):
     return "attention.block", "must be a power of two >= 16"
-  for f, n in (("pers_mem", cfg.pers_mem), ("span.size", cfg.span.size),
-               ("plan.granularity", cfg.plan.granularity), ("block", m), ("window", w)):
+  for f, n in sizes + (("block", m), ("window", w)):
     if n is not None and n % b:
       return f, f"must be a multiple of attention.block={b}"
   return "", ""
@@ -273,11 +349,11 @@ def select(cfg, m: int | None = None, w: int | None = None) -> Impl:
   one-token block); `auto` picks by backend, and on a GPU by `gpu_preference`. Logged once per
   distinct choice and shape."""
   impl, why = _select(cfg, m, w)
-  key = (cfg.attention.impl, impl.name, m, w, why)
+  key = (spec_of(cfg).attention.impl, impl.name, m, w, why)
   if key not in _logged:
     _logged.add(key)
     log.info("attention: %s (attention.impl=%s, block %s, window %s%s)", impl.name,
-             cfg.attention.impl, m,
+             spec_of(cfg).attention.impl, m,
              w, f"; {why}" if why else "")
   return impl
 
@@ -293,6 +369,7 @@ def why(cfg, m: int | None = None, w: int | None = None) -> str:
 
 
 def _select(cfg, m, w) -> tuple[Impl, str]:
+  cfg = spec_of(cfg)
   if cfg.attention.impl != "auto":
     impl = IMPLS[cfg.attention.impl]
     why = impl.misfit(cfg, m, w)
@@ -321,7 +398,7 @@ def runtime_spans(cfg) -> bool:
 
 def gpu_tiles(cfg, impl: str, dtype) -> tuple[int, int, int]:
   """The GPU kernel's (tile, warps, stages) for a GPU implementation (impl_gpu.tiles)."""
-  return IMPLS[impl].ops.tiles(IMPLS[impl], cfg, dtype)
+  return IMPLS[impl].ops.tiles(IMPLS[impl], spec_of(cfg), dtype)
 
 
 def fused_residual_bytes(batch: int, m: int, heads: int, rows: int, dp: int,

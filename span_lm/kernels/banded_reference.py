@@ -47,10 +47,33 @@ def skew(x):
   return x.reshape(*lead, c, w + c)
 
 
-def key_windows(y_BxGxTxD, w: int, c: int):
-  """(B, G, W + M, Dh) -> (B, G, M/C, W + C, Dh): the keys each chunk of C queries reads (slices)."""
-  n = (y_BxGxTxD.shape[2] - w) // c
-  return jnp.stack([y_BxGxTxD[:, :, j * c:j * c + w + c] for j in range(n)], axis=2)
+def key_windows(y_BxGxTxD, w: int, c: int, a: int = 0):
+  """(B, G, W + M + A, Dh) -> (B, G, M/C, W + C + A, Dh): the keys each chunk of C queries reads
+  (slices); also (B, T) segment ids -> (B, M/C, W + C + A)."""
+  lead = y_BxGxTxD.ndim == 2
+  t = y_BxGxTxD.shape[1 if lead else 2]
+  n = (t - w - a) // c
+  take = (lambda j: y_BxGxTxD[:, j * c:j * c + w + c + a]) if lead else (
+      lambda j: y_BxGxTxD[:, :, j * c:j * c + w + c + a])
+  return jnp.stack([take(j) for j in range(n)], axis=1 if lead else 2)
+
+
+def band_distances(w: int, a: int = 0):
+  """The distance each band column stands for, as the span mask reads it (d; x = d - 1): W..1
+  behind, then the keys ahead at distances 1..A as d = 2..A + 1 (x = the distance ahead)."""
+  return jnp.concatenate([jnp.arange(w, 0, -1), jnp.arange(2, a + 2)]).astype(jnp.float32)
+
+
+def segment_band(segments, w: int, a: int, c: int):
+  """(B, M/C, C, W + A) booleans: may the query attend the key of each band column (same
+  segment, key not padding), from segment ids (q (B, M), kv (B, W + M + A))."""
+  q_seg, kv_seg = segments
+  b, m = q_seg.shape
+  n = m // c
+  kv_win = key_windows(kv_seg, w, c, a)  # B n (W+C+A)
+  q = q_seg.reshape(b, n, c, 1)
+  same = (q == kv_win[:, :, None, :]) & (kv_win[:, :, None, :] != 0)  # B n C (W+C+A)
+  return unskew(same.astype(jnp.int8), w + a).astype(bool)
 
 
 def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, g: int):
@@ -72,14 +95,22 @@ def split_kv(kv_BxTx2Z, g: int):
   return kv[0], kv[1]
 
 
-def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, span_z=None, ramp: int = 0,
+def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, key_pe_ahead_DxA=None,
+                     span_z=None, span_z_ahead=None, segments=None, ramp: int = 0,
                      pers_k_GxDxN=None, pers_v_GxNxD=None, chunk: int = 0, dropout=None):
-  """Attention of M queries over the W distances before each of them, for one head group.
+  """Attention of M queries over the W distances before each of them (and the A after), for one
+  head group.
 
   Args:
-    q_BxGxMxD: queries; k, v: keys/values of the last T = W + M positions (window + block).
-    key_pe_DxW: relative position embeddings for distances W..1 (column W - 1 is distance 1).
-    span_z: spans in tokens, (1 or B, G, 1 or M), of the soft mask with ramp R; None: fixed.
+    q_BxGxMxD: queries; k, v: keys/values of the T = W + M + A rows (window, block, ahead):
+      query i is row W + i; behind it, distance d is row W + i - d; ahead, distance a is row
+      W + i + a - 1.
+    key_pe_DxW: relative position embeddings for distances W..1 (column W - 1 is distance 1);
+      key_pe_ahead_DxA: for distances 1..A ahead (column a - 1), None when causal.
+    span_z, span_z_ahead: spans in tokens, (1 or B, G, 1 or M), of the soft mask with ramp R
+      (behind: x = d - 1; ahead: x = a); None: fixed (ahead None: span_z on both sides).
+    segments: kernels.Segments (q (B, M), kv (B, T)) or None: a query attends only keys of its
+      own nonzero segment; a query of segment 0 gives zeros.
     pers_k_GxDxN, pers_v_GxNxD: persistent memory (already multiplied by sqrt(Dh), sqrt(N)),
       in the same softmax with mask 1.
     chunk: queries per chunk (0: automatic). dropout: applied to the attention weights.
@@ -88,40 +119,59 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, span_z=None
   """
   b, g, m, dh = q_BxGxMxD.shape
   w = key_pe_DxW.shape[-1]
-  if k_BxGxTxD.shape[2] != w + m:
-    raise ValueError(f"banded_attention: got {k_BxGxTxD.shape[2]} keys for window {w}, block {m}")
-  c = choose_chunk(m, w, chunk)
+  a = 0 if key_pe_ahead_DxA is None else key_pe_ahead_DxA.shape[-1]
+  if k_BxGxTxD.shape[2] != w + m + a:
+    raise ValueError(f"banded_attention: got {k_BxGxTxD.shape[2]} keys for window {w}, block {m}"
+                     f", ahead {a}")
+  c = choose_chunk(m, w + a, chunk)
   n = m // c
   q = q_BxGxMxD.reshape(b, g, n, c, dh)
-  k_win, v_win = key_windows(k_BxGxTxD, w, c), key_windows(v_BxGxTxD, w, c)  # B G n (W+C) Dh
+  k_win, v_win = (key_windows(k_BxGxTxD, w, c, a),
+                  key_windows(v_BxGxTxD, w, c, a))  # B G n (W+C+A) Dh
 
   cont = matmul.einsum("bgncd,bgnkd->bgnck", q, k_win, jnp.float32)
   # float32 parameters (key_pe, persistent vectors) go in as they are: matmul.einsum casts them
   # to q's dtype and keeps their gradients in float32
-  pos = matmul.einsum("bgncd,dw->bgncw", q, matmul.weight(key_pe_DxW, q.dtype), jnp.float32)
-  logits = (unskew(cont, w) + pos) / math.sqrt(dh)  # B G n C W
+  pe = key_pe_DxW if not a else jnp.concatenate(
+      [key_pe_DxW.astype(jnp.float32), key_pe_ahead_DxA.astype(jnp.float32)], axis=-1)
+  pos = matmul.einsum("bgncd,dw->bgncw", q, matmul.weight(pe, q.dtype), jnp.float32)
+  logits = (unskew(cont, w + a) + pos) / math.sqrt(dh)  # B G n C (W+A)
+  allowed = None
+  if segments is not None:
+    allowed = segment_band(segments, w, a, c)[:, None]  # B 1 n C (W+A)
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
   if pers_k_GxDxN is not None:
     pers = matmul.einsum("bgncd,gdp->bgncp", q, matmul.weight(pers_k_GxDxN, q.dtype),
                          jnp.float32)
     logits = jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1)
   probs = jax.nn.softmax(logits, axis=-1)
+  mask = None
   if span_z is not None:
-    z = jnp.asarray(span_z, jnp.float32)  # (1|B, G, 1|M) -> (1|B, G, n|1, C|1, 1)
-    z = z.reshape(z.shape[0], g, 1, 1, 1) if z.shape[2] == 1 else z.reshape(z.shape[0], g, n, c, 1)
-    mask = span_mask.soft_mask(z, jnp.arange(w, 0, -1, dtype=jnp.float32).reshape(1, 1, 1, 1, w),
-                               ramp)  # column s: distance W - s
+    band = lambda zz: (lambda z: z.reshape(z.shape[0], g, 1, 1, 1) if z.shape[2] == 1 else
+                       z.reshape(z.shape[0], g, n, c, 1))(jnp.asarray(zz, jnp.float32))
+    dist = band_distances(w, a).reshape(1, 1, 1, 1, w + a)
+    z = band(span_z)  # (1|B, G, n|1, C|1, 1)
+    if a and span_z_ahead is not None:  # the columns ahead read their own spans
+      z = jnp.where(jnp.arange(w + a).reshape(1, 1, 1, 1, w + a) < w, z, band(span_z_ahead))
+    mask = span_mask.soft_mask(z, dist, ramp)
+  if allowed is not None:  # a row with no key of its segment: zeros, not a uniform average
+    mask = allowed.astype(jnp.float32) if mask is None else mask * allowed
+  if mask is not None:
     if pers_k_GxDxN is not None:  # the persistent vectors' mask is 1
       ones = jnp.ones(mask.shape[:-1] + (pers_k_GxDxN.shape[-1],), mask.dtype)
       mask = jnp.concatenate([mask, ones], axis=-1)
-    probs = span_mask.renormalise(probs * mask)
+    probs = span_mask.renormalise(probs * mask) if span_z is not None else probs * mask
   if dropout is not None:
     probs = dropout(probs)
   probs = probs.astype(v_BxGxTxD.dtype)
-  out = matmul.einsum("bgnck,bgnkd->bgncd", skew(probs[..., :w]), v_win, jnp.float32)
+  out = matmul.einsum("bgnck,bgnkd->bgncd", skew(probs[..., :w + a]), v_win, jnp.float32)
   if pers_v_GxNxD is not None:
-    out = out + matmul.einsum("bgncp,gpd->bgncd", probs[..., w:],
+    out = out + matmul.einsum("bgncp,gpd->bgncd", probs[..., w + a:],
                               matmul.weight(pers_v_GxNxD, probs.dtype), jnp.float32)
-  return out.reshape(b, g, m, dh).astype(q_BxGxMxD.dtype)
+  out = out.reshape(b, g, m, dh)
+  if segments is not None:  # padding queries (segment 0): zeros, persistent memory included
+    out = jnp.where((segments.q != 0)[:, None, :, None], out, 0.0)
+  return out.astype(q_BxGxMxD.dtype)
 
 
 def residual_bytes(span_mode: str, pers_mem: int, dtype, batch: int, m: int, g: int, w: int,

@@ -14,27 +14,34 @@ class CpuKV(NamedTuple):
   positions_last: bool
 
 
-def project_kv(impl, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> CpuKV:
+def project_kv(impl, spec, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> CpuKV:
   del impl
-  last = banded_cpu.prefer_positions_last(h_BxMxD.shape[1], window, cfg.attention.chunk,
+  last = banded_cpu.prefer_positions_last(h_BxMxD.shape[1], window, spec.attention.chunk,
                                           h_BxMxD.dtype)
   return CpuKV(*banded_cpu.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads, last), last)
 
 
-def split_kv(impl, cfg, kv_BxTx2Z, *, window: int, heads: int) -> CpuKV:
+def split_kv(impl, spec, kv_BxTx2Z, *, window: int, heads: int) -> CpuKV:
   del impl
-  last = banded_cpu.prefer_positions_last(kv_BxTx2Z.shape[1] - window, window, cfg.attention.chunk,
+  last = banded_cpu.prefer_positions_last(kv_BxTx2Z.shape[1] - window, window, spec.attention.chunk,
                                           kv_BxTx2Z.dtype)
   return CpuKV(*banded_cpu.split_kv(kv_BxTx2Z, heads, last), last)
 
 
-def attend(impl, cfg, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
-           pers_v_GxNxD=None, dropout=None, dropout_seed=None):
-  """kv: a CpuKV, or the door's KV (rows)."""
+def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
+           pers_v_GxNxD=None, dropout=None, dropout_seed=None, **two_sided):
+  """kv: a CpuKV, or the door's KV (rows). Windows ahead and segments (`two_sided`: the door's
+  key_pe_ahead_DxA, span_z_ahead, segments) run the reference's banded maths for now."""
+  if two_sided:
+    rows = kv if not isinstance(kv, CpuKV) else impl_reference.KV(
+        *(x.swapaxes(-1, -2) if kv.positions_last else x for x in (kv.k, kv.v)))
+    return impl_reference.attend(impl, spec, q_BxGxMxD, rows, key_pe_DxW, span_z=span_z,
+                                 pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD,
+                                 dropout=dropout, dropout_seed=dropout_seed, **two_sided)
   del impl, dropout_seed  # dropout draws its own mask
   return banded_cpu.banded_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.span.ramp,
-      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attention.chunk,
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=spec.ramp,
+      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=spec.attention.chunk,
       dropout=dropout, positions_last=isinstance(kv, CpuKV) and kv.positions_last,
   )[0].astype(q_BxGxMxD.dtype)
 
@@ -45,7 +52,7 @@ compiler_options = impl_reference.compiler_options
 misfit = impl_reference.misfit
 
 
-def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del impl
-  return banded_cpu.residual_bytes(cfg.span.mode, cfg.pers_mem, cfg.dtype, batch, m, heads, w,
-                                   cfg.head_dim, cfg.attention.chunk, train and cfg.dropout > 0)
+  return banded_cpu.residual_bytes(spec.mode, spec.pers_mem, spec.dtype, batch, m, heads, w,
+                                   spec.head_dim, spec.attention.chunk, train and spec.dropout > 0)

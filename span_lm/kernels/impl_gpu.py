@@ -18,53 +18,61 @@ def _cc(impl):
   return None if impl.interpret else target.current().compute_capability
 
 
-def tiles(impl, cfg, dtype) -> tuple[int, int, int]:
+def tiles(impl, spec, dtype) -> tuple[int, int, int]:
   """The kernel's (tile, warps, stages): the config's own 'T,W,S' (or what 'tune' measured:
   train/loop.py writes it there), else pallas_gpu's table for the target."""
-  explicit = kernels.parse_tiles(cfg.attention.tiles)
+  explicit = kernels.parse_tiles(spec.attention.tiles)
   if explicit is not None:
     return explicit
-  return pallas_gpu.tiles(_cc(impl), cfg.head_dim, dtype, cfg.attention.block)
+  return pallas_gpu.tiles(_cc(impl), spec.head_dim, dtype, spec.attention.block)
 
 
-def key_tile(impl, cfg, dtype, tile: int) -> int:
+def key_tile(impl, spec, dtype, tile: int) -> int:
   """The kernel's key tile for a query tile (pallas_gpu.TILES; interpreted: the tile)."""
-  return pallas_gpu.key_tile(_cc(impl), cfg.head_dim, dtype, tile)
+  return pallas_gpu.key_tile(_cc(impl), spec.head_dim, dtype, tile)
 
 
-def attend(impl, cfg, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
+def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
            pers_v_GxNxD=None, dropout=None, dropout_seed=None):
   b, g, m, _ = q_BxGxMxD.shape
   z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
   seed = None if dropout is None else dropout_seed()
-  tile, warps, stages = tiles(impl, cfg, q_BxGxMxD.dtype)
+  tile, warps, stages = tiles(impl, spec, q_BxGxMxD.dtype)
   return pallas_gpu.span_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=cfg.span.ramp, block=tile,
-      block_k=key_tile(impl, cfg, q_BxGxMxD.dtype, tile), num_warps=warps, num_stages=stages,
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, z, ramp=spec.ramp, block=tile,
+      block_k=key_tile(impl, spec, q_BxGxMxD.dtype, tile), num_warps=warps, num_stages=stages,
       # float32 parameters go in as such: the kernel casts them, their gradients stay float32
       pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
-      dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
-      interpret=impl.interpret, precision=cfg.attention.precision)
+      dropout_rate=spec.dropout if seed is not None else 0.0, dropout_seed=seed,
+      interpret=impl.interpret, precision=spec.attention.precision)
 
 
-def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del train
   return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w),
-                                      pallas_gpu.padded_head_dim(cfg.head_dim),
-                                      jnp.dtype(cfg.dtype).itemsize)
+                                      pallas_gpu.padded_head_dim(spec.head_dim),
+                                      jnp.dtype(spec.dtype).itemsize)
 
 
-def schedule_cost(impl, cfg, batch: int, m: int, w: int, span) -> dict:
-  tile = tiles(impl, cfg, cfg.dtype)[0]
-  return pallas_gpu.schedule_cost(batch, cfg.n_heads, m, w, cfg.head_dim, cfg.dtype, tile,
-                                  span=span, ramp=cfg.span.ramp, n_pers=cfg.pers_mem,
-                                  key_tile=key_tile(impl, cfg, cfg.dtype, tile))
+def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> dict:
+  tile = tiles(impl, spec, spec.dtype)[0]
+  return pallas_gpu.schedule_cost(batch, spec.heads, m, w, spec.head_dim, spec.dtype, tile,
+                                  span=span, ramp=spec.ramp, n_pers=spec.pers_mem,
+                                  key_tile=key_tile(impl, spec, spec.dtype, tile))
 
 
 def compiler_options(impl) -> dict:
   return {} if impl.interpret else dict(kernels.GPU_COMPILER_OPTIONS)
 
 
-def misfit(impl, cfg, m, w) -> str:
-  del impl, cfg, m, w  # the door's fused rule is the whole of it
+def misfit(impl, spec, m, w) -> str:
+  del impl, m, w  # the door's fused rule is the rest of it
+  return _two_sided(spec)
+
+
+def _two_sided(spec) -> str:
+  if spec.ahead:
+    return "windows ahead (bidirectional) are not in this kernel yet"
+  if spec.segmented:
+    return "segment ids are not in this kernel yet"
   return ""

@@ -5,22 +5,24 @@ from span_lm.kernels import KV
 from span_lm.kernels import banded_reference
 
 
-def project_kv(impl, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> KV:
-  del impl, cfg
+def project_kv(impl, spec, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> KV:
+  del impl, spec
   return KV(*banded_reference.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads))
 
 
-def split_kv(impl, cfg, kv_BxTx2Z, *, window: int, heads: int) -> KV:
-  del impl, cfg, window
+def split_kv(impl, spec, kv_BxTx2Z, *, window: int, heads: int) -> KV:
+  del impl, spec, window
   return KV(*banded_reference.split_kv(kv_BxTx2Z, heads))
 
 
-def attend(impl, cfg, q_BxGxMxD, kv: KV, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
-           pers_v_GxNxD=None, dropout=None, dropout_seed=None):
+def attend(impl, spec, q_BxGxMxD, kv: KV, key_pe_DxW, *, key_pe_ahead_DxA=None, span_z=None,
+           span_z_ahead=None, segments=None, pers_k_GxDxN=None, pers_v_GxNxD=None, dropout=None,
+           dropout_seed=None):
   del impl, dropout_seed  # dropout draws its own mask
   return banded_reference.banded_attention(
-      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=cfg.span.ramp,
-      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=cfg.attention.chunk,
+      q_BxGxMxD, kv.k, kv.v, key_pe_DxW, key_pe_ahead_DxA=key_pe_ahead_DxA, span_z=span_z,
+      span_z_ahead=span_z_ahead, segments=segments, ramp=spec.ramp,
+      pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=spec.attention.chunk,
       dropout=dropout)
 
 
@@ -29,15 +31,15 @@ def cached_rows(impl, w: int) -> int:
   return w
 
 
-def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del impl
-  return banded_reference.residual_bytes(cfg.span.mode, cfg.pers_mem, cfg.dtype, batch, m, heads,
-                                         w, cfg.head_dim, cfg.attention.chunk,
-                                         train and cfg.dropout > 0)
+  return banded_reference.residual_bytes(spec.mode, spec.pers_mem, spec.dtype, batch, m, heads,
+                                         w, spec.head_dim, spec.attention.chunk,
+                                         train and spec.dropout > 0)
 
 
-def schedule_cost(impl, cfg, batch: int, m: int, w: int, span) -> None:
-  del impl, cfg, batch, m, w, span  # XLA's own cost analysis covers it
+def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> None:
+  del impl, spec, batch, m, w, span  # XLA's own cost analysis covers it
 
 
 def compiler_options(impl) -> dict:
@@ -45,6 +47,6 @@ def compiler_options(impl) -> dict:
   return {}
 
 
-def misfit(impl, cfg, m, w) -> str:
-  del impl, cfg, m, w
+def misfit(impl, spec, m, w) -> str:
+  del impl, spec, m, w
   return ""

@@ -16,17 +16,17 @@ class TpuKV(NamedTuple):
   block: Any
 
 
-def project_kv(impl, cfg, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> TpuKV:
-  del impl, cfg
+def project_kv(impl, spec, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> TpuKV:
+  del impl, spec
   return TpuKV(*pallas_tpu.project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, window, heads))
 
 
-def split_kv(impl, cfg, kv_BxTx2Z, *, window: int, heads: int) -> TpuKV:
-  del impl, cfg
+def split_kv(impl, spec, kv_BxTx2Z, *, window: int, heads: int) -> TpuKV:
+  del impl, spec
   return TpuKV(*pallas_tpu.split_kv(kv_BxTx2Z, heads, window))
 
 
-def attend(impl, cfg, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
+def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
            pers_v_GxNxD=None, dropout=None, dropout_seed=None):
   """kv: a TpuKV, or the door's KV (rows), which the kernel lays out itself."""
   b, g, m, _ = q_BxGxMxD.shape
@@ -34,14 +34,14 @@ def attend(impl, cfg, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=No
   seed = None if dropout is None else dropout_seed()
   laid_out = isinstance(kv, TpuKV)
   cached = kv.cached.shape[-1] if laid_out else cached_rows(impl, key_pe_DxW.shape[-1])
-  bq, bk = pallas_tpu.tiles(cfg.attention.block, m, cached,
+  bq, bk = pallas_tpu.tiles(spec.attention.block, m, cached,
                             0 if pers_k_GxDxN is None else pers_k_GxDxN.shape[-1])
   fused = pallas_tpu.span_attention_kv if laid_out else pallas_tpu.span_attention
   return fused(  # float32 parameters go in as such: their gradients stay float32
-      q_BxGxMxD, *kv, key_pe_DxW.astype(jnp.float32), z, ramp=cfg.span.ramp,
+      q_BxGxMxD, *kv, key_pe_DxW.astype(jnp.float32), z, ramp=spec.ramp,
       block=bq, block_k=bk, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
-      dropout_rate=cfg.dropout if seed is not None else 0.0, dropout_seed=seed,
-      interpret=impl.interpret, precision=cfg.attention.precision)
+      dropout_rate=spec.dropout if seed is not None else 0.0, dropout_seed=seed,
+      interpret=impl.interpret, precision=spec.attention.precision)
 
 
 def cached_rows(impl, w: int) -> int:
@@ -50,15 +50,15 @@ def cached_rows(impl, w: int) -> int:
   return pallas_tpu.layout_window(w)
 
 
-def residual_bytes(impl, cfg, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del train
   return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w),
-                                      pallas_tpu.padded_head_dim(cfg.head_dim),
-                                      jnp.dtype(cfg.dtype).itemsize)
+                                      pallas_tpu.padded_head_dim(spec.head_dim),
+                                      jnp.dtype(spec.dtype).itemsize)
 
 
-def schedule_cost(impl, cfg, batch: int, m: int, w: int, span) -> None:
-  del impl, cfg, batch, m, w, span  # XLA's cost analysis sees the kernel's pl.CostEstimate
+def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> None:
+  del impl, spec, batch, m, w, span  # XLA's cost analysis sees the kernel's pl.CostEstimate
 
 
 def compiler_options(impl) -> dict:
@@ -66,9 +66,13 @@ def compiler_options(impl) -> dict:
   return {}
 
 
-def misfit(impl, cfg, m, w) -> str:
+def misfit(impl, spec, m, w) -> str:
   """Mosaic's lane rule for the kernel's tiles at this layer's shape ('' when unknown, and
   interpreted)."""
+  if spec.ahead:
+    return "windows ahead (bidirectional) are not in this kernel yet"
+  if spec.segmented:
+    return "segment ids are not in this kernel yet"
   if impl.interpret or m is None or w is None:
     return ""
-  return pallas_tpu.misfit(cfg.attention.block, m, w, cfg.pers_mem)
+  return pallas_tpu.misfit(spec.attention.block, m, w, spec.pers_mem)

@@ -132,7 +132,8 @@ class SeqAttention(nn.Module):
                            pers_v_HxNxD=pers_v)
       return dense("proj_out")(out.astype(dt).reshape(b, 1, d)), aux
 
-    impl = kernels.select(cfg, m, w_max)
+    spec = cfg.attn_spec  # what the door reads (the drop-in layer builds its own)
+    impl = kernels.select(spec, m, w_max)
     outs, order = [], []
     for head_ids, w in self.plan.groups:
       take = _selector(head_ids)  # this group's heads along an axis
@@ -145,17 +146,17 @@ class SeqAttention(nn.Module):
         both = jnp.concatenate([cache[:, cache.shape[1] - w:], aux["kv"]], axis=1)  # B T 2D
         both = both if g == nh else jnp.concatenate(
             [pick(both[..., :d], 2), pick(both[..., d:], 2)], axis=-1)
-        kv = impl.split_kv(cfg, both, window=w, heads=g)
+        kv = impl.split_kv(spec, both, window=w, heads=g)
       else:
         w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)  # D x 2gDh
-        kv = impl.project_kv(cfg, cache, h_in, w_kv, window=w, heads=g)
+        kv = impl.project_kv(spec, cache, h_in, w_kv, window=w, heads=g)
       span_z = None  # (1 or B, G, 1 or M) tokens: the door builds the soft mask
       if z_H is not None:
         span_z = take(z_H, 0)[None, :, None]
       elif z_BxMxH is not None:
         span_z = take(z_BxMxH, 2).transpose(0, 2, 1)
       out = impl.attend(
-          cfg, take(q, 1), kv, key_pe_DxS[:, s - w:], span_z=span_z,
+          spec, take(q, 1), kv, key_pe_DxS[:, s - w:], span_z=span_z,
           pers_k_GxDxN=None if pers_k is None else take(pers_k, 0),
           pers_v_GxNxD=None if pers_v is None else take(pers_v, 0), dropout=dropout,
           dropout_seed=lambda: jax.random.bits(self.make_rng("dropout"), (), jnp.uint32))

@@ -280,6 +280,13 @@ class ModelConfig(_Section):
   def head_dim(self) -> int:
     return self.d_model // self.n_heads
 
+  @property
+  def attn_spec(self) -> kernels.Spec:
+    """What the attention door reads of this model: causal windows of up to S, unsegmented."""
+    return kernels.Spec(heads=self.n_heads, head_dim=self.head_dim, window=self.span.size,
+                        ramp=self.span.ramp, mode=self.span.mode, dtype=self.dtype,
+                        dropout=self.dropout, pers_mem=self.pers_mem, attention=self.attention)
+
   @classmethod
   def from_config(cls, model_cfg: Any, vocab_size: int | None = None) -> "ModelConfig":
     """Builds from an ml_collections ConfigDict (or dict) of config.model, in sections or in
