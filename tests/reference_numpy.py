@@ -64,43 +64,71 @@ def clamp_slope(x):
   return ((x >= 0.0) & (x <= 1.0)).astype(np.float64)
 
 
-def banded_attention(q, k, v, pe, z, ramp, pers_k=None, pers_v=None, ct=None):
-  """One head group's attention over the W distances before each query, from the equations.
+def banded_attention(q, k, v, pe, z, ramp, pers_k=None, pers_v=None, ct=None, pe_ahead=None,
+                     z_ahead=None, q_seg=None, kv_seg=None):
+  """One head group's attention over the W distances before each query (and the A after), from
+  the equations.
 
-  q (B, H, M, Dh); k, v (B, H, W + M, Dh): query i is key W + i and sees key t at distance
-  d = W + i - t in [1, W]; pe (Dh, W), column W - d for distance d; z spans in tokens,
-  broadcastable to (B, H, M), or None (fixed); pers_k (H, Dh, N), pers_v (H, N, Dh) already
-  scaled. Returns out (B, H, M, Dh) and, given ct (like out), d sum(out * ct) / dz (B, H, M)
-  with the clamp's derivative as torch.clamp's (`clamp_slope`).
+  q (B, H, M, Dh); k, v (B, H, W + M + A, Dh): query i is row W + i; it sees row t behind at
+  distance d = W + i - t in [1, W] (mask x = d - 1), and ahead at distance a = t - (W + i) + 1
+  in [1, A] (mask x = a); pe (Dh, W), column W - d for distance d; pe_ahead (Dh, A), column
+  a - 1 for distance a (None: causal, A = 0); z, z_ahead spans in tokens, broadcastable to
+  (B, H, M), or None (fixed; z_ahead None: z on both sides); pers_k (H, Dh, N), pers_v (H, N, Dh)
+  already scaled; q_seg (B, M), kv_seg (B, T) segment ids: a query sees only rows of its own
+  nonzero segment, and a query of segment 0 gives zeros. Returns out (B, H, M, Dh) and, given ct
+  (like out), d sum(out * ct) / dz (B, H, M) (both sides' spans are z when z_ahead is None) with
+  the clamp's derivative as torch.clamp's (`clamp_slope`).
   """
   q, k, v, pe = (np.asarray(a, np.float64) for a in (q, k, v, pe))
   b, h, m, dh = q.shape
   w = pe.shape[-1]
-  t = w + m
-  dist = (w + np.arange(m))[:, None] - np.arange(t)[None, :]  # (M, T)
-  allowed = (dist >= 1) & (dist <= w)
-  pe_k = pe[:, np.clip(w - dist, 0, w - 1)]  # (Dh, M, T)
+  a_len = 0 if pe_ahead is None else pe_ahead.shape[-1]
+  t = w + m + a_len
+  rel = np.arange(t)[None, :] - (w + np.arange(m))[:, None]  # row - query's row, (M, T)
+  behind = (rel <= -1) & (rel >= -w)
+  ahead = (rel >= 0) & (rel <= a_len - 1)
+  allowed = np.broadcast_to(behind | ahead, (b, 1, m, t))
+  x = np.where(behind, -rel - 1, rel + 1).astype(np.float64)  # the mask's x
+  cols = np.where(behind, np.clip(w + rel, 0, w - 1), 0)
+  pe_k = pe[:, cols]  # (Dh, M, T)
+  if a_len:
+    pe_k = np.where(ahead[None], np.asarray(pe_ahead, np.float64)[:, np.clip(rel, 0, a_len - 1)],
+                    pe_k)
+  if q_seg is not None:
+    q_seg, kv_seg = np.asarray(q_seg), np.asarray(kv_seg)
+    same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)  # B M T
+    allowed = allowed & same[:, None]
   logits = np.einsum("bhmd,bhtd->bhmt", q, k) + np.einsum("bhmd,dmt->bhmt", q, pe_k)
   logits = np.where(allowed, logits, -np.inf) / np.sqrt(dh)
   n = 0 if pers_k is None else pers_k.shape[-1]
   if n:
     logits = np.concatenate([logits, np.einsum("bhmd,hdn->bhmn", q, pers_k) / np.sqrt(dh)], -1)
-  e = softmax(logits)
+  with np.errstate(invalid="ignore"):  # a row with nothing allowed: nan, zeroed below
+    e = softmax(logits)
+  e = np.nan_to_num(e, nan=0.0)
   e_ctx, e_pers = e[..., :t], e[..., t:]
   if z is None:
     a, tot, u = e, None, None
   else:
     z = np.broadcast_to(np.asarray(z, np.float64), (b, h, m))
-    u = (ramp + z[..., None] - (dist - 1.0)) / ramp
+    zz = z[..., None]
+    if z_ahead is not None:
+      za = np.broadcast_to(np.asarray(z_ahead, np.float64), (b, h, m))[..., None]
+      zz = np.where(ahead, za, zz)
+    u = (ramp + zz - x) / ramp
     tot = (e_ctx * np.clip(u, 0.0, 1.0) * allowed).sum(-1, keepdims=True)
     tot = tot + e_pers.sum(-1, keepdims=True) + RENORM_EPS
     a = np.concatenate([e_ctx * np.clip(u, 0.0, 1.0) * allowed, e_pers], -1) / tot
   out = np.einsum("bhmt,bhtd->bhmd", a[..., :t], v)
   if n:
     out = out + np.einsum("bhmn,hnd->bhmd", a[..., t:], pers_v)
+  if q_seg is not None:
+    out = np.where((q_seg != 0)[:, None, :, None], out, 0.0)
   if ct is None or z is None:
     return out, None
   ct = np.asarray(ct, np.float64)
+  if q_seg is not None:
+    ct = np.where((q_seg != 0)[:, None, :, None], ct, 0.0)
   g_a = np.einsum("bhmd,bhtd->bhmt", ct, v)
   if n:
     g_a = np.concatenate([g_a, np.einsum("bhmd,hnd->bhmn", ct, pers_v)], -1)

@@ -23,13 +23,15 @@ class AdaptiveSpanAttention(nn.Module):
   its weights load as they are), span_ratio (heads,) z', pos_emb (head_dim, max_span) [and
   pos_emb_ahead when not causal], column max_span - 1 - x for distance x.
 
-  With causal=True and mask=None the door's kernels run (span_lm.kernels: fused on GPU/TPU, the
-  banded cpu path on CPU; O(length * max_span)); a mask or bidirectional attention runs the plain
-  dense path (O(length^2)). `attn_impl='auto'` logs which.
+  Causal or bidirectional (keys up to max_span - 1 ahead, with their own position embeddings and,
+  with asymmetric=True, their own learned spans per head), padded or packed (`segment_ids`, or a
+  key-padding `mask`): the door runs (span_lm.kernels, the model's own attention; O(length *
+  max_span)). Any other dense mask runs the plain dense path (O(length^2)) and says so.
   """
   num_heads: int
   max_span: int
   causal: bool = True
+  asymmetric: bool = False  # bidirectional: learn the span ahead apart (span_ratio_ahead)
   ramp: int = 32
   span_init: float = 0.0  # z' at init; the reference starts every span at 0
   span_loss_coef: float = 2e-6
@@ -48,9 +50,10 @@ class AdaptiveSpanAttention(nn.Module):
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
-               deterministic: bool | None = None, dropout_rng=None):
+               segment_ids=None, deterministic: bool | None = None, dropout_rng=None):
     """inputs_q (batch..., q_len, features) -> (batch..., q_len, out_features); keys and values
-    as nn.MultiHeadDotProductAttention takes them, positions aligned with the queries'."""
+    as nn.MultiHeadDotProductAttention takes them, positions aligned with the queries'.
+    segment_ids (batch..., q_len): attend within a segment only; 0 is padding (zeros out)."""
     if inputs_kv is not None:
       inputs_k = inputs_v = inputs_kv
     inputs_k = inputs_q if inputs_k is None else inputs_k
@@ -70,8 +73,13 @@ class AdaptiveSpanAttention(nn.Module):
                                  self.param_dtype)
     pos_back = pe("pos_emb")
     pos_ahead = None if self.causal else pe("pos_emb_ahead")
+    ratio_ahead = None
+    if self.asymmetric and not self.causal:
+      ratio_ahead = self.param("span_ratio_ahead", nn.initializers.constant(self.span_init),
+                               (self.num_heads,), jnp.float32)
+    both = ratio if ratio_ahead is None else jnp.concatenate([ratio, ratio_ahead])
     self.sow("intermediates", "span_loss",
-             core.span_loss(ratio, self.max_span, self.span_loss_coef))
+             core.span_loss(both, self.max_span, self.span_loss_coef))
 
     rate = 0.0
     if self.dropout_rate > 0:
@@ -80,7 +88,8 @@ class AdaptiveSpanAttention(nn.Module):
         dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
     out = core.span_attention(
         q, k, v, ratio, pos_back, pos_ahead, max_span=self.max_span, causal=self.causal,
-        ramp=self.ramp, mask=mask, dropout_rate=rate, dropout_rng=dropout_rng if rate else None,
+        ramp=self.ramp, mask=mask, segment_ids=segment_ids, span_ratio_ahead=ratio_ahead,
+        dropout_rate=rate, dropout_rng=dropout_rng if rate else None,
         attn_impl=self.attn_impl)
     return nn.DenseGeneral(
         self.out_features or inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,

@@ -1,32 +1,32 @@
 """Adaptive-span attention as a function of projected queries, keys and values: the mechanism
 behind `AdaptiveSpanAttention` (span_lm/layers/attention.py).
 
-Positions are aligned: query i and key j are |i - j| apart. Each head h attends to keys at
-distance x < max_span (looking back only when causal) with weight softmax * m_z(x), renormalised,
-where m_z(x) = clamp((R + z_h - x) / R, 0, 1) is the paper's soft mask (x = 0: the query itself).
-The mask maths is span_lm/kernels/span_mask.py's, the same as the model's: the door's kernels count
-distance 1 as the previous token and their mask reads distance d as x = d - 1, so a query that
-also attends to itself is a kernel query one position later (`_door`).
+Positions are aligned: query i and key j are x = |i - j| apart. Each head h attends to keys at
+distance x < max_span behind it (itself included, x = 0) and, when bidirectional, x < max_span
+ahead, with weight softmax * m_z(x), renormalised, where m_z(x) = clamp((R + z_h - x) / R, 0, 1)
+is the paper's soft mask (z ahead: the head's own span ahead when asymmetric, else z_h). Segment
+ids (padding, packing) keep each query to keys of its own segment; id 0 is padding.
 
-Two paths compute the same function:
-  door   the causal, unpadded case: span_lm.kernels (the fused kernel on GPU/TPU, the banded cpu
-         path on CPU), O(N * max_span). The first ~max_span queries, whose windows would reach
-         before the sequence start, run the plain path (O(max_span^2)): the kernels would see
-         zeros there, as the model's cache starts.
-  plain  anything: dense (N, N) scores with the span mask, the causal rule and the caller's mask.
+One implementation: the layer builds a `kernels.Spec` and calls the door (span_lm.kernels), the
+model's own function, O(N * max_span). The door counts distance 1 as the previous row and reads
+its mask at x = d - 1, so the layer's key j is the door's row W - 1 + j: a query's own key lies at
+its distance 1, the keys ahead at distances 1..max_span - 1 ahead. Rows before the sequence and
+after it are padding (segment 0), so the first and last queries need no special case.
+
+A dense `mask` that is not a key-padding mask runs `plain_attention` (dense (N, N) scores, for
+masks the door cannot express), and says so once at WARNING.
 """
 import logging
 import math
-import types
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from span_lm import kernels
 from span_lm.kernels import banded_reference
 from span_lm.kernels import span_mask
-from span_lm.model import config as model_config
 from span_lm.model import spans as spans_lib
 
 IMPLS = ("auto", "plain") + tuple(kernels.IMPLS)
@@ -34,44 +34,48 @@ log = logging.getLogger("span_lm")
 _logged: set = set()
 
 
-def door_config(num_heads: int, head_dim: int, max_span: int, ramp: int, *, attn_impl="auto",
-                dtype=jnp.float32, dropout_rate=0.0,
-                span_loss_coef=0.0) -> model_config.ModelConfig:
-  """The ModelConfig the door (span_lm.kernels) reads for one layer: its sizes, ramp, kernel and
-  tile (the largest of 64, 32, 16 dividing max_span; the fused kernels need one)."""
+def layer_spec(num_heads: int, head_dim: int, max_span: int, ramp: int, *, causal: bool = True,
+               attn_impl: str = "auto", dtype=jnp.float32, dropout_rate: float = 0.0,
+               segmented: bool = True) -> kernels.Spec:
+  """The door's spec of one layer: window max_span behind, max_span - 1 ahead when
+  bidirectional, segment ids (the layer always passes them: the sequence's ends are padding),
+  and the tile (the largest of 64, 32, 16 dividing max_span; the fused kernels need one)."""
   block = next((b for b in (64, 32, 16) if max_span % b == 0), 64)
-  return model_config.ModelConfig(
-      vocab_size=1, d_model=num_heads * head_dim, n_heads=num_heads, d_ff=1,
-      span=model_config.Span(size=max_span, mode="adaptive", ramp=ramp, loss=span_loss_coef),
-      dropout=dropout_rate, dtype=jnp.dtype(dtype).name,
-      attention=kernels.Attention(impl="auto" if attn_impl == "plain" else attn_impl, block=block),
-      plan=model_config.Plan(granularity=block))
+  return kernels.Spec(
+      heads=num_heads, head_dim=head_dim, window=max_span, ahead=0 if causal else max_span - 1,
+      ramp=ramp, mode="adaptive", dtype=jnp.dtype(dtype).name, dropout=dropout_rate,
+      segmented=segmented,
+      attention=kernels.Attention(impl="auto" if attn_impl == "plain" else attn_impl,
+                                  block=block))
 
 
-def choose(cfg: model_config.ModelConfig, attn_impl: str, *, causal: bool, masked: bool,
-           q_len: int, kv_len: int) -> tuple[kernels.Impl | None, int]:
-  """(the door's implementation or None for the plain path, the number of leading queries the
-  plain path runs).
-
-  The door takes causal self-attention without a mask whose sequence leaves at least one tile
-  of queries after the first max_span - 1; anything else runs plain. Logged once per case."""
-  if attn_impl not in IMPLS:
-    raise ValueError(f"attn_impl={attn_impl!r}: choose one of {IMPLS}")
-  w, blk = cfg.span.size, cfg.attention.block
-  m = blk * ((q_len - w + 1) // blk)  # queries the door runs: whole tiles
-  why = next((text for bad, text in (
-      (attn_impl == "plain", "attn_impl='plain'"), (not causal, "bidirectional"),
-      (masked, "a mask was given"), (q_len != kv_len, "queries and keys differ in length"),
-      (m < blk, f"{q_len} queries, fewer than max_span + {blk - 1}")) if bad), "")
-  impl, head = (None, q_len) if why else (kernels.select(cfg, m, w), q_len - m)
-  name = "plain" if impl is None else impl.name
-  key = (attn_impl, name, causal, masked, q_len, kv_len, w)
+def _log_once(level, key, text, *args):
   if key not in _logged:
     _logged.add(key)
-    log.info("adaptive span attention: %s (attn_impl=%s, %d queries, max_span %d%s)", name,
-             attn_impl, q_len, w, f"; {why}" if why else
-             f"; the first {head} queries plain" if head else "")
-  return impl, head
+    log.log(level, text, *args)
+
+
+def key_padding(mask, batch: tuple, n: int, kv_len: int):
+  """The (batch..., N) key-padding vector a Flax mask stands for, or None where it is not one:
+  (batch..., 1, 1, N) (or (batch..., N)) as it is; (batch..., 1, N, N) where it is known (not
+  traced) to be nn.make_attention_mask(pad, pad)'s outer product of one vector."""
+  mask = jnp.asarray(mask) if not isinstance(mask, np.ndarray) else mask
+  if n != kv_len:
+    return None
+  shape = mask.shape
+  if len(shape) == len(batch) + 1 and shape[-1] == n:
+    return jnp.broadcast_to(mask, batch + (n,)) != 0
+  if len(shape) != len(batch) + 3 or shape[-1] != n or shape[-3] != 1:
+    return None
+  if shape[-2] == 1:
+    return jnp.broadcast_to(mask[..., 0, 0, :], batch + (n,)) != 0
+  if shape[-2] != n or isinstance(mask, jax.core.Tracer):
+    return None
+  m = np.asarray(mask)[..., 0, :, :] != 0
+  pad = np.diagonal(m, axis1=-2, axis2=-1)
+  if not np.array_equal(m, pad[..., :, None] & pad[..., None, :]):
+    return None
+  return jnp.broadcast_to(jnp.asarray(pad), batch + (n,))
 
 
 def span_tokens(span_ratio, max_span: int):
@@ -84,8 +88,7 @@ def span_tokens(span_ratio, max_span: int):
 def span_loss(span_ratio, max_span: int, coef: float):
   """The reference's penalty coef * S * mean(z') (the model's spans_lib.span_loss), z' clipped as
   in `span_tokens`."""
-  cfg = types.SimpleNamespace(span=types.SimpleNamespace(loss=coef, size=max_span))  # what it reads
-  return spans_lib.span_loss(span_tokens(span_ratio, max_span) / max_span, cfg)
+  return spans_lib.span_penalty(span_tokens(span_ratio, max_span) / max_span, coef, max_span)
 
 
 def _position_logits(q_BxHxNxD, pos_back_DxS, pos_ahead_DxS, k_len: int):
@@ -116,9 +119,11 @@ def _position_logits(q_BxHxNxD, pos_back_DxS, pos_ahead_DxS, k_len: int):
 
 
 def plain_attention(q_BxHxNxD, k_BxHxKxD, v_BxHxKxD, z_H, pos_back_DxS, pos_ahead_DxS=None, *,
-                    causal: bool, ramp: int, mask=None, dropout: Callable | None = None):
+                    causal: bool, ramp: int, mask=None, z_ahead_H=None,
+                    dropout: Callable | None = None):
   """Dense span attention, (B, H, N, Dh): scores of every query with every key; keys outside
-  the window (distance >= S), after the query (causal) or where `mask` is 0 get weight 0."""
+  the window (distance >= S), after the query (causal) or where `mask` is 0 get weight 0. For
+  the masks the door cannot take, and the definition the door is tested against."""
   n, kl, dh = q_BxHxNxD.shape[2], k_BxHxKxD.shape[2], q_BxHxNxD.shape[-1]
   s = pos_back_DxS.shape[-1]
   f32 = dict(preferred_element_type=jnp.float32)
@@ -131,7 +136,10 @@ def plain_attention(q_BxHxNxD, k_BxHxKxD, v_BxHxKxD, z_H, pos_back_DxS, pos_ahea
     allowed = allowed & (jnp.asarray(mask) != 0)
   logits = jnp.where(allowed, (cont + pos) / math.sqrt(dh), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1)
-  soft = span_mask.soft_mask(z_H[None, :, None, None], (jnp.abs(ij) + 1).astype(jnp.float32),
+  z = z_H[None, :, None, None]
+  if z_ahead_H is not None:
+    z = jnp.where(ij >= 0, z, z_ahead_H[None, :, None, None])
+  soft = span_mask.soft_mask(z, (jnp.abs(ij) + 1).astype(jnp.float32),
                              ramp)  # distance x read as the kernels' x + 1
   probs = span_mask.renormalise(probs * jnp.where(allowed, soft, 0.0))
   if dropout is not None:
@@ -153,58 +161,103 @@ def _dropout(rate: float, rng):
   return drop, lambda: jax.random.bits(seed_rng, (), jnp.uint32)
 
 
-def _door(cfg, impl, head: int, q, k, v, z_H, pos_back_DxS, dropout_rng):
-  """Causal span attention through span_lm.kernels for queries head.. (the kernel's block) and
-  the plain path for the first `head`. The kernel's query i (distance 1 = the previous key) is
-  fed keys shifted by one, so it sees the query's own key at its distance 1 (x = 0)."""
-  w = cfg.span.size
-  rngs = (None, None) if dropout_rng is None else jax.random.split(dropout_rng)
-  dropout, seed = _dropout(cfg.dropout, rngs[0])
-  off = head - w + 1  # first key any door query reaches
-  pad = lambda a: jnp.pad(a[:, :, off:], ((0, 0), (0, 0), (0, 1), (0, 0)))  # W + M keys
-  out = impl.attend(cfg, q[:, :, head:], kernels.KV(pad(k), pad(v)), pos_back_DxS,
-                    span_z=z_H[None, :, None], dropout=dropout, dropout_seed=seed)
-  if head == 0:
-    return out
-  first = plain_attention(q[:, :, :head], k[:, :, :head], v[:, :, :head], z_H, pos_back_DxS,
-                          causal=True, ramp=cfg.span.ramp,
-                          dropout=_dropout(cfg.dropout, rngs[1])[0])
-  return jnp.concatenate([first, out.astype(first.dtype)], axis=2)
+def _door(spec, impl, q, k, v, z_H, z_ahead_H, pos_back_DxS, pos_ahead_DxS, seg_BxN,
+          dropout_rng):
+  """Span attention through the door for all N queries, (B, H, N, Dh): queries padded to whole
+  tiles, key rows laid out as the door reads them (the layer's key j at row W - 1 + j), the
+  rows outside the sequence and the padded queries in segment 0."""
+  b, h, n, dh = q.shape
+  w, a, blk = spec.window, spec.ahead, spec.attention.block
+  mp = -(-n // blk) * blk  # queries in whole tiles
+  rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (w - 1, mp - n + a + 1), (0, 0)))  # W + Mp + A
+  q_seg = jnp.pad(seg_BxN, ((0, 0), (0, mp - n)))
+  kv_seg = jnp.pad(seg_BxN, ((0, 0), (w - 1, mp - n + a + 1)))
+  dropout, seed = _dropout(spec.dropout, dropout_rng)
+  extra = {}
+  if a:  # the door's column a - 1 is distance a ahead: pos_ahead's column S - 1 - a
+    extra.update(key_pe_ahead_DxA=pos_ahead_DxS[:, w - 2::-1],
+                 span_z_ahead=None if z_ahead_H is None else z_ahead_H[None, :, None])
+  out = impl.attend(spec, jnp.pad(q, ((0, 0), (0, 0), (0, mp - n), (0, 0))),
+                    kernels.KV(rows(k), rows(v)), pos_back_DxS, span_z=z_H[None, :, None],
+                    segments=kernels.Segments(q_seg, kv_seg), dropout=dropout,
+                    dropout_seed=seed, **extra)
+  return out[:, :, :n]
 
 
 def span_attention(query, key, value, span_ratio, pos_back, pos_ahead=None, *, max_span: int,
-                   causal: bool = True, ramp: int = 32, mask=None, dropout_rate: float = 0.0,
-                   dropout_rng=None, attn_impl: str = "auto") -> Any:
+                   causal: bool = True, ramp: int = 32, mask=None, segment_ids=None,
+                   span_ratio_ahead=None, dropout_rate: float = 0.0, dropout_rng=None,
+                   attn_impl: str = "auto") -> Any:
   """Adaptive-span attention in nn.dot_product_attention's layout.
 
   Args:
     query: (batch..., q_len, heads, head_dim); key, value: (batch..., kv_len, heads, head_dim),
       positions aligned with the queries'.
-    span_ratio: (heads,) z' (spans S * z', z' clipped to [0, 1]).
+    span_ratio: (heads,) z' (spans S * z', z' clipped to [0, 1]); span_ratio_ahead: the spans
+      ahead when they are learned apart (bidirectional; None: span_ratio on both sides).
     pos_back: (head_dim, max_span) position embeddings, column S - 1 - x for distance x back;
       pos_ahead: the same for keys ahead (bidirectional; distance 0 reads pos_back).
-    mask: Flax's mask, broadcastable to (batch..., heads, q_len, kv_len), nonzero = attend.
+    mask: Flax's mask, broadcastable to (batch..., heads, q_len, kv_len), nonzero = attend. A
+      key-padding mask ((batch..., 1, 1, kv_len), or make_attention_mask(pad, pad) when not
+      traced) runs the door as segment ids; any other mask runs the dense plain path.
+    segment_ids: (batch..., q_len) int: a query attends only to keys of its own segment; 0 is
+      padding (its queries give zeros). Packing several sequences into one row: 1, 2, 3, ...
     dropout_rate, dropout_rng: dropout on the attention weights (after the span mask).
-    attn_impl: 'auto' (the door where it applies), 'plain', or a span_lm.kernels implementation.
+    attn_impl: 'auto' (the door, by platform), 'plain', or a span_lm.kernels implementation.
   Returns:
     (batch..., q_len, heads, head_dim) in query's dtype.
   """
   *batch, n, h, dh = query.shape
+  batch = tuple(batch)
   kl = key.shape[-3]
+  if attn_impl not in IMPLS:
+    raise ValueError(f"attn_impl={attn_impl!r}: choose one of {IMPLS}")
   if not causal and pos_ahead is None:
     raise ValueError("span_attention: bidirectional attention needs pos_ahead")
   flat = lambda a: a.reshape((-1,) + a.shape[-3:]).transpose(0, 2, 1, 3)  # B H N D
   q, k, v = flat(query), flat(key), flat(value)
-  if mask is not None:
-    mask = jnp.broadcast_to(jnp.asarray(mask), tuple(batch) + (h, n, kl)).reshape(-1, h, n, kl)
-  cfg = door_config(h, dh, max_span, ramp, attn_impl=attn_impl, dtype=query.dtype,
-                    dropout_rate=dropout_rate if dropout_rng is not None else 0.0)
-  impl, head = choose(cfg, attn_impl, causal=causal, masked=mask is not None, q_len=n,
-                      kv_len=kl)
   z_H = span_tokens(span_ratio, max_span)
-  if impl is None:
+  z_ahead_H = None if span_ratio_ahead is None else span_tokens(span_ratio_ahead, max_span)
+  rate = dropout_rate if dropout_rng is not None else 0.0
+
+  seg = None if segment_ids is None else jnp.broadcast_to(
+      jnp.asarray(segment_ids, jnp.int32), batch + (n,))
+  why = ""
+  if mask is not None:
+    pad = key_padding(mask, batch, n, kl)
+    if pad is None:
+      why = "a mask that is not a key-padding mask"
+    else:
+      seg = jnp.where(pad, 1 if seg is None else seg, 0)
+  if attn_impl == "plain":
+    why = "attn_impl='plain'"
+  elif n != kl:
+    why = "queries and keys differ in length"
+  if why:
+    _log_once(logging.WARNING if mask is not None and attn_impl != "plain" else logging.INFO,
+              ("plain", why, n, kl),
+              "adaptive span attention: the dense plain path, O(N^2) (%s, %d queries, %d keys)%s",
+              why, n, kl, "; the fast path takes a key-padding mask (batch, 1, 1, N) or "
+              "segment_ids=(batch, N)" if mask is not None and attn_impl != "plain" else "")
+    if mask is not None:
+      mask = jnp.broadcast_to(jnp.asarray(mask), batch + (h, n, kl)).reshape(-1, h, n, kl)
+    if seg is not None:
+      s2 = seg.reshape(-1, n)
+      same = (s2[:, None, :, None] == s2[:, None, None, :]) & (s2[:, None, None, :] != 0)
+      mask = same if mask is None else (mask != 0) & same
     out = plain_attention(q, k, v, z_H, pos_back, None if causal else pos_ahead, causal=causal,
-                          ramp=ramp, mask=mask, dropout=_dropout(cfg.dropout, dropout_rng)[0])
+                          ramp=ramp, mask=mask, z_ahead_H=z_ahead_H,
+                          dropout=_dropout(rate, dropout_rng)[0])
+    if seg is not None:
+      out = jnp.where((seg.reshape(-1, n) != 0)[:, None, :, None], out, 0.0).astype(out.dtype)
   else:
-    out = _door(cfg, impl, head, q, k, v, z_H, pos_back, dropout_rng)
+    spec = layer_spec(h, dh, max_span, ramp, causal=causal, attn_impl=attn_impl,
+                      dtype=query.dtype, dropout_rate=rate)
+    blk = spec.attention.block
+    impl = kernels.select(spec, -(-n // blk) * blk, max_span)
+    _log_once(logging.INFO, ("door", attn_impl, impl.name, causal, n, max_span),
+              "adaptive span attention: %s (attn_impl=%s, %d queries, max_span %d, %s)",
+              impl.name, attn_impl, n, max_span, "causal" if causal else "bidirectional")
+    seg = jnp.ones((q.shape[0], n), jnp.int32) if seg is None else seg.reshape(-1, n)
+    out = _door(spec, impl, q, k, v, z_H, z_ahead_H, pos_back, pos_ahead, seg, dropout_rng)
   return out.transpose(0, 2, 1, 3).reshape(query.shape).astype(query.dtype)

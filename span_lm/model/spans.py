@@ -15,4 +15,9 @@ def span_stats(z_tokens, cfg: ModelConfig):
 def span_loss(ratio, cfg: ModelConfig):
   """coeff * S * mean(z'), added to the training loss only (z' = span / S: the adaptive span
   parameters, or the dynamic span's sigmoid outputs)."""
-  return cfg.span.loss * cfg.span.size * jnp.mean(ratio)
+  return span_penalty(ratio, cfg.span.loss, cfg.span.size)
+
+
+def span_penalty(ratio, coef: float, max_span: int):
+  """The reference's penalty coef * S * mean(z'): `span_loss` without a config (the layer's)."""
+  return coef * max_span * jnp.mean(ratio)

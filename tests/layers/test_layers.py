@@ -176,8 +176,10 @@ def test_auto_logs_its_choice_once(caplog):
     layer.apply({"params": params}, x, mask=nn.make_causal_mask(x[..., 0]))
   msgs = [r.message for r in caplog.records if "adaptive span attention" in r.message]
   assert len(msgs) == 2, msgs
-  assert msgs[0].startswith("adaptive span attention: cpu") and "first 32 queries plain" in msgs[0]
-  assert msgs[1].startswith("adaptive span attention: plain") and "mask" in msgs[1]
+  assert msgs[0].startswith("adaptive span attention: cpu") and "causal" in msgs[0]
+  assert msgs[1].startswith("adaptive span attention: the dense plain path") and "mask" in msgs[1]
+  assert "segment_ids" in msgs[1]  # names the fast alternative
+  assert [r.levelname for r in caplog.records if "plain path" in r.message] == ["WARNING"]
 
 
 class _Stack(nn.Module):

@@ -1,0 +1,134 @@
+"""Windows ahead and segment ids through the door: every implementation that takes them equals
+the float64 numpy definition (tests/reference_numpy.py) in values and in the spans' gradient,
+and the `reference` implementation in every gradient, on random shapes, spans, segments and
+persistent memory, first and last rows, all-padding rows and segments shorter than the ramp
+included. An implementation that does not take them yet is refused by `misfit`, so `auto` never
+hands it a two-sided spec."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import reference_numpy as ref
+from span_lm import kernels
+
+R = 4
+
+
+def _spec(impl, w, a, segmented, dtype="float32", n_pers=0):
+  return kernels.Spec(heads=2, head_dim=8, window=w, ahead=a, ramp=R, dtype=dtype,
+                      pers_mem=n_pers, segmented=segmented,
+                      attention=kernels.Attention(impl=impl, block=16))
+
+
+def _case(rng, b, g, m, w, a, dh, n_pers, segs, asym, pad_rows):
+  t = w + m + a
+  arr = lambda *s: rng.normal(size=s).astype(np.float32)
+  q, k, v = arr(b, g, m, dh), arr(b, g, t, dh), arr(b, g, t, dh)
+  pe, pe_a = arr(dh, w), (arr(dh, a) if a else None)
+  z = rng.uniform(0, w + 2, (1, g, 1)).astype(np.float32)
+  z_a = rng.uniform(0, a + 2, (1, g, 1)).astype(np.float32) if (a and asym) else None
+  pers = (arr(g, dh, n_pers), arr(g, n_pers, dh)) if n_pers else (None, None)
+  seg = None
+  if segs:  # random runs of segment ids over all rows; row i of the block is row W + i
+    ids = np.cumsum(rng.uniform(size=(b, t)) < 1.0 / segs, axis=1) % 5 + 1
+    ids[rng.uniform(size=(b, t)) < 0.1] = 0  # scattered padding
+    if pad_rows:  # a whole padded stretch: all-padding queries
+      ids[:, w + m // 2:] = 0
+    seg = (ids[:, w:w + m].astype(np.int32), ids.astype(np.int32))
+  return q, k, v, pe, pe_a, z, z_a, pers, seg
+
+
+def _door(impl, spec, q, k, v, pe, pe_a, z, z_a, pers, seg):
+  extra = {}
+  if spec.ahead:
+    extra = dict(key_pe_ahead_DxA=pe_a, span_z_ahead=z_a)
+  return kernels.IMPLS[impl].attend(
+      spec, q, kernels.KV(k, v), pe, span_z=z,
+      segments=None if seg is None else kernels.Segments(*seg),
+      pers_k_GxDxN=pers[0], pers_v_GxNxD=pers[1], **extra)
+
+
+def _check(impl, rng, *, b=2, m=32, w=16, a=16, n_pers=0, segs=4, asym=False, pad_rows=False,
+           dtype="float32"):
+  g, dh = 2, 8
+  args = _case(rng, b, g, m, w, a, dh, n_pers, segs, asym, pad_rows)
+  q, k, v, pe, pe_a, z, z_a, pers, seg = args
+  spec = _spec(impl, w, a, seg is not None, dtype, n_pers)
+  assert kernels.IMPLS[impl].misfit(spec, m, w) == ""
+  ct = rng.normal(size=q.shape).astype(np.float32)
+  low = dtype == "bfloat16"
+  cast = lambda x: None if x is None else jnp.asarray(x, dtype)
+
+  def loss(impl_name, q, k, v, pe, pe_a, z, z_a, pk, pv):
+    out = _door(impl_name, spec.replace(attention=spec.attention.replace(impl=impl_name)),
+                cast(q), cast(k), cast(v), pe, pe_a, z, z_a, (pk, pv), seg)
+    return jnp.sum(out.astype(jnp.float32) * ct), out
+
+  diff = tuple(i for i, x in enumerate((q, k, v, pe, pe_a, z, z_a) + pers) if x is not None)
+  run = lambda name: jax.value_and_grad(lambda *x: loss(name, *x), argnums=diff, has_aux=True)(
+      q, k, v, pe, pe_a, z, z_a, *pers)
+  (_, out), grads = run(impl)
+  want, want_dz = ref.banded_attention(q, k, v, pe, z, R, *pers, ct=ct, pe_ahead=pe_a,
+                                       z_ahead=z_a, q_seg=None if seg is None else seg[0],
+                                       kv_seg=None if seg is None else seg[1])
+  tol = dict(rtol=5e-2, atol=5e-2) if low else dict(rtol=2e-4, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(out, np.float32), want, **tol)
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  if seg is not None:
+    assert np.all(np.asarray(out, np.float32)[np.broadcast_to(
+        (seg[0] == 0)[:, None, :, None], out.shape)] == 0)
+  if z_a is None and not low:  # the spans' gradient from the equations (one span both sides)
+    dz = np.asarray(grads[diff.index(5)])
+    np.testing.assert_allclose(dz, want_dz.sum(axis=(0, 2), keepdims=True), rtol=2e-3,
+                               atol=2e-4)
+  if impl != "reference":
+    (_, _), ref_grads = run("reference")
+    for i, got, exp in zip(diff, grads, ref_grads):
+      scale = max(float(np.abs(np.asarray(exp, np.float32)).max()), 1e-6)
+      np.testing.assert_allclose(np.asarray(got, np.float32) / scale,
+                                 np.asarray(exp, np.float32) / scale, err_msg=f"argument {i}",
+                                 **tol)
+  for x in grads:
+    assert np.all(np.isfinite(np.asarray(x, np.float32)))
+
+
+TWO_SIDED = [i for i in ("reference", "cpu", "pallas_interpret", "pallas_tpu_interpret")
+             if kernels.IMPLS[i].misfit(_spec(i, 16, 16, True), 32, 16) == ""]
+
+
+@pytest.mark.parametrize("impl", TWO_SIDED)
+@pytest.mark.parametrize("case", [
+    dict(), dict(a=0), dict(segs=0), dict(asym=True), dict(n_pers=16), dict(pad_rows=True),
+    dict(segs=2, w=32, a=8)])
+def test_two_sided_equals_the_definition(impl, case):
+  if impl.endswith("interpret") and case:
+    pytest.skip("interpreted kernels: the slow tier's property test")
+  _check(impl, np.random.default_rng(0), **case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", TWO_SIDED)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_two_sided_property(impl, data):
+  m = data.draw(st.sampled_from([16, 32, 48]))
+  w = data.draw(st.sampled_from([16, 32]))
+  a = data.draw(st.sampled_from([0, 15, 16, 32]))
+  _check(impl, np.random.default_rng(data.draw(st.integers(0, 2**16))), m=m, w=w, a=a,
+         b=data.draw(st.integers(1, 2)), n_pers=data.draw(st.sampled_from([0, 16])),
+         segs=data.draw(st.sampled_from([0, 1, 3, 8])), asym=data.draw(st.booleans()),
+         pad_rows=data.draw(st.booleans()),
+         dtype=data.draw(st.sampled_from(["float32", "bfloat16"])))
+
+
+def test_fused_kernels_without_two_sided_support_are_refused_not_fed():
+  """auto falls back (and an explicit choice is refused by misfit) where a kernel lacks them."""
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  for name, platform, cc in (("pallas", "gpu", 9.0), ("pallas_tpu", "tpu", None)):
+    spec = _spec("auto", 64, 63, True)
+    why = kernels.IMPLS[name].misfit(spec, 64, 64)
+    with target.compiling_for(platform, cc, "TPU v5p" if platform == "tpu" else ""):
+      chosen = kernels.choose(spec, 64, 64)
+    assert (chosen == name) == (why == ""), (name, chosen, why)
