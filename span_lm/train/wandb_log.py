@@ -9,9 +9,16 @@ writes the run under <workdir>/wandb/ for a later `wandb sync`.
 import json
 import math
 import os
+import secrets
+import string
 from typing import Any
 
 ID_FILE = "wandb_id"
+
+
+def new_id() -> str:
+  """A W&B run id: 8 lowercase letters and digits, as W&B makes them."""
+  return "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
 
 
 def _id(workdir: str, new_id) -> tuple[str, bool]:
@@ -38,7 +45,7 @@ class WandbLog:
   def __init__(self, config, workdir: str, echo=print):
     import wandb  # pylint: disable=g-import-not-at-top  (optional; validate refused it if absent)
     t = config.train
-    run_id, resumed = _id(workdir, wandb.util.generate_id)
+    run_id, resumed = _id(workdir, new_id)
     self._wandb = wandb
     self.run = wandb.init(
         project=t.wandb, entity=t.wandb_entity or None,

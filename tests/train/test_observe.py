@@ -153,14 +153,13 @@ def test_mfu_counts_the_plans_model_flops_without_recomputation():
 
 def test_the_generation_count_is_the_ring_decoders_matmuls():
   """flops.generation_macs equals the dot products XLA compiles for one token of `sample`'s ring
-  decoder (SpanTransformer with kv caches, ring_pos), for adaptive, dynamic and persistent-memory
-  models with uneven per-head windows."""
+  decoder (SpanTransformer with kv caches, ring_pos), for a dynamic-span model and an adaptive one
+  with persistent memory and uneven per-head windows."""
   from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.transformer import SpanTransformer  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   base = dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64)
-  for extra in ({"span": {"size": 64, "ramp": 8, "mode": "adaptive"}},
-                {"span": {"size": 64, "ramp": 8, "mode": "dynamic"}},
+  for extra in ({"span": {"size": 64, "ramp": 8, "mode": "dynamic"}},
                 {"span": {"size": 64, "ramp": 8, "mode": "adaptive"}, "pers_mem": 16}):
     cfg = ModelConfig(**base, **extra)
     if cfg.span.mode == "adaptive":
@@ -261,9 +260,11 @@ def test_out_of_memory_through_the_cli_is_one_line(tmp_path, capsys, monkeypatch
   assert "batch_split" not in err[0]
   assert "--config.mode=compile" in err[0] and "Traceback" not in err[0]
   assert open(tmp_path / "run.lock").read() == ""  # the lock was given back
-  monkeypatch.setenv("SPAN_LM_DEBUG", "1")  # the traceback, for a bug report
-  with pytest.raises(oom_lib.DeviceOutOfMemoryError):
-    cli.main(config)
+  if where == "compile":  # (quick: nothing runs) SPAN_LM_DEBUG=1 keeps the traceback
+    monkeypatch.setenv("SPAN_LM_DEBUG", "1")
+    with pytest.raises(oom_lib.DeviceOutOfMemoryError) as e:
+      cli.main(config)
+    assert isinstance(e.value.__cause__, jax.errors.JaxRuntimeError)
 
 
 # --------------------------------------------------------------- one line for every user error
@@ -550,8 +551,8 @@ def test_wandb_logs_the_metrics_and_config_and_a_resume_continues_the_run(tmp_pa
   history = {}
   for r in records:
     if r.WhichOneof("record_type") == "history":
-      items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-      history[items["_step"]] = items
+      history[r.history.step.num] = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                     for i in r.history.item}
   rows = read_metrics(str(tmp_path))
   for row in rows:  # every numeric value metrics.jsonl has, W&B has at that step
     for k, v in row.items():
@@ -566,7 +567,9 @@ def test_wandb_logs_the_metrics_and_config_and_a_resume_continues_the_run(tmp_pa
   assert runs and runs[0].run_id == run_id and runs[0].project == "span-lm-test" and \
       runs[0].display_name == "tiny"
   config = {u.key: json.loads(u.value_json) for u in runs[0].config.update}
-  assert config["model"]["value"]["d_model"] == 32 and config["train"]["value"]["steps"] == 4
+  value = lambda v: v.get("value", v) if isinstance(v, dict) else v  # {'value': ...} in some W&B
+  assert value(config["model"])["d_model"] == 32 and value(config["train"])["steps"] == 4
+  assert value(config["train"])["wandb"] == "span-lm-test"
 
   loop.train(sr.config_for(tmp_path, common, {"train.steps": 8}))  # resumes: the same W&B run
   assert (tmp_path / "wandb_id").read_text().strip() == run_id
@@ -574,8 +577,7 @@ def test_wandb_logs_the_metrics_and_config_and_a_resume_continues_the_run(tmp_pa
   assert len(runs) == 2
   second = [r for r in _wandb_records(sorted(set(runs) - set(first))[0])
             if r.WhichOneof("record_type") == "history"]
-  steps = {json.loads(i.value_json) for r in second for i in r.history.item if i.key == "_step"}
-  assert steps == {6, 8}
+  assert {r.history.step.num for r in second} == {6, 8}  # the new steps, logged once
   resumed = [r.run for r in _wandb_records(sorted(set(runs) - set(first))[0])
              if r.WhichOneof("record_type") == "run"]
   assert resumed[0].run_id == run_id
