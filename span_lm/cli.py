@@ -13,12 +13,13 @@ from span_lm.data.sources import DatasetUnavailableError
 from span_lm.train import loop
 from span_lm.train.oom import DeviceOutOfMemoryError
 from span_lm.train.run_lock import RunLockedError
+from span_lm.train.wandb_log import WandbError
 
 # What a user's mistake raises (besides errors of the file system, found by errno): each is one
 # line. ValueError covers ConfigError, FormatError; OSError: CheckpointReadError, the data
 # download's DataIntegrityError and DownloadError; FloatingPointError: NonFiniteLossError.
 USER_ERRORS = (ValueError, OSError, FloatingPointError, DatasetUnavailableError, RunLockedError,
-               DeviceOutOfMemoryError)
+               DeviceOutOfMemoryError, WandbError)
 
 EXIT_ERROR = 1
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped early (SIGTERM, preemption): rerun

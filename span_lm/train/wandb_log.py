@@ -39,6 +39,10 @@ def _id(workdir: str, new_id) -> tuple[str, bool]:
   return run_id, False
 
 
+class WandbError(RuntimeError):
+  """W&B could not start the run (not logged in, no network, a bad project or entity): one line."""
+
+
 class WandbLog:
   """One W&B run for one run directory."""
 
@@ -47,12 +51,19 @@ class WandbLog:
     t = config.train
     run_id, resumed = _id(workdir, new_id)
     self._wandb = wandb
-    self.run = wandb.init(
-        project=t.wandb, entity=t.wandb_entity or None,
-        name=t.wandb_name or os.path.basename(os.path.abspath(workdir)), id=run_id,
-        resume="allow", dir=os.path.abspath(workdir),
-        config=json.loads(config.to_json_best_effort()),
-        settings=wandb.Settings(console="off"))
+    try:
+      self.run = wandb.init(
+          project=t.wandb, entity=t.wandb_entity or None,
+          name=t.wandb_name or os.path.basename(os.path.abspath(workdir)), id=run_id,
+          resume="allow", dir=os.path.abspath(workdir),
+          config=json.loads(config.to_json_best_effort()),
+          settings=wandb.Settings(console="off"))
+    except Exception as e:  # pylint: disable=broad-except  (W&B's errors: UsageError, CommError...)
+      first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+      raise WandbError(
+          f"wandb: could not start run {run_id} of project {t.wandb!r} ({type(e).__name__}: "
+          f"{first[:300]}); log in with `wandb login` (or set WANDB_API_KEY), check "
+          "--config.train.wandb/wandb_entity, or train offline with WANDB_MODE=offline") from e
     # A resumed W&B run already holds the steps up to where it stopped; W&B refuses steps below
     # its current one, which the resumed run replays from its checkpoint: those are not resent.
     self._first = int(getattr(self.run, "step", 0) or 0) if resumed else 0

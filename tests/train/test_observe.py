@@ -296,7 +296,7 @@ def test_every_user_error_the_package_raises_is_one_line(tmp_path, capsys, monke
   assert {n.rsplit(".", 1)[1] for n in classes} >= {
       "ConfigError", "ConfigPathError", "NonFiniteLossError", "CheckpointReadError",
       "DatasetUnavailableError", "DataIntegrityError", "DownloadError", "FormatError",
-      "RunLockedError", "DeviceOutOfMemoryError"}
+      "RunLockedError", "DeviceOutOfMemoryError", "WandbError"}
   for module, name in classes.values():
     cls = getattr(importlib.import_module(module), name)
     exc = _instance(cls)
@@ -612,3 +612,23 @@ def test_a_paper_dataset_without_network_is_one_line(tmp_path, config_file, data
     assert lines[0].startswith(f"error: {dataset}: downloading failed (") and \
         "by hand and place it at" in lines[0], lines
   assert (tmp_path / "run" / "run.lock").read_text() == ""  # the lock was given back
+
+
+@pytest.mark.slow
+def test_wandb_that_cannot_start_is_one_line(tmp_path):
+  """Online, without an API key (and without network): W&B's own UsageError, in one line."""
+  pytest.importorskip("wandb")
+  env = dict(_NO_NETWORK, HOME=str(tmp_path / "home"), WANDB_MODE="online")
+  (tmp_path / "home").mkdir()
+  cfg = _config_file(tmp_path, tmp_path / "run", {"train.wandb": "span-lm-test"})
+  full = dict(sr.worker_env(1), PYTHONUNBUFFERED="1", **env)
+  for k in ("WANDB_API_KEY", "no_proxy", "NO_PROXY"):
+    full.pop(k, None)
+  proc = subprocess.run([sys.executable, "main.py", f"--config={cfg}"], cwd=REPO, env=full,
+                        capture_output=True, text=True, timeout=300, check=False,
+                        stdin=subprocess.DEVNULL)
+  assert proc.returncode == 1, proc.stderr[-3000:]
+  lines = [l for l in _error_lines(proc.stderr) if l.startswith("error:")]
+  assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert lines[0].startswith("error: wandb: could not start run ") and "wandb login" in lines[0]
+  assert (tmp_path / "run" / "run.lock").read_text() == ""
