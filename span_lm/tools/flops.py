@@ -12,7 +12,8 @@ paper's idealised H * span * 2 * Dh per token. What it does, per layer and block
                persistent memory adds 2 N Dh; the dynamic-span predictor D * H.
   feed-forward 2 * D * F; output D * V (the embedding lookup is a gather).
 
-`forward_macs` itemises this. The training step does 3x the forward's matmul work (every matmul
+`forward_macs` itemises this; `generation_macs` counts what `sample` runs per token instead (the
+ring decoder over projected key/value caches: no cached state is re-projected). The training step does 3x the forward's matmul work (every matmul
 has two operand gradients) except for the cache rows of the key/value projection: the cache is a
 constant of the step and is projected by its own matmul, so it gets a weight gradient only. Under remat='layer' the count adds one more forward of the
 layers, an upper bound: XLA removes part of that recomputation (tiny test model: 466M of 575M).

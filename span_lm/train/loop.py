@@ -2,7 +2,10 @@
 
 `train(config)` resumes automatically from `config.workdir` when it holds a checkpoint. Every
 check that can fail on the user's input (config values, data files, checkpoint compatibility)
-runs before the first compilation.
+runs before the first compilation, and before those the run directory's lock is taken
+(train/run_lock.py: one training process per directory). Each log interval reports tokens/s and
+MFU; train.profile_* traces steps (train/telemetry.py); train.wandb logs to Weights & Biases
+(train/wandb_log.py); a device out of memory is one line naming the step (train/oom.py).
 
 Several processes (span_lm/train/distributed.py): each reads only its own contiguous share of the
 B streams and the global batch is assembled with jax.make_array_from_process_local_data; every
@@ -126,24 +129,31 @@ def _device_memory() -> int | None:
     return None
 
 
-def _take_lock(workdir: str) -> run_lock.RunLock | None:
-  """The run directory's lock (train/run_lock.py), taken by process 0 only; with several
-  processes the others learn from it whether it got it (all refuse together)."""
-  lock, error = None, None
+def _on_process_0(fn, failed):
+  """fn() on process 0 (None elsewhere). With several processes all learn whether it worked and
+  stop together when it did not (else the others would wait in the first collective for ever):
+  process 0 raises fn's error, the others `failed()`, an exception naming process 0's."""
+  out, error = None, None
   if jax.process_index() == 0:
     try:
-      lock = run_lock.acquire(workdir)
+      out = fn()
     except Exception as e:  # pylint: disable=broad-except  (the others must hear of it too)
       error = e
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
     if not ok and error is None:
-      error = run_lock.RunLockedError(
-          f"process 0 could not take the lock of run directory {workdir} (its output says who "
-          "holds it): not training")
+      error = failed()
   if error is not None:
     raise error
+  return out
+
+
+def _take_lock(workdir: str) -> run_lock.RunLock | None:
+  """The run directory's lock (train/run_lock.py), taken by process 0 only, for all."""
+  lock = _on_process_0(lambda: run_lock.acquire(workdir), lambda: run_lock.RunLockedError(
+      f"process 0 could not take the lock of run directory {workdir} (its output says who "
+      "holds it): not training"))
   if lock is not None and lock.note:
     _echo(f"run directory lock: {lock.note}")
   return lock
@@ -477,9 +487,12 @@ class _Training:
     self.start, self.state = self._start()
     t = self.t
     self.wandb = None
-    if t.wandb and run.process_index == 0:
+    if t.wandb:  # process 0 logs; the others stop with it if W&B cannot start
       from span_lm.train import wandb_log  # pylint: disable=g-import-not-at-top  (optional)
-      self.wandb = wandb_log.WandbLog(self.config, run.workdir, echo=_echo)
+      self.wandb = _on_process_0(
+          lambda: wandb_log.WandbLog(self.config, run.workdir, echo=_echo),
+          lambda: wandb_log.WandbError("wandb: process 0 could not start the W&B run (its "
+                                       "output says why): not training"))
     self.writer = MetricWriter(run.workdir, tensorboard=t.tensorboard, wandb=self.wandb)
     dropped = self.writer.truncate_after(self.start)  # rows this run replays (after a kill -9)
     if dropped:
