@@ -174,13 +174,13 @@ class Run:
     try:
       self._build(config, need_workdir, num_devices, n_cpu, why)
     except BaseException:
-      self.release()
+      self.release(undo=True)  # a run directory made only for the lock goes too
       raise
 
-  def release(self) -> None:
+  def release(self, undo: bool = False) -> None:
     """Gives the run directory's lock back (a no-op without one)."""
     if self.lock is not None:
-      self.lock.release()
+      self.lock.release(undo=undo)
       self.lock = None
 
   def _build(self, config, need_workdir, num_devices, n_cpu, why):

@@ -108,8 +108,10 @@ def _age(path: str) -> float:
 class RunLock:
   """The run directory's lock, held until `release` (or the process's death)."""
 
-  def __init__(self, workdir: str, fd: int, holder: dict[str, Any], note: str | None):
+  def __init__(self, workdir: str, fd: int, holder: dict[str, Any], note: str | None,
+               created: bool = False):
     self.workdir, self.path = workdir, lock_path(workdir)
+    self.created = created  # the lock made the run directory (see release's `undo`)
     self._fd, self.holder, self.note = fd, holder, note
     self.lost: dict[str, Any] | None = None  # who took the lock over (our heartbeat stalled)
     self._stop = threading.Event()
@@ -143,7 +145,9 @@ class RunLock:
           f"heartbeat stalled for over {STALE_S:.0f}s); stopping without writing: two writers "
           "would corrupt the run. Stop one of them, then rerun to resume")
 
-  def release(self) -> None:
+  def release(self, undo: bool = False) -> None:
+    """Frees the lock. undo (a run that failed before it started): a run directory this lock
+    created and that holds nothing else is removed, so a refused start leaves no trace."""
     self._stop.set()
     if self._fd is None:
       return
@@ -152,6 +156,9 @@ class RunLock:
       now = _read(fd)
       if now is not None and now.get("token") == self.holder["token"]:
         os.ftruncate(fd, 0)  # free; the file stays (see the module docstring)
+        if undo and self.created and os.listdir(self.workdir) == [LOCK_NAME]:
+          os.unlink(self.path)  # still locked: nobody else can have taken it
+          os.rmdir(self.workdir)
     except OSError:
       pass
     finally:
@@ -173,6 +180,7 @@ def acquire(workdir: str, *, stale_s: float = STALE_S) -> RunLock:
   """Takes `<workdir>/run.lock` (creating workdir) or raises RunLockedError naming the holder.
 
   A refused process changes nothing in the directory (it only opens the existing file)."""
+  created = not os.path.isdir(workdir)
   os.makedirs(workdir, exist_ok=True)
   path = lock_path(workdir)
   fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -218,7 +226,7 @@ def acquire(workdir: str, *, stale_s: float = STALE_S) -> RunLock:
   except BaseException:
     os.close(fd)
     raise
-  return RunLock(workdir, fd, holder, note)
+  return RunLock(workdir, fd, holder, note, created)
 
 
 def _refusal(path: str, holder: dict[str, Any] | None, how: str) -> str:

@@ -68,6 +68,14 @@ def test_a_second_lock_on_a_directory_is_refused_naming_the_holder(tmp_path):
   run_lock.acquire(str(tmp_path)).release()
 
 
+def test_a_start_that_fails_leaves_no_directory_it_made(tmp_path):
+  run_lock.acquire(str(tmp_path / "new")).release(undo=True)
+  assert not (tmp_path / "new").exists()
+  (tmp_path / "old").mkdir()
+  run_lock.acquire(str(tmp_path / "old")).release(undo=True)  # not made by the lock: kept
+  assert (tmp_path / "old" / "run.lock").read_text() == ""
+
+
 def _dead_pid() -> int:
   proc = subprocess.Popen([sys.executable, "-c", "pass"])
   proc.wait()
@@ -611,7 +619,7 @@ def test_a_paper_dataset_without_network_is_one_line(tmp_path, config_file, data
   else:
     assert lines[0].startswith(f"error: {dataset}: downloading failed (") and \
         "by hand and place it at" in lines[0], lines
-  assert (tmp_path / "run" / "run.lock").read_text() == ""  # the lock was given back
+  assert not (tmp_path / "run").exists()  # the lock was given back, its new directory removed
 
 
 @pytest.mark.slow
