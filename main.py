@@ -1,9 +1,21 @@
 """span_lm entry point: `python main.py --config=configs/tiny.py [--config.x=y ...]`.
 
-Modes (config.mode): train (default; resumes from config.workdir automatically), eval (full
-evaluation of the latest checkpoint in config.workdir on the valid and test splits), spans, flops,
-sample. The modes that read a run use its saved config.json: `--config.workdir=DIR
---config.mode=eval` needs no --config, and with one the command line's own overrides apply on top.
+Modes (--config.mode=MODE):
+  train    (default) train, resuming from config.workdir automatically; one training process per
+           run directory (a second is refused in one line naming the holder)
+  eval     full evaluation of the latest checkpoint in config.workdir on the valid and test splits
+  spans    the learned spans per head and layer (the paper's Fig. 4; Fig. 5 for dynamic spans)
+  flops    multiply-adds per token and train-step memory of the run's plan, beside XLA's count
+  sample   text from the latest checkpoint (--config.sample.prompt, .temperature, .top_k)
+  import   a reference PyTorch checkpoint (--config.import_from=FILE.pt) into config.workdir
+  export   config.workdir's latest checkpoint as a reference .pt (--config.export_to=FILE)
+  compile  the train and eval steps compiled for chips this host lacks (--config.compile.targets)
+eval, spans, flops and sample read a run and may run while it trains. They use its saved
+config.json: `--config.workdir=DIR --config.mode=eval` needs no --config, and with one the command
+line's own overrides apply on top.
+Training options to watch a run: --config.train.profile_start=STEP --config.train.profile_steps=K
+(a jax.profiler trace into DIR/profile), --config.train.wandb=PROJECT (Weights & Biases);
+metrics.jsonl, TensorBoard (DIR/tb) and the log carry tokens/s and MFU.
 Errors a user can cause are one line (SPAN_LM_DEBUG=1 shows the traceback); exit status 75 means
 "stopped early, checkpointed: rerun to resume" (preemption, SIGTERM), 130 a Ctrl-C. On a CPU host
 it re-executes itself once with glibc's huge-page tunable (config.dist.cpu_huge_pages).

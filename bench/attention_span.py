@@ -138,7 +138,7 @@ def main():
   print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}, jax {jax.__version__}")
   print(f"shapes: {args.layers} layers, D={args.d_model}, {args.heads} heads, FF {args.d_ff}, "
         f"block {args.block}, batch {args.batch}, {args.dtype}\n")
-  print("| S | case | plan (attention keys per query, all layers) | fwd+bwd s/step | compile s |")
+  print("| S | case | plan (keys per token, all heads and layers) | fwd+bwd s/step | compile s |")
   print("|---|---|---|---|---|")
   rows = []
   for s in args.spans:

@@ -9,7 +9,17 @@ import traceback
 
 from span_lm import config as config_lib
 from span_lm import run_dir
+from span_lm.data.sources import DatasetUnavailableError
 from span_lm.train import loop
+from span_lm.train.oom import DeviceOutOfMemoryError
+from span_lm.train.run_lock import RunLockedError
+from span_lm.train.wandb_log import WandbError
+
+# What a user's mistake raises (besides errors of the file system, found by errno): each is one
+# line. ValueError covers ConfigError, FormatError; OSError: CheckpointReadError, the data
+# download's DataIntegrityError and DownloadError; FloatingPointError: NonFiniteLossError.
+USER_ERRORS = (ValueError, OSError, FloatingPointError, DatasetUnavailableError, RunLockedError,
+               DeviceOutOfMemoryError, WandbError)
 
 EXIT_ERROR = 1
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: checkpointed and stopped early (SIGTERM, preemption): rerun
@@ -35,7 +45,12 @@ def run(config):
     from span_lm.tools import flops_report, sample, spans_report  # pylint: disable=g-import-not-at-top
     return {"spans": spans_report.report, "flops": flops_report.report,
             "sample": sample.sample}[config.mode](config)
-  raise ValueError(f"config.mode={config.mode!r}: unknown mode")
+  raise ValueError(unknown_mode(config.mode))
+
+
+def unknown_mode(mode) -> str:
+  return (f"config.mode={mode!r}: unknown mode; choose one of {', '.join(config_lib.MODES)} "
+          "(python main.py --help describes each)")
 
 
 def run_config(config, override_names=()):
@@ -90,14 +105,23 @@ def user_message(exc: BaseException, workdir: str | None = None) -> str | None:
       if code in (errno.ENOSPC, errno.EDQUOT) and workdir:
         saved = f"; checkpoints already committed in {os.path.join(workdir, 'checkpoints')} are intact"
       return f"{os.strerror(code)} writing {where}: {_FS_HINTS[code]}{saved}"
-  if isinstance(exc, (ValueError, OSError, FloatingPointError)):
+  if isinstance(exc, USER_ERRORS):
     text = str(exc).strip() or type(exc).__name__
     if isinstance(exc, OSError) and exc.filename and exc.strerror:
       text = f"{exc.strerror}: {exc.filename}"
       if workdir and os.path.abspath(workdir).startswith(os.path.abspath(str(exc.filename))):
         text += f" (making config.workdir={workdir!r}: choose a directory you can write)"
-    return text
+    return one_line(text)
   return None
+
+
+def one_line(text: str) -> str:
+  """A message's lines joined into one (e.g. a list of mismatched fields after a colon)."""
+  lines = [l.strip() for l in str(text).splitlines() if l.strip()]
+  out = ""
+  for l in lines:
+    out += l if not out else (" " if out.endswith(":") else "; ") + l
+  return out
 
 
 def override_error(exc: BaseException, override_names=()) -> str:
@@ -180,6 +204,9 @@ def main(config) -> int:
   workdir = config.get("workdir")
   if not debug:
     _quiet_background_errors()
+  if config.get("mode") not in config_lib.MODES:  # before anything starts
+    print(f"error: {unknown_mode(config.get('mode'))}", file=sys.stderr)
+    return EXIT_ERROR
   try:
     out = run(config)
   except KeyboardInterrupt:

@@ -117,6 +117,20 @@ def base_config() -> ml_collections.ConfigDict:
   t.loss_scale_period = 2000
   t.preemption = True  # SIGTERM / the preemption sync point: checkpoint the current step, stop
   t.debug_nan_at_step = 0  # testing aid: make the loss of this step (1-based) NaN; 0: off
+  # Profiling (jax.profiler, span_lm/train/telemetry.py): trace profile_steps steps starting at
+  # step profile_start (1-based) into <workdir>/profile/ (TensorBoard's profile plugin, Perfetto).
+  # 0: off. A run resumed past profile_start does not trace again.
+  t.profile_start = 0
+  t.profile_steps = 0
+  # MFU (logged with tokens_per_s): the peak TFLOP/s of one device for the run's dtype. 0: the data
+  # sheet's for the device (span_lm/tools/chips.py); unknown devices (CPU) log mfu null unless set.
+  t.peak_tflops = 0.0
+  # Weights & Biases (optional: pip install span_lm[wandb]): the project to log the same metrics
+  # and the config to ('': off). A resumed run continues the same W&B run (its id is kept in
+  # <workdir>/wandb_id). Process 0 only.
+  t.wandb = ""
+  t.wandb_entity = ""  # the team or user ('': W&B's default)
+  t.wandb_name = ""  # the run's display name ('': the run directory's name)
 
   # Multi-process runs (span_lm/train/distributed.py, launch/README.md).
   c.dist = ds = ml_collections.ConfigDict()
@@ -350,6 +364,7 @@ def _validate_faults_and_dist(config):
   precision_config.check(_get(config, "train.loss_scale"), _get(config, "train.loss_scale_init"),
                          _get(config, "train.loss_scale_period"))
   _check_int(config, "train.debug_nan_at_step", 0)
+  _validate_observability(config)
   if not isinstance(_get(config, "train.preemption"), bool):
     _bad("train.preemption", _get(config, "train.preemption"), "must be True or False")
   _check_choice(config, "dist.mode", DIST_MODES)
@@ -375,6 +390,26 @@ def _validate_faults_and_dist(config):
     for field, b in per_step_batches(config).items():
       if b % n_cpu:
         _bad("dist.cpu_devices", n_cpu, f"must divide the per-step batch of config.{field} ({b})")
+
+
+def _validate_observability(config):
+  """Profiling, the MFU peak and Weights & Biases: refused in one line before anything starts."""
+  start = _check_int(config, "train.profile_start", 0)
+  steps = _check_int(config, "train.profile_steps", 0)
+  if bool(start) != bool(steps):
+    given, other = ("profile_start", "profile_steps") if start else ("profile_steps",
+                                                                     "profile_start")
+    _bad(f"train.{given}", _get(config, f"train.{given}"),
+         f"profiling needs both: set --config.train.{other} too (the first step to trace, "
+         "1-based, and how many steps; 0 and 0: off)")
+  _check_number(config, "train.peak_tflops", 0.0, strict=False)
+  for name in ("wandb", "wandb_entity", "wandb_name"):
+    if not isinstance(_get(config, f"train.{name}"), str):
+      _bad(f"train.{name}", _get(config, f"train.{name}"), "must be a string ('': unset)")
+  project = _get(config, "train.wandb")
+  if project and _get(config, "mode") == "train" and importlib.util.find_spec("wandb") is None:
+    _bad("train.wandb", project, "the wandb package is not installed: pip install "
+         "'span_lm[wandb]' (or pip install 'wandb>=0.16,<1'), or leave out --config.train.wandb")
 
 
 def per_step_batches(config) -> dict[str, int]:

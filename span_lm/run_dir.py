@@ -15,8 +15,10 @@ from span_lm.model import config as model_config
 CONFIG_NAME = "config.json"
 RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its checkpoints
 # Defaults that change no result: host and launch settings; the sparse model's context, which an
-# older span run's flat config.model lacked (a sparse run's old `span` becomes it).
-QUIET_DEFAULTS = ("dist.", "model.sparse.context")
+# older span run's flat config.model lacked (a sparse run's old `span` becomes it); what a run
+# reports (profiling, the MFU peak, Weights & Biases).
+QUIET_DEFAULTS = ("dist.", "model.sparse.context", "train.profile_", "train.peak_tflops",
+                  "train.wandb")
 
 
 def config_path(workdir: str) -> str:

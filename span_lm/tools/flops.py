@@ -12,7 +12,8 @@ paper's idealised H * span * 2 * Dh per token. What it does, per layer and block
                persistent memory adds 2 N Dh; the dynamic-span predictor D * H.
   feed-forward 2 * D * F; output D * V (the embedding lookup is a gather).
 
-`forward_macs` itemises this. The training step does 3x the forward's matmul work (every matmul
+`forward_macs` itemises this; `generation_macs` counts what `sample` runs per token instead (the
+ring decoder over projected key/value caches: no cached state is re-projected). The training step does 3x the forward's matmul work (every matmul
 has two operand gradients) except for the cache rows of the key/value projection: the cache is a
 constant of the step and is projected by its own matmul, so it gets a weight gradient only. Under remat='layer' the count adds one more forward of the
 layers, an upper bound: XLA removes part of that recomputation (tiny test model: 466M of 575M).
@@ -117,6 +118,35 @@ def sparse_forward_macs(cfg: ModelConfig, block: int, batch: int = 1) -> dict:
   return {k: v * batch for k, v in out.items()}
 
 
+def generation_macs(cfg: ModelConfig, plan: SpanPlan | None) -> dict:
+  """Multiply-adds of one generated token as `sample` computes it (span_lm/tools/sample.py): the
+  ring decoder (kernels/ring.py) over caches of projected keys and values, one token per step.
+  Per layer: the token's query, key, value and output projections (D^2 each for q and out, 2 D^2
+  for keys|values of all heads; the cached states are never re-projected); per head the content
+  and value products over the layer's whole ring of L = cache_len slots (slots beyond a head's
+  window are masked, not skipped), the position scores against all S relative embeddings, and
+  persistent memory's 2 N; the span predictor, feed-forward and output layer as in a block."""
+  if cfg.arch == "sparse":
+    raise ValueError("arch='sparse' has no one-token generation step")
+  plan = plan or plan_lib.full_plan(cfg)
+  d, dh, h, s = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.span.size
+  out = dict.fromkeys(COMPONENTS, 0)
+  for lp in plan.layers:
+    out["q_proj"] += d * d
+    out["kv_proj"] += d * 2 * d
+    out["out_proj"] += d * d
+    out["attn_content"] += h * lp.cache_len * dh
+    out["attn_position"] += h * s * dh
+    out["attn_value"] += h * lp.cache_len * dh
+    out["attn_persistent"] += 2 * h * cfg.pers_mem * dh
+    if cfg.span.mode == "dynamic":
+      out["span_predictor"] += d * h
+    if cfg.pers_mem == 0:
+      out["ff"] += 2 * d * cfg.d_ff
+  out["output"] = d * cfg.vocab_size
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class TokenCost:
   """Multiply-adds per predicted token, split as the paper discusses them."""
@@ -130,8 +160,17 @@ class TokenCost:
 
 
 def per_token(cfg: ModelConfig, plan: SpanPlan | None, block: int) -> TokenCost:
-  """MACs per predicted token when the model runs blocks of `block` tokens (1: generation)."""
-  f = forward_macs(cfg, plan, block)
+  """MACs per predicted token when the model runs blocks of `block` tokens over a hidden-state
+  cache (training, evaluation)."""
+  return _token_cost(forward_macs(cfg, plan, block), block)
+
+
+def per_token_generation(cfg: ModelConfig, plan: SpanPlan | None) -> TokenCost:
+  """MACs per generated token of `sample`'s ring decoder (generation_macs)."""
+  return _token_cost(generation_macs(cfg, plan), 1)
+
+
+def _token_cost(f: dict, block: int) -> TokenCost:
   return TokenCost(attention=sum(f[k] for k in ATTENTION) / block, kv_proj=f["kv_proj"] / block,
                    other=sum(f[k] for k in OTHER if k != "kv_proj") / block)
 
@@ -455,14 +494,18 @@ def xla_costs(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
 
 
 def account(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
-            xla: bool = False) -> dict[str, Any]:
-  """Everything about one (model, plan, shapes): per-token MACs, train-step flops and memory."""
+            xla: bool = False, generation_plan: SpanPlan | None = None) -> dict[str, Any]:
+  """Everything about one (model, plan, shapes): per-token MACs, train-step flops and memory.
+  generation_plan: the plan `sample` decodes with (the tightest for the checkpoint's spans);
+  default: `plan`."""
   plan = plan or plan_lib.full_plan(cfg)
+  gen_plan = generation_plan or plan
   out = {"plan": plan.describe(), "attention_keys": plan.attention_keys(),
          "per_token_block": dataclasses.asdict(per_token(cfg, plan, block)),
          # arch='sparse' attends within its block, no cache: no one-token generation step
          "per_token_generation": (None if cfg.arch == "sparse"
-                                  else dataclasses.asdict(per_token(cfg, plan, 1))),
+                                  else dataclasses.asdict(per_token_generation(cfg, gen_plan))),
+         "generation_plan": None if cfg.arch == "sparse" else gen_plan.describe(),
          "forward_macs": forward_macs(cfg, plan, block, batch),
          "train_step_flops": train_step_flops(cfg, plan, batch, block),
          "activation_bytes": activation_bytes(cfg, plan, batch, block),

@@ -16,7 +16,9 @@ Ours (`flops.per_token`) differ from the paper's convention for reasons of imple
     smallest divisor of the block M that is >= W (C = 512 for a window of 320 at M = 512);
   * relative position scores, W * Dh per head, which the paper leaves out;
   * the cache holds hidden states, so each block re-projects keys/values of the W cached rows:
-    (W + M) / M * 2 D^2 per token (17x for a fixed S=8192 model at M=512; W + 1 at generation);
+    (W + M) / M * 2 D^2 per token (17x for a fixed S=8192 model at M=512). Generation (`sample`)
+    caches projected keys and values in rings instead: 2 D^2 per token, with content and value
+    products over each layer's whole ring and position scores over all S (flops.generation_macs);
   * windows are multiples of 64 covering span + ramp, and only an average span is given here, so
     every head is assumed to have it (real spans vary; use a checkpoint for the exact count).
 """
@@ -98,7 +100,7 @@ def table1(block: int = EVAL_BLOCK) -> list[dict]:
     if r.span_limit:
       cfg, plan = uniform_model(r, r.span_limit, r.avg_span)
       row["ours_block"] = flops_lib.per_token(cfg, plan, block).total
-      row["ours_generation"] = flops_lib.per_token(cfg, plan, 1).total
+      row["ours_generation"] = flops_lib.per_token_generation(cfg, plan).total  # sample's
       row["params_ours"] = flops_lib.param_bytes(cfg) / 4
       if r.d_ff != 4 * r.d_model:  # the large model: the printed number assumes F = 4D
         row["recount_f_4d"] = paper_macs(r.n_layers, r.d_model, 4 * r.d_model, r.avg_span)

@@ -2,7 +2,10 @@
 
 `train(config)` resumes automatically from `config.workdir` when it holds a checkpoint. Every
 check that can fail on the user's input (config values, data files, checkpoint compatibility)
-runs before the first compilation.
+runs before the first compilation, and before those the run directory's lock is taken
+(train/run_lock.py: one training process per directory). Each log interval reports tokens/s and
+MFU; train.profile_* traces steps (train/telemetry.py); train.wandb logs to Weights & Biases
+(train/wandb_log.py); a device out of memory is one line naming the step (train/oom.py).
 
 Several processes (span_lm/train/distributed.py): each reads only its own contiguous share of the
 B streams and the global batch is assembled with jax.make_array_from_process_local_data; every
@@ -52,6 +55,9 @@ from span_lm.train import pending as pending_lib
 from span_lm.train import sharding as sharding_lib
 from span_lm.train import steps as steps_lib
 from span_lm.train import metrics as metrics_lib
+from span_lm.train import oom as oom_lib
+from span_lm.train import run_lock
+from span_lm.train import telemetry
 from span_lm.train.metrics import LN2, MetricWriter
 
 log = logging.getLogger("span_lm")
@@ -69,6 +75,14 @@ def _host_reads():
   """Marks where the loop reads from the device (logging, evaluation, checkpoints): elsewhere a
   jax.transfer_guard_device_to_host('disallow_explicit') around training must hold."""
   return jax.transfer_guard_device_to_host("allow")
+
+
+def _tflops(x: float) -> str:
+  """Model FLOP/s in a readable unit."""
+  for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+    if x * 1e12 >= scale:
+      return f"{x * 1e12 / scale:.3g} {unit}"
+  return f"{x * 1e6:.3g} MFLOP/s"
 
 
 class _CtrlC:
@@ -115,18 +129,66 @@ def _device_memory() -> int | None:
     return None
 
 
+def _on_process_0(fn, failed):
+  """fn() on process 0 (None elsewhere). With several processes all learn whether it worked and
+  stop together when it did not (else the others would wait in the first collective for ever):
+  process 0 raises fn's error, the others `failed()`, an exception naming process 0's."""
+  out, error = None, None
+  if jax.process_index() == 0:
+    try:
+      out = fn()
+    except Exception as e:  # pylint: disable=broad-except  (the others must hear of it too)
+      error = e
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    if not ok and error is None:
+      error = failed()
+  if error is not None:
+    raise error
+  return out
+
+
+def _take_lock(workdir: str) -> run_lock.RunLock | None:
+  """The run directory's lock (train/run_lock.py), taken by process 0 only, for all."""
+  lock = _on_process_0(lambda: run_lock.acquire(workdir), lambda: run_lock.RunLockedError(
+      f"process 0 could not take the lock of run directory {workdir} (its output says who "
+      "holds it): not training"))
+  if lock is not None and lock.note:
+    _echo(f"run directory lock: {lock.note}")
+  return lock
+
+
 class Run:
   """Everything a run needs, built (and checked) before anything compiles."""
 
-  def __init__(self, config, *, need_workdir: bool = True, num_devices: int | None = None):
-    """num_devices: build the mesh over the first N devices (default: all of them)."""
+  def __init__(self, config, *, need_workdir: bool = True, num_devices: int | None = None,
+               lock: bool = False):
+    """num_devices: build the mesh over the first N devices (default: all of them).
+    lock: take the run directory's lock first (training: one writer per directory); released
+    by `release`."""
     config_lib.validate(config)
     n_cpu, why = cpu_host.setup(config)  # before any backend use, as initialize
     dist_lib.initialize(config)  # before any backend use; a no-op for a lone process
+    self.lock = _take_lock(config.workdir) if lock else None  # before anything is written
+    try:
+      self._build(config, need_workdir, num_devices, n_cpu, why)
+    except BaseException:
+      self.release(undo=True)  # a run directory made only for the lock goes too
+      raise
+
+  def release(self, undo: bool = False) -> None:
+    """Gives the run directory's lock back (a no-op without one)."""
+    if self.lock is not None:
+      self.lock.release(undo=undo)
+      self.lock = None
+
+  def _build(self, config, need_workdir, num_devices, n_cpu, why):
     if n_cpu:
       _echo(f"CPU host split into {n_cpu} devices for data parallelism ({why})")
     if cpu_host.huge_pages_active() and jax.default_backend() == "cpu":
       _echo(f"CPU host: malloc with transparent huge pages ({cpu_host.HUGE_PAGES_TUNABLE})")
+    self.where = "before training (data, kernels)"  # what the run is doing (out-of-memory line)
     kernels.check(config.model, backend=jax.default_backend())  # a kernel this host can run
     self.config = config
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
@@ -376,20 +438,38 @@ def train(config) -> dict[str, Any]:
   last['stopped'] is None for a finished run, 'preempted' (SIGTERM, the preemption sync point) or
   'interrupted' (Ctrl-C) when it checkpointed the current step and stopped early.
   """
-  run = Run(config)
+  run = Run(config, lock=True)
   try:
     return _train(run)
   finally:
-    run.ckpt.close()
+    try:
+      run.ckpt.close()
+    finally:
+      run.release()
+
+
+def _out_of_memory(e: Exception, run: Run):
+  """A DeviceOutOfMemoryError for XLA's RESOURCE_EXHAUSTED (one line, train/oom.py), or None."""
+  found = oom_lib.find(e)
+  if found is None:
+    return None
+  return oom_lib.DeviceOutOfMemoryError(oom_lib.message(found, run.where, run.config))
 
 
 def _train(run: Run) -> dict[str, Any]:
-  tr = _Training(run)
   try:
-    tr.train_steps()
-    tr.finish()
-  finally:
-    tr.close()
+    run.where = "building the training state"
+    tr = _Training(run)
+    try:
+      tr.train_steps()
+      tr.finish()
+    finally:
+      tr.close()
+  except Exception as e:  # pylint: disable=broad-except
+    oom = _out_of_memory(e, run)
+    if oom is None:
+      raise
+    raise oom from e
   return tr.result()
 
 
@@ -406,18 +486,33 @@ class _Training:
     self.skipped = 0  # non-finite updates dropped so far (config.train.nonfinite='skip')
     self.start, self.state = self._start()
     t = self.t
-    self.writer = MetricWriter(run.workdir, tensorboard=t.tensorboard)
+    self.wandb = None
+    if t.wandb:  # process 0 logs; the others stop with it if W&B cannot start
+      from span_lm.train import wandb_log  # pylint: disable=g-import-not-at-top  (optional)
+      self.wandb = _on_process_0(
+          lambda: wandb_log.WandbLog(self.config, run.workdir, echo=_echo),
+          lambda: wandb_log.WandbError("wandb: process 0 could not start the W&B run (its "
+                                       "output says why): not training"))
+    self.writer = MetricWriter(run.workdir, tensorboard=t.tensorboard, wandb=self.wandb)
     dropped = self.writer.truncate_after(self.start)  # rows this run replays (after a kill -9)
     if dropped:
       log.info("metrics.jsonl: dropped %d rows past step %d", dropped, self.start)
     self.watch = dist_lib.PreemptionWatch(enabled=t.preemption)
     self.ctrl_c = _CtrlC(enabled=run.process_count == 1)
     self.bar = metrics_lib.progress(t.steps, initial=self.start)
+    self.throughput = telemetry.Throughput(
+        run.model_cfg, self.d.batch, self.d.block, num_devices=jax.device_count(),
+        device_kind=jax.devices()[0].device_kind, peak_tflops=t.peak_tflops)
+    if self.throughput.peak is None:
+      _echo(f"mfu: null in the logs: {self.throughput.peak_source}")
+    self.profile = telemetry.Profile(run.workdir, t.profile_start, t.profile_steps,
+                                     self.start + 1, _echo, active=run.process_index == 0)
     self.eval_batches = t.eval_batches or math.ceil(t.eval_every / 10)
     self.last: dict[str, Any] = {}
     self.window_t0 = time.perf_counter()
     self.pending = pending_lib.PendingSteps(MAX_IN_FLIGHT)
     self.metrics = None  # the last dispatched step's
+    self.postfix: dict[str, str] = {}  # the progress bar's throughput fields
     self.stopped = None
     self.step = self.start
 
@@ -478,6 +573,8 @@ class _Training:
         if do_eval:
           self._evaluate()
         if do_save:
+          if self.run.lock is not None:
+            self.run.lock.check()
           self.run.ckpt.save(step, self.state, self.meta_at(step),
                              force=step == t.steps or bool(stop))
         if stop:
@@ -486,13 +583,19 @@ class _Training:
 
   def _dispatch(self):
     """Runs one step without waiting for it (the device queue is bounded by PendingSteps)."""
+    run, plan, s = self.run, self.planner.plan, self.step + 1
     data_before = self.train_batcher.state
     blk = next(self.train_batcher)
-    batch = self.run.put_batch(steps_lib.host_batch(blk.x, blk.y, blk.reset))
-    fn = self.run.compiler.train(self.planner.plan, self.state, batch)
-    self.state, self.metrics = fn(self.state, batch)
-    self.step += 1
-    self.pending.push(self.step, self.metrics, data_before)
+    batch = run.put_batch(steps_lib.host_batch(blk.x, blk.y, blk.reset))
+    self.profile.before(s)
+    with jax.profiler.StepTraceAnnotation("train", step_num=s):
+      run.where = f"compiling the train step for step {s}"
+      fn = run.compiler.train(plan, self.state, batch)
+      run.where = f"at step {s}"
+      self.state, self.metrics = fn(self.state, batch)
+    self.step = s
+    self.pending.push(s, self.metrics, data_before, flops=self.throughput.step_flops(plan))
+    self.profile.after(s, self.metrics)
     if self.bar is not None:
       self.bar.update(1)
 
@@ -542,22 +645,28 @@ class _Training:
       raise RuntimeError(f"internal: step {s} was refused and the plan still does not "
                          "cover its spans")
     _echo(f"step {s}: spans outgrew the plan before the host read them; widened to "
-          f"{self.planner.plan.describe()}; replaying {refused.replay} step(s)")
+          f"{self.planner.plan.describe()}; replaying {refused.replay} step(s) from step {s}: "
+          "they had changed nothing (a step whose spans outgrow its plan is not applied), so "
+          "they are recomputed on the wider plan with nothing lost or logged twice; the progress "
+          "bar steps back, and steps are slower now: longer spans cost more attention, and the "
+          "new plan compiles once")
     self.step = s - 1
     self.train_batcher.state = refused.data_before
 
   def _log(self):
     step, run = self.step, self.run
+    if run.lock is not None:
+      run.lock.check()  # another process took the directory over: stop before writing
     losses = np.asarray(jax.device_get(self.pending.take_losses()))
     n = len(losses)
     secs = time.perf_counter() - self.window_t0
+    rate = self.throughput.interval(n, sum(self.pending.take_flops()), secs)
     m = jax.device_get(self.metrics)
     last = {"loss": float(losses.mean()), "bpc": float(losses.mean() / LN2),
             "lr": float(run.schedule(step - 1)), "grad_norm": float(m["grad_norm"]),
             "span_loss": float(m["span_loss"]), "span_avg": m["span_avg"].tolist(),
             "span_max": m["span_max"].tolist(),
-            "ms_per_step": 1000 * secs / max(n, 1),
-            "tokens_per_s": self.d.batch * self.d.block * n / secs,
+            "ms_per_step": 1000 * secs / max(n, 1), **rate,
             "compilations": len(run.compiler.compilations),
             "plan_changes": self.planner.changes, "skipped": self.skipped}
     if "loss_scale" in m:  # dynamic loss scaling: the scale now, attempts thrown away so far
@@ -566,17 +675,24 @@ class _Training:
     self.last = last
     self.writer.write(step, "train", last)
     _echo(f"step {step:7d} | loss {last['loss']:.4f} bpc {last['bpc']:.4f} | "
-          f"{last['ms_per_step']:.0f} ms/step {last['tokens_per_s']:.0f} tok/s | "
+          f"{last['ms_per_step']:.0f} ms/step {last['tokens_per_s']:.0f} tok/s "
+          f"{_tflops(last['model_tflops_per_s'])}"
+          + ("" if last["mfu"] is None else f" MFU {100 * last['mfu']:.1f}%") + " | "
           f"span avg {np.mean(last['span_avg']):.0f} max {max(last['span_max']):.0f} | "
           f"lr {last['lr']:.4g}" + (f" | loss scale 2^{math.log2(last['loss_scale']):.0f} "
                                     f"({last['loss_scale_skips']} overflows)"
                                     if "loss_scale" in last else ""))
+    self.postfix = {"tok/s": f"{last['tokens_per_s']:.0f}"}
+    if last["mfu"] is not None:
+      self.postfix["mfu"] = f"{100 * last['mfu']:.1f}%"
     if self.bar is not None:
-      self.bar.set_postfix(loss=f"{last['loss']:.3f}", bpc=f"{last['bpc']:.3f}", refresh=False)
+      self.bar.set_postfix(loss=f"{last['loss']:.3f}", bpc=f"{last['bpc']:.3f}", **self.postfix,
+                           refresh=False)
     self.window_t0 = time.perf_counter()
 
   def _evaluate(self):
     step, state, last = self.step, self.state, self.last
+    self.run.where = f"in the validation at step {step}"
     res, eval_caches = evaluate_stream(self.run, state["params"], self.planner.plan,
                                        self.run.splits.valid, self.d.eval_batch,
                                        caches=state["eval_caches"], batcher=self.valid_batcher,
@@ -588,7 +704,7 @@ class _Training:
     if self.bar is not None:
       self.bar.set_postfix(loss=f"{last.get('loss', float('nan')):.3f}",
                            bpc=f"{last.get('bpc', float('nan')):.3f}",
-                           valid_bpc=f"{res['bpc']:.3f}", refresh=False)
+                           valid_bpc=f"{res['bpc']:.3f}", **self.postfix, refresh=False)
     self.window_t0 = time.perf_counter()
 
   def _stop(self, stop: str):
@@ -610,6 +726,7 @@ class _Training:
         self.bar = None
       if t.full_eval_at_end and self.start < t.steps and not self.stopped:
         for name in ("valid", "test"):
+          run.where = f"in the full {name} evaluation at step {self.step}"
           res, _ = evaluate_stream(run, self.state["params"], self.planner.plan,
                                    run.splits.split(name), self.d.eval_batch,
                                    drop_last=t.eval_drop_last, desc=f"full {name}")
@@ -622,6 +739,7 @@ class _Training:
   def close(self):
     if self.bar is not None:
       self.bar.close()
+    self.profile.stop()
     self.ctrl_c.close()
     self.watch.close()
     self.writer.close()
@@ -638,7 +756,13 @@ def evaluate(config, step: int | None = None) -> dict[str, Any]:
     raise FileNotFoundError(f"no checkpoint in {directory} to evaluate")
   run = Run(config)
   try:
+    run.where = "in the evaluation"
     return _evaluate(run, step)
+  except Exception as e:  # pylint: disable=broad-except
+    oom = _out_of_memory(e, run)
+    if oom is None:
+      raise
+    raise oom from e
   finally:
     run.ckpt.close()
 

@@ -1,5 +1,5 @@
-"""Metrics: a JSON-lines file (the ground truth), TensorBoard events (the view), console lines,
-and a progress bar (tqdm: terminals and notebooks).
+"""Metrics: a JSON-lines file (the ground truth), TensorBoard events (the view), Weights & Biases
+where asked (train/wandb_log.py), console lines, and a progress bar (tqdm: terminals and notebooks).
 
 Only process 0 writes. Values are converted to plain Python numbers / lists before writing. A
 resumed run first drops the rows past its checkpoint, so replayed steps are not logged twice.
@@ -27,10 +27,12 @@ def _plain(v: Any) -> Any:
 
 class MetricWriter:
 
-  def __init__(self, workdir: str | None, tensorboard: bool = True):
+  def __init__(self, workdir: str | None, tensorboard: bool = True, wandb=None):
+    """wandb: a train/wandb_log.WandbLog that gets every row too (and is closed with this)."""
     self.active = workdir is not None and jax.process_index() == 0
     self._jsonl = None
     self._tb = None
+    self._wandb = wandb
     if not self.active:
       return
     os.makedirs(workdir, exist_ok=True)
@@ -85,6 +87,9 @@ class MetricWriter:
         elif isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
           for i, x in enumerate(v):
             self._tb.add_scalar(f"{split}/{k}/{i}", x, step)
+    if self._wandb is not None:
+      self._wandb.write(int(step), split, {k: v for k, v in rec.items()
+                                           if k not in ("step", "split")})
 
   def close(self) -> None:
     if self._jsonl is not None:
@@ -93,6 +98,9 @@ class MetricWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+    if self._wandb is not None:
+      self._wandb.close()
+      self._wandb = None
 
 
 def read_metrics(workdir: str) -> list[dict[str, Any]]:

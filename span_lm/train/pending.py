@@ -47,14 +47,17 @@ class PendingSteps:
     self.max_in_flight = max_in_flight
     self._unread: list[tuple[int, dict, Any]] = []  # (step, metrics, data position before it)
     self.losses: list = []  # each step's loss since the last `take_losses` (the log window)
+    self.flops: list[float] = []  # each of those steps' model FLOPs (its plan's; telemetry.py)
 
   def __len__(self) -> int:
     return len(self._unread)
 
-  def push(self, step: int, metrics: dict, data_before: Any) -> None:
-    """Records a dispatched step; waits for the one max_in_flight steps back (bounded queue)."""
+  def push(self, step: int, metrics: dict, data_before: Any, flops: float = 0.0) -> None:
+    """Records a dispatched step; waits for the one max_in_flight steps back (bounded queue).
+    flops: the step's model FLOPs, summed by `take_flops` over the steps the window keeps."""
     self._unread.append((step, metrics, data_before))
     self.losses.append(metrics["loss"])
+    self.flops.append(flops)
     if len(self._unread) > self.max_in_flight:
       jax.block_until_ready(self._unread[-self.max_in_flight - 1][1]["loss"])
 
@@ -73,6 +76,7 @@ class PendingSteps:
           raise RuntimeError(f"internal: step {s} was refused but a later step was applied")
         refused = Refused(s, ratios, len(self._unread) - i, data_before)
         del self.losses[len(self.losses) - refused.replay:]
+        del self.flops[len(self.flops) - refused.replay:]
         break
       reads.append(Read(s, bool(int(g["skipped"])), ratios))
     self._unread.clear()
@@ -81,4 +85,9 @@ class PendingSteps:
   def take_losses(self) -> list:
     """The losses of the window (the steps since the last call), which starts again."""
     out, self.losses = self.losses, []
+    return out
+
+  def take_flops(self) -> list[float]:
+    """The model FLOPs of the window's steps (those take_losses returns), which starts again."""
+    out, self.flops = self.flops, []
     return out

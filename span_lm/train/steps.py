@@ -426,7 +426,7 @@ class StepCompiler:
     self.compilations.append({"kind": kind, "seconds": secs, "plan": plan.describe(),
                               "attention": kernels.choose(cfg)})
     self._log(f"compiled {kind} step #{len(self.compilations)} in {secs:.1f}s "
-              f"(attention keys per query: {plan.attention_keys()}; attention "
+              f"(keys per token, all heads and layers: {plan.attention_keys()}; attention "
               f"{kernels.choose(cfg)})")
     self._cache[key] = compiled
     return compiled

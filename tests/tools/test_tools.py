@@ -1,5 +1,6 @@
 """Tools: FLOPs/memory accounting against a hand count and XLA, the paper's numbers, span plots,
 sampling with the cache, and the CLI modes on a small trained run. Tiny shapes: < 90 s on a CPU."""
+import dataclasses
 import functools
 import json
 import os
@@ -462,6 +463,14 @@ def test_flops_and_sample_modes(trained, capsys):
   res = cli.run(tiny_run_config(wd, "adaptive", **o))
   assert len(res["ids"]) == 7 and res["text"] in capsys.readouterr().out
   r = restore.restore(tiny_run_config(wd, "adaptive"))
+  # The generation line is the cost of what sample runs: the ring decoder, on the tightest plan
+  assert mine["generation_plan"] == r.tight_plan.describe()
+  assert mine["per_token_generation"] == pytest.approx(dataclasses.asdict(
+      flops.per_token_generation(r.model_cfg, r.tight_plan)))
+  assert "per token, generation (sample's ring decoder, one token; ring caches of " \
+      f"{r.tight_plan.describe()})" in printed
+  assert f"wrote the paper's Figure 3 (its small text8 models' MACs per token against the span, " \
+      f"recounted from the paper's spans; not this run): {out['figure3']}" in printed
   prompt = r.codec.encode("3 4 5")
   np.testing.assert_array_equal(res["ids"], greedy_matches_forward(
       r.model_cfg, r.params, r.tight_plan, prompt, 7)[1])

@@ -238,3 +238,50 @@ def test_sigterm_to_one_process_stops_both_at_one_step(tmp_path):
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   with ckpt_lib.Checkpointer(workdir / "checkpoints") as ckpt:
     assert ckpt.all_steps() == [results[0]["step"]]
+
+
+@pytest.mark.slow
+def test_a_pair_takes_the_run_directorys_lock_once_and_is_refused_together(tmp_path):
+  """Process 0 takes the lock for both; while a lone run holds the directory, a pair started on it
+  stops in both processes before training, naming the holder (process 0) or process 0 (the
+  other), and the lone run trains on."""
+  import json as json_lib  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  lone_log = open(tmp_path / "lone.log", "w")
+  lone = subprocess.Popen(worker_command(dict(TINY, workdir=str(workdir), **{
+      "train.steps": 100_000, "train.checkpoint_every": 100_000, "train.eval_every": 100_000,
+      "train.full_eval_at_end": False})), cwd=REPO, env=worker_env(4), stdout=lone_log,
+      stderr=subprocess.STDOUT)
+  try:
+    deadline = time.time() + 120
+    while time.time() < deadline and lone.poll() is None and not train_losses(workdir):
+      time.sleep(0.2)
+    assert lone.poll() is None, (tmp_path / "lone.log").read_text()[-3000:]
+    assert json_lib.loads((workdir / "run.lock").read_text())["pid"] == lone.pid
+    procs = _start_pair(tmp_path, workdir)
+    try:
+      for p, _ in procs:
+        p.wait(timeout=150)
+    finally:
+      _stop_pair(procs)
+    logs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+    assert all(p.returncode != 0 for p, _ in procs), logs
+    assert f"is in use: host {socket.gethostname()}, pid {lone.pid}, since " in logs[0], logs[0]
+    assert "process 0 could not take the lock of run directory" in logs[1], logs[1]
+    assert "compiled train step" not in logs[0] + logs[1]
+    assert lone.poll() is None
+  finally:
+    lone.kill()
+    lone.wait(timeout=60)
+    lone_log.close()
+  # After the holder's death the pair takes the directory over (process 0 once) and trains.
+  procs = _start_pair(tmp_path, workdir, {"train.steps": 4, "train.checkpoint_every": 4})
+  try:
+    for p, _ in procs:
+      p.wait(timeout=150)
+  finally:
+    _stop_pair(procs)
+  logs = _pair_logs(tmp_path, procs)
+  assert logs[0].count("run directory lock: took over the lock of") == 1
+  assert "took over" not in logs[1]
+  assert (workdir / "run.lock").read_text() == ""

@@ -426,6 +426,9 @@ def test_adaptive_steps_read_from_the_device_only_on_log_eval_checkpoint_steps(t
     result = loop.train(lagged)
   out = capsys.readouterr().out
   assert "spans outgrew the plan before the host read them" in out and "replaying" in out
+  # the line says what a newcomer asks: was anything lost, why did the bar step back and slow down
+  assert "they are recomputed on the wider plan with nothing lost or logged twice; the progress " \
+      "bar steps back, and steps are slower now" in out
   every = loop.train(_config(tmp_path / "every", GROWING, {"train.log_every": 1}))
   assert "outgrew" not in capsys.readouterr().out  # read after each step: never refused
   assert result["step"] == every["step"] == 12 and result["plan"] == every["plan"]
