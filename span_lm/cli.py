@@ -39,7 +39,10 @@ def run(config):
   if config.mode == "compile":
     from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
     config_lib.validate(config)
-    compile_lib.report(config)
+    result = compile_lib.report(config)
+    failed = compile_lib.failures(result)
+    if failed and config.compile.get("strict", False):
+      raise ValueError(f"--config.compile.strict: {'; '.join(failed)}")
     return 0
   if config.mode in config_lib.TOOL_MODES:
     from span_lm.tools import flops_report, sample, spans_report  # pylint: disable=g-import-not-at-top

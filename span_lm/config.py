@@ -171,6 +171,7 @@ def base_config() -> ml_collections.ConfigDict:
   cp.plan = "full"  # full (every head at model.span.size: the worst case) | initial (the start)
   cp.steps = "train,eval"
   cp.out = ""  # report directory; "": config.workdir, else ./compile_report
+  cp.strict = False  # exit 1 (one line) when a step does not compile or does not fit (CI's guard)
   c.sample = s = ml_collections.ConfigDict()
   s.prompt = ""  # text to continue ("": start a new line)
   s.length = 200  # tokens to generate

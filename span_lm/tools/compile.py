@@ -444,6 +444,25 @@ def report(config) -> dict:
   return result
 
 
+def failures(result: dict) -> list[str]:
+  """'target step: why' for every step of a report that did not compile or does not fit."""
+  out = []
+  for row in result["rows"]:
+    if "error" in row:
+      out.append(f"{row['target']}: {row['error'][:200]}")
+      continue
+    for kind in ("train", "eval"):
+      r = row.get(kind)
+      if r is None:
+        continue
+      if not r.get("compiled"):
+        out.append(f"{row['target']} {kind}: not compiled ({str(r.get('error', ''))[:200]})")
+      elif not r["memory"]["fits"]:
+        out.append(f"{row['target']} {kind}: needs {_gib(r['memory']['peak'])} GiB of "
+                   f"{_gib(r['memory']['capacity'])} per device")
+  return out
+
+
 def _gib(x) -> str:
   return f"{x / 2**30:.1f}"
 
