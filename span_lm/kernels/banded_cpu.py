@@ -159,13 +159,19 @@ def _key_windows(y_BxGxTxD, w: int, c: int):
 def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ramp: int = 0,
                      pers_k_GxDxN=None, pers_v_GxNxD=None, chunk: int = 0,
                      dropout: Callable | None = None, positions_last: bool = False,
-                     eps: float = span_mask.EPS):
-  """Attention of M queries over the W distances before each of them, for one head group.
+                     eps: float = span_mask.EPS, key_pe_ahead_DxA=None, span_z_ahead=None,
+                     segments=None):
+  """Attention of M queries over the W distances before each of them (and the A after), for one
+  head group.
 
   Args:
-    q_BxGxMxD: queries. k, v: keys/values of the last T = W + M positions (window + block),
+    q_BxGxMxD: queries. k, v: keys/values of the T = W + M + A rows (window, block, ahead),
       (B, G, T, Dh), or (B, G, Dh, T) with positions_last (see `prefer_positions_last`).
-    key_pe_DxW: relative position embeddings for distances W..1 (column W-1 is distance 1).
+    key_pe_DxW: relative position embeddings for distances W..1 (column W-1 is distance 1);
+      key_pe_ahead_DxA: for distances 1..A ahead (None: causal). Band column s is then key row
+      r + s of query r: W + A columns, behind for s < W, ahead for s >= W (banded_reference).
+    span_z_ahead: the spans ahead (None: span_z). segments: kernels.Segments or None (a query
+      sees keys of its own nonzero segment only; segment 0's queries give zeros).
     mask: soft span mask broadcastable to (B, G, M, W) (None: fixed span).
     span_z, ramp: instead of mask, the spans in tokens, (1 or B, G, 1 or M), of the soft mask
       span_mask.soft_mask(z, distance, ramp). Per-head spans of several heads on long bands are then
@@ -177,10 +183,15 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     (out_BxGxMxD, probs_BxGxMx(W+N)) in float32 probabilities; the caller drops probs.
   """
   b, g, m, dh = q_BxGxMxD.shape
-  w = key_pe_DxW.shape[-1]
+  w_back = key_pe_DxW.shape[-1]
+  a = 0 if key_pe_ahead_DxA is None else key_pe_ahead_DxA.shape[-1]
+  w = w_back + a  # the band's width
   t = k.shape[3] if positions_last else k.shape[2]
   if t != w + m:
-    raise ValueError(f"banded_attention: got {t} keys for window {w} and block {m}")
+    raise ValueError(f"banded_attention: got {t} keys for window {w_back}, block {m}, ahead {a}")
+  if a:
+    key_pe_DxW = jnp.concatenate([key_pe_DxW.astype(jnp.float32),
+                                  key_pe_ahead_DxA.astype(jnp.float32)], axis=-1)
   c = choose_chunk(m, w, chunk)
   n = m // c
   if positions_last and n > 1:  # windows are cut along T
@@ -208,12 +219,15 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     if mask is not None or ramp <= 0:
       raise ValueError("banded_attention: give either mask or span_z with a ramp > 0")
     z = jnp.asarray(span_z, jnp.float32)
-    per_key = keyed and z.shape[2] == 1 and g > 1
+    per_key = keyed and z.shape[2] == 1 and g > 1 and span_z_ahead is None
     if per_key:
-      mask = _key_mask(z.reshape(z.shape[0], g, 1, 1, 1), ramp, c, w)
+      mask = _key_mask(z.reshape(z.shape[0], g, 1, 1, 1), ramp, c, w, a)
     else:
-      dist_W = jnp.arange(w, 0, -1, dtype=jnp.float32)  # column s -> distance w - s
-      mask = span_mask.soft_mask(z[..., None], dist_W[None, None, None, :], ramp)
+      dist_W = _band_distances(w, a)  # column s -> its distance as the mask reads it
+      z = z[..., None]
+      if span_z_ahead is not None and a:
+        z = jnp.where(jnp.arange(w) < w - a, z, jnp.asarray(span_z_ahead, jnp.float32)[..., None])
+      mask = span_mask.soft_mask(z, dist_W[None, None, None, :], ramp)
   if mask is not None and not per_key:  # (1 or B, G, 1 or M, W) -> 5-D, broadcast unmaterialised
     mb = mask.shape[0]
     mask = (mask.reshape(mb, g, 1, 1, w) if mask.shape[2] == 1
@@ -221,6 +235,12 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     if keyed:  # zero off the band
       mask = skew(jnp.broadcast_to(mask, mask.shape[:3] + (c, w)))
   logits = scores / math.sqrt(dh)
+  allowed = None
+  if segments is not None:  # same nonzero segment: in key coordinates, or as bands
+    allowed = _segment_allowed(segments, w, a, c, keyed)  # B 1 n C (W+C | W)
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)  # finite: no NaN rows
+    mask = allowed.astype(jnp.float32) if mask is None else (
+        jnp.broadcast_to(mask, mask.shape[:-2] + (c, kw)) * allowed)
   if keyed:  # a select: with an added -inf constant XLA:CPU kept the broadcast constant in memory
     logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
 
@@ -245,7 +265,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
 
   if keyed and pers_k_GxDxN is None:  # one custom VJP (the scores above are for `probs` only)
     keep = None if dropout is None else dropout(jnp.ones(probs.shape, jnp.float32))
-    out = _keyed_attention(q, k_win, v_win, pe, mask, keep, kd, eps)
+    out = _keyed_attention(q, k_win, v_win, pe, mask, keep, allowed, kd, eps)
   else:
     dropped = dropout(probs) if dropout is not None else probs
     dropped = dropped.astype(v.dtype)
@@ -256,32 +276,57 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
                                  matmul.weight(pers_v_GxNxD, dropped.dtype), jnp.float32)
   if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
     probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
-  return out.reshape(b, g, m, dh), probs.reshape(b, g, m, -1)
+  out = out.reshape(b, g, m, dh)
+  if segments is not None:  # segment 0's queries: zeros, persistent memory included
+    out = jnp.where((segments.q != 0)[:, None, :, None], out, 0.0)
+  return out, probs.reshape(b, g, m, -1)
 
 
-def _key_ramp(z, ramp: int, c: int, w: int):
-  """span_mask.ramp at each key's distance W - (t - r) (key t, query r)."""
-  dist = jnp.asarray(w - _band_column(c, w), jnp.float32)[None, None, None]
-  return span_mask.ramp(z, dist, ramp)
+def _band_distances(w: int, a: int):
+  """The distance each of the W + A band columns stands for as the mask reads it (x = d - 1):
+  W - A..1 behind, then 2..A + 1 ahead (banded_reference.band_distances)."""
+  return jnp.asarray(np.concatenate([np.arange(w - a, 0, -1), np.arange(2, a + 2)]), jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _key_mask(z, ramp: int, c: int, w: int):
+def _segment_allowed(segments, w: int, a: int, c: int, keyed: bool):
+  """(B, 1, n, C, W + C) keyed, else (B, 1, n, C, W) bands: may query r attend the key (same
+  segment, not padding). W: the band's width (behind and ahead)."""
+  q_seg, kv_seg = segments
+  b, m = q_seg.shape
+  n = m // c
+  idx = np.arange(n)[:, None] * c + np.arange(w + c)[None, :]
+  kv_win = kv_seg[:, idx]  # B n (W+C)
+  same = (q_seg.reshape(b, n, c, 1) == kv_win[:, :, None, :]) & (kv_win[:, :, None, :] != 0)
+  if not keyed:
+    same = _unskew_pad(same.astype(jnp.int8), w).astype(bool)
+  return same[:, None]
+
+
+def _key_ramp(z, ramp: int, c: int, w: int, a: int = 0):
+  """span_mask.ramp at each key's distance (key t, query r: band column t - r; behind W - A -
+  (t - r), ahead (t - r) - (W - A) + 2 as the mask reads it)."""
+  col = _band_column(c, w)
+  dist = np.where(col < w - a, w - a - col, col - (w - a) + 2)
+  return span_mask.ramp(z, jnp.asarray(dist, jnp.float32)[None, None, None], ramp)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _key_mask(z, ramp: int, c: int, w: int, a: int = 0):
   """soft_mask(z, distance) in key coordinates, zero off the band, for per-head z (B, G, 1, 1, 1).
 
   Why: the skewed band mask's gather was redone per batch row in each fusion reading it; per key
   it is iota arithmetic that fuses into its readers. One head and per-query (dynamic) spans keep
   the gather (docs/benchmarks.md, "CPU attention: why each piece"). A custom VJP so that autodiff saves no (G, C, W + C) clamp
   residuals: the backward recomputes the ramp."""
-  return jnp.where(_on_band(c, w), span_mask.clamp01(_key_ramp(z, ramp, c, w)), 0.0)
+  return jnp.where(_on_band(c, w), span_mask.clamp01(_key_ramp(z, ramp, c, w, a)), 0.0)
 
 
-def _key_mask_fwd(z, ramp, c, w):
-  return _key_mask(z, ramp, c, w), z
+def _key_mask_fwd(z, ramp, c, w, a=0):
+  return _key_mask(z, ramp, c, w, a), z
 
 
-def _key_mask_bwd(ramp, c, w, z, g):
-  x = _key_ramp(z, ramp, c, w)
+def _key_mask_bwd(ramp, c, w, a, z, g):
+  x = _key_ramp(z, ramp, c, w, a)
   slope = span_mask.clamp01_slope(x)  # as autodiff of the band mask gives it
   on = jnp.asarray(_on_band(c, w))[None, None, None]
   return (jnp.sum(jnp.where(on, g * slope, 0.0), axis=(3, 4), keepdims=True) / ramp,)
@@ -290,8 +335,8 @@ def _key_mask_bwd(ramp, c, w, z, g):
 _key_mask.defvjp(_key_mask_fwd, _key_mask_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _keyed_attention(q, k_win, v_win, pe, mask, keep, kd: str, eps: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _keyed_attention(q, k_win, v_win, pe, mask, keep, allowed, kd: str, eps: float):
   """Attention of one chunk per (b, g, n) in key coordinates, (B, G, N, C, Dh) in float32:
   logits = (q k^T + skew(q pe)) / sqrt(Dh), -inf off the band; p = softmax(logits), masked and
   renormalised (p m / (sum p m + eps)) when mask is given, times keep (the dropout's scaled keep
@@ -303,8 +348,9 @@ def _keyed_attention(q, k_win, v_win, pe, mask, keep, kd: str, eps: float):
   (FlashAttention's identity, also with the mask and dropout): a sum over Dh columns instead of
   W + C. (2) The scores' gradient is written once, scaled and in the operands' dtype, for both
   its matmuls and the position term's unskew. (3) bf16/f16 without dropout keep the weights
-  once, as the value matmul reads them (docs/benchmarks.md, "CPU attention: why each piece")."""
-  return _keyed_fwd(q, k_win, v_win, pe, mask, keep, kd, eps)[0]
+  once, as the value matmul reads them (docs/benchmarks.md, "CPU attention: why each piece").
+  allowed: None, or where the keys may be attended (segments; the mask is zero elsewhere)."""
+  return _keyed_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps)[0]
 
 
 def _mm(spec, a, b):
@@ -372,11 +418,14 @@ def _sum_leading(x):
   return total
 
 
-def _keyed_fwd(q, k_win, v_win, pe, mask, keep, kd, eps):
+def _keyed_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps):
   c, dh, w = q.shape[3], q.shape[4], pe.shape[1]
   cont = _mm(f"bgncd,bgn{kd}->bgnck", q, k_win)
   pos = matmul.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
-  logits = jnp.where(_on_band(c, w), (cont + _skew_take(pos)) / math.sqrt(dh), -jnp.inf)
+  logits = (cont + _skew_take(pos)) / math.sqrt(dh)
+  if allowed is not None:  # finite: a row with no key of its segment gives zeros, not NaN
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+  logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
   out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps)
   return out, (res, q, k_win, pe)
 
@@ -391,7 +440,8 @@ def _keyed_bwd(kd, eps, res, d_out):
         + matmul.einsum("bgncw,dw->bgncd", d_pos, pe, jnp.float32))
   dk = _mm(f"bgncd,bgnck->bgn{kd}", q, ds)
   dpe = matmul.einsum("bgncd,bgncw->dw", q, d_pos, jnp.float32)
-  return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, dpe.astype(pe.dtype), d_mask, None)
+  return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, dpe.astype(pe.dtype), d_mask, None,
+          None)
 
 
 _keyed_attention.defvjp(_keyed_fwd, _keyed_bwd)

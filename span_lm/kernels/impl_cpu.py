@@ -29,20 +29,15 @@ def split_kv(impl, spec, kv_BxTx2Z, *, window: int, heads: int) -> CpuKV:
 
 
 def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
-           pers_v_GxNxD=None, dropout=None, dropout_seed=None, **two_sided):
-  """kv: a CpuKV, or the door's KV (rows). Windows ahead and segments (`two_sided`: the door's
-  key_pe_ahead_DxA, span_z_ahead, segments) run the reference's banded maths for now."""
-  if two_sided:
-    rows = kv if not isinstance(kv, CpuKV) else impl_reference.KV(
-        *(x.swapaxes(-1, -2) if kv.positions_last else x for x in (kv.k, kv.v)))
-    return impl_reference.attend(impl, spec, q_BxGxMxD, rows, key_pe_DxW, span_z=span_z,
-                                 pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD,
-                                 dropout=dropout, dropout_seed=dropout_seed, **two_sided)
+           pers_v_GxNxD=None, dropout=None, dropout_seed=None, key_pe_ahead_DxA=None,
+           span_z_ahead=None, segments=None):
+  """kv: a CpuKV, or the door's KV (rows)."""
   del impl, dropout_seed  # dropout draws its own mask
   return banded_cpu.banded_attention(
       q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=spec.ramp,
       pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=spec.attention.chunk,
       dropout=dropout, positions_last=isinstance(kv, CpuKV) and kv.positions_last,
+      key_pe_ahead_DxA=key_pe_ahead_DxA, span_z_ahead=span_z_ahead, segments=segments,
   )[0].astype(q_BxGxMxD.dtype)
 
 

@@ -16,10 +16,10 @@ from span_lm import kernels
 R = 4
 
 
-def _spec(impl, w, a, segmented, dtype="float32", n_pers=0):
+def _spec(impl, w, a, segmented, dtype="float32", n_pers=0, chunk=0):
   return kernels.Spec(heads=2, head_dim=8, window=w, ahead=a, ramp=R, dtype=dtype,
                       pers_mem=n_pers, segmented=segmented,
-                      attention=kernels.Attention(impl=impl, block=16))
+                      attention=kernels.Attention(impl=impl, block=16, chunk=chunk))
 
 
 def _case(rng, b, g, m, w, a, dh, n_pers, segs, asym, pad_rows):
@@ -51,11 +51,11 @@ def _door(impl, spec, q, k, v, pe, pe_a, z, z_a, pers, seg):
 
 
 def _check(impl, rng, *, b=2, m=32, w=16, a=16, n_pers=0, segs=4, asym=False, pad_rows=False,
-           dtype="float32"):
+           dtype="float32", chunk=0):
   g, dh = 2, 8
   args = _case(rng, b, g, m, w, a, dh, n_pers, segs, asym, pad_rows)
   q, k, v, pe, pe_a, z, z_a, pers, seg = args
-  spec = _spec(impl, w, a, seg is not None, dtype, n_pers)
+  spec = _spec(impl, w, a, seg is not None, dtype, n_pers, chunk)
   assert kernels.IMPLS[impl].misfit(spec, m, w) == ""
   ct = rng.normal(size=q.shape).astype(np.float32)
   low = dtype == "bfloat16"
@@ -101,7 +101,10 @@ TWO_SIDED = [i for i in ("reference", "cpu", "pallas_interpret", "pallas_tpu_int
 @pytest.mark.parametrize("impl", TWO_SIDED)
 @pytest.mark.parametrize("case", [
     dict(), dict(a=0), dict(segs=0), dict(asym=True), dict(n_pers=16), dict(pad_rows=True),
-    dict(segs=2, w=32, a=8)])
+    dict(segs=2, w=32, a=8),
+    # chunks of 16 queries on a band of 64: the cpu path's key coordinates (banded_cpu.long_band)
+    dict(chunk=16, w=32, a=32), dict(chunk=16, w=32, a=32, asym=True, pad_rows=True),
+    dict(chunk=16, w=32, a=32, n_pers=16)])
 def test_two_sided_equals_the_definition(impl, case):
   if impl.endswith("interpret") and case:
     pytest.skip("interpreted kernels: the slow tier's property test")
@@ -119,7 +122,7 @@ def test_two_sided_property(impl, data):
   _check(impl, np.random.default_rng(data.draw(st.integers(0, 2**16))), m=m, w=w, a=a,
          b=data.draw(st.integers(1, 2)), n_pers=data.draw(st.sampled_from([0, 16])),
          segs=data.draw(st.sampled_from([0, 1, 3, 8])), asym=data.draw(st.booleans()),
-         pad_rows=data.draw(st.booleans()),
+         pad_rows=data.draw(st.booleans()), chunk=data.draw(st.sampled_from([0, 16])),
          dtype=data.draw(st.sampled_from(["float32", "bfloat16"])))
 
 
@@ -132,3 +135,26 @@ def test_fused_kernels_without_two_sided_support_are_refused_not_fed():
     with target.compiling_for(platform, cc, "TPU v5p" if platform == "tpu" else ""):
       chosen = kernels.choose(spec, 64, 64)
     assert (chosen == name) == (why == ""), (name, chosen, why)
+
+
+@pytest.mark.parametrize("impl", TWO_SIDED)
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_other_segments_and_padding_get_exactly_no_gradient(impl, chunk):
+  """Keys of another segment, and padding rows, are not attended: the loss of one segment's
+  queries has a gradient of exactly 0 with respect to them (not EPS-small)."""
+  if impl.endswith("interpret") and chunk:
+    pytest.skip("interpreted kernels: one case")
+  rng = np.random.default_rng(3)
+  q, k, v, pe, pe_a, z, _, _, seg = _case(rng, 1, 2, 32, 32, 32, 8, 0, 3, False, True)
+  spec = _spec(impl, 32, 32, True, chunk=chunk)
+  mine = seg[0] == seg[0][0, 5]  # the queries of query 5's segment
+  if not mine.any() or seg[0][0, 5] == 0:
+    seg = (np.full_like(seg[0], 1), seg[1])
+    mine = seg[0] == 1
+  loss = lambda k, v: jnp.sum(jnp.where(jnp.asarray(mine)[:, None, :, None], _door(
+      impl, spec, q, k, v, pe, pe_a, z, None, (None, None), seg), 0.0) ** 2)
+  dk, dv = jax.grad(loss, argnums=(0, 1))(k, v)
+  other = seg[1][0] != seg[0][0, np.argmax(mine[0])]  # rows of other segments and padding
+  assert other.any() and (~other).any()
+  assert np.all(np.asarray(dk)[:, :, other] == 0) and np.all(np.asarray(dv)[:, :, other] == 0)
+  assert np.abs(np.asarray(dk)[:, :, ~other]).max() > 0
