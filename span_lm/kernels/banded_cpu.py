@@ -237,10 +237,14 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   logits = scores / math.sqrt(dh)
   allowed = None
   if segments is not None:  # same nonzero segment: in key coordinates, or as bands
+    # A finite minimum: exp gives exactly 0 at other segments' keys wherever a row has a key of
+    # its own, and no NaN where it has none (those rows are zeroed below). The span mask stays
+    # small (per head), not multiplied out to (B, G, n, C, W + C).
     allowed = _segment_allowed(segments, w, a, c, keyed)  # B 1 n C (W+C | W)
-    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)  # finite: no NaN rows
-    mask = allowed.astype(jnp.float32) if mask is None else (
-        jnp.broadcast_to(mask, mask.shape[:-2] + (c, kw)) * allowed)
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    row_ok = (segments.q != 0)[:, None, :, None]  # with persistent memory every row has keys
+    if pers_k_GxDxN is None:
+      row_ok = row_ok & jnp.any(allowed, axis=-1).reshape(b, 1, m, 1)
   if keyed:  # a select: with an added -inf constant XLA:CPU kept the broadcast constant in memory
     logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
 
@@ -277,8 +281,8 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
     probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
   out = out.reshape(b, g, m, dh)
-  if segments is not None:  # segment 0's queries: zeros, persistent memory included
-    out = jnp.where((segments.q != 0)[:, None, :, None], out, 0.0)
+  if segments is not None:  # segment 0's queries, and rows with no key of their segment: zeros
+    out = jnp.where(row_ok, out, 0.0)
   return out, probs.reshape(b, g, m, -1)
 
 
