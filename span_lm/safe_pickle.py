@@ -210,6 +210,8 @@ def _scan(stream, end: int, allowed: Mapping, path, *, persistent: bool) -> int:
             raise bad(why)
       else:
         got = pop(len(before))
+        if name == "BUILD" and got[0][0] == "global":
+          raise bad(f"state given to the global {printable(got[0][1] or '?')}")
         if name == "SETITEM":
           why = _key_problem(got[1])
           if why:
@@ -242,11 +244,31 @@ def _scan(stream, end: int, allowed: Mapping, path, *, persistent: bool) -> int:
 # ---------------------------------------------------------------------------------- unpickling
 
 
+class Sealed:
+  """An allowed callable as the unpickler sees it: callable, and nothing else. A pickle cannot
+  give it state (BUILD: no rewiring a stand-in's defaults or methods for later files) nor use it
+  as a class (NEWOBJ)."""
+  __slots__ = ("_fn",)
+
+  def __init__(self, fn):
+    object.__setattr__(self, "_fn", fn)
+
+  def __call__(self, *args):
+    return self._fn(*args)
+
+  def __setattr__(self, name, value):
+    raise PickleDataError(f"malformed pickle (state given to {printable(self._fn)})")
+
+  def __setstate__(self, state):
+    raise PickleDataError(f"malformed pickle (state given to {printable(self._fn)})")
+
+
 class _Unpickler(pickle.Unpickler):
 
   def __init__(self, f, allowed, path, persistent_load, encoding):
     super().__init__(f, encoding=encoding, fix_imports=False)
-    self._allowed, self._path, self._persistent = allowed, path, persistent_load
+    self._allowed = {k: Sealed(v) if callable(v) else v for k, v in allowed.items()}
+    self._path, self._persistent = path, persistent_load
 
   def find_class(self, module, name):
     try:
@@ -311,7 +333,11 @@ _NUMERIC = frozenset("b1 i1 u1 i2 u2 i4 u4 i8 u8 f2 f4 f8 c8 c16".split())
 
 
 class _NdarrayType:
-  """What `numpy.ndarray` unpickles to: a marker for _reconstruct, not callable."""
+  """What `numpy.ndarray` unpickles to: a marker for _reconstruct, not callable, stateless."""
+  __slots__ = ()
+
+  def __setstate__(self, state):
+    raise PickleDataError("malformed pickle (state given to numpy.ndarray)")
 
 
 class _DtypeStub:

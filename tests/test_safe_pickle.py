@@ -273,7 +273,7 @@ def test_deep_nesting_is_one_error():
      "storage is not a storage"),
     (pp.Call(pp.G("collections", "OrderedDict"), ([[(1, 2), 3]],)), "(key, value) pairs"),
     (pp.Raw(b"\x80\x02" + pp.emit(pp.G("torch", "FloatStorage")) + pp.emit({"a": 1}) + b"b"),
-     "state given to a StorageType"),
+     "state given to the global torch.FloatStorage"),
     ([pp.G("torch", "FloatStorage")], "a bare StorageType outside a tensor"),
 ])
 def test_torch_stand_ins_check_their_arguments(tmp_path, obj, match):
@@ -283,6 +283,25 @@ def test_torch_stand_ins_check_their_arguments(tmp_path, obj, match):
   with pytest.raises(torch_format.FormatError, match=re.escape(match)) as e:
     torch_format.load(path, allow_torch=False)
   assert str(e.value).startswith(f"{path}: ")
+
+
+def test_a_pickle_cannot_rewire_the_stand_ins():
+  """BUILD on an allowed callable (setting its __defaults__, which would last for every later
+  file) is refused by the scan and, without it, by the unpickler; NEWOBJ cannot use one as a
+  class."""
+  data = (b"\x80\x02" + pp.emit(pp.G("torch", "Size"))
+          + pp.emit((None, {"__defaults__": ((9,),)})) + b"b.")
+  globs = torch_format._GLOBALS  # pylint: disable=protected-access
+  with pytest.raises(safe_pickle.PickleDataError, match="state given to the global torch.Size"):
+    safe_pickle.loads(data, globs, path="f.pkl")
+  unpickler = safe_pickle._Unpickler(  # pylint: disable=protected-access
+      io.BytesIO(data), globs, "f.pkl", None, "ASCII")
+  with pytest.raises(safe_pickle.PickleDataError, match="state given to"):
+    unpickler.load()
+  assert torch_format._torch_size.__defaults__ == ((),)  # pylint: disable=protected-access
+  newobj = b"\x80\x02" + pp.emit(pp.G("numpy", "dtype")) + pp.emit(("u1",)) + b"\x81."
+  with pytest.raises(safe_pickle.PickleDataError, match="NEWOBJ class argument"):
+    safe_pickle.loads(newobj, safe_pickle.NUMPY_ARRAYS, path="f.pkl")
 
 
 # -------------------------------------------------------------------------- malformed files

@@ -22,6 +22,7 @@ import pathlib
 import pickle
 import shutil
 import tarfile
+import zlib
 
 import numpy as np
 
@@ -41,10 +42,10 @@ _ARCHIVE_FILES = TRAIN_FILES + (TEST_FILE, "batches.meta", "readme.html")
 _ALLOWED = {**safe_pickle.NUMPY_ARRAYS, **safe_pickle.BYTES_PROTOCOL2}
 
 
-def find_dir(data_dir, *, archive_md5: str = ARCHIVE_MD5) -> pathlib.Path:
+def find_dir(data_dir, *, archive_md5: str | None = None) -> pathlib.Path:
   """data_dir itself, or its cifar-10-batches-py subdirectory (where the tarball unpacks); a
   cifar-10-python.tar.gz in data_dir is checked (md5) and unpacked there when neither holds the
-  batches. archive_md5: the archive's expected md5 (tests pass their own archive's)."""
+  batches. archive_md5: the archive's expected md5 (default ARCHIVE_MD5, the published one)."""
   d = pathlib.Path(data_dir)
   for cand in (d, d / BATCH_DIR):
     if (cand / TRAIN_FILES[0]).is_file():
@@ -57,12 +58,18 @@ def find_dir(data_dir, *, archive_md5: str = ARCHIVE_MD5) -> pathlib.Path:
       "set config.data.data_dir")
 
 
-def unpack_archive(archive, dest, *, md5: str = ARCHIVE_MD5) -> pathlib.Path:
+def unpack_archive(archive, dest, *, md5: str | None = None) -> pathlib.Path:
   """Checks `archive`'s md5, then unpacks its batch files into dest/cifar-10-batches-py (only
   those regular files, tarfile's 'data' filter on, through a temporary directory renamed at the
-  end). Returns that directory; DataIntegrityError for an archive that is not the published one."""
+  end). md5: the expected md5 (default ARCHIVE_MD5). Returns that directory; DataIntegrityError
+  for an archive that is not the published one, or that does not unpack."""
   archive, dest = pathlib.Path(archive), pathlib.Path(dest)
-  download.verify_file(archive, md5=md5)  # before anything in it is read
+  try:
+    download.verify_file(archive, md5=md5 or ARCHIVE_MD5)  # before anything in it is read
+  except download.DataIntegrityError as e:
+    raise download.DataIntegrityError(
+        f"{e}: not the published {ARCHIVE} (a truncated or corrupt download?); nothing was "
+        "unpacked: download it again from https://www.cs.toronto.edu/~kriz/cifar.html") from e
   out = dest / BATCH_DIR
   tmp = dest / f".{BATCH_DIR}.tmp{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
@@ -76,7 +83,7 @@ def unpack_archive(archive, dest, *, md5: str = ARCHIVE_MD5) -> pathlib.Path:
       kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
       tar.extractall(tmp, members=members, **kwargs)
     os.replace(tmp / BATCH_DIR, out)
-  except (tarfile.TarError, EOFError, OSError) as e:
+  except (tarfile.TarError, EOFError, OSError, zlib.error) as e:
     if isinstance(e, download.DataIntegrityError):
       raise
     raise download.DataIntegrityError(f"{archive}: unpacking failed ({e})") from e
