@@ -329,6 +329,19 @@ def _storage_pickle(numel: int, size, stride, view=False) -> bytes:
   return pp.pickle_of({"w": tensor})
 
 
+def _two_tensor_pickle() -> bytes:
+  """{'a': 2^28 elements expanded (stride 0) from a storage of 4, 'b': an empty tensor over a
+  storage claiming 2^40 elements whose data the file never holds}: the phantom storage must not
+  enlarge the output budget."""
+  def tensor(key, numel, size, stride):
+    pid = pp.Raw(pp.emit(("storage", pp.G("torch", "FloatStorage"), key, "cpu", numel, None))
+                 + b"Q")
+    return pp.Call(pp.G("torch._utils", "_rebuild_tensor_v2"),
+                   (pid, 0, size, stride, False, {}))
+  return pp.pickle_of({"a": tensor("0", 4, (2 ** 28,), (0,)),
+                       "b": tensor("1", 2 ** 40, (0,), (1,))})
+
+
 def _legacy_file(main: bytes, keys=("0",), data: bytes = b"") -> bytes:
   header = b"".join(pickle.dumps(x, protocol=2) for x in (
       torch_format._LEGACY_MAGIC, torch_format._LEGACY_PROTOCOL,  # pylint: disable=protected-access
@@ -388,6 +401,9 @@ MALFORMED_PT = {
     "legacy negative count": (
         lambda: _legacy_file(_storage_pickle(4, (4,), (1,), view=True), data=struct.pack(
             "<q", -8) + b"\0" * 16), "has -8 elements in its data"),
+    "legacy phantom storage inflating the budget": (
+        lambda: _legacy_file(_two_tensor_pickle(), data=struct.pack("<q", 4) + b"\0" * 16),
+        "claim more data than their storages hold"),
     "legacy unknown storage key": (
         lambda: _legacy_file(_storage_pickle(4, (4,), (1,), view=True), keys=("9",),
                              data=struct.pack("<q", 4) + b"\0" * 16), "which no tensor names"),

@@ -96,10 +96,11 @@ class _Tensor(_NoState):
     self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
 
   def nbytes(self) -> int:
+    """The bytes of the array resolve() makes (its storage's data must be there)."""
     count = 1
     for n in self.size:
       count *= n
-    return count * self.storage.type.dtype.itemsize
+    return count * self.storage.array.dtype.itemsize
 
   def check(self) -> None:
     """Raises FormatError unless every element the tensor reads lies in its storage."""
@@ -212,7 +213,7 @@ def _resolve(obj, storages):
   """obj with each lazy tensor as a numpy array, containers rebuilt (their instance attributes,
   such as a state_dict's _metadata, dropped); all tensors together hold at most _OUTPUT_FACTOR
   times the storages' bytes (views of one storage are the only way past 1x)."""
-  budget = [_OUTPUT_FACTOR * sum(st.nbytes for st in storages)]
+  budget = [_OUTPUT_FACTOR * sum(st.array.nbytes for st in storages if st.array is not None)]
   cache = {}
 
   def walk(o):
@@ -344,10 +345,13 @@ def _load_legacy(f, path: str, size: int) -> Any:
 
   obj = safe_pickle.load_from(f, _GLOBALS, path=path, end=size, persistent_load=storage_for)
   keys = safe_pickle.load_from(f, {}, path=path, end=size)
-  if not isinstance(keys, list) or len(set(map(str, keys))) != len(keys):
-    raise FormatError("the storage keys of a legacy torch.save file are not a list of keys")
+  if not isinstance(keys, list):
+    raise FormatError("the storage keys of a legacy torch.save file are not a list")
+  keys = [_storage_key(key) for key in keys]
+  if len(set(keys)) != len(keys):
+    raise FormatError("a storage key is listed twice")
   for key in keys:
-    st = storages.get(_storage_key(key))
+    st = storages.get(key)
     if st is None:
       raise FormatError(f"data for storage {printable(key)}, which no tensor names")
     head = f.read(8)

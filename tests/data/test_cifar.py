@@ -116,3 +116,20 @@ def test_an_archive_without_batches_is_one_line(tmp_path):
 def test_no_batches_and_no_archive_says_where_to_put_it(tmp_path):
   with pytest.raises(FileNotFoundError, match="put cifar-10-python.tar.gz"):
     cifar.find_dir(tmp_path)
+
+
+@pytest.mark.slow
+def test_cli_training_with_a_wrong_archive_is_one_line(tmp_path):
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  repo = pathlib.Path(__file__).resolve().parents[2]
+  archive = _fake_archive(tmp_path)
+  run_dir = tmp_path / "RUN"
+  r = subprocess.run([sys.executable, "main.py", "--config=configs/cifar10_sparse.py",
+                      f"--config.data.data_dir={tmp_path}", f"--config.workdir={run_dir}"],
+                     cwd=repo, capture_output=True, text=True, timeout=600, check=False)
+  lines = r.stderr.strip().splitlines()
+  assert r.returncode == 1 and len(lines) == 1, r.stdout + r.stderr
+  assert lines[0].startswith(f"error: {archive}: md5 ") and "Traceback" not in r.stderr
+  assert not run_dir.exists() and sorted(os.listdir(tmp_path)) == [cifar.ARCHIVE]
