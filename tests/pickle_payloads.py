@@ -4,12 +4,19 @@ they name), and the files that carry them: CIFAR-10 batches and both torch.save 
 Each payload, unpickled by the standard unpickler, creates a marker file (test_safe_pickle's
 control test shows that it does); the readers must refuse it and the marker must stay absent.
 """
+import collections
+import contextlib
 import dataclasses
 import io
 import pickle
 import pickletools
 import struct
+import tracemalloc
 import zipfile
+
+import numpy as np
+
+from span_lm.tools import torch_format
 
 # ------------------------------------------------------------------------------- the emitter
 
@@ -259,3 +266,35 @@ def py2_cifar_batch(images: bytes, n: int, labels) -> bytes:
   return (b"\x80\x02}q\x00(" + s(b"batch_label") + s(b"training batch 1 of 5") + s(b"labels")
           + emit(list(labels)) + s(b"data") + arr + s(b"filenames")
           + b"](" + b"".join(s(b"%d.png" % i) for i in range(n)) + b"eu.")
+
+
+# ------------------------------------------------------------------ shared by the tests
+
+
+@contextlib.contextmanager
+def bounded_allocation(limit_bytes: int):
+  """Fails if the block's traced allocations (Python objects and numpy arrays) peak above
+  limit_bytes."""
+  tracemalloc.start()
+  try:
+    yield
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert peak <= limit_bytes, f"allocated {peak:,} bytes (limit {limit_bytes:,})"
+
+
+def valid_pt_files(tmp_path):
+  """{"zip": bytes, "legacy": bytes}: one small checkpoint in both torch.save formats."""
+  rng = np.random.default_rng(0)
+  obj = {"model": collections.OrderedDict(w=rng.standard_normal((3, 4)).astype(np.float32),
+                                          b=np.arange(5, dtype=np.int64)), "step": 7}
+  torch_format.save(obj, tmp_path / "z.pt")
+  torch_format.save(obj, tmp_path / "l.pt", legacy=True)
+  return {"zip": (tmp_path / "z.pt").read_bytes(), "legacy": (tmp_path / "l.pt").read_bytes()}
+
+
+def small_py2_batch(n=2):
+  """A Python 2 style batch of n random images."""
+  images = np.random.default_rng(0).integers(0, 256, (n, 3072), dtype=np.uint8)
+  return py2_cifar_batch(images.tobytes(), n, list(range(n)))

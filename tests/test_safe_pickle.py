@@ -1,20 +1,17 @@
 """A downloaded file never runs code (span_lm/safe_pickle.py and its readers): real payloads in
 CIFAR-10 batches and both torch.save formats are refused in one line naming the global, and their
 marker files never appear; malformed files give one line without allocating what the file does
-not hold; a property-based fuzz (slow tier) mutates valid files; the CLI says one line (slow)."""
-import collections
+not hold (tests/test_reader_fuzz.py fuzzes them); the CLI says one line (slow tier)."""
 import contextlib
 import io
 import os
 import pathlib
 import pickle
 import re
-import signal
 import struct
 import subprocess
 import sys
 import time
-import tracemalloc
 import zipfile
 
 import numpy as np
@@ -307,19 +304,6 @@ def test_a_pickle_cannot_rewire_the_stand_ins():
 # -------------------------------------------------------------------------- malformed files
 
 
-@contextlib.contextmanager
-def _bounded(limit_bytes: int):
-  """Fails if the block's traced allocations (Python objects and numpy arrays) peak above
-  limit_bytes."""
-  tracemalloc.start()
-  try:
-    yield
-    _, peak = tracemalloc.get_traced_memory()
-  finally:
-    tracemalloc.stop()
-  assert peak <= limit_bytes, f"allocated {peak:,} bytes (limit {limit_bytes:,})"
-
-
 def _storage_pickle(numel: int, size, stride, view=False) -> bytes:
   """A legacy/zip main pickle: {'w': a FloatStorage tensor} with the given claims."""
   pid = ("storage", pp.G("torch", "FloatStorage"), "0", "cpu", numel) + ((None,) if view else ())
@@ -365,6 +349,16 @@ def _patch_zip_sizes(data: bytes, member: str, size: int) -> bytes:
   raise ValueError(member)
 
 
+def _deflated(data: bytes) -> bytes:
+  """The archive with every record deflated (16 MiB of zeros shrink to 16 KiB)."""
+  out = io.BytesIO()
+  with zipfile.ZipFile(io.BytesIO(data)) as src, \
+      zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as dst:
+    for name in src.namelist():
+      dst.writestr(name, src.read(name))
+  return out.getvalue()
+
+
 MALFORMED_PT = {
     "zip storage claiming 2^40 elements": (
         lambda: pp.zip_pt(_storage_pickle(2 ** 40, (2 ** 40,), (1,)), [("0", b"\0" * 16)]),
@@ -377,6 +371,10 @@ MALFORMED_PT = {
         lambda: _patch_zip_sizes(pp.zip_pt(_storage_pickle(4, (4,), (1,)), [("0", b"\0" * 16)]),
                                  "archive/data.pkl", 2 ** 31 - 1),
         "claims 2,147,483,647 bytes at offset"),
+    "zip record deflated (a decompression bomb)": (
+        lambda: _deflated(pp.zip_pt(_storage_pickle(2 ** 22, (2 ** 22,), (1,)),
+                                    [("0", b"\0" * 2 ** 24)])),
+        "is compressed (method 8); torch.save stores its records uncompressed"),
     "zip tensor of size 2^40 over 4 elements": (
         lambda: pp.zip_pt(_storage_pickle(4, (2 ** 40,), (1,)), [("0", b"\0" * 16)]),
         "runs past its storage of 4 elements"),
@@ -421,25 +419,16 @@ def test_malformed_pt_is_one_line_and_bounded(tmp_path, case):
   make, match = MALFORMED_PT[case]
   path = tmp_path / "bad.pt"
   path.write_bytes(make())
-  with _bounded(64 * path.stat().st_size + (1 << 20)):
+  with pp.bounded_allocation(64 * path.stat().st_size + (1 << 20)):
     with pytest.raises(torch_format.FormatError) as e:
       torch_format.load(path, allow_torch=False)
   msg = cli.user_message(e.value)
   assert msg.startswith(f"{path}: ") and "\n" not in msg and match in msg, msg
 
 
-def _valid_files(tmp_path):
-  rng = np.random.default_rng(0)
-  obj = {"model": collections.OrderedDict(w=rng.standard_normal((3, 4)).astype(np.float32),
-                                          b=np.arange(5, dtype=np.int64)), "step": 7}
-  torch_format.save(obj, tmp_path / "z.pt")
-  torch_format.save(obj, tmp_path / "l.pt", legacy=True)
-  return {"zip": (tmp_path / "z.pt").read_bytes(), "legacy": (tmp_path / "l.pt").read_bytes()}
-
-
 @pytest.mark.parametrize("fmt", ["zip", "legacy"])
 def test_every_truncation_of_a_pt_file_is_one_line(tmp_path, fmt):
-  data = _valid_files(tmp_path)[fmt]
+  data = pp.valid_pt_files(tmp_path)[fmt]
   path = tmp_path / "cut.pt"
   for n in range(0, len(data), 3 if fmt == "legacy" else 7):
     path.write_bytes(data[:n])
@@ -450,7 +439,7 @@ def test_every_truncation_of_a_pt_file_is_one_line(tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", ["zip", "legacy"])
 def test_bit_flips_of_a_pt_file_read_or_are_one_line(tmp_path, fmt):
-  data = _valid_files(tmp_path)[fmt]
+  data = pp.valid_pt_files(tmp_path)[fmt]
   path = tmp_path / "flip.pt"
   rng = np.random.default_rng(1)
   refused = 0
@@ -492,119 +481,18 @@ MALFORMED_CIFAR = {
 }
 
 
-def _py2_batch(n=2):
-  images = np.random.default_rng(0).integers(0, 256, (n, 3072), dtype=np.uint8)
-  return pp.py2_cifar_batch(images.tobytes(), n, list(range(n)))
-
-
 @pytest.mark.parametrize("case", list(MALFORMED_CIFAR))
 def test_malformed_cifar_batch_is_one_line_and_bounded(tmp_path, case):
   make, match = MALFORMED_CIFAR[case]
-  ok = _py2_batch()
+  ok = pp.small_py2_batch()
   path = tmp_path / "data_batch_1"
   path.write_bytes(make(ok))
   assert path.read_bytes() != ok
-  with _bounded(64 * path.stat().st_size + (1 << 20)):
+  with pp.bounded_allocation(64 * path.stat().st_size + (1 << 20)):
     with pytest.raises(safe_pickle.PickleDataError) as e:
       cifar.read_batch(path)
   msg = cli.user_message(e.value)
   assert msg.startswith(f"{path}: ") and "\n" not in msg and match in msg, msg
-
-
-# -------------------------------------------------------------- property-based fuzz (slow)
-
-hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings, strategies as st  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-_MUTATION = st.one_of(
-    st.tuples(st.just("flip"), st.floats(0, 1), st.integers(0, 7)),
-    st.tuples(st.just("truncate"), st.floats(0, 1), st.just(0)),
-    st.tuples(st.just("insert"), st.floats(0, 1), st.binary(min_size=1, max_size=8)),
-    st.tuples(st.just("delete"), st.floats(0, 1), st.integers(1, 16)),
-    st.tuples(st.just("overwrite"), st.floats(0, 1), st.sampled_from(
-        [b"\xff" * 4, b"\x7f\xff\xff\xff", b"\x00" * 8, b"\xff" * 8, b"\x00\x00\x00\x40",
-         b"c", b"R", b"\x93", b"b", b"Q", b"(", b"."])),
-)
-
-
-def _mutate(data: bytes, mutations) -> bytes:
-  out = bytearray(data)
-  for kind, where, arg in mutations:
-    pos = min(int(where * len(out)), max(len(out) - 1, 0))
-    if kind == "flip" and out:
-      out[pos] ^= 1 << arg
-    elif kind == "truncate":
-      del out[pos:]
-    elif kind == "insert":
-      out[pos:pos] = arg
-    elif kind == "delete":
-      del out[pos:pos + arg]
-    elif kind == "overwrite":
-      out[pos:pos + len(arg)] = arg
-  return bytes(out)
-
-
-class _Hang(Exception):
-  pass
-
-
-@contextlib.contextmanager
-def _no_hang(seconds: int):
-  def on_alarm(signum, frame):
-    raise _Hang(f"the reader ran for more than {seconds} s")
-  previous = signal.signal(signal.SIGALRM, on_alarm)
-  signal.alarm(seconds)
-  try:
-    yield
-  finally:
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-FUZZ = settings(max_examples=300, deadline=10_000, database=None, print_blob=True,
-                suppress_health_check=[HealthCheck.too_slow])
-
-
-def _fuzz_one(path: pathlib.Path, data: bytes, read):
-  """Reads a mutated file: it reads, or raises the package's format error; never anything else,
-  never for longer than 30 s, never allocating more than 64x the file's bytes + 1 MiB."""
-  path.write_bytes(data)
-  with _no_hang(30), _bounded(64 * len(data) + (1 << 20)):
-    try:
-      read(path)
-    except safe_pickle.PickleDataError as e:
-      assert "\n" not in str(e), str(e)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("base", ["zip", "legacy", "adaptive_zip.pt", "pers_legacy.pt"])
-def test_fuzz_pt_reader(tmp_path, base):
-  data = (_valid_files(tmp_path)[base] if base in ("zip", "legacy")
-          else (TORCH_FILES / base).read_bytes())
-  path = tmp_path / "fuzz.pt"
-
-  @FUZZ
-  @given(st.lists(_MUTATION, min_size=1, max_size=4))
-  def run(mutations):
-    _fuzz_one(path, _mutate(data, mutations), lambda p: torch_format.load(p, allow_torch=False))
-
-  run()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("base", ["python2", "protocol2", "protocol4"])
-def test_fuzz_cifar_reader(tmp_path, base):
-  images = np.random.default_rng(0).integers(0, 256, (2, 3072), dtype=np.uint8)
-  d = {b"batch_label": b"b", b"labels": [0, 1], b"data": images, b"filenames": [b"0.png"] * 2}
-  data = _py2_batch() if base == "python2" else pickle.dumps(d, protocol=int(base[-1]))
-  path = tmp_path / "data_batch_1"
-
-  @FUZZ
-  @given(st.lists(_MUTATION, min_size=1, max_size=4))
-  def run(mutations):
-    _fuzz_one(path, _mutate(data, mutations), cifar.read_batch)
-
-  run()
 
 
 # ------------------------------------------------------------------------------ the CLI (slow)

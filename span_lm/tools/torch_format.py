@@ -12,7 +12,8 @@ storage types and the tensor/parameter rebuild functions, each a stand-in that c
 arguments); any other name is refused (ForbiddenGlobalError: one line naming the file and the
 name), and no fallback is tried for such a file. Sizes are checked against the file before
 anything is read or allocated: a storage's element count against its zip record or against the
-bytes left in the legacy stream, a zip record's size against the archive, a tensor's size and
+bytes left in the legacy stream, a zip record's size against the archive (records are stored
+uncompressed, as torch.save writes them: no decompression bombs), a tensor's size and
 strides against its storage, and all tensors together against their storages' bytes. A file this
 reader cannot read for another reason raises FormatError; `load` then tries
 `torch.load(weights_only=True)` when torch is installed.
@@ -45,7 +46,6 @@ _DTYPES = {  # torch storage class name -> numpy dtype
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()
           if k not in ("BFloat16Storage", "UntypedStorage")}
 _MAX_COUNT = 2 ** 62  # any element count, offset, size or stride above this is not a real file
-_MAX_DEFLATE_RATIO = 1032  # deflate's largest expansion: a record can claim no more
 _OUTPUT_FACTOR = 4  # all tensors together may hold this many times their storages' bytes
 
 
@@ -251,16 +251,12 @@ def _record(zf: zipfile.ZipFile, name: str, archive_size: int, expected: int | N
     info = zf.getinfo(name)
   except KeyError:
     raise FormatError(f"no record {printable(name)} in the zip file") from None
-  if info.compress_type == zipfile.ZIP_STORED:
-    if info.compress_size != info.file_size:
-      raise FormatError(f"record {printable(name)}: stored with sizes {info.compress_size:,} "
-                        f"and {info.file_size:,}")
-  elif info.compress_type == zipfile.ZIP_DEFLATED:
-    if info.file_size > _MAX_DEFLATE_RATIO * info.compress_size + 1024:
-      raise FormatError(f"record {printable(name)} claims {info.file_size:,} bytes from "
-                        f"{info.compress_size:,} compressed")
-  else:
-    raise FormatError(f"record {printable(name)}: compression method {info.compress_type}")
+  if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses: no zip bombs
+    raise FormatError(f"record {printable(name)} is compressed (method {info.compress_type}); "
+                      "torch.save stores its records uncompressed")
+  if info.compress_size != info.file_size:
+    raise FormatError(f"record {printable(name)}: stored with sizes {info.compress_size:,} "
+                      f"and {info.file_size:,}")
   if info.header_offset + info.compress_size > archive_size:
     raise FormatError(f"record {printable(name)} claims {info.compress_size:,} bytes at offset "
                       f"{info.header_offset:,} of a file of {archive_size:,} bytes")
