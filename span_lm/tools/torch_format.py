@@ -307,7 +307,8 @@ def _load_legacy(f, path: str, size: int) -> Any:
   except safe_pickle.ForbiddenGlobalError:
     raise
   except safe_pickle.PickleDataError as e:
-    raise FormatError(f"neither a zip nor a legacy torch.save file ({e})") from e
+    why = str(e)[len(f"{path}: "):] if str(e).startswith(f"{path}: ") else str(e)
+    raise FormatError(f"neither a zip nor a legacy torch.save file ({why})") from e
   if type(magic) is not int or magic != _LEGACY_MAGIC:
     raise FormatError("not a torch.save file (bad magic number)")
   protocol = safe_pickle.load_from(f, {}, path=path, end=size)
