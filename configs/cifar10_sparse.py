@@ -8,7 +8,8 @@ column and channel above), split heads (eq. 8: one local head, one strided head)
 per step (48000 / 16 = 3000 steps per epoch). The blocks run as one layer scan (scan_layers),
 so the step compiles one block rather than 128.
 
-Data: the python pickle batches (cifar-10-batches-py) in config.data.data_dir; the last 2000
+Data: the python pickle batches (cifar-10-batches-py) in config.data.data_dir, or
+cifar-10-python.tar.gz there (md5-checked, then unpacked next to it); the last 2000
 training images are the validation set (span_lm/data/cifar.py). The trainer's streams line up
 with image boundaries for its first pass over the data only (its restarts draw a random offset).
 

@@ -4,9 +4,19 @@ Reference checkpoints must be importable where torch is not installed (it is not
 Both container formats are read: the zip archive of torch >= 1.6 (`<name>/data.pkl` plus one
 `<name>/data/<key>` record per storage) and the older "legacy" stream (magic number, protocol,
 system info, the pickle, the storage keys, then each storage as an int64 element count and its
-raw bytes), in which the published adaptive-span models (2019) were saved. The pickle is read by
-a restricted unpickler: containers, numbers, strings and tensors only; anything else raises, and
-`load` then falls back to `torch.load` when torch is installed.
+raw bytes), in which the published adaptive-span models (2019) were saved.
+
+A .pt file is data and never runs code: every pickle in it (the legacy header objects included)
+is read by span_lm/safe_pickle.py with the allowlist `_GLOBALS` (an OrderedDict, torch.Size, the
+storage types and the tensor/parameter rebuild functions, each a stand-in that checks its
+arguments); any other name is refused (ForbiddenGlobalError: one line naming the file and the
+name), and no fallback is tried for such a file. Sizes are checked against the file before
+anything is read or allocated: a storage's element count against its zip record or against the
+bytes left in the legacy stream, a zip record's size against the archive (records are stored
+uncompressed, as torch.save writes them: no decompression bombs), a tensor's size and
+strides against its storage, and all tensors together against their storages' bytes. A file this
+reader cannot read for another reason raises FormatError; `load` then tries
+`torch.load(weights_only=True)` when torch is installed.
 
 `save` writes either format (pickle protocol 2, as torch does); torch.load reads both.
 """
@@ -20,6 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from span_lm import safe_pickle
+from span_lm.safe_pickle import printable
+
 _LEGACY_MAGIC = 0x1950a86a20f9469cfc6c
 _LEGACY_PROTOCOL = 1001
 
@@ -32,161 +45,351 @@ _DTYPES = {  # torch storage class name -> numpy dtype
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()
           if k not in ("BFloat16Storage", "UntypedStorage")}
+_MAX_COUNT = 2 ** 62  # any element count, offset, size or stride above this is not a real file
+_OUTPUT_FACTOR = 4  # all tensors together may hold this many times their storages' bytes
 
 
-class FormatError(ValueError):
-  """The file is not a torch.save file this reader understands."""
+class FormatError(safe_pickle.PickleDataError):
+  """The file is not a torch.save file this reader understands (malformed, truncated, other)."""
 
 
-class _StorageType:
+class _NoState:
+  """A stand-in the pickle may not give state to (BUILD): its fields come from checked calls."""
+  __slots__ = ()
+
+  def __setstate__(self, state):
+    raise FormatError(f"state given to a {type(self).__name__.strip('_')}")
+
+
+class _StorageType(_NoState):
+  __slots__ = ("name", "dtype")
+
   def __init__(self, name: str):
     self.name = name
     self.dtype = np.dtype(_DTYPES[name])
 
 
-class _Storage:
+class _Storage(_NoState):
   """A storage whose bytes may arrive after the pickle (legacy format)."""
+  __slots__ = ("type", "numel", "array")
 
   def __init__(self, storage_type: _StorageType, numel: int):
-    self.type, self.numel, self.array = storage_type, int(numel), None
+    self.type, self.numel, self.array = storage_type, numel, None
+
+  @property
+  def nbytes(self) -> int:
+    return self.numel * self.type.dtype.itemsize
+
+  def fill(self, raw: bytes, order: str = "little") -> None:
+    dtype = self.type.dtype.newbyteorder("<" if order == "little" else ">")
+    flat = np.frombuffer(raw, dtype=dtype).astype(self.type.dtype)
+    if self.type.name == "BFloat16Storage":
+      flat = (flat.astype(np.uint32) << 16).view(np.float32)
+    self.array = flat
 
 
-class _Tensor:
+class _Tensor(_NoState):
   """A tensor waiting for its storage's data; resolved after the whole file is read."""
+  __slots__ = ("storage", "offset", "size", "stride")
 
   def __init__(self, storage, offset, size, stride):
-    self.storage, self.offset, self.size, self.stride = storage, offset, tuple(size), tuple(stride)
+    self.storage, self.offset, self.size, self.stride = storage, offset, size, stride
 
-  def resolve(self) -> np.ndarray:
+  def nbytes(self) -> int:
+    """The bytes of the array resolve() makes (its storage's data must be there)."""
+    count = 1
+    for n in self.size:
+      count *= n
+    return count * self.storage.array.dtype.itemsize
+
+  def check(self) -> None:
+    """Raises FormatError unless every element the tensor reads lies in its storage."""
     flat = self.storage.array
     if flat is None:
       raise FormatError("a tensor's storage data is missing from the file")
-    if self.storage.type.name == "BFloat16Storage":
-      flat = (flat.astype(np.uint32) << 16).view(np.float32)
-    item = flat.dtype.itemsize
+    if not self.size:
+      if self.offset >= flat.size:
+        raise FormatError(f"a scalar tensor at offset {self.offset:,} of a storage of "
+                          f"{flat.size:,} elements")
+    elif 0 in self.size:
+      other = 1
+      for n in self.size:
+        other *= max(n, 1)
+      if other * flat.dtype.itemsize >= _MAX_COUNT:
+        raise FormatError(f"an empty tensor of size {self.size}")
+    else:
+      span = self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride)) + 1
+      if span > flat.size:
+        raise FormatError(f"a tensor of size {self.size} and stride {self.stride} at offset "
+                          f"{self.offset:,} runs past its storage of {flat.size:,} elements")
+
+  def resolve(self) -> np.ndarray:
+    """The tensor as a new array (call check() first)."""
+    flat = self.storage.array
     if not self.size:
       return np.array(flat[self.offset])
-    span = self.offset + sum((n - 1) * s for n, s in zip(self.size, self.stride)) + 1
-    if min(self.size) > 0 and span > flat.size:
-      raise FormatError(f"tensor of size {self.size} runs past its storage of {flat.size} elements")
-    return np.lib.stride_tricks.as_strided(
-        flat[self.offset:], self.size, [s * item for s in self.stride]).copy()
+    if 0 in self.size:
+      return np.zeros(self.size, flat.dtype)
+    stride = [0 if n == 1 else s * flat.dtype.itemsize for n, s in zip(self.size, self.stride)]
+    return np.lib.stride_tricks.as_strided(flat[self.offset:], self.size, stride).copy()
+
+
+def _count(x, what: str) -> int:
+  if type(x) is not int or not 0 <= x <= _MAX_COUNT:
+    raise FormatError(f"{what} {printable(x)} is not a count")
+  return x
+
+
+def _dims(x, what: str) -> tuple[int, ...]:
+  if not isinstance(x, (tuple, list)) or len(x) > safe_pickle.MAX_NDIM:
+    raise FormatError(f"{what} {printable(x)} is not a tuple of at most "
+                      f"{safe_pickle.MAX_NDIM} counts")
+  return tuple(_count(n, what) for n in x)
+
+
+def _storage_key(key) -> str:
+  if isinstance(key, bytes):
+    key = key.decode("utf-8", "replace")
+  if type(key) is int:
+    key = str(key)
+  if not isinstance(key, str):
+    raise FormatError(f"storage key {printable(key)}")
+  return key
 
 
 def _rebuild_tensor(storage, offset, size, stride, *unused):
-  return _Tensor(storage, offset, size, stride)
+  """torch._utils._rebuild_tensor(_v2)'s stand-in: a lazy tensor over a checked storage."""
+  if not isinstance(storage, _Storage):
+    raise FormatError("a tensor whose storage is not a storage")
+  size, stride = _dims(size, "tensor size"), _dims(stride, "tensor stride")
+  if len(size) != len(stride):
+    raise FormatError(f"a tensor of size {size} with stride {stride}")
+  return _Tensor(storage, _count(offset, "tensor offset"), size, stride)
 
 
 def _rebuild_parameter(data, *unused):
+  if not isinstance(data, _Tensor):
+    raise FormatError("a parameter that is not a tensor")
   return data
 
 
+def _torch_size(dims=()):
+  return _dims(dims, "torch.Size")
+
+
+def _ordered_dict(items=()):
+  """collections.OrderedDict's stand-in: empty (protocol 2+) or from [key, value] pairs (as
+  Python 2 pickled it), keys of the kinds a pickle's dicts may have."""
+  if not isinstance(items, (list, tuple)):
+    raise FormatError("an OrderedDict built from something other than a list of pairs")
+  out = collections.OrderedDict()
+  for pair in items:
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not safe_pickle.safe_key(pair[0]):
+      raise FormatError("an OrderedDict built from something other than (key, value) pairs")
+    out[pair[0]] = pair[1]
+  return out
+
+
 _GLOBALS = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("collections", "OrderedDict"): _ordered_dict,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
     ("torch._utils", "_rebuild_tensor"): _rebuild_tensor,
     ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch", "Size"): tuple,
+    ("torch", "Size"): _torch_size,
+    **safe_pickle.BYTES_PROTOCOL2,  # bytes values in protocol-2 pickles
+    **{(module, name): _StorageType(name)
+       for module in ("torch", "torch.cuda", "torch.storage") for name in _DTYPES},
 }
 
 
-class _Unpickler(pickle.Unpickler):
-
-  def __init__(self, f, storage_for):
-    super().__init__(f)
-    self._storage_for = storage_for
-
-  def find_class(self, module, name):
-    if (module, name) in _GLOBALS:
-      return _GLOBALS[(module, name)]
-    if module in ("torch", "torch.cuda", "torch.storage") and name in _DTYPES:
-      return _StorageType(name)
-    raise FormatError(f"unsupported object {module}.{name} in the pickle")
-
-  def persistent_load(self, pid):
-    if not isinstance(pid, tuple) or not pid or pid[0] not in ("storage", b"storage"):
-      raise FormatError(f"unsupported persistent id {pid!r}")
-    return self._storage_for(pid[1:])
+def _storage_pid(pid, length: int):
+  if (not isinstance(pid, tuple) or len(pid) != length or pid[0] not in ("storage", b"storage")
+      or not isinstance(pid[1], _StorageType)):
+    raise FormatError(f"unsupported persistent id {printable(pid)}")
+  return pid[1], _storage_key(pid[2]), _count(pid[4], "storage size")
 
 
-def _resolve(obj):
-  if isinstance(obj, _Tensor):
-    return obj.resolve()
-  if isinstance(obj, dict):
-    out = type(obj)() if isinstance(obj, collections.OrderedDict) else {}
-    for k, v in obj.items():
-      out[k] = _resolve(v)
-    return out
-  if isinstance(obj, list):
-    return [_resolve(v) for v in obj]
-  if isinstance(obj, tuple):
-    return tuple(_resolve(v) for v in obj)
-  return obj
+def _resolve(obj, storages):
+  """obj with each lazy tensor as a numpy array, containers rebuilt (their instance attributes,
+  such as a state_dict's _metadata, dropped); all tensors together hold at most _OUTPUT_FACTOR
+  times the storages' bytes (views of one storage are the only way past 1x)."""
+  budget = [_OUTPUT_FACTOR * sum(st.array.nbytes for st in storages if st.array is not None)]
+  cache = {}
+
+  def walk(o):
+    t = type(o)
+    if t is _Tensor:
+      key = (id(o.storage), o.offset, o.size, o.stride)
+      if key not in cache:
+        o.check()
+        budget[0] -= o.nbytes()
+        if budget[0] < 0:
+          raise FormatError("the tensors claim more data than their storages hold "
+                            f"({_OUTPUT_FACTOR}x; overlapping or expanded views)")
+        cache[key] = o.resolve()
+      return cache[key]
+    if t in (_Storage, _StorageType):
+      raise FormatError(f"a bare {t.__name__.strip('_')} outside a tensor")
+    if isinstance(o, dict):
+      out = collections.OrderedDict() if isinstance(o, collections.OrderedDict) else {}
+      for k, v in dict.items(o):
+        out[k] = walk(v)
+      return out
+    if t is list:
+      return [walk(v) for v in o]
+    if t is tuple:
+      return tuple(walk(v) for v in o)
+    return o
+
+  return walk(obj)
 
 
-def _load_zip(path) -> Any:
-  with zipfile.ZipFile(path) as zf:
-    pkl = [n for n in zf.namelist() if n.endswith("data.pkl") and n.count("/") == 1]
+def _record(zf: zipfile.ZipFile, name: str, archive_size: int, expected: int | None = None,
+            limit: int | None = None) -> bytes:
+  """The bytes of one zip record, its claimed sizes checked before it is read."""
+  try:
+    info = zf.getinfo(name)
+  except KeyError:
+    raise FormatError(f"no record {printable(name)} in the zip file") from None
+  if info.compress_type != zipfile.ZIP_STORED:  # torch.save never compresses: no zip bombs
+    raise FormatError(f"record {printable(name)} is compressed (method {info.compress_type}); "
+                      "torch.save stores its records uncompressed")
+  if info.compress_size != info.file_size:
+    raise FormatError(f"record {printable(name)}: stored with sizes {info.compress_size:,} "
+                      f"and {info.file_size:,}")
+  if info.header_offset + info.compress_size > archive_size:
+    raise FormatError(f"record {printable(name)} claims {info.compress_size:,} bytes at offset "
+                      f"{info.header_offset:,} of a file of {archive_size:,} bytes")
+  if expected is not None and info.file_size != expected:
+    raise FormatError(f"record {printable(name)} holds {info.file_size:,} bytes, its storage "
+                      f"claims {expected:,}")
+  if limit is not None and info.file_size > limit:
+    raise FormatError(f"record {printable(name)} holds {info.file_size:,} bytes (at most "
+                      f"{limit} expected)")
+  data = zf.read(info)
+  if len(data) != info.file_size:
+    raise FormatError(f"record {printable(name)}: read {len(data):,} of {info.file_size:,} bytes")
+  return data
+
+
+def _load_zip(f, path: str, size: int) -> Any:
+  with zipfile.ZipFile(f) as zf:
+    names = zf.namelist()
+    pkl = [n for n in names if n.endswith("data.pkl") and n.count("/") == 1]
     if len(pkl) != 1:
-      raise FormatError(f"{path}: a zip file without one '<name>/data.pkl' record")
+      raise FormatError("a zip file without one '<name>/data.pkl' record")
     prefix = pkl[0][:-len("data.pkl")]
-    names = set(zf.namelist())
     order = "little"
     if prefix + "byteorder" in names:
-      order = zf.read(prefix + "byteorder").decode().strip()
+      order = _record(zf, prefix + "byteorder", size, limit=16).decode("ascii", "replace").strip()
+      if order not in ("little", "big"):
+        raise FormatError(f"byte order {printable(order)}")
     storages = {}
 
-    def storage_for(data):
-      storage_type, key, _, numel = data[:4]
-      key = key.decode() if isinstance(key, bytes) else str(key)
+    def storage_for(pid):
+      storage_type, key, numel = _storage_pid(pid, 5)
       if key not in storages:
         st = _Storage(storage_type, numel)
-        raw = zf.read(f"{prefix}data/{key}")
-        dtype = st.type.dtype.newbyteorder("<" if order == "little" else ">")
-        st.array = np.frombuffer(raw, dtype=dtype).astype(st.type.dtype)
+        st.fill(_record(zf, f"{prefix}data/{key}", size, expected=st.nbytes), order)
         storages[key] = st
+      if storages[key].type is not storage_type or storages[key].numel != numel:
+        raise FormatError(f"storage {printable(key)} is read as two different storages")
       return storages[key]
 
-    return _resolve(_Unpickler(io.BytesIO(zf.read(pkl[0])), storage_for).load())
+    obj = safe_pickle.loads(_record(zf, pkl[0], size), _GLOBALS, path=path,
+                            persistent_load=storage_for)
+    return _resolve(obj, storages.values())
 
 
-def _load_legacy(path) -> Any:
+def _load_legacy(f, path: str, size: int) -> Any:
+  try:
+    magic = safe_pickle.load_from(f, {}, path=path, end=size)
+  except safe_pickle.ForbiddenGlobalError:
+    raise
+  except safe_pickle.PickleDataError as e:
+    why = str(e)[len(f"{path}: "):] if str(e).startswith(f"{path}: ") else str(e)
+    raise FormatError(f"neither a zip nor a legacy torch.save file ({why})") from e
+  if type(magic) is not int or magic != _LEGACY_MAGIC:
+    raise FormatError("not a torch.save file (bad magic number)")
+  protocol = safe_pickle.load_from(f, {}, path=path, end=size)
+  if type(protocol) is not int or protocol != _LEGACY_PROTOCOL:
+    raise FormatError("unsupported legacy torch.save protocol")
+  info = safe_pickle.load_from(f, {}, path=path, end=size)
+  if not isinstance(info, dict):
+    raise FormatError("the system info of a legacy torch.save file is not a dict")
+  if info.get("little_endian", True) is not True:
+    raise FormatError("big-endian legacy files are not supported")
+  storages, views = {}, []
+
+  def storage_for(pid):
+    storage_type, key, numel = _storage_pid(pid, 6)
+    if key not in storages:
+      storages[key] = _Storage(storage_type, numel)
+    root = storages[key]
+    if root.type is not storage_type or root.numel != numel:
+      raise FormatError(f"storage {printable(key)} is read as two different storages")
+    view = pid[5]
+    if view is None:
+      return root
+    if not isinstance(view, tuple) or len(view) != 3:
+      raise FormatError(f"storage view {printable(view)}")
+    offset, count = _count(view[1], "view offset"), _count(view[2], "view size")
+    if offset + count > numel:
+      raise FormatError(f"a view of {count:,} elements at {offset:,} of a storage of {numel:,}")
+    st = _Storage(storage_type, count)
+    views.append((st, root, offset))
+    return st
+
+  obj = safe_pickle.load_from(f, _GLOBALS, path=path, end=size, persistent_load=storage_for)
+  keys = safe_pickle.load_from(f, {}, path=path, end=size)
+  if not isinstance(keys, list):
+    raise FormatError("the storage keys of a legacy torch.save file are not a list")
+  keys = [_storage_key(key) for key in keys]
+  if len(set(keys)) != len(keys):
+    raise FormatError("a storage key is listed twice")
+  for key in keys:
+    st = storages.get(key)
+    if st is None:
+      raise FormatError(f"data for storage {printable(key)}, which no tensor names")
+    head = f.read(8)
+    if len(head) != 8:
+      raise FormatError("truncated storage data")
+    (n,) = struct.unpack("<q", head)
+    if n != st.numel:
+      raise FormatError(f"storage {printable(key)} has {n:,} elements in its data and "
+                        f"{st.numel:,} in the pickle")
+    left = size - f.tell()
+    if st.nbytes > left:
+      raise FormatError(f"storage {printable(key)} claims {n:,} elements ({st.nbytes:,} bytes) "
+                        f"where {left:,} bytes remain (truncated or corrupt file)")
+    raw = f.read(st.nbytes)
+    if len(raw) != st.nbytes:
+      raise FormatError("truncated storage data")
+    st.fill(raw)
+  for st, root, offset in views:
+    if root.array is not None:
+      st.array = root.array[offset:offset + st.numel]
+  return _resolve(obj, storages.values())
+
+
+def _read(path: str) -> Any:
+  size = os.path.getsize(path)
   with open(path, "rb") as f:
     try:
-      magic = pickle.load(f)
-    except Exception as e:  # not a pickle at all
-      raise FormatError(f"{path}: neither a zip nor a legacy torch.save file") from e
-    if magic != _LEGACY_MAGIC:
-      raise FormatError(f"{path}: not a torch.save file (bad magic number)")
-    if pickle.load(f) != _LEGACY_PROTOCOL:
-      raise FormatError(f"{path}: unsupported legacy torch.save protocol")
-    info = pickle.load(f)
-    if isinstance(info, dict) and not info.get("little_endian", True):
-      raise FormatError(f"{path}: big-endian legacy files are not supported")
-    storages, views = {}, []
-
-    def storage_for(data):
-      storage_type, key, _, numel, view = data
-      if key not in storages:
-        storages[key] = _Storage(storage_type, numel)
-      if view is None:
-        return storages[key]
-      _, offset, size = view
-      st = _Storage(storage_type, size)
-      views.append((st, storages[key], offset))
-      return st
-
-    obj = _Unpickler(f, storage_for).load()
-    for key in pickle.load(f):
-      st = storages[key]
-      (n,) = struct.unpack("<q", f.read(8))
-      raw = f.read(n * st.type.dtype.itemsize)
-      if len(raw) != n * st.type.dtype.itemsize:
-        raise FormatError(f"{path}: truncated storage data")
-      st.array = np.frombuffer(raw, dtype=st.type.dtype.newbyteorder("<")).astype(st.type.dtype)
-    for st, root, offset in views:
-      st.array = root.array[offset:offset + st.numel]
-    return _resolve(obj)
+      if zipfile.is_zipfile(f):
+        return _load_zip(f, path, size)
+      f.seek(0)
+      return _load_legacy(f, path, size)
+    except safe_pickle.ForbiddenGlobalError:
+      raise
+    except safe_pickle.PickleDataError as e:
+      text = str(e)
+      raise FormatError(text if text.startswith(f"{path}: ") else f"{path}: {text}") from e
+    except MemoryError:  # never expected: every size is checked first; a bug, kept visible
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # zipfile, numpy, struct on bad bytes
+      raise FormatError(f"{path}: malformed torch.save file ({type(e).__name__}: "
+                        f"{printable(str(e), 200)})") from e
 
 
 def _to_numpy(obj):
@@ -208,22 +411,30 @@ def _to_numpy(obj):
 def load(path, *, allow_torch: bool = True) -> Any:
   """The object a torch.save file holds, tensors as numpy arrays (bfloat16 widened to float32).
 
-  Reads without torch; when that fails and torch is installed (and allow_torch), torch.load
-  (weights_only, on CPU) reads it instead. FileNotFoundError / FormatError otherwise.
+  Reads without torch. A file whose pickle names anything outside the allowlist raises
+  safe_pickle.ForbiddenGlobalError (never retried). A file this reader cannot read otherwise
+  is read by torch.load(weights_only=True, on CPU) when torch is installed (and allow_torch);
+  FileNotFoundError / FormatError otherwise.
   """
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"no such file: {path}")
   try:
-    return _load_zip(path) if zipfile.is_zipfile(path) else _load_legacy(path)
-  except (FormatError, pickle.UnpicklingError, KeyError, EOFError, struct.error) as e:
+    return _read(path)
+  except FormatError as e:
     if not allow_torch:
-      raise FormatError(f"{path}: {e}") from e
+      raise
     try:
       import torch  # pylint: disable=g-import-not-at-top
     except ImportError:
-      raise FormatError(f"{path}: {e} (installing torch may read it)") from e
-    return _to_numpy(torch.load(path, map_location="cpu", weights_only=True))
+      raise FormatError(f"{e} (installing torch may read it)") from e
+    try:
+      obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e2:  # pylint: disable=broad-except
+      why = (str(e2).strip().splitlines() or [type(e2).__name__])[0]
+      raise FormatError(f"{e}; torch.load(weights_only=True) could not read it either "
+                        f"({printable(why, 200)})") from e2
+    return _to_numpy(obj)
 
 
 # --------------------------------------------------------------------------------------- writing
