@@ -90,17 +90,3 @@ def test_spans_converge_near_the_distance_the_task_needs(causal, n, max_span):
   assert 14 <= reach.max() <= 20, reach
   assert np.all(reach <= 22), reach
   assert reach.min() < 12, reach  # a head no task needs shrinks
-
-
-@pytest.mark.slow
-def test_masked_lm_example_runs_from_a_checkout(tmp_path):
-  """examples/masked_lm.py (docs/layer.md) trains and prints its spans, run from elsewhere."""
-  import pathlib  # pylint: disable=g-import-not-at-top
-  import subprocess  # pylint: disable=g-import-not-at-top
-  import sys  # pylint: disable=g-import-not-at-top
-  script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "masked_lm.py"
-  proc = subprocess.run([sys.executable, str(script), "--steps", "2", "--batch", "2",
-                         "--length", "64", "--max_span", "32"], cwd=tmp_path,
-                        capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "step 2: train" in proc.stdout and "| block2 |" in proc.stdout, proc.stdout
