@@ -2,14 +2,15 @@
 layers whose heads each learn how far they look back and, apart, how far ahead (asymmetric
 spans), trained on variable-length lines of the text packaged with span_lm (docs/layer.md).
 
-  python examples/masked_lm.py                  # padded rows: one line per row, ~1-2 min on 2 CPUs
-  python examples/masked_lm.py --packed         # several lines per row, segment ids 1, 2, 3, ...
-  python examples/masked_lm.py --steps 1000 --length 256 --max_span 128
+  python examples/masked_lm.py                    # packed rows, 300 steps: ~1-2 min on 2 CPU cores
+  python examples/masked_lm.py --packing padded   # one line per row, then padding
+  python examples/masked_lm.py --steps 1000 --length 1024 --batch 2
 
 Tokens are bytes (256) plus [MASK]. Each row is a line of the head of enwik8 (span_lm/data/demo:
-wiki markup and its XML, lines of 1 to 3,525 bytes, cut at --length) and padding, segment_ids 1
-on the line and 0 on the padding; --packed fills each row with several lines instead, ids 1, 2,
-3, ... (a token attends only to its own line; 0 is padding either way). 15% of the real tokens
+wiki markup and its XML, lines of 1 to 3,525 bytes, cut at --length): --packing packed (the
+default) fills each row with several lines, segment_ids 1, 2, 3, ... (a token attends only to
+its own line), the rest padding (id 0); --packing padded puts one line in each row, id 1, and
+pads the rest (id 0). 15% of the real tokens
 are picked as BERT picks them (80% replaced by [MASK], 10% by a random byte, 10% kept) and the
 loss is the cross-entropy on the picked tokens only, plus the span penalty the layers sow
 (layers.span_loss). At the end: the loss curve, every head's learned spans back and ahead, and
@@ -84,16 +85,18 @@ def text_lines(part: slice, length: int) -> list:
 
 
 def make_batch(rng, lines: list, batch: int, length: int, packed: bool):
-  """(tokens, segment_ids), each (batch, length): random lines, one per row after padding, or
-  packed several to a row (ids 1, 2, ...) until the next would not fit. Padding: token PAD, id 0."""
+  """(tokens, segment_ids), each (batch, length): random lines, one per row then padding, or
+  packed several to a row (ids 1, 2, ...: random lines, skipping those that do not fit in what
+  is left, until 8 in a row did not). Padding: token PAD, id 0."""
   tokens = np.full((batch, length), PAD, np.int32)
   seg = np.zeros((batch, length), np.int32)
   for row in range(batch):
-    at, sid = 0, 1
-    while True:
-      line = lines[rng.integers(len(lines))]
+    at, sid, misses = 0, 1, 0
+    while misses < 8:
+      line = lines[rng.integers(len(lines))]  # a piece of <= length: the first always fits
       if at + len(line) > length:
-        break
+        misses += 1
+        continue
       tokens[row, at:at + len(line)], seg[row, at:at + len(line)] = line, sid
       at, sid = at + len(line), sid + 1
       if not packed:
@@ -129,11 +132,11 @@ def median_time(f, *args, reps: int) -> float:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--length", type=int, default=128, help="tokens per row")
-  p.add_argument("--packed", action="store_true",
-                 help="several lines per row (segment ids 1, 2, ...); default: one line per row")
-  p.add_argument("--max_span", type=int, default=64)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--length", type=int, default=256, help="tokens per row")
+  p.add_argument("--packing", choices=("packed", "padded"), default="packed",
+                 help="packed: several lines per row (segment ids 1, 2, ...); padded: one")
+  p.add_argument("--max_span", type=int, default=32)
   p.add_argument("--ramp", type=int, default=8)
   p.add_argument("--d_model", type=int, default=128)
   p.add_argument("--layers", type=int, default=3)
@@ -157,12 +160,13 @@ def main(argv=None):
   n = np.array([len(l) for l in train_lines])
   print(f"{len(train_lines):,} training lines (longer ones cut into pieces of <= {args.length} "
         f"bytes; median {np.median(n):.0f}) in rows of {args.length}, "
-        f"{'packed' if args.packed else 'padded'}: batch {args.batch}, {args.steps} steps")
+        f"{args.packing}: batch {args.batch}, {args.steps} steps")
+  packed = args.packing == "packed"
 
   model = MaskedLM(d_model=args.d_model, num_layers=args.layers, num_heads=args.heads,
                    max_span=args.max_span, ramp=args.ramp, span_loss_coef=args.span_loss_coef)
   rng = np.random.default_rng(args.seed)
-  tokens, seg = make_batch(rng, train_lines, args.batch, args.length, args.packed)
+  tokens, seg = make_batch(rng, train_lines, args.batch, args.length, packed)
   params = model.init(jax.random.key(args.seed), tokens, seg)["params"]
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(args.lr))
   state = opt.init(params)
@@ -188,7 +192,7 @@ def main(argv=None):
   vrng = np.random.default_rng(1234)
   valid = []
   for _ in range(4):
-    t, s = make_batch(vrng, valid_lines, args.batch, args.length, args.packed)
+    t, s = make_batch(vrng, valid_lines, args.batch, args.length, packed)
     valid.append((*corrupt(vrng, t, s), s, t))
 
   def valid_bits():
@@ -197,7 +201,7 @@ def main(argv=None):
   print("\nloss curve (cross-entropy on the masked tokens, bits per token):")
   t0, acc, real, scored = time.time(), [], 0, 0
   for i in range(1, args.steps + 1):
-    tokens, seg = make_batch(rng, train_lines, args.batch, args.length, args.packed)
+    tokens, seg = make_batch(rng, train_lines, args.batch, args.length, packed)
     inputs, weights = corrupt(rng, tokens, seg)
     params, state, nll = step(params, state, inputs, seg, tokens, weights)
     acc.append(nll)
@@ -224,7 +228,7 @@ def main(argv=None):
           for z in spans[key]) + " |")
 
   if args.speed_reps:
-    tokens, seg = make_batch(rng, train_lines, args.batch, args.length, args.packed)
+    tokens, seg = make_batch(rng, train_lines, args.batch, args.length, packed)
     inputs, weights = corrupt(rng, tokens, seg)
     print(f"\nforward + backward of the whole model at batch {args.batch} x {args.length} "
           f"tokens, jit, median of {args.speed_reps} ({jax.devices()[0].platform}):")

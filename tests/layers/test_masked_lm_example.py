@@ -15,16 +15,17 @@ LAYERS, HEADS, MAX_SPAN, RAMP = 2, 2, 16, 4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True])
-def test_masked_lm_example_trains_and_prints_spans_both_ways_and_its_speed(tmp_path, packed):
+@pytest.mark.parametrize("packing", ["padded", "packed"])
+def test_masked_lm_example_trains_and_prints_spans_both_ways_and_its_speed(tmp_path, packing):
   cmd = [sys.executable, str(SCRIPT), "--steps", "4", "--log_every", "2", "--batch", "4",
          "--length", "40", "--max_span", str(MAX_SPAN), "--ramp", str(RAMP), "--layers",
-         str(LAYERS), "--heads", str(HEADS), "--d_model", "32", "--speed_reps", "1"]
-  proc = subprocess.run(cmd + (["--packed"] if packed else []), cwd=tmp_path,
+         str(LAYERS), "--heads", str(HEADS), "--d_model", "32", "--speed_reps", "1",
+         "--packing", packing]
+  proc = subprocess.run(cmd, cwd=tmp_path,
                         capture_output=True, text=True, timeout=600, check=False)
   out = proc.stdout
   assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-  assert ("packed" if packed else "padded") + ": batch 4, 4 steps" in out, out
+  assert f"{packing}: batch 4, 4 steps" in out, out
 
   curve = re.findall(r"^step +(\d+): train (\S+)  valid (\S+)  \((\d+)% of the rows real", out,
                      re.M)
