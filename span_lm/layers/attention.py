@@ -1,5 +1,7 @@
 """AdaptiveSpanAttention: adaptive attention span (Sukhbaatar et al., 2019) as a Flax Linen layer
 that stands where nn.MultiHeadDotProductAttention stands; the maths is span_lm/layers/core.py's."""
+import logging
+import numbers
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -11,28 +13,42 @@ Initializer = Callable[..., Any]
 
 
 class AdaptiveSpanAttention(nn.Module):
-  """Multi-head attention whose heads each learn how far they look.
+  """Multi-head attention whose heads each learn how far they look (docs/layer.md).
 
   Each head h attends to keys at distance x = |i - j| < max_span (only back when causal) with
   the soft mask m(x) = clamp((ramp + z_h - x) / ramp, 0, 1) on its weights, z_h = max_span * z'_h
-  learned; relative position embeddings (both directions when bidirectional) replace absolute
-  ones. The span penalty is sown as ('intermediates', 'span_loss'): add
-  `span_lm.layers.span_loss(intermediates)` to the training loss, or the spans only grow.
+  learned: the head's *span* z_h (tokens), its *window* ceil(z_h) + ramp the keys it reaches.
+  Relative position embeddings (both directions when bidirectional) replace absolute ones.
+
+  The span penalty is sown as ('intermediates', 'span_loss'): train with
+  `y, state = model.apply(v, x, mutable=['intermediates'])` and add
+  `span_lm.layers.span_loss(state['intermediates'])` to the loss, or the spans only grow. A
+  training call (deterministic=False) without 'intermediates' mutable is refused; a call that
+  does not say (deterministic None, no dropout) warns once; deterministic=True (evaluation) and
+  span_loss_coef=0 need nothing.
+
+  Sizes (checked when the layer is built, errors naming these fields): num_heads >= 1 dividing
+  qkv_features; max_span >= 1; ramp None (the default) is min(32, max_span), an explicit ramp
+  must be 1 <= ramp <= max_span (the mask must be able to reach 0 inside the window); span_init
+  (z' at init) in [0, 1]; span_loss_coef >= 0; 0 <= dropout_rate < 1.
 
   Parameters: query/key/value/out as nn.MultiHeadDotProductAttention names and shapes them (so
   its weights load as they are), span_ratio (heads,) z', pos_emb (head_dim, max_span) [and
-  pos_emb_ahead when not causal], column max_span - 1 - x for distance x.
+  pos_emb_ahead when not causal], column max_span - 1 - x for distance x; span_ratio_ahead
+  (heads,) with causal=False, asymmetric=True (the spans ahead, learned apart; else span_ratio
+  serves both sides).
 
   Causal or bidirectional (keys up to max_span - 1 ahead, with their own position embeddings and,
-  with asymmetric=True, their own learned spans per head), padded or packed (`segment_ids`, or a
-  key-padding `mask`): the door runs (span_lm.kernels, the model's own attention; O(length *
-  max_span)). Any other dense mask runs the plain dense path (O(length^2)) and says so.
+  with asymmetric=True, their own learned spans per head), padded or packed (`segment_ids`, id 0
+  padding, or a key-padding `mask`): the door runs (span_lm.kernels, the model's own attention;
+  O(length * max_span)). Any other dense mask runs the plain dense path (O(length^2)) and says
+  so once at WARNING.
   """
   num_heads: int
   max_span: int
   causal: bool = True
   asymmetric: bool = False  # bidirectional: learn the span ahead apart (span_ratio_ahead)
-  ramp: int = 32
+  ramp: int | None = None  # R; None: min(32, max_span)
   span_init: float = 0.0  # z' at init; the reference starts every span at 0
   span_loss_coef: float = 2e-6
   dropout_rate: float = 0.0
@@ -48,6 +64,84 @@ class AdaptiveSpanAttention(nn.Module):
   pos_emb_init: Initializer = nn.initializers.normal(1.0)  # the reference's key_pe: N(0, 1)
   attn_impl: str = "auto"
 
+  def __post_init__(self):
+    self._check()
+    super().__post_init__()
+
+  def _check(self):
+    """The fields' rule, refused with the field's name before anything is traced."""
+    name = type(self).__name__
+
+    def bad(field, why):
+      raise ValueError(f"{name}.{field}={getattr(self, field)!r}: {why}")
+
+    def integer(field):
+      v = getattr(self, field)
+      if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        bad(field, "must be an integer")
+      return int(v)
+
+    if integer("num_heads") < 1:
+      bad("num_heads", "must be >= 1")
+    if integer("max_span") < 1:
+      bad("max_span", "must be >= 1 (the farthest distance attended is max_span - 1)")
+    if self.ramp is not None:
+      if integer("ramp") < 1:
+        bad("ramp", "must be >= 1 (or None: min(32, max_span))")
+      if self.ramp > self.max_span:
+        raise ValueError(
+            f"{name}.max_span={self.max_span!r} is below {name}.ramp={self.ramp!r}: the soft "
+            f"mask's ramp must fit inside the window (1 <= ramp <= max_span), or no span can "
+            f"shorten it. Leave ramp=None (min(32, max_span) = {min(32, self.max_span)}), "
+            f"set ramp <= {self.max_span}, or raise max_span to >= {self.ramp}")
+    if (isinstance(self.span_init, bool) or not isinstance(self.span_init, numbers.Real)
+        or not 0.0 <= self.span_init <= 1.0):
+      bad("span_init", "must be in [0, 1]: z' at init, the span as a fraction of max_span "
+          "(span_init=0.25 starts every span at max_span / 4 tokens)")
+    if not isinstance(self.span_loss_coef, numbers.Real) or not self.span_loss_coef >= 0:
+      bad("span_loss_coef", "must be >= 0 (0: no span penalty)")
+    if not isinstance(self.dropout_rate, numbers.Real) or not 0.0 <= self.dropout_rate < 1.0:
+      bad("dropout_rate", "must be in [0, 1)")
+    if self.asymmetric and self.causal:
+      bad("asymmetric", "spans ahead are learned apart only when bidirectional: set "
+          "causal=False too (a causal layer has no keys ahead)")
+    if self.attn_impl not in core.IMPLS:
+      bad("attn_impl", f"choose one of {core.IMPLS}")
+    if self.qkv_features is not None and self.qkv_features % self.num_heads:
+      bad("qkv_features", f"must be divisible by {name}.num_heads={self.num_heads}")
+
+  @property
+  def ramp_tokens(self) -> int:
+    """R as applied: `ramp`, or min(32, max_span) when it is None."""
+    return min(32, self.max_span) if self.ramp is None else int(self.ramp)
+
+  def _check_penalty_kept(self, deterministic):
+    """Refuse (training) or warn once (unknown) when the sown span penalty would be dropped."""
+    if (self.span_loss_coef == 0 or self.is_initializing()
+        or self.is_mutable_collection("intermediates")):
+      return
+    det = self.deterministic if deterministic is None else deterministic
+    how = ("pass mutable=['intermediates'] to apply and add "
+           "span_lm.layers.span_loss(state['intermediates']) to the loss: "
+           "`y, state = model.apply(variables, x, mutable=['intermediates'])` (under nn.scan, "
+           "list 'intermediates' in variable_axes too)")
+    if det is None:
+      core._log_once(  # pylint: disable=protected-access
+          logging.WARNING, ("penalty dropped",),
+          "AdaptiveSpanAttention: the 'intermediates' collection is not mutable, so the span "
+          "penalty (span_loss_coef=%g) is dropped from this call. Training? %s. Evaluating? "
+          "pass deterministic=True (or span_loss_coef=0) and this warning goes.",
+          self.span_loss_coef, how)
+    elif not det:
+      raise ValueError(
+          f"{type(self).__name__} ({self._where()}) trains (deterministic=False) but the "
+          f"'intermediates' collection is not mutable, so its span penalty "
+          f"(span_loss_coef={self.span_loss_coef:g}) would be dropped and the spans would only "
+          f"grow: {how}. To train without the penalty, set span_loss_coef=0.")
+
+  def _where(self) -> str:
+    return "/".join(self.scope.path) if self.scope is not None and self.scope.path else "top"
+
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
                segment_ids=None, deterministic: bool | None = None, dropout_rng=None):
@@ -60,7 +154,9 @@ class AdaptiveSpanAttention(nn.Module):
     inputs_v = inputs_k if inputs_v is None else inputs_v
     qkv = self.qkv_features or inputs_q.shape[-1]
     if qkv % self.num_heads:
-      raise ValueError(f"qkv_features={qkv} must be divisible by num_heads={self.num_heads}")
+      raise ValueError(f"{type(self).__name__}.num_heads={self.num_heads}: must divide the "
+                       f"features ({qkv}: qkv_features, else the inputs' last axis)")
+    self._check_penalty_kept(deterministic)
     head_dim = qkv // self.num_heads
     dense = lambda name: nn.DenseGeneral(
         (self.num_heads, head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
@@ -88,7 +184,7 @@ class AdaptiveSpanAttention(nn.Module):
         dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
     out = core.span_attention(
         q, k, v, ratio, pos_back, pos_ahead, max_span=self.max_span, causal=self.causal,
-        ramp=self.ramp, mask=mask, segment_ids=segment_ids, span_ratio_ahead=ratio_ahead,
+        ramp=self.ramp_tokens, mask=mask, segment_ids=segment_ids, span_ratio_ahead=ratio_ahead,
         dropout_rate=rate, dropout_rng=dropout_rng if rate else None,
         attn_impl=self.attn_impl)
     return nn.DenseGeneral(
@@ -97,5 +193,6 @@ class AdaptiveSpanAttention(nn.Module):
         bias_init=self.bias_init, use_bias=self.use_bias, name="out")(out)
 
   def spans(self):
-    """The learned spans in tokens, (heads,): `layer.apply(variables, method='spans')`."""
+    """The learned spans z in tokens, (heads,): `layer.apply(variables, method='spans')`; the
+    spans ahead of an asymmetric layer: `layers.learned_spans(params)`."""
     return core.span_tokens(self.get_variable("params", "span_ratio"), self.max_span)

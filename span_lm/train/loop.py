@@ -678,7 +678,7 @@ class _Training:
           f"{last['ms_per_step']:.0f} ms/step {last['tokens_per_s']:.0f} tok/s "
           f"{_tflops(last['model_tflops_per_s'])}"
           + ("" if last["mfu"] is None else f" MFU {100 * last['mfu']:.1f}%") + " | "
-          f"span avg {np.mean(last['span_avg']):.0f} max {max(last['span_max']):.0f} | "
+          f"window avg {np.mean(last['span_avg']):.0f} max {max(last['span_max']):.0f} | "
           f"lr {last['lr']:.4g}" + (f" | loss scale 2^{math.log2(last['loss_scale']):.0f} "
                                     f"({last['loss_scale_skips']} overflows)"
                                     if "loss_scale" in last else ""))

@@ -397,17 +397,24 @@ def test_spans_mode_writes_figure4_and_history(trained, capsys):
   out = cli.run(c)
   printed = capsys.readouterr().out
   assert "| layer | h0 | h1 | h2 | h3 |" in printed and "wrote heads plot" in printed
-  spans = np.asarray(out["spans"])
-  assert spans.shape == (2, 4) and (spans >= 16).all() and (spans <= 256).all()
+  # one word for each (span_lm.layers' too): the span z, the window ceil(z) + R
+  assert "windows ceil(z) + R" in printed and "learned spans z (tokens):" in printed
+  windows, spans = np.asarray(out["windows"]), np.asarray(out["spans"])
+  assert windows.shape == spans.shape == (2, 4)
+  assert (windows >= 16).all() and (windows <= 256).all()
+  assert (spans >= 0).all() and (spans <= 256 - 16).all()
+  np.testing.assert_array_equal(windows, np.minimum(256, np.ceil(spans) + 16))
   for key in ("heads", "history"):
     assert out["plots"][key] in printed and os.path.getsize(out["plots"][key]) > 5_000
   r = restore.restore(c)
-  _, fig = spans_report.plot_head_spans(spans, str(trained["adaptive"] / "f4.png"), 256, 16)
+  _, fig = spans_report.plot_head_windows(windows, str(trained["adaptive"] / "f4.png"), 256, 16)
   ax = fig.axes[0]
   assert (ax.get_yscale(), ax.get_xlabel()) == ("log", "layer")
+  assert ax.get_ylabel().startswith("window ceil(z) + R")
   assert len(ax.patches) == 8  # one bar per head
+  np.testing.assert_array_equal(windows, spans_report.head_windows(r.model_cfg, r.params))
   np.testing.assert_array_equal(spans, spans_report.head_spans(r.model_cfg, r.params))
-  steps, avg, mx = spans_report.span_history(str(trained["adaptive"]))
+  steps, avg, mx = spans_report.window_history(str(trained["adaptive"]))
   assert list(steps) == [2, 4] and avg.shape == mx.shape == (2, 2)
 
 
@@ -417,18 +424,18 @@ def test_spans_mode_figure5_for_dynamic_span(trained, capsys):
                       **{"tools.text": "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 0 1 2 3"})
   out = cli.run(c)
   assert "wrote dynamic plot" in capsys.readouterr().out
-  spans_t = np.asarray(out["dynamic_spans"])
-  assert spans_t.shape == (19,) and (spans_t >= 16).all() and (spans_t <= 256).all()
+  windows_t = np.asarray(out["dynamic_windows"])
+  assert windows_t.shape == (19,) and (windows_t >= 16).all() and (windows_t <= 256).all()
   assert os.path.getsize(out["plots"]["dynamic"]) > 5_000
-  # The same spans in one block and in blocks of 5 (carried caches): a stream, not windows.
+  # The same windows in one block and in blocks of 5 (carried caches): a stream, not blocks.
   r = restore.restore(c)
   ids = r.codec.encode("1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 0 1 2 3")
   np.testing.assert_allclose(
-      spans_report.dynamic_spans(r.model_cfg, r.params, r.tight_plan, ids, 5), spans_t,
+      spans_report.dynamic_windows(r.model_cfg, r.params, r.tight_plan, ids, 5), windows_t,
       rtol=1e-5)
-  _, fig = spans_report.plot_dynamic_spans([r.codec.label(i) for i in ids], spans_t,
-                                           str(trained["dynamic"] / "f5.png"), per_row=10)
-  assert len(fig.axes) == 2 and fig.axes[0].get_ylabel() == "average span"
+  _, fig = spans_report.plot_dynamic_windows([r.codec.label(i) for i in ids], windows_t,
+                                             str(trained["dynamic"] / "f5.png"), per_row=10)
+  assert len(fig.axes) == 2 and fig.axes[0].get_ylabel() == "average window"
   assert [t.get_text() for t in fig.axes[0].get_xticklabels()][:3] == ["1", "2", "3"]
 
 
