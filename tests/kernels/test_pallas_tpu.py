@@ -183,17 +183,18 @@ def test_tpu_interpreter_with_uninitialised_memory_as_nan():
 N_PERS, SEED = 32, 3_000_000_001  # a seed past 2**31: the hash's uint32 bits in int32
 
 
-def _band_dropout(rate, n_pers, W=W):  # pylint: disable=redefined-outer-name
-  """The kernel's keep mask for banded_reference's (B, H, n, C, W + N) bands: band column s of
-  row i is key i + s, persistent vector n is key W + M + n."""
+def _band_dropout(rate, n_pers, W=W, a=0):  # pylint: disable=redefined-outer-name
+  """The kernel's keep mask for banded_reference's (B, H, n, C, W + A + N) bands: band column s
+  of row i is key i + s (the door's rows: window, block, the A ahead), persistent vector n is
+  key W + M + A + n."""
   def drop(p):
     c = p.shape[3]
     rows = jnp.arange(M).reshape(1, 1, M // c, c, 1)
     bh = (jnp.arange(B)[:, None] * H + jnp.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
-    cols = jnp.arange(W + n_pers).reshape(1, 1, 1, 1, W + n_pers)
-    keys = jnp.where(cols < W, rows + cols, (W + M) + (cols - W))
+    cols = jnp.arange(W + a + n_pers).reshape(1, 1, 1, 1, W + a + n_pers)
+    keys = jnp.where(cols < W + a, rows + cols, (W + M + a) + (cols - W - a))
     return p * hashed_dropout.dropout_scale(jnp.uint32(SEED), bh, rows, keys, n_rows=M,
-                                            n_keys=W + M + n_pers, rate=rate)
+                                            n_keys=W + M + a + n_pers, rate=rate)
   return drop
 
 
@@ -425,3 +426,185 @@ def test_a_window_laid_out_in_whole_key_tiles_visits_only_the_window():
       interpret=True, vmem_limit_bytes=None)
   bounds = ft._key_bounds(jnp.full((B, H, M), 100.0), B, H, M, static)  # pylint: disable=protected-access
   np.testing.assert_array_equal(bounds[:B * H * 2], np.tile([2, 3], B * H))  # keys 40 + i0 on
+
+
+# ----------------------------------------------------------- windows ahead and segment ids
+
+A = 20  # keys ahead: not a multiple of the key tile, so the rows API pads the part ahead
+
+
+def _two_sided_inputs(seed=11):
+  """Queries, the door's W + M + A key rows, position embeddings both ways, dynamic spans both
+  ways (windows ahead from 8 to A), and segment ids: runs of 1 to 6 rows (shorter than the
+  ramp and longer), scattered padding, and batch row 1's last 8 queries all padding."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 10)
+  t = W + M + A
+  q = jax.random.normal(ks[0], (B, H, M, D))
+  k, v = (jax.random.normal(x, (B, H, t, D)) for x in ks[1:3])
+  pe, pe_a = jax.random.normal(ks[3], (D, W)), jax.random.normal(ks[4], (D, A))
+  z = jax.random.uniform(ks[5], (B, H, M), minval=0.0, maxval=50.0)
+  za = jax.random.uniform(ks[6], (B, H, M), minval=0.0, maxval=14.0)
+  rng = np.random.default_rng(seed)
+  ids = np.cumsum(rng.integers(1, 7, size=(B, t)) == 1, axis=1) % 4 + 1
+  ids[rng.uniform(size=(B, t)) < 0.1] = 0
+  ids[1, W + M - 8:W + M] = 0
+  seg = (jnp.asarray(ids[:, W:W + M], jnp.int32), jnp.asarray(ids, jnp.int32))
+  ct = jax.random.normal(ks[7], (B, H, M, D))
+  pk, pv = jax.random.normal(ks[8], (H, D, 16)), jax.random.normal(ks[9], (H, 16, D))
+  return q, k, v, pe, pe_a, z, za, seg, ct, pk, pv
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "rate", "asym", "n_pers"))
+def _two_sided(q, k, v, pe, pe_a, z, za, seg, ct, pk, pv, *, impl, rate, asym, n_pers):
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  pers = (pk, pv) if n_pers else (None, None)
+
+  def f(q, k, v, pe, pe_a, z, za, pk, pv):
+    za = za if asym else None
+    if impl == "fused":
+      return ft.span_attention(q, k, v, pe, z, key_pe_ahead_DxA=pe_a, z_ahead_BxHxM=za,
+                               q_seg_BxM=seg[0], kv_seg_BxT=seg[1], ramp=R, block=BLOCK,
+                               interpret=True, pers_k_HxDxN=pk, pers_v_HxNxD=pv,
+                               dropout_rate=rate,
+                               dropout_seed=jnp.uint32(SEED) if rate else None)
+    return banded_reference.banded_attention(
+        q, k, v, pe, key_pe_ahead_DxA=pe_a, span_z=z, span_z_ahead=za, ramp=R,
+        segments=kernels.Segments(*seg), pers_k_GxDxN=pk, pers_v_GxNxD=pv,
+        dropout=_band_dropout(rate, n_pers, W, A) if rate else None)
+
+  out, vjp = jax.vjp(f, q, k, v, pe, pe_a, z, za, *pers)
+  return out, vjp(ct)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asym,n_pers,rate", [(True, 16, 0.3), (False, 0, 0.0)])
+def test_two_sided_segments_dropout_and_persistent_memory_match_the_reference(asym, n_pers,
+                                                                             rate):
+  """Windows ahead (A = 20, padded to two key tiles), spans per row both ways (learned apart or
+  one for both sides), segment ids with padding, segments shorter than the ramp and all-padding
+  rows, persistent memory and dropout (the reference given the kernel's hashed keep mask, keys
+  numbered as the door's rows: persistent vector n is key W + M + A + n): values and every
+  gradient; padding rows give zeros and no NaN anywhere."""
+  args = _two_sided_inputs()
+  kw = dict(rate=rate, asym=asym, n_pers=n_pers)
+  out, grads = _two_sided(*args, impl="fused", **kw)
+  want_out, want_grads = _two_sided(*args, impl="reference", **kw)
+  np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-4)
+  q_seg = args[7][0]
+  assert np.all(np.asarray(out)[np.broadcast_to((q_seg == 0)[:, None, :, None], out.shape)] == 0)
+  assert bool(jnp.any(q_seg == 0)) and bool(jnp.all(q_seg[1, -8:] == 0))
+  if rate:  # the mask did something
+    plain = _two_sided(*args, impl="reference", rate=0.0, asym=asym, n_pers=n_pers)[0]
+    assert float(jnp.max(jnp.abs(out - plain))) > 0.1
+  for name, g, w in zip("q k v pe pe_ahead z z_ahead pk pv".split(), grads, want_grads):
+    if w is None:  # no persistent memory
+      assert g is None, name
+      continue
+    if name == "z_ahead" and not asym:
+      assert float(jnp.max(jnp.abs(g))) == 0  # not an input of either
+      continue
+    assert g.dtype == w.dtype, name
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert float(jnp.max(jnp.abs(w))) > 0, name
+    np.testing.assert_allclose(g, w, atol=3e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def _static(**kw):
+  return ft._Static(  # pylint: disable=protected-access
+      **dict(dict(l=W, w=W, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0,
+                  precision="default", interpret=True, vmem_limit_bytes=None), **kw))
+
+
+def test_visited_key_blocks_follow_both_windows_and_the_segments():
+  """The bounds the index maps and the skips read, two-sided (W = 48, A = 20 laid out as 32:
+  7 key blocks of 16): behind to the row's window, ahead to floor(z_a) + R; with segment ids
+  narrowed to the key blocks whose id range meets the query block's (an all-padding query
+  block: an empty range), and the per-tile ranges the kernels check inside that range."""
+  s = _static(a=A, ap=32)
+  n = B * H * (M // BLOCK)
+  steps = ft._key_steps(M, s)  # pylint: disable=protected-access
+  assert steps == 6  # rows 0..15 at span W and A: keys 0..(48 + 14 + 20) = blocks 0..5
+  for z, za, lo, hi in (
+      (None, None, [0, 1], [6, 7]),  # fixed span: every distance both ways
+      (2.0, 0.0, [2, 3], [5, 6]),  # behind 11 (keys 37.., 53..); ahead 8: rows 15, 31 reach
+      # keys 48 + 15 + 8 - 1 = 70 (block 4) and 86 (block 5)
+      (2.0, 10.0, [2, 3], [6, 7]),  # ahead 18: keys 80 (block 5) and 96 (block 6)
+      (100.0, 100.0, [0, 1], [6, 7])):  # past both windows: clipped to W and A
+    zz = None if z is None else jnp.full((B, H, M), z, jnp.float32)
+    zza = None if za is None else jnp.full((B, H, M), za, jnp.float32)
+    bounds = ft._key_bounds(zz, B, H, M, s._replace(asym=za is not None), zza)  # pylint: disable=protected-access
+    np.testing.assert_array_equal(bounds[:n], np.tile(lo, B * H), err_msg=f"{z} {za}")
+    np.testing.assert_array_equal(bounds[n:], np.tile(hi, B * H), err_msg=f"{z} {za}")
+    assert max(h - l for l, h in zip(lo, hi)) <= steps
+
+  # segments, fixed span (windows [0, 6) and [1, 7)): batch row 0 keys rows 0..63 segment 1,
+  # 64..99 segment 2, its queries (rows 48..79) likewise; batch row 1 keys of segments 1 and 3
+  # alternating per 16 rows, its first query block segment 3, its second all padding
+  t = W + M + A
+  kv = np.zeros((B, t), np.int32)
+  kv[0, :64], kv[0, 64:] = 1, 2
+  kv[1] = np.where((np.arange(t) // 16) % 2 == 0, 1, 3)
+  qs = kv[:, W:W + M].copy()
+  qs[1, :16], qs[1, 16:] = 3, 0
+  ks = np.pad(kv, ((0, 0), (0, 32 - A)))  # laid out: L = W, the part ahead padded to 32
+  ss = s._replace(segmented=True)
+  ranges = ft._segment_ranges(jnp.asarray(qs), jnp.asarray(ks), BLOCK, BLOCK)  # pylint: disable=protected-access
+  meets = ft._tiles_meet(ranges, B, M // BLOCK, 7)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(meets[0], [[1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1]])
+  np.testing.assert_array_equal(meets[1], [[0, 1, 0, 1, 0, 1, 0], [0] * 7])
+  bounds = ft._key_bounds(None, B, H, M, ss, None, meets)  # pylint: disable=protected-access
+  lo, hi = bounds[:n].reshape(B, H, 2), bounds[n:].reshape(B, H, 2)
+  np.testing.assert_array_equal(lo[0], [[0, 4]] * H)
+  np.testing.assert_array_equal(hi[0], [[4, 7]] * H)
+  # batch row 1: query block 0 meets key blocks 1, 3, 5 only (2 and 4 are skipped inside);
+  # query block 1 (padding) visits none: its range is empty, first = last + 1
+  np.testing.assert_array_equal(lo[1], [[1, 1]] * H)
+  np.testing.assert_array_equal(hi[1], [[6, 1]] * H)
+  # the dk/dv kernel's query ranges per key block follow: key block 0 is read by none
+  qb = ft._query_bounds(bounds, B, H, M, ss)  # pylint: disable=protected-access
+  nk = B * H * 7
+  np.testing.assert_array_equal(qb[:nk].reshape(B, H, 7)[0, 0], [0, 0, 0, 0, 1, 1, 1])
+  np.testing.assert_array_equal(qb[nk:].reshape(B, H, 7)[0, 0], [1, 1, 1, 1, 2, 2, 2])
+  np.testing.assert_array_equal(qb[nk:].reshape(B, H, 7)[1, 0], [0, 1, 1, 1, 1, 1, 0])
+
+
+@pytest.mark.slow  # three interpreted calls sharing one compile: ~40 s
+def test_key_tiles_outside_both_windows_and_the_segments_are_never_read():
+  """NaN keys and values in key blocks no query may read leave outputs and every gradient
+  unchanged: blocks beyond the spans behind, and a block of a segment no query holds, in the
+  middle of the windows (skipped inside the visited range, by the tiles' id ranges: the
+  segments are not monotone); the same NaNs in a read block reach the output, so the test can
+  fail."""
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  q, k, v, pe, pe_a, _, _, _, ct, _, _ = _two_sided_inputs(seed=3)
+  z = jnp.full((B, H, M), 2.0, jnp.float32)  # behind: 11 distances, keys 37.. and 53..
+  za = jnp.full((B, H, M), 12.0, jnp.float32)  # ahead: min(12 + R, A) = 20
+  t = W + M + A
+  kv = np.ones((B, t), np.int32)
+  kv[:, 64:80] = 2  # key block 4: segment 2, which no query holds
+  kv[:, [5, 50, 90]] = 0  # and some padding keys
+  seg = (jnp.ones((B, M), jnp.int32), jnp.asarray(kv))
+
+  @jax.jit
+  def run(k, v):
+    f = lambda q, k, v, pe, pe_a, z, za: ft.span_attention(
+        q, k, v, pe, z, key_pe_ahead_DxA=pe_a, z_ahead_BxHxM=za, q_seg_BxM=seg[0],
+        kv_seg_BxT=seg[1], ramp=R, block=BLOCK, interpret=True)
+    out, vjp = jax.vjp(f, q, k, v, pe, pe_a, z, za)
+    return out, vjp(ct)
+
+  clean_out, clean_grads = run(k, v)
+  want = banded_reference.banded_attention(q, k, v, pe, key_pe_ahead_DxA=pe_a, span_z=z,
+                                           span_z_ahead=za, ramp=R,
+                                           segments=kernels.Segments(*seg))
+  np.testing.assert_allclose(clean_out, want, atol=1e-5, rtol=1e-4)
+  unread = np.zeros(t, bool)
+  unread[:32] = True  # behind the spans: key blocks 0, 1
+  unread[64:80] = True  # segment 2
+  nan = lambda x: jnp.where(jnp.asarray(unread)[None, None, :, None], jnp.nan, x)
+  out, grads = run(nan(k), nan(v))
+  np.testing.assert_array_equal(out, clean_out)
+  for name, g, c in zip("q k v pe pe_ahead z z_ahead".split(), grads, clean_grads):
+    np.testing.assert_array_equal(g, c, err_msg=f"d{name}")
+  reached, _ = run(k, v.at[:, :, 80].set(jnp.nan))  # key block 5: segment 1, ahead, read
+  assert bool(jnp.any(jnp.isnan(reached)))
