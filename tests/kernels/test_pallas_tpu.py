@@ -608,3 +608,163 @@ def test_key_tiles_outside_both_windows_and_the_segments_are_never_read():
     np.testing.assert_array_equal(g, c, err_msg=f"d{name}")
   reached, _ = run(k, v.at[:, :, 80].set(jnp.nan))  # key block 5: segment 1, ahead, read
   assert bool(jnp.any(jnp.isnan(reached)))
+
+
+def _v5p(devices=1):
+  """A v5p topology's first `devices` chips (deviceless) and its replicated sharding."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:devices]), ("data",))
+  return mesh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _xla_cost(compiled):
+  cost = compiled.cost_analysis()
+  return cost[0] if isinstance(cost, (list, tuple)) else cost
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+@pytest.mark.parametrize("w,a,d,dtype,asym,n_pers,rate", [
+    (1024, 1023, 64, "bfloat16", False, 0, 0.0), (256, 255, 64, "bfloat16", True, 0, 0.1),
+    (1024, 1023, 128, "float32", True, 256, 0.1), (8192, 8191, 64, "bfloat16", False, 0, 0.0)])
+def test_two_sided_segmented_compiles_for_v5p(w, a, d, dtype, asym, n_pers, rate):
+  """Forward and backward of one head group (B=2, H=8, M=512) with windows ahead (the drop-in
+  layer's A = max_span - 1), segment ids, spans both ways (learned apart or not), persistent
+  memory and dropout, at the door's tiles, compiled by Mosaic for a v5p, no TPU here: the three
+  kernels (dk/dv once per part) within the scoped VMEM limit `vmem_bytes` sets (Mosaic refuses
+  at compile time what does not fit), and XLA's FLOPs and bytes, printed."""
+  mesh, rep = _v5p()
+  b, h, m = 2, 8, 512
+  t = w + m + a
+  sd = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=rep)
+  args = [sd((b, h, m, d)), sd((b, h, t, d)), sd((b, h, t, d)), sd((d, w), "float32"),
+          sd((d, a), "float32"), sd((b, h, m), "float32")]
+  args += [sd((b, h, m), "float32")] if asym else []
+  args += [sd((h, d, n_pers), "float32"), sd((h, n_pers, d), "float32")] if n_pers else []
+  segs = (sd((b, m), "int32"), sd((b, t), "int32"))
+  bq, bk = ft.tiles(64, m, ft.layout_window(w), n_pers)
+
+  def loss(q, k, v, pe, pe_a, z, *rest, q_seg, kv_seg):
+    za = rest[0] if asym else None
+    pk, pv = rest[-2:] if n_pers else (None, None)
+    out = ft.span_attention(q, k, v, pe, z, key_pe_ahead_DxA=pe_a, z_ahead_BxHxM=za,
+                            q_seg_BxM=q_seg, kv_seg_BxT=kv_seg, ramp=32, block=bq, block_k=bk,
+                            pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=rate,
+                            dropout_seed=jnp.uint32(SEED) if rate else None)
+    return jnp.sum(out.astype(jnp.float32))
+
+  start = time.time()
+  step = jax.jit(lambda segs, *x: jax.grad(loss, argnums=tuple(range(len(x))))(
+      *x, q_seg=segs[0], kv_seg=segs[1]))
+  compiled = step.lower(segs, *args).compile()
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 4, (
+      "forward, dq and the dk/dv kernel once per part")
+  cost = _xla_cost(compiled)
+  assert cost["flops"] > 0 and cost["bytes accessed"] > 0
+  vmem = ft.vmem_bytes(ft.layout_window(w) + a, ft.padded_head_dim(d), bq, bk, dtype,
+                       n_pers=n_pers, row_stats=2 * asym + 1, key_ids=True)
+  print(f"v5p compile two-sided W={w} A={a} Dh={d} {dtype} asym={asym} N={n_pers} "
+        f"dropout={rate} tiles {bq}x{bk}: {time.time() - start:.1f} s, scoped VMEM limit "
+        f"{vmem / 2**20:.0f} MiB, XLA {cost['flops'] / 1e9:.1f} GFLOP, "
+        f"{cost['bytes accessed'] / 1e9:.3f} GB")
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+def test_xla_sees_the_two_sided_kernel_cost_of_its_tile_schedule():
+  """Two-sided with segments, the forward's pl.CostEstimate in XLA's cost analysis equals an
+  independent count: every (query block, key block) tile with a key some row sees within W
+  behind or A ahead (the grid's worst case: segments and shorter spans skip at run time), times
+  the content, position (bq + bk distances) and value matmuls; the part ahead's keys are read."""
+  _, rep = _v5p()
+  b, h, m, w, a, d, blk = 1, 2, 256, 512, 300, 128, 128
+  sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+  f = jax.jit(lambda q, k, v, pe, pe_a, qs, ks: ft.span_attention(
+      q, k, v, pe, None, key_pe_ahead_DxA=pe_a, q_seg_BxM=qs, kv_seg_BxT=ks, block=blk))
+  t = w + m + a
+  compiled = f.lower(sd((b, h, m, d)), sd((b, h, t, d)), sd((b, h, t, d)),
+                     sd((d, w), jnp.float32), sd((d, a), jnp.float32), sd((b, m), jnp.int32),
+                     sd((b, t), jnp.int32)).compile()
+  cost = _xla_cost(compiled)
+  tiles = 0
+  ap = -(-a // blk) * blk
+  for i0 in range(0, m, blk):
+    for t0 in range(0, w + m + ap, blk):  # laid out: query i is key w + i
+      dist = w + np.arange(i0, i0 + blk)[:, None] - np.arange(t0, t0 + blk)[None, :]
+      tiles += bool(((dist >= 1 - a) & (dist <= w)).any())
+  want = b * h * tiles * (2 * 2 * blk * blk * d + 2 * blk * 2 * blk * d)
+  # the rest (0.6 %): XLA's own passes around the kernel (the rows' layout, the segment id
+  # ranges, the bounds)
+  assert want <= cost["flops"] <= want * 1.01
+  assert cost["bytes accessed"] >= 2 * b * h * (w + m + a) * d * 2  # keys and values read once
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+def test_bidirectional_encoder_step_compiles_for_v5p():
+  """A real step: jit(grad) of a small encoder (two pre-norm blocks of the drop-in
+  AdaptiveSpanAttention(causal=False, asymmetric=True), max_span 256, dropout, bf16) on packed
+  and padded rows (segment_ids), its batch sharded over a v5p:2x2x1's four chips, compiled
+  deviceless: `auto` picks the TPU kernel, whose three kernels (dk/dv per part) run per layer
+  inside shard_map, and the step fits the chip; XLA's FLOPs and bytes, printed."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from span_lm import layers  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
+  mesh, rep = _v5p(4)
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  bf16 = jnp.bfloat16
+
+  class Encoder(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, seg):
+      x = nn.Embed(256, 256, dtype=bf16)(tokens)
+      for _ in range(2):
+        x = x + layers.AdaptiveSpanAttention(
+            num_heads=4, max_span=256, causal=False, asymmetric=True, dropout_rate=0.1,
+            dtype=bf16)(nn.LayerNorm(dtype=bf16)(x), segment_ids=seg, deterministic=False)
+        h = nn.LayerNorm(dtype=bf16)(x)
+        x = x + nn.Dense(256, dtype=bf16)(nn.gelu(nn.Dense(1024, dtype=bf16)(h)))
+      return nn.Dense(256, dtype=jnp.float32)(x)
+
+  model, (b, n) = Encoder(), (8, 1024)
+  ids = lambda: jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=rows)
+
+  def loss(params, tokens, seg, rng):  # masked-LM-like: every non-padding token, span penalty
+    logits, inter = model.apply({"params": params}, tokens, seg, rngs={"dropout": rng},
+                                mutable=["intermediates"])
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1)[..., 0]
+    keep = (seg != 0).astype(jnp.float32)
+    return (jnp.sum(nll * keep) / jnp.maximum(jnp.sum(keep), 1.0)
+            + layers.span_loss(inter["intermediates"]))
+
+  start = time.time()
+  with target.compiling_for("tpu", None, mesh.devices.flat[0].device_kind), jax.set_mesh(mesh):
+    spec = layers.core.layer_spec(4, 64, 256, 32, causal=False, dtype=bf16)
+    assert kernels_choose(spec, n) == "pallas_tpu"
+    params = jax.eval_shape(lambda: model.init(
+        {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)},
+        jnp.zeros((b, n), jnp.int32), jnp.ones((b, n), jnp.int32)))["params"]
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), params)
+    compiled = jax.jit(jax.grad(loss)).lower(
+        params, ids(), ids(), jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)).compile()
+  text = compiled.as_text()
+  assert text.count('custom_call_target="tpu_custom_call"') == 2 * 4, "4 kernels per layer"
+  assert "span_attention_bwd_kv" in text
+  cost, mem = _xla_cost(compiled), compiled.memory_analysis()
+  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+          + mem.temp_size_in_bytes)
+  assert 0 < peak < chips.get("v5p").memory_bytes
+  assert cost["flops"] > 0 and cost["bytes accessed"] > 0
+  print(f"v5p:2x2x1 bidirectional encoder step (2 layers, 8 x 1024 tokens, max_span 256, "
+        f"segment ids, bf16): {time.time() - start:.1f} s, per chip XLA "
+        f"{cost['flops'] / 1e9:.1f} GFLOP, {cost['bytes accessed'] / 1e9:.3f} GB, "
+        f"temporaries {mem.temp_size_in_bytes / 2**20:.0f} MiB")
+
+
+def kernels_choose(spec, n):
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  blk = spec.attention.block
+  return kernels.choose(spec, -(-n // blk) * blk, spec.window)
