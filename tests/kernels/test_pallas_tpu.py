@@ -768,3 +768,40 @@ def kernels_choose(spec, n):
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   blk = spec.attention.block
   return kernels.choose(spec, -(-n // blk) * blk, spec.window)
+
+
+@pytest.mark.slow
+def test_segment_ids_with_the_models_laid_out_cache():
+  """Causal segment ids through the model's layout (`span_attention_kv`: a cache part longer
+  than the window, its 40 oldest positions 1e4 and never visited; the keys' ids given for the
+  door's W + M rows and laid out by the kernel), with dynamic spans and dropout: the reference's
+  values and gradients."""
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  w = 40
+  ks = jax.random.split(jax.random.PRNGKey(9), 6)
+  q = jax.random.normal(ks[0], (B, H, M, D))
+  k, v = (jax.random.normal(x, (B, H, w + M, D)) for x in ks[1:3])
+  pe = jax.random.normal(ks[3], (D, w))
+  z = jax.random.uniform(ks[4], (B, H, M), minval=0.0, maxval=45.0)
+  ct = jax.random.normal(ks[5], (B, H, M, D))
+  ids = np.cumsum(np.random.default_rng(4).integers(1, 5, size=(B, w + M)) == 1, axis=1) + 1
+  ids[0, :10] = 0
+  ids[1, w + 20:] = 0  # batch row 1's last 12 queries: padding
+  seg = (jnp.asarray(ids[:, w:], jnp.int32), jnp.asarray(ids, jnp.int32))
+
+  def laid_out(q, k, v, pe, z):
+    kv = jnp.swapaxes(jnp.stack([k, v], axis=1), -1, -2)  # B 2 H Dh T
+    cache = jnp.concatenate([jnp.full((*kv.shape[:4], 40), 1e4, kv.dtype), kv[..., :w]], -1)
+    return ft.span_attention_kv(q, cache, kv[..., w:], pe, z, q_seg_BxM=seg[0],
+                                kv_seg_BxT=seg[1], ramp=R, block=BLOCK, interpret=True,
+                                dropout_rate=0.3, dropout_seed=jnp.uint32(SEED))
+
+  def reference(q, k, v, pe, z):
+    return banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R,
+                                             segments=kernels.Segments(*seg),
+                                             dropout=_band_dropout(0.3, 0, w))
+
+  got = _value_and_grads(jax.jit(laid_out), q, k, v, pe, z, ct)
+  want = _value_and_grads(jax.jit(reference), q, k, v, pe, z, ct)
+  _check(got, want, (2e-5, 5e-5), 1e-4, z)
+  assert float(jnp.max(jnp.abs(got[0][1, :, -12:]))) == 0  # padding queries
