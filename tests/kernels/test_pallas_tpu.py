@@ -4,8 +4,12 @@ Interpret mode on CPU: values and every gradient (q, k, v, key_pe, spans, persis
 against banded_reference.banded_attention, float32 tight and bfloat16 loose, for fixed, adaptive
 and dynamic spans, persistent memory and attention dropout (the reference given the kernel's
 hashed keep mask) (two slow tests: under a mesh, and in the TPU interpreter, which simulates VMEM and
-the pipeline). With libtpu (`pytest -m compile` in the tpu-compile environment), the kernels
-compiled by Mosaic for a v5e, deviceless, at the enwik8 shape of one head group.
+the pipeline). Windows ahead and segment ids (two-sided with spans both ways, persistent memory,
+dropout, padding rows, the model's laid-out cache; in the TPU interpreter too) against the
+reference, the bounds the kernels compute for both windows and the segments, and NaN keys in
+the tiles they skip. With libtpu (`pytest -m compile` in the tpu-compile environment), the kernels
+compiled by Mosaic for a v5e, deviceless, at the enwik8 shape of one head group; the two-sided
+segmented kernels and a bidirectional encoder step built from the drop-in layer for a v5p.
 
 The functions are jitted once at module level, so the cases share their (slow, interpreted)
 compiles: spans are runtime values and do not recompile.
@@ -805,3 +809,36 @@ def test_segment_ids_with_the_models_laid_out_cache():
   want = _value_and_grads(jax.jit(reference), q, k, v, pe, z, ct)
   _check(got, want, (2e-5, 5e-5), 1e-4, z)
   assert float(jnp.max(jnp.abs(got[0][1, :, -12:]))) == 0  # padding queries
+
+
+@pytest.mark.slow  # the TPU interpreter: ~1 min
+def test_two_sided_segmented_in_the_tpu_interpreter():
+  """The two-sided segmented kernels as Mosaic would schedule them (pltpu.InterpretParams:
+  blocks copied in and out of simulated VMEM, the keys' (1, bk) id blocks and the index maps'
+  empty ranges (an all-padding query block) included, uninitialised memory NaN, races looked
+  for): the reference's values and gradients."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  q, k, v, pe, pe_a, z, za, seg, ct, _, _ = _two_sided_inputs(seed=5)
+  seg = (seg[0].at[1, BLOCK:].set(0), seg[1])  # batch row 1's second query block: all padding
+  params = pltpu.InterpretParams(uninitialized_memory="nan", detect_races=True)
+
+  def f(q, k, v, pe, pe_a, z, za):
+    return ft.span_attention(q, k, v, pe, z, key_pe_ahead_DxA=pe_a, z_ahead_BxHxM=za,
+                             q_seg_BxM=seg[0], kv_seg_BxT=seg[1], ramp=R, block=BLOCK,
+                             interpret=params)
+
+  def g(q, k, v, pe, pe_a, z, za):
+    return banded_reference.banded_attention(q, k, v, pe, key_pe_ahead_DxA=pe_a, span_z=z,
+                                             span_z_ahead=za, ramp=R,
+                                             segments=kernels.Segments(*seg))
+
+  args = (q, k, v, pe, pe_a, z, za)
+  out, vjp = jax.vjp(f, *args)
+  want, want_vjp = jax.vjp(jax.jit(g), *args)
+  np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-4)
+  assert float(jnp.max(jnp.abs(out[1, :, BLOCK:]))) == 0
+  for name, got, w in zip("q k v pe pe_ahead z z_ahead".split(), vjp(ct), want_vjp(ct)):
+    np.testing.assert_allclose(got, w, atol=3e-5, rtol=1e-4, err_msg=f"d{name}")
+  assert not interpret_pallas_call.races.races_found
