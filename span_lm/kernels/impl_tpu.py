@@ -64,8 +64,14 @@ def cached_rows(impl, w: int) -> int:
 
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+  """The kernel's inputs as it saves them: the cached part, the block and (two-sided) the rows
+  ahead padded to whole key tiles."""
   del train
-  return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w),
+  rows = cached_rows(impl, w)
+  if spec.ahead:
+    bk = pallas_tpu.tiles(spec.attention.block, m, rows, spec.pers_mem)[1]
+    rows += -(-spec.ahead // bk) * bk
+  return kernels.fused_residual_bytes(batch, m, heads, rows,
                                       pallas_tpu.padded_head_dim(spec.head_dim),
                                       jnp.dtype(spec.dtype).itemsize)
 
