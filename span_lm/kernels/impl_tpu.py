@@ -26,13 +26,26 @@ def split_kv(impl, spec, kv_BxTx2Z, *, window: int, heads: int) -> TpuKV:
   return TpuKV(*pallas_tpu.split_kv(kv_BxTx2Z, heads, window))
 
 
-def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
-           pers_v_GxNxD=None, dropout=None, dropout_seed=None):
-  """kv: a TpuKV, or the door's KV (rows), which the kernel lays out itself."""
+def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span_z=None,
+           span_z_ahead=None, segments=None, pers_k_GxDxN=None, pers_v_GxNxD=None, dropout=None,
+           dropout_seed=None):
+  """kv: a TpuKV (causal), or the door's KV (rows: window, block, the A ahead), which the
+  kernel lays out itself. Windows ahead, their spans and segment ids go to the kernel as they
+  are (segment ids with either layout)."""
   b, g, m, _ = q_BxGxMxD.shape
-  z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
+  spans = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, g, m))
+  z = None if span_z is None else spans(span_z)
   seed = None if dropout is None else dropout_seed()
   laid_out = isinstance(kv, TpuKV)
+  extra = {}
+  if key_pe_ahead_DxA is not None:
+    if laid_out:
+      raise ValueError("pallas_tpu: windows ahead take the door's key rows (kernels.KV), not TpuKV")
+    extra["key_pe_ahead_DxA"] = key_pe_ahead_DxA.astype(jnp.float32)
+    if z is not None and span_z_ahead is not None:  # a fixed span has no spans ahead either
+      extra["z_ahead_BxHxM"] = spans(span_z_ahead)
+  if segments is not None:
+    extra.update(q_seg_BxM=segments.q, kv_seg_BxT=segments.kv)
   cached = kv.cached.shape[-1] if laid_out else cached_rows(impl, key_pe_DxW.shape[-1])
   bq, bk = pallas_tpu.tiles(spec.attention.block, m, cached,
                             0 if pers_k_GxDxN is None else pers_k_GxDxN.shape[-1])
@@ -41,7 +54,7 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=N
       q_BxGxMxD, *kv, key_pe_DxW.astype(jnp.float32), z, ramp=spec.ramp,
       block=bq, block_k=bk, pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
       dropout_rate=spec.dropout if seed is not None else 0.0, dropout_seed=seed,
-      interpret=impl.interpret, precision=spec.attention.precision)
+      interpret=impl.interpret, precision=spec.attention.precision, **extra)
 
 
 def cached_rows(impl, w: int) -> int:
@@ -51,8 +64,14 @@ def cached_rows(impl, w: int) -> int:
 
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
+  """The kernel's inputs as it saves them: the cached part, the block and (two-sided) the rows
+  ahead padded to whole key tiles."""
   del train
-  return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w),
+  rows = cached_rows(impl, w)
+  if spec.ahead:
+    bk = pallas_tpu.tiles(spec.attention.block, m, rows, spec.pers_mem)[1]
+    rows += -(-spec.ahead // bk) * bk
+  return kernels.fused_residual_bytes(batch, m, heads, rows,
                                       pallas_tpu.padded_head_dim(spec.head_dim),
                                       jnp.dtype(spec.dtype).itemsize)
 
@@ -68,11 +87,8 @@ def compiler_options(impl) -> dict:
 
 def misfit(impl, spec, m, w) -> str:
   """Mosaic's lane rule for the kernel's tiles at this layer's shape ('' when unknown, and
-  interpreted)."""
-  if spec.ahead:
-    return "windows ahead (bidirectional) are not in this kernel yet"
-  if spec.segmented:
-    return "segment ids are not in this kernel yet"
+  interpreted). Windows ahead and segment ids run (the rows ahead are padded to whole key
+  tiles), so they add no rule."""
   if impl.interpret or m is None or w is None:
     return ""
   return pallas_tpu.misfit(spec.attention.block, m, w, spec.pers_mem)

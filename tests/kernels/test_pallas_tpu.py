@@ -4,8 +4,12 @@ Interpret mode on CPU: values and every gradient (q, k, v, key_pe, spans, persis
 against banded_reference.banded_attention, float32 tight and bfloat16 loose, for fixed, adaptive
 and dynamic spans, persistent memory and attention dropout (the reference given the kernel's
 hashed keep mask) (two slow tests: under a mesh, and in the TPU interpreter, which simulates VMEM and
-the pipeline). With libtpu (`pytest -m compile` in the tpu-compile environment), the kernels
-compiled by Mosaic for a v5e, deviceless, at the enwik8 shape of one head group.
+the pipeline). Windows ahead and segment ids (two-sided with spans both ways, persistent memory,
+dropout, padding rows, the model's laid-out cache; in the TPU interpreter too) against the
+reference, the bounds the kernels compute for both windows and the segments, and NaN keys in
+the tiles they skip. With libtpu (`pytest -m compile` in the tpu-compile environment), the kernels
+compiled by Mosaic for a v5e, deviceless, at the enwik8 shape of one head group; the two-sided
+segmented kernels and a bidirectional encoder step built from the drop-in layer for a v5p.
 
 The functions are jitted once at module level, so the cases share their (slow, interpreted)
 compiles: spans are runtime values and do not recompile.
@@ -183,17 +187,18 @@ def test_tpu_interpreter_with_uninitialised_memory_as_nan():
 N_PERS, SEED = 32, 3_000_000_001  # a seed past 2**31: the hash's uint32 bits in int32
 
 
-def _band_dropout(rate, n_pers, W=W):  # pylint: disable=redefined-outer-name
-  """The kernel's keep mask for banded_reference's (B, H, n, C, W + N) bands: band column s of
-  row i is key i + s, persistent vector n is key W + M + n."""
+def _band_dropout(rate, n_pers, W=W, a=0):  # pylint: disable=redefined-outer-name
+  """The kernel's keep mask for banded_reference's (B, H, n, C, W + A + N) bands: band column s
+  of row i is key i + s (the door's rows: window, block, the A ahead), persistent vector n is
+  key W + M + A + n."""
   def drop(p):
     c = p.shape[3]
     rows = jnp.arange(M).reshape(1, 1, M // c, c, 1)
     bh = (jnp.arange(B)[:, None] * H + jnp.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
-    cols = jnp.arange(W + n_pers).reshape(1, 1, 1, 1, W + n_pers)
-    keys = jnp.where(cols < W, rows + cols, (W + M) + (cols - W))
+    cols = jnp.arange(W + a + n_pers).reshape(1, 1, 1, 1, W + a + n_pers)
+    keys = jnp.where(cols < W + a, rows + cols, (W + M + a) + (cols - W - a))
     return p * hashed_dropout.dropout_scale(jnp.uint32(SEED), bh, rows, keys, n_rows=M,
-                                            n_keys=W + M + n_pers, rate=rate)
+                                            n_keys=W + M + a + n_pers, rate=rate)
   return drop
 
 
@@ -425,3 +430,415 @@ def test_a_window_laid_out_in_whole_key_tiles_visits_only_the_window():
       interpret=True, vmem_limit_bytes=None)
   bounds = ft._key_bounds(jnp.full((B, H, M), 100.0), B, H, M, static)  # pylint: disable=protected-access
   np.testing.assert_array_equal(bounds[:B * H * 2], np.tile([2, 3], B * H))  # keys 40 + i0 on
+
+
+# ----------------------------------------------------------- windows ahead and segment ids
+
+A = 20  # keys ahead: not a multiple of the key tile, so the rows API pads the part ahead
+
+
+def _two_sided_inputs(seed=11):
+  """Queries, the door's W + M + A key rows, position embeddings both ways, dynamic spans both
+  ways (windows ahead from 8 to A), and segment ids: runs of 1 to 6 rows (shorter than the
+  ramp and longer), scattered padding, and batch row 1's last 8 queries all padding."""
+  ks = jax.random.split(jax.random.PRNGKey(seed), 10)
+  t = W + M + A
+  q = jax.random.normal(ks[0], (B, H, M, D))
+  k, v = (jax.random.normal(x, (B, H, t, D)) for x in ks[1:3])
+  pe, pe_a = jax.random.normal(ks[3], (D, W)), jax.random.normal(ks[4], (D, A))
+  z = jax.random.uniform(ks[5], (B, H, M), minval=0.0, maxval=50.0)
+  za = jax.random.uniform(ks[6], (B, H, M), minval=0.0, maxval=14.0)
+  rng = np.random.default_rng(seed)
+  ids = np.cumsum(rng.integers(1, 7, size=(B, t)) == 1, axis=1) % 4 + 1
+  ids[rng.uniform(size=(B, t)) < 0.1] = 0
+  ids[1, W + M - 8:W + M] = 0
+  seg = (jnp.asarray(ids[:, W:W + M], jnp.int32), jnp.asarray(ids, jnp.int32))
+  ct = jax.random.normal(ks[7], (B, H, M, D))
+  pk, pv = jax.random.normal(ks[8], (H, D, 16)), jax.random.normal(ks[9], (H, 16, D))
+  return q, k, v, pe, pe_a, z, za, seg, ct, pk, pv
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "rate", "asym", "n_pers"))
+def _two_sided(q, k, v, pe, pe_a, z, za, seg, ct, pk, pv, *, impl, rate, asym, n_pers):
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  pers = (pk, pv) if n_pers else (None, None)
+
+  def f(q, k, v, pe, pe_a, z, za, pk, pv):
+    za = za if asym else None
+    if impl == "fused":
+      return ft.span_attention(q, k, v, pe, z, key_pe_ahead_DxA=pe_a, z_ahead_BxHxM=za,
+                               q_seg_BxM=seg[0], kv_seg_BxT=seg[1], ramp=R, block=BLOCK,
+                               interpret=True, pers_k_HxDxN=pk, pers_v_HxNxD=pv,
+                               dropout_rate=rate,
+                               dropout_seed=jnp.uint32(SEED) if rate else None)
+    return banded_reference.banded_attention(
+        q, k, v, pe, key_pe_ahead_DxA=pe_a, span_z=z, span_z_ahead=za, ramp=R,
+        segments=kernels.Segments(*seg), pers_k_GxDxN=pk, pers_v_GxNxD=pv,
+        dropout=_band_dropout(rate, n_pers, W, A) if rate else None)
+
+  out, vjp = jax.vjp(f, q, k, v, pe, pe_a, z, za, *pers)
+  return out, vjp(ct)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asym,n_pers,rate", [(True, 16, 0.3), (False, 0, 0.0)])
+def test_two_sided_segments_dropout_and_persistent_memory_match_the_reference(asym, n_pers,
+                                                                             rate):
+  """Windows ahead (A = 20, padded to two key tiles), spans per row both ways (learned apart or
+  one for both sides), segment ids with padding, segments shorter than the ramp and all-padding
+  rows, persistent memory and dropout (the reference given the kernel's hashed keep mask, keys
+  numbered as the door's rows: persistent vector n is key W + M + A + n): values and every
+  gradient; padding rows give zeros and no NaN anywhere."""
+  args = _two_sided_inputs()
+  kw = dict(rate=rate, asym=asym, n_pers=n_pers)
+  out, grads = _two_sided(*args, impl="fused", **kw)
+  want_out, want_grads = _two_sided(*args, impl="reference", **kw)
+  np.testing.assert_allclose(out, want_out, atol=1e-5, rtol=1e-4)
+  q_seg = args[7][0]
+  assert np.all(np.asarray(out)[np.broadcast_to((q_seg == 0)[:, None, :, None], out.shape)] == 0)
+  assert bool(jnp.any(q_seg == 0)) and bool(jnp.all(q_seg[1, -8:] == 0))
+  if rate:  # the mask did something
+    plain = _two_sided(*args, impl="reference", rate=0.0, asym=asym, n_pers=n_pers)[0]
+    assert float(jnp.max(jnp.abs(out - plain))) > 0.1
+  for name, g, w in zip("q k v pe pe_ahead z z_ahead pk pv".split(), grads, want_grads):
+    if w is None:  # no persistent memory
+      assert g is None, name
+      continue
+    if name == "z_ahead" and not asym:
+      assert float(jnp.max(jnp.abs(g))) == 0  # not an input of either
+      continue
+    assert g.dtype == w.dtype, name
+    assert bool(jnp.all(jnp.isfinite(g))), name
+    assert float(jnp.max(jnp.abs(w))) > 0, name
+    np.testing.assert_allclose(g, w, atol=3e-5, rtol=1e-4, err_msg=f"d{name}")
+
+
+def _static(**kw):
+  return ft._Static(  # pylint: disable=protected-access
+      **dict(dict(l=W, w=W, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0,
+                  precision="default", interpret=True, vmem_limit_bytes=None), **kw))
+
+
+def test_visited_key_blocks_follow_both_windows_and_the_segments():
+  """The bounds the index maps and the skips read, two-sided (W = 48, A = 20 laid out as 32:
+  7 key blocks of 16): behind to the row's window, ahead to floor(z_a) + R; with segment ids
+  narrowed to the key blocks whose id range meets the query block's (an all-padding query
+  block: an empty range), and the per-tile ranges the kernels check inside that range."""
+  s = _static(a=A, ap=32)
+  n = B * H * (M // BLOCK)
+  steps = ft._key_steps(M, s)  # pylint: disable=protected-access
+  assert steps == 6  # rows 0..15 at span W and A: keys 0..(48 + 14 + 20) = blocks 0..5
+  for z, za, lo, hi in (
+      (None, None, [0, 1], [6, 7]),  # fixed span: every distance both ways
+      (2.0, 0.0, [2, 3], [5, 6]),  # behind 11 (keys 37.., 53..); ahead 8: rows 15, 31 reach
+      # keys 48 + 15 + 8 - 1 = 70 (block 4) and 86 (block 5)
+      (2.0, 10.0, [2, 3], [6, 7]),  # ahead 18: keys 80 (block 5) and 96 (block 6)
+      (100.0, 100.0, [0, 1], [6, 7])):  # past both windows: clipped to W and A
+    zz = None if z is None else jnp.full((B, H, M), z, jnp.float32)
+    zza = None if za is None else jnp.full((B, H, M), za, jnp.float32)
+    bounds = ft._key_bounds(zz, B, H, M, s._replace(asym=za is not None), zza)  # pylint: disable=protected-access
+    np.testing.assert_array_equal(bounds[:n], np.tile(lo, B * H), err_msg=f"{z} {za}")
+    np.testing.assert_array_equal(bounds[n:], np.tile(hi, B * H), err_msg=f"{z} {za}")
+    assert max(h - l for l, h in zip(lo, hi)) <= steps
+
+  # segments, fixed span (windows [0, 6) and [1, 7)): batch row 0 keys rows 0..63 segment 1,
+  # 64..99 segment 2, its queries (rows 48..79) likewise; batch row 1 keys of segments 1 and 3
+  # alternating per 16 rows, its first query block segment 3, its second all padding
+  t = W + M + A
+  kv = np.zeros((B, t), np.int32)
+  kv[0, :64], kv[0, 64:] = 1, 2
+  kv[1] = np.where((np.arange(t) // 16) % 2 == 0, 1, 3)
+  qs = kv[:, W:W + M].copy()
+  qs[1, :16], qs[1, 16:] = 3, 0
+  ks = np.pad(kv, ((0, 0), (0, 32 - A)))  # laid out: L = W, the part ahead padded to 32
+  ss = s._replace(segmented=True)
+  ranges = ft._segment_ranges(jnp.asarray(qs), jnp.asarray(ks), BLOCK, BLOCK)  # pylint: disable=protected-access
+  meets = ft._tiles_meet(ranges, B, M // BLOCK, 7)  # pylint: disable=protected-access
+  np.testing.assert_array_equal(meets[0], [[1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 0, 1, 1, 1]])
+  np.testing.assert_array_equal(meets[1], [[0, 1, 0, 1, 0, 1, 0], [0] * 7])
+  bounds = ft._key_bounds(None, B, H, M, ss, None, meets)  # pylint: disable=protected-access
+  lo, hi = bounds[:n].reshape(B, H, 2), bounds[n:].reshape(B, H, 2)
+  np.testing.assert_array_equal(lo[0], [[0, 4]] * H)
+  np.testing.assert_array_equal(hi[0], [[4, 7]] * H)
+  # batch row 1: query block 0 meets key blocks 1, 3, 5 only (2 and 4 are skipped inside);
+  # query block 1 (padding) visits none: its range is empty, first = last + 1
+  np.testing.assert_array_equal(lo[1], [[1, 1]] * H)
+  np.testing.assert_array_equal(hi[1], [[6, 1]] * H)
+  # the dk/dv kernel's query ranges per key block follow: key block 0 is read by none
+  qb = ft._query_bounds(bounds, B, H, M, ss)  # pylint: disable=protected-access
+  nk = B * H * 7
+  np.testing.assert_array_equal(qb[:nk].reshape(B, H, 7)[0, 0], [0, 0, 0, 0, 1, 1, 1])
+  np.testing.assert_array_equal(qb[nk:].reshape(B, H, 7)[0, 0], [1, 1, 1, 1, 2, 2, 2])
+  np.testing.assert_array_equal(qb[nk:].reshape(B, H, 7)[1, 0], [0, 1, 1, 1, 1, 1, 0])
+
+
+@pytest.mark.slow  # three interpreted calls sharing one compile: ~40 s
+def test_key_tiles_outside_both_windows_and_the_segments_are_never_read():
+  """NaN keys and values in key blocks no query may read leave outputs and every gradient
+  unchanged: blocks beyond the spans behind, and a block of a segment no query holds, in the
+  middle of the windows (skipped inside the visited range, by the tiles' id ranges: the
+  segments are not monotone); the same NaNs in a read block reach the output, so the test can
+  fail."""
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  q, k, v, pe, pe_a, _, _, _, ct, _, _ = _two_sided_inputs(seed=3)
+  z = jnp.full((B, H, M), 2.0, jnp.float32)  # behind: 11 distances, keys 37.. and 53..
+  za = jnp.full((B, H, M), 12.0, jnp.float32)  # ahead: min(12 + R, A) = 20
+  t = W + M + A
+  kv = np.ones((B, t), np.int32)
+  kv[:, 64:80] = 2  # key block 4: segment 2, which no query holds
+  kv[:, [5, 50, 90]] = 0  # and some padding keys
+  seg = (jnp.ones((B, M), jnp.int32), jnp.asarray(kv))
+
+  @jax.jit
+  def run(k, v):
+    f = lambda q, k, v, pe, pe_a, z, za: ft.span_attention(
+        q, k, v, pe, z, key_pe_ahead_DxA=pe_a, z_ahead_BxHxM=za, q_seg_BxM=seg[0],
+        kv_seg_BxT=seg[1], ramp=R, block=BLOCK, interpret=True)
+    out, vjp = jax.vjp(f, q, k, v, pe, pe_a, z, za)
+    return out, vjp(ct)
+
+  clean_out, clean_grads = run(k, v)
+  want = banded_reference.banded_attention(q, k, v, pe, key_pe_ahead_DxA=pe_a, span_z=z,
+                                           span_z_ahead=za, ramp=R,
+                                           segments=kernels.Segments(*seg))
+  np.testing.assert_allclose(clean_out, want, atol=1e-5, rtol=1e-4)
+  unread = np.zeros(t, bool)
+  unread[:32] = True  # behind the spans: key blocks 0, 1
+  unread[64:80] = True  # segment 2
+  nan = lambda x: jnp.where(jnp.asarray(unread)[None, None, :, None], jnp.nan, x)
+  out, grads = run(nan(k), nan(v))
+  np.testing.assert_array_equal(out, clean_out)
+  for name, g, c in zip("q k v pe pe_ahead z z_ahead".split(), grads, clean_grads):
+    np.testing.assert_array_equal(g, c, err_msg=f"d{name}")
+  reached, _ = run(k, v.at[:, :, 80].set(jnp.nan))  # key block 5: segment 1, ahead, read
+  assert bool(jnp.any(jnp.isnan(reached)))
+
+
+def _v5p(devices=1):
+  """A v5p topology's first `devices` chips (deviceless) and its replicated sharding."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  topo = topologies.get_topology_desc(topology_name="v5p:2x2x1", platform="tpu")
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:devices]), ("data",))
+  return mesh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _xla_cost(compiled):
+  cost = compiled.cost_analysis()
+  return cost[0] if isinstance(cost, (list, tuple)) else cost
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+@pytest.mark.parametrize("w,a,d,dtype,asym,n_pers,rate", [
+    (1024, 1023, 64, "bfloat16", False, 0, 0.0), (256, 255, 64, "bfloat16", True, 0, 0.1),
+    (1024, 1023, 128, "float32", True, 256, 0.1), (8192, 8191, 64, "bfloat16", False, 0, 0.0)])
+def test_two_sided_segmented_compiles_for_v5p(w, a, d, dtype, asym, n_pers, rate):
+  """Forward and backward of one head group (B=2, H=8, M=512) with windows ahead (the drop-in
+  layer's A = max_span - 1), segment ids, spans both ways (learned apart or not), persistent
+  memory and dropout, at the door's tiles, compiled by Mosaic for a v5p, no TPU here: the three
+  kernels (dk/dv once per part) within the scoped VMEM limit `vmem_bytes` sets (Mosaic refuses
+  at compile time what does not fit), and XLA's FLOPs and bytes, printed."""
+  mesh, rep = _v5p()
+  b, h, m = 2, 8, 512
+  t = w + m + a
+  sd = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=rep)
+  args = [sd((b, h, m, d)), sd((b, h, t, d)), sd((b, h, t, d)), sd((d, w), "float32"),
+          sd((d, a), "float32"), sd((b, h, m), "float32")]
+  args += [sd((b, h, m), "float32")] if asym else []
+  args += [sd((h, d, n_pers), "float32"), sd((h, n_pers, d), "float32")] if n_pers else []
+  segs = (sd((b, m), "int32"), sd((b, t), "int32"))
+  bq, bk = ft.tiles(64, m, ft.layout_window(w), n_pers)
+
+  def loss(q, k, v, pe, pe_a, z, *rest, q_seg, kv_seg):
+    za = rest[0] if asym else None
+    pk, pv = rest[-2:] if n_pers else (None, None)
+    out = ft.span_attention(q, k, v, pe, z, key_pe_ahead_DxA=pe_a, z_ahead_BxHxM=za,
+                            q_seg_BxM=q_seg, kv_seg_BxT=kv_seg, ramp=32, block=bq, block_k=bk,
+                            pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=rate,
+                            dropout_seed=jnp.uint32(SEED) if rate else None)
+    return jnp.sum(out.astype(jnp.float32))
+
+  start = time.time()
+  step = jax.jit(lambda segs, *x: jax.grad(loss, argnums=tuple(range(len(x))))(
+      *x, q_seg=segs[0], kv_seg=segs[1]))
+  compiled = step.lower(segs, *args).compile()
+  assert compiled.as_text().count('custom_call_target="tpu_custom_call"') == 4, (
+      "forward, dq and the dk/dv kernel once per part")
+  cost = _xla_cost(compiled)
+  assert cost["flops"] > 0 and cost["bytes accessed"] > 0
+  vmem = ft.vmem_bytes(ft.layout_window(w) + a, ft.padded_head_dim(d), bq, bk, dtype,
+                       n_pers=n_pers, row_stats=2 * asym + 1, key_ids=True)
+  print(f"v5p compile two-sided W={w} A={a} Dh={d} {dtype} asym={asym} N={n_pers} "
+        f"dropout={rate} tiles {bq}x{bk}: {time.time() - start:.1f} s, scoped VMEM limit "
+        f"{vmem / 2**20:.0f} MiB, XLA {cost['flops'] / 1e9:.1f} GFLOP, "
+        f"{cost['bytes accessed'] / 1e9:.3f} GB")
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+def test_xla_sees_the_two_sided_kernel_cost_of_its_tile_schedule():
+  """Two-sided with segments, the forward's pl.CostEstimate in XLA's cost analysis equals an
+  independent count: every (query block, key block) tile with a key some row sees within W
+  behind or A ahead (the grid's worst case: segments and shorter spans skip at run time), times
+  the content, position (bq + bk distances) and value matmuls; the part ahead's keys are read."""
+  _, rep = _v5p()
+  b, h, m, w, a, d, blk = 1, 2, 256, 512, 300, 128, 128
+  sd = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+  f = jax.jit(lambda q, k, v, pe, pe_a, qs, ks: ft.span_attention(
+      q, k, v, pe, None, key_pe_ahead_DxA=pe_a, q_seg_BxM=qs, kv_seg_BxT=ks, block=blk))
+  t = w + m + a
+  compiled = f.lower(sd((b, h, m, d)), sd((b, h, t, d)), sd((b, h, t, d)),
+                     sd((d, w), jnp.float32), sd((d, a), jnp.float32), sd((b, m), jnp.int32),
+                     sd((b, t), jnp.int32)).compile()
+  cost = _xla_cost(compiled)
+  tiles = 0
+  ap = -(-a // blk) * blk
+  for i0 in range(0, m, blk):
+    for t0 in range(0, w + m + ap, blk):  # laid out: query i is key w + i
+      dist = w + np.arange(i0, i0 + blk)[:, None] - np.arange(t0, t0 + blk)[None, :]
+      tiles += bool(((dist >= 1 - a) & (dist <= w)).any())
+  want = b * h * tiles * (2 * 2 * blk * blk * d + 2 * blk * 2 * blk * d)
+  # the rest (0.6 %): XLA's own passes around the kernel (the rows' layout, the segment id
+  # ranges, the bounds)
+  assert want <= cost["flops"] <= want * 1.01
+  assert cost["bytes accessed"] >= 2 * b * h * (w + m + a) * d * 2  # keys and values read once
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+def test_bidirectional_encoder_step_compiles_for_v5p():
+  """A real step: jit(grad) of a small encoder (two pre-norm blocks of the drop-in
+  AdaptiveSpanAttention(causal=False, asymmetric=True), max_span 256, dropout, bf16) on packed
+  and padded rows (segment_ids), its batch sharded over a v5p:2x2x1's four chips, compiled
+  deviceless: `auto` picks the TPU kernel, whose three kernels (dk/dv per part) run per layer
+  inside shard_map, and the step fits the chip; XLA's FLOPs and bytes, printed."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from span_lm import layers  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
+  mesh, rep = _v5p(4)
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+  bf16 = jnp.bfloat16
+
+  class Encoder(nn.Module):
+    @nn.compact
+    def __call__(self, tokens, seg):
+      x = nn.Embed(256, 256, dtype=bf16)(tokens)
+      for _ in range(2):
+        x = x + layers.AdaptiveSpanAttention(
+            num_heads=4, max_span=256, causal=False, asymmetric=True, dropout_rate=0.1,
+            dtype=bf16)(nn.LayerNorm(dtype=bf16)(x), segment_ids=seg, deterministic=False)
+        h = nn.LayerNorm(dtype=bf16)(x)
+        x = x + nn.Dense(256, dtype=bf16)(nn.gelu(nn.Dense(1024, dtype=bf16)(h)))
+      return nn.Dense(256, dtype=jnp.float32)(x)
+
+  model, (b, n) = Encoder(), (8, 1024)
+  ids = lambda: jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=rows)
+
+  def loss(params, tokens, seg, rng):  # masked-LM-like: every non-padding token, span penalty
+    logits, inter = model.apply({"params": params}, tokens, seg, rngs={"dropout": rng},
+                                mutable=["intermediates"])
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), tokens[..., None], -1)[..., 0]
+    keep = (seg != 0).astype(jnp.float32)
+    return (jnp.sum(nll * keep) / jnp.maximum(jnp.sum(keep), 1.0)
+            + layers.span_loss(inter["intermediates"]))
+
+  start = time.time()
+  with target.compiling_for("tpu", None, mesh.devices.flat[0].device_kind), jax.set_mesh(mesh):
+    spec = layers.core.layer_spec(4, 64, 256, 32, causal=False, dtype=bf16)
+    assert kernels_choose(spec, n) == "pallas_tpu"
+    params = jax.eval_shape(lambda: model.init(
+        {"params": jax.random.PRNGKey(0), "dropout": jax.random.PRNGKey(1)},
+        jnp.zeros((b, n), jnp.int32), jnp.ones((b, n), jnp.int32)))["params"]
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), params)
+    compiled = jax.jit(jax.grad(loss)).lower(
+        params, ids(), ids(), jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)).compile()
+  text = compiled.as_text()
+  assert text.count('custom_call_target="tpu_custom_call"') == 2 * 4, "4 kernels per layer"
+  assert "span_attention_bwd_kv" in text
+  cost, mem = _xla_cost(compiled), compiled.memory_analysis()
+  peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+          + mem.temp_size_in_bytes)
+  assert 0 < peak < chips.get("v5p").memory_bytes
+  assert cost["flops"] > 0 and cost["bytes accessed"] > 0
+  print(f"v5p:2x2x1 bidirectional encoder step (2 layers, 8 x 1024 tokens, max_span 256, "
+        f"segment ids, bf16): {time.time() - start:.1f} s, per chip XLA "
+        f"{cost['flops'] / 1e9:.1f} GFLOP, {cost['bytes accessed'] / 1e9:.3f} GB, "
+        f"temporaries {mem.temp_size_in_bytes / 2**20:.0f} MiB")
+
+
+def kernels_choose(spec, n):
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  blk = spec.attention.block
+  return kernels.choose(spec, -(-n // blk) * blk, spec.window)
+
+
+@pytest.mark.slow
+def test_segment_ids_with_the_models_laid_out_cache():
+  """Causal segment ids through the model's layout (`span_attention_kv`: a cache part longer
+  than the window, its 40 oldest positions 1e4 and never visited; the keys' ids given for the
+  door's W + M rows and laid out by the kernel), with dynamic spans and dropout: the reference's
+  values and gradients."""
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  w = 40
+  ks = jax.random.split(jax.random.PRNGKey(9), 6)
+  q = jax.random.normal(ks[0], (B, H, M, D))
+  k, v = (jax.random.normal(x, (B, H, w + M, D)) for x in ks[1:3])
+  pe = jax.random.normal(ks[3], (D, w))
+  z = jax.random.uniform(ks[4], (B, H, M), minval=0.0, maxval=45.0)
+  ct = jax.random.normal(ks[5], (B, H, M, D))
+  ids = np.cumsum(np.random.default_rng(4).integers(1, 5, size=(B, w + M)) == 1, axis=1) + 1
+  ids[0, :10] = 0
+  ids[1, w + 20:] = 0  # batch row 1's last 12 queries: padding
+  seg = (jnp.asarray(ids[:, w:], jnp.int32), jnp.asarray(ids, jnp.int32))
+
+  def laid_out(q, k, v, pe, z):
+    kv = jnp.swapaxes(jnp.stack([k, v], axis=1), -1, -2)  # B 2 H Dh T
+    cache = jnp.concatenate([jnp.full((*kv.shape[:4], 40), 1e4, kv.dtype), kv[..., :w]], -1)
+    return ft.span_attention_kv(q, cache, kv[..., w:], pe, z, q_seg_BxM=seg[0],
+                                kv_seg_BxT=seg[1], ramp=R, block=BLOCK, interpret=True,
+                                dropout_rate=0.3, dropout_seed=jnp.uint32(SEED))
+
+  def reference(q, k, v, pe, z):
+    return banded_reference.banded_attention(q, k, v, pe, span_z=z, ramp=R,
+                                             segments=kernels.Segments(*seg),
+                                             dropout=_band_dropout(0.3, 0, w))
+
+  got = _value_and_grads(jax.jit(laid_out), q, k, v, pe, z, ct)
+  want = _value_and_grads(jax.jit(reference), q, k, v, pe, z, ct)
+  _check(got, want, (2e-5, 5e-5), 1e-4, z)
+  assert float(jnp.max(jnp.abs(got[0][1, :, -12:]))) == 0  # padding queries
+
+
+@pytest.mark.slow  # the TPU interpreter: ~1 min
+def test_two_sided_segmented_in_the_tpu_interpreter():
+  """The two-sided segmented kernels as Mosaic would schedule them (pltpu.InterpretParams:
+  blocks copied in and out of simulated VMEM, the keys' (1, bk) id blocks and the index maps'
+  empty ranges (an all-padding query block) included, uninitialised memory NaN, races looked
+  for): the reference's values and gradients."""
+  # pylint: disable-next=g-import-not-at-top
+  from jax._src.pallas.mosaic.interpret import interpret_pallas_call
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  q, k, v, pe, pe_a, z, za, seg, ct, _, _ = _two_sided_inputs(seed=5)
+  seg = (seg[0].at[1, BLOCK:].set(0), seg[1])  # batch row 1's second query block: all padding
+  params = pltpu.InterpretParams(uninitialized_memory="nan", detect_races=True)
+
+  def f(q, k, v, pe, pe_a, z, za):
+    return ft.span_attention(q, k, v, pe, z, key_pe_ahead_DxA=pe_a, z_ahead_BxHxM=za,
+                             q_seg_BxM=seg[0], kv_seg_BxT=seg[1], ramp=R, block=BLOCK,
+                             interpret=params)
+
+  def g(q, k, v, pe, pe_a, z, za):
+    return banded_reference.banded_attention(q, k, v, pe, key_pe_ahead_DxA=pe_a, span_z=z,
+                                             span_z_ahead=za, ramp=R,
+                                             segments=kernels.Segments(*seg))
+
+  args = (q, k, v, pe, pe_a, z, za)
+  out, vjp = jax.vjp(f, *args)
+  want, want_vjp = jax.vjp(jax.jit(g), *args)
+  np.testing.assert_allclose(out, want, atol=1e-5, rtol=1e-4)
+  assert float(jnp.max(jnp.abs(out[1, :, BLOCK:]))) == 0
+  for name, got, w in zip("q k v pe pe_ahead z z_ahead".split(), vjp(ct), want_vjp(ct)):
+    np.testing.assert_allclose(got, w, atol=3e-5, rtol=1e-4, err_msg=f"d{name}")
+  assert not interpret_pallas_call.races.races_found
