@@ -295,6 +295,9 @@ def _instance(cls):
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   if cls is ckpt_lib.CheckpointReadError:
     return cls(4, "/runs/x/checkpoints/4", "its meta has no valid 'step' entry")
+  from span_lm import safe_pickle  # pylint: disable=g-import-not-at-top
+  if cls is safe_pickle.ForbiddenGlobalError:
+    return cls("/data/evil.pt", "os.system")
   return cls(f"a {cls.__name__} the user can fix:\n  first detail\n  second detail")
 
 
