@@ -323,7 +323,8 @@ def test_every_user_error_the_package_raises_is_one_line(tmp_path, capsys, monke
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], (name, err)
     assert "the cause" not in err[0]
-    assert ("can fix: first detail; second detail" in err[0] or "cannot be read" in err[0]), err
+    assert ("can fix: first detail; second detail" in err[0] or "cannot be read" in err[0]
+            or "refused to load" in err[0]), err
 
 
 def test_an_unknown_mode_lists_the_modes(capsys):
