@@ -29,13 +29,21 @@ of the key tile runs with the rows ahead (and pe_ahead's columns) zero-padded to
 columns lie beyond every row's window, so nothing reads them.
 
 Segment ids (padding, packing; `segmented`): a query attends only keys of its own non-zero
-segment, a query of segment 0 gives zeros (persistent memory included). Outside the kernels each
-query tile and each key tile gets the [min, max] of its non-zero ids; a query tile visits only the
-key tiles from the first to the last whose range meets its own (and a key tile's backward only
-those query tiles), intersected with the windows' range: with ids that run in order along the
-sequence (packing, padding runs) that skips exactly the tiles whose ranges are disjoint, for any
-ids it never skips a tile it needs. Inside a tile the ids mask entry by entry. A row with no key
-allowed has a normaliser of 0, stored as 1: its output and every gradient are exactly 0.
+segment, a query of segment 0 gives zeros (persistent memory included). The ids mask entry by
+entry through G: outside the kernels, a cell of G whose key is of another segment (or padding)
+gets the position score MASKED (-1e30), so its logit is far below any real one and its weight
+exp(l - max) is exactly 0 once the row has seen a key of its own; the kernels' tiles do no
+per-entry segment work (in registers the causal kernel's tile). Rows that see no key of their
+own segment (and no persistent vector) end with a row maximum below EMPTY: the forward pass
+writes 0 for them and for queries of segment 0, with a normaliser of 1 and a row maximum no logit
+reaches (-NEG), so the backward pass's weights exp(l - max) / den of their rows are 0 on every key,
+persistent ones included: their output and every gradient are exactly 0, never NaN.
+Skipping: outside the kernels each query tile and each key tile gets the [min, max] of its non-zero
+ids; a query tile visits only the key tiles from the first to the last whose range meets its own
+(and a key tile's backward only those query tiles), intersected with the windows' range. With ids
+that run in order along the sequence (packing, padding runs) that skips exactly the tiles whose
+ranges are disjoint; for any ids it never skips a tile it needs (disjoint ranges hold no pair of
+equal ids), and a tile inside the range is masked through G.
 
 Backward as FlashAttention-2: a kernel per query block (dq's key term, the span gradient (behind
 and ahead apart when they are learned apart), the position-score gradient dG stored once per cell
@@ -73,6 +81,8 @@ from span_lm.kernels import hashed_dropout
 from span_lm.kernels import span_mask
 
 NEG = -1e30
+MASKED = -1e30  # G's position score for a key of another segment: its logit is ~ -1e30 / sqrt(Dh)
+EMPTY = -1e20  # a row maximum below this saw no key of its own segment (real logits are far above)
 # What the kernels compute and how (autotune's cache key): the position term read from G's
 # rel-shift view, pipelined loads.
 VERSION = "relshift-1"
@@ -142,14 +152,53 @@ def _row_windows_ahead(z, *, a, ramp, bq):
   return jnp.clip(span_mask.visited_distances(z, ramp) - 1, 0, a)
 
 
-def _key_blocks(win, i0, *, w, bq, bk, wa=None):
-  """[first, last + 1) key blocks with a visited key for some row of the query block (row r
-  sees keys w + i0 + r - win_r .. w + i0 + r - 1 + wa_r)."""
+class _Rows:
+  """Which distances a block's rows visit, by kind of kernel:
+  causal (a = 0): win, the windows behind: dist in [1, win];
+  two-sided, one span both sides: reach = floor(z) + R per row (None: a fixed span), the bound
+    on the mask's x = |dist - 1| on both sides, within the band dist in [1 - A, W]: one row
+    vector, and x is what the mask reads anyway;
+  two-sided, spans ahead learned apart: win and wa, the windows ahead: dist in [1 - wa, win]."""
+
+  def __init__(self, z, za, *, w, a, ramp, bq, asym):
+    self.w, self.a, self.asym = w, a, asym
+    self.win = self.wa = self.reach = None
+    if not a or asym:
+      self.win = _row_windows(z, w=w, ramp=ramp, bq=bq)
+    if a and asym:
+      self.wa = _row_windows_ahead(za, a=a, ramp=ramp, bq=bq)
+    elif a and z is not None:
+      self.reach = jnp.clip(span_mask.visited_distances(z, ramp) - 1, 0, max(w, a))
+
+  def visited(self, dist):
+    if not self.a:
+      return (dist >= 1) & (dist <= self.win[:, None])
+    if self.asym:
+      return (dist >= 1 - self.wa[:, None]) & (dist <= self.win[:, None])
+    inside = (dist >= 1 - self.a) & (dist <= self.w)
+    return inside if self.reach is None else inside & (jnp.abs(dist - 1) <= self.reach[:, None])
+
+  def key_blocks(self, i0, *, bq, bk):
+    """[first, last + 1) key blocks with a visited key for some row of the query block (row r
+    sees keys w + i0 + r - (its window behind) .. w + i0 + r - 1 + (its window ahead))."""
+    w = self.w
+    if not self.a:
+      return _key_blocks(self.win, i0, w=w, bq=bq, bk=bk)
+    if self.asym:
+      back, ahead = jnp.max(self.win), jnp.max(self.wa)
+    elif self.reach is None:
+      back, ahead = w, self.a
+    else:
+      top = jnp.max(self.reach)
+      back, ahead = jnp.minimum(top + 1, w), jnp.minimum(top, self.a)
+    return lax.div(w + i0 - back, bk), lax.div(w + i0 + bq - 2 + ahead, bk) + 1
+
+
+def _key_blocks(win, i0, *, w, bq, bk):
+  """[first, last + 1) key blocks with a visited key for some row of the causal query block
+  (row r sees keys w + i0 + r - win_r .. w + i0 + r - 1)."""
   lo = lax.div(w + i0 - jnp.max(win), bk)
-  last = w + i0 + bq - 2
-  if wa is not None:
-    last = last + jnp.max(wa)
-  hi = lax.div(last, bk) + 1
+  hi = lax.div(w + i0 + bq - 2, bk) + 1
   return lo, hi
 
 
@@ -158,20 +207,15 @@ def _load_pos(g_ref, i0, t0, *, w, bq, bk):
   return g_ref[_view(i0, t0, w=w, bq=bq, bk=bk)]
 
 
-def _tile(q, k, pos, t0, i0, win, *, w, bq, bk, scale, exact, wa=None, allowed=None):
+def _tile(q, k, pos, t0, i0, rows, *, w, bq, bk, scale, exact):
   """Scaled logits of one tile (pos: its position scores), its signed distances and which entries
-  are visited (wa: the rows' windows ahead, None when causal; allowed: the segments' mask)."""
+  are visited (rows: a `_Rows`)."""
   cont = _dot(q, k, trans_b=True, exact=exact)  # bq x bk
   pos = pos.astype(jnp.float32)
   r = jnp.arange(bq)[:, None]
   c = jnp.arange(bk)[None, :]
   dist = (w + i0 - t0) + r - c
-  if wa is None:
-    visited = (dist >= 1) & (dist <= win[:, None])
-  else:
-    visited = (dist >= 1 - wa[:, None]) & (dist <= win[:, None])
-  if allowed is not None:
-    visited = visited & allowed
+  visited = rows.visited(dist)
   logits = jnp.where(visited, (cont + pos) * scale, NEG)
   return logits, dist, visited
 
@@ -185,10 +229,10 @@ def _tile_dropout(seed, bh, t0, i0, *, bq, bk, n_rows, n_keys, rate):
 
 def _two_sided_ramp(z, za, dist, ramp):
   """The soft mask's argument (before the clamp) of a two-sided tile: behind (dist >= 1) x =
-  dist - 1 with the span z, ahead x = 1 - dist with za (None: z)."""
-  behind = dist >= 1
-  zz = z[:, None] if za is None else jnp.where(behind, z[:, None], za[:, None])
-  return span_mask.ramp(zz, jnp.where(behind, dist, 2 - dist), ramp)
+  dist - 1 with the span z, ahead x = 1 - dist with za (None: z); so x = |dist - 1|, read by
+  span_mask.ramp as the distance x + 1 (exact in float32)."""
+  zz = z[:, None] if za is None else jnp.where(dist >= 1, z[:, None], za[:, None])
+  return span_mask.ramp(zz, jnp.abs(dist - 1).astype(jnp.float32) + 1.0, ramp)
 
 
 def _mask_value(z, dist, ramp, *, two_sided=False, za=None):
@@ -215,27 +259,22 @@ def _weights_grad_two_sided(p, dp, delta, z, za, dist, *, renormalised, eps, ram
           jnp.sum(jnp.where(behind, 0.0, gs), axis=1) / ramp)
 
 
-def _unpack(refs, n_first, asym, segmented, n_last):
-  """A kernel's refs: the first n_first, then the spans ahead (asym), then the segment refs
-  (segmented: query ids, key ids, tile range), then the last n_last (its outputs)."""
+def _unpack(refs, n_first, asym, n_seg, n_last):
+  """A kernel's refs: the first n_first, then the spans ahead (asym), then n_seg segment refs
+  (the forward's: the block's query ids, then the tile range; the backward's: the tile range),
+  then the last n_last (its outputs)."""
   first, rest = list(refs[:n_first]), list(refs[n_first:])
   last = rest[len(rest) - n_last:]
   rest = rest[:len(rest) - n_last]
   za_ref = rest.pop(0) if asym else None
-  seg = tuple(rest[:3]) if segmented else (None, None, None)
-  return first, za_ref, seg, last
-
-
-def _segment_allowed(qs, kvs):
-  """(rows, keys) booleans: same segment, key not padding (a query of segment 0 sees nothing)."""
-  return (qs[:, None] == kvs[None, :]) & (kvs[None, :] != 0)
+  return first, za_ref, rest[:n_seg], last
 
 
 def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps, rate, n_heads,
                 scale, n_rows, n_pers, exact):
   (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref), za_ref, seg, outs = _unpack(
-      refs, 8, asym, segmented, 3)
-  qseg_ref, kvseg_ref, range_ref = seg
+      refs, 8, asym, 2 if segmented else 0, 3)
+  qseg_ref, range_ref = seg if segmented else (None, None)
   o_ref, mx_ref, den_ref = outs
   n_keys = w + n_rows + a + n_pers  # the dropout hash's keys: the T rows, then persistent ones
   i0 = pl.program_id(2) * bq
@@ -244,15 +283,10 @@ def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps,
   q = q_ref[...]
   dh = q.shape[-1]
   z = z_ref[...].astype(jnp.float32) if has_mask else None
-  win = _row_windows(z, w=w, ramp=ramp, bq=bq)
-  za = wa = None
-  if a:
-    za = za_ref[...].astype(jnp.float32) if asym else None
-    wa = _row_windows_ahead(za if asym else z, a=a, ramp=ramp, bq=bq)
-  lo, hi = _key_blocks(win, i0, w=w, bq=bq, bk=bk, wa=wa)
-  qs = None
-  if segmented:
-    qs = qseg_ref[...]
+  za = za_ref[...].astype(jnp.float32) if asym else None
+  rows = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
+  lo, hi = rows.key_blocks(i0, bq=bq, bk=bk)
+  if segmented:  # the key tiles whose segments meet the block's
     lo, hi = jnp.maximum(lo, range_ref[0]), jnp.minimum(hi, range_ref[1])
   view = functools.partial(_load_pos, g_ref, i0, w=band, bq=bq, bk=bk)
 
@@ -262,9 +296,8 @@ def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps,
     k = k_ref[pl.ds(t0, bk), :]
     v = v_ref[pl.ds(t0, bk), :]
     nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
-    allowed = _segment_allowed(qs, kvseg_ref[pl.ds(t0, bk)]) if segmented else None
-    logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale,
-                                  exact=exact, wa=wa, allowed=allowed)
+    logits, dist, visited = _tile(q, k, pos, t0, i0, rows, w=w, bq=bq, bk=bk, scale=scale,
+                                  exact=exact)
     mx_new, corr, p = fused.online_softmax(mx, logits, visited, keepdims=False)
     pm = p * _mask_value(z, dist, ramp, two_sided=bool(a), za=za) if has_mask else p
     kept = pm
@@ -279,9 +312,7 @@ def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps,
     acc, mx, z_all, z_mask = carry
     n0 = c * bk
     logits = _dot(q, pk_ref[:, pl.ds(n0, bk)], exact=exact) * scale
-    # a query of segment 0 sees no persistent vector either: its output is 0
-    mx_new, corr, p = fused.online_softmax(mx, logits, (qs != 0)[:, None] if segmented else None,
-                                           keepdims=False)
+    mx_new, corr, p = fused.online_softmax(mx, logits, keepdims=False)
     kept = p
     if rate:  # persistent key n is key T + n of the dropout hash
       kept = p * _tile_dropout(seed, bh, w + n_rows + a + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
@@ -296,21 +327,26 @@ def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps,
   carry = lax.fori_loop(lo, hi, body, (*init, view(lo * bk)))[:4]
   acc, mx, z_all, z_mask = lax.fori_loop(0, n_pers // bk, pers_body, carry)
   den = span_mask.online_denominator(z_mask, z_all, eps) if has_mask else z_all
-  if segmented:  # a row that sees no key: 0 / 1, and p = 0 in the backward pass
-    den = jnp.where(den > 0, den, 1.0)
+  if segmented:
+    # A query of segment 0, or one that saw no key of its segment (nor a persistent vector),
+    # gives 0, with a normaliser of 1 and a maximum no logit reaches: the backward pass's
+    # exp(l - mx) / den is 0 on every key of its row, persistent ones included.
+    live = (qseg_ref[...] != 0) & (mx >= EMPTY)
+    den = jnp.where(live, den, 1.0)
+    acc = jnp.where(live[:, None], acc, 0.0)
+    mx = jnp.where(live, mx, -NEG)
   o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
   mx_ref[...] = mx
   den_ref[...] = den
 
 
-def _tile_grads(q, do, k, v, pos, t0, i0, win, z, mx, den, delta, seed, bh, *,
-                w, a, ramp, has_mask, bq, bk, eps, rate, n_rows, n_keys, scale, exact, wa=None,
-                za=None, allowed=None):
+def _tile_grads(q, do, k, v, pos, t0, i0, rows, z, mx, den, delta, seed, bh, *,
+                w, a, ramp, has_mask, bq, bk, eps, rate, n_rows, n_keys, scale, exact, za=None):
   """Recomputes one tile and returns (ds: d (q.k + q.pe), the weights as applied to the
   values, the tile's span gradient per row (behind, and ahead when learned apart, else None),
   which entries are visited)."""
-  logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale,
-                                exact=exact, wa=wa, allowed=allowed)
+  logits, dist, visited = _tile(q, k, pos, t0, i0, rows, w=w, bq=bq, bk=bk, scale=scale,
+                                exact=exact)
   p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
   gv = _dot(do, v, trans_b=True, exact=exact)
   keep = None
@@ -334,10 +370,9 @@ def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, ep
   """Per query block: dq's key term, the span gradient of its rows, the position-score
   gradient of its rows (stored once per visited cell; the buffer comes in zeroed), and
   (atomically) the persistent keys' and values' gradients."""
-  ins, za_ref, seg, outs = _unpack(refs, 15, asym, segmented, 6 if asym else 5)
+  ins, za_ref, seg, outs = _unpack(refs, 15, asym, 1 if segmented else 0, 6 if asym else 5)
   (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, do_ref, mx_ref, den_ref,
    delta_ref, _, _, _) = ins  # zeros, aliased to dg_ref, dpk_ref, dpv_ref: never read
-  qseg_ref, kvseg_ref, range_ref = seg
   dq_ref, dz_ref, dg_ref, dpk_ref, dpv_ref = outs[:5]
   dza_ref = outs[5] if asym else None
   n_keys = w + n_rows + a + n_pers
@@ -348,17 +383,12 @@ def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, ep
   do = do_ref[...]
   dh = q.shape[-1]
   z = z_ref[...].astype(jnp.float32) if has_mask else None
-  win = _row_windows(z, w=w, ramp=ramp, bq=bq)
-  za = wa = None
-  if a:
-    za = za_ref[...].astype(jnp.float32) if asym else None
-    wa = _row_windows_ahead(za if asym else z, a=a, ramp=ramp, bq=bq)
+  za = za_ref[...].astype(jnp.float32) if asym else None
+  rows = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
   mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
-  lo, hi = _key_blocks(win, i0, w=w, bq=bq, bk=bk, wa=wa)
-  qs = None
-  if segmented:
-    qs = qseg_ref[...]
-    lo, hi = jnp.maximum(lo, range_ref[0]), jnp.minimum(hi, range_ref[1])
+  lo, hi = rows.key_blocks(i0, bq=bq, bk=bk)
+  if segmented:  # the key tiles whose segments meet the block's
+    lo, hi = jnp.maximum(lo, seg[0][0]), jnp.minimum(hi, seg[0][1])
   view = functools.partial(_load_pos, g_ref, i0, w=band, bq=bq, bk=bk)
 
   def body(kb, carry):
@@ -366,11 +396,10 @@ def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, ep
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
     nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
-    allowed = _segment_allowed(qs, kvseg_ref[pl.ds(t0, bk)]) if segmented else None
     ds, _, dz_tile, dza_tile, visited = _tile_grads(
-        q, do, k, v_ref[pl.ds(t0, bk), :], pos, t0, i0, win, z, mx, den, delta, seed, bh,
+        q, do, k, v_ref[pl.ds(t0, bk), :], pos, t0, i0, rows, z, mx, den, delta, seed, bh,
         w=w, a=a, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
-        n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, wa=wa, za=za, allowed=allowed)
+        n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, za=za)
     if dz_tile is not None:
       dz = dz + dz_tile
     if dza_tile is not None:
@@ -383,10 +412,8 @@ def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, ep
     n0 = c * bk
     pk = pk_ref[:, pl.ds(n0, bk)]
     pv = pv_ref[pl.ds(n0, bk), :]
-    e = jnp.exp(_dot(q, pk, exact=exact) * scale - mx[:, None])
-    if segmented:  # a query of segment 0 gave zeros: no weight on the persistent vectors
-      e = jnp.where((qs != 0)[:, None], e, 0.0)
-    p = e / den[:, None]
+    # (a query of segment 0 has mx = -NEG, from the forward pass: p = 0)
+    p = jnp.exp(_dot(q, pk, exact=exact) * scale - mx[:, None]) / den[:, None]
     gv = _dot(do, pv, trans_b=True, exact=exact)
     kept = p
     if rate:
@@ -416,10 +443,9 @@ def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, e
                    n_heads, n_rows, n_pers, scale, exact):
   """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
   key and value gradients are deterministic)."""
-  ins, za_ref, seg, outs = _unpack(refs, 11, asym, segmented, 2)
+  ins, za_ref, seg, outs = _unpack(refs, 11, asym, 1 if segmented else 0, 2)
   (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, den_ref, delta_ref,
    wmax_ref) = ins
-  qseg_ref, kvseg_ref, range_ref = seg
   dk_ref, dv_ref = outs
   n_keys = w + n_rows + a + n_pers
   t0 = pl.program_id(2) * bk
@@ -436,10 +462,8 @@ def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, e
     first = first - (wmax_ref[1] if has_mask else a)
   lo = lax.div(jnp.maximum(first, 0), bq)
   hi = jnp.where(last < 0, 0, lax.div(jnp.minimum(last, n_rows - 1), bq) + 1)
-  kvs = None
-  if segmented:
-    kvs = kvseg_ref[...]
-    lo, hi = jnp.maximum(lo, range_ref[0]), jnp.minimum(hi, range_ref[1])
+  if segmented:  # the query tiles whose segments meet the key tile's
+    lo, hi = jnp.maximum(lo, seg[0][0]), jnp.minimum(hi, seg[0][1])
 
   def body(qb, carry):
     dk, dv = carry
@@ -448,17 +472,13 @@ def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, e
     q = q_ref[rows, :]
     do = do_ref[rows, :]
     z = z_ref[rows].astype(jnp.float32) if has_mask else None
-    win = _row_windows(z, w=w, ramp=ramp, bq=bq)
-    za = wa = None
-    if a:
-      za = za_ref[rows].astype(jnp.float32) if asym else None
-      wa = _row_windows_ahead(za if asym else z, a=a, ramp=ramp, bq=bq)
-    allowed = _segment_allowed(qseg_ref[rows], kvs) if segmented else None
+    za = za_ref[rows].astype(jnp.float32) if asym else None
+    seen = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
     pos = _load_pos(g_ref, i0, t0, w=band, bq=bq, bk=bk)  # pipelined by Triton: a cp.async
     ds, kept, _, _, _ = _tile_grads(
-        q, do, k, v, pos, t0, i0, win, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
+        q, do, k, v, pos, t0, i0, seen, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
         seed, bh, w=w, a=a, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
-        n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, wa=wa, za=za, allowed=allowed)
+        n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, za=za)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, exact=exact)
     dv = dv + _dot(kept.astype(do.dtype), do, trans_a=True, exact=exact)
     return dk, dv
@@ -480,12 +500,26 @@ def _specs(m, t, dh, w, bq):
   return row, keys, stat, view, seed
 
 
-def _seg_specs(m, t, bq):
-  """BlockSpecs of the segment inputs over the grid (batch, head, query block): the block's
-  query ids, every key id, the block's range of key tiles."""
-  return (pl.BlockSpec((None, bq), lambda i, hh, qi: (i, qi)),
-          pl.BlockSpec((None, t), lambda i, hh, qi: (i, 0)),
-          pl.BlockSpec((None, None, 2), lambda i, hh, qi: (i, qi, 0)))
+_RANGE = pl.BlockSpec((None, None, 2), lambda i, hh, x: (i, x, 0))  # a tile's range of tiles
+
+
+def masked_position_scores(q_BxHxMxD, pe_Dx1W, q_seg_BxM, kv_seg_BxT,
+                           precision: str = "default"):
+  """position_scores, with MASKED where the key is of another segment than the query's (or
+  padding: id 0): G's cell (i, s) is key row i + s, so it reads the key ids as a band of the
+  rows (T = M + the band's width). Without segment ids: position_scores."""
+  if q_seg_BxM is None:
+    return position_scores(q_BxHxMxD, pe_Dx1W, precision)
+  b, h, m, _ = q_BxHxMxD.shape
+  n = pe_Dx1W.shape[-1]  # the band's width + its zero column
+  g = jnp.einsum("bhmd,dw->bhmw", q_BxHxMxD, pe_Dx1W, preferred_element_type=jnp.float32,
+                 precision=_xla_precision(precision, q_BxHxMxD.dtype))
+  rows = lax.broadcasted_iota(jnp.int32, (m, n), 0) + lax.broadcasted_iota(jnp.int32, (m, n), 1)
+  kv_band = jnp.take(kv_seg_BxT, rows, axis=1, mode="clip")  # B M n (the last column: padding)
+  same = (kv_band == q_seg_BxM[:, :, None]) & (kv_band != 0)
+  g = jnp.where(same[:, None], g.astype(q_BxHxMxD.dtype),
+                jnp.asarray(MASKED, q_BxHxMxD.dtype))
+  return g.reshape(b, h, m * n)
 
 
 def segment_tile_ranges(q_seg_BxM, kv_seg_BxT, bq: int, bk: int):
@@ -567,8 +601,8 @@ def _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, *, ramp, ep
     extra_specs.append(stat)
     extra.append(z_a)
   if lay["segmented"]:
-    extra_specs += _seg_specs(m, t, block)
-    extra += [q_seg, kv_seg, segment_tile_ranges(q_seg, kv_seg, block, block_k)[0]]
+    extra_specs += [pl.BlockSpec((None, block), lambda i, hh, qi: (i, qi)), _RANGE]
+    extra += [q_seg, segment_tile_ranges(q_seg, kv_seg, block, block_k)[0]]
   kernel = functools.partial(_fwd_kernel, **lay, ramp=ramp, bq=block, bk=block_k, eps=eps,
                              rate=rate, n_heads=h, n_pers=n_pers, scale=scale,
                              exact=precision == "highest")
@@ -581,7 +615,7 @@ def _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, *, ramp, ep
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32)],
       interpret=interpret, name="span_attention_fwd",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-  g = position_scores(q, _band_pe(pe, pe_a, q.dtype), precision)
+  g = masked_position_scores(q, _band_pe(pe, pe_a, q.dtype), q_seg, kv_seg, precision)
   out, mx, den = call(q, k, v, g, z_in, seed, pk_in, pv_in, *extra)
   return out, mx, den
 
@@ -606,7 +640,7 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, d
   zeros_g = jnp.broadcast_to(zero, (b, h, m * (band + 1)))  # after the barrier: not hoisted
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   pe1 = _band_pe(pe, pe_a, q.dtype)  # pe may be float32: d pe is returned as such
-  g = position_scores(q, pe1, precision)
+  g = masked_position_scores(q, pe1, q_seg, kv_seg, precision)
   row, keys, stat, view, seed_spec = _specs(m, t, dh, band, block)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
   static = dict(lay, ramp=ramp, bq=block, bk=block_k, eps=eps, rate=rate, n_heads=h,
@@ -621,8 +655,8 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, d
     extra_specs.append(stat)
     extra.append(z_a)
   if segmented:
-    extra_specs += _seg_specs(m, t, block)
-    extra += [q_seg, kv_seg, q_ranges]
+    extra_specs.append(_RANGE)
+    extra.append(q_ranges)
   stat_shape = jax.ShapeDtypeStruct((b, h, m), jnp.float32)
   call_q = pl.pallas_call(
       functools.partial(_bwd_q_kernel, **static), grid=(b, h, m // block),
@@ -654,10 +688,8 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, d
     kv_extra_specs.append(all_stat)
     kv_extra.append(z_a)
   if segmented:
-    kv_extra_specs += [pl.BlockSpec((None, m), lambda i, hh, kb: (i, 0)),
-                       pl.BlockSpec((None, block_k), lambda i, hh, kb: (i, kb)),
-                       pl.BlockSpec((None, None, 2), lambda i, hh, kb: (i, kb, 0))]
-    kv_extra += [q_seg, kv_seg, k_ranges]
+    kv_extra_specs.append(_RANGE)
+    kv_extra.append(k_ranges)
   call_kv = pl.pallas_call(
       functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block_k),
       in_specs=[all_rows, key_blk, key_blk, view, all_stat, seed_spec, all_rows, all_stat,
