@@ -55,7 +55,7 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del train
-  return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w),
+  return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w) + spec.ahead,
                                       pallas_gpu.padded_head_dim(spec.head_dim),
                                       jnp.dtype(spec.dtype).itemsize)
 
@@ -64,7 +64,8 @@ def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> dict:
   tile = tiles(impl, spec, spec.dtype)[0]
   return pallas_gpu.schedule_cost(batch, spec.heads, m, w, spec.head_dim, spec.dtype, tile,
                                   span=span, ramp=spec.ramp, n_pers=spec.pers_mem,
-                                  key_tile=key_tile(impl, spec, spec.dtype, tile))
+                                  key_tile=key_tile(impl, spec, spec.dtype, tile),
+                                  ahead=spec.ahead)
 
 
 def compiler_options(impl) -> dict:

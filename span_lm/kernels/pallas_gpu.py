@@ -331,7 +331,7 @@ def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps,
     # A query of segment 0, or one that saw no key of its segment (nor a persistent vector),
     # gives 0, with a normaliser of 1 and a maximum no logit reaches: the backward pass's
     # exp(l - mx) / den is 0 on every key of its row, persistent ones included.
-    live = (qseg_ref[...] != 0) & (mx >= EMPTY)
+    live = (qseg_ref[...] != 0) & ~(mx < EMPTY)  # (a NaN row stays NaN)
     den = jnp.where(live, den, 1.0)
     acc = jnp.where(live[:, None], acc, 0.0)
     mx = jnp.where(live, mx, -NEG)
@@ -869,36 +869,40 @@ def key_tile(compute_capability: float | None, head_dim: int, dtype, tile: int) 
 
 def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: int,
                   span: float | None = None, ramp: int = 32, n_pers: int = 0,
-                  key_tile: int | None = None) -> dict:
-  """FLOPs and HBM bytes of one call's kernels (B=b, H=h, a block of m queries, window w), every
-  row at `span` (None: a fixed span, every distance to w visited), as {kernel: {"flops",
-  "bytes", "bytes_min"}}: the three Triton kernels' tile schedules, and "position", the XLA
-  matmuls around them (G = q pe forward and again backward, dq += dG pe^T, d pe = q^T dG over
-  the whole window: their cost does not fall with the spans). "bytes" counts every block a
-  program loads or stores (keys, values and position tiles once per query block that visits
-  them), so re-reads that L2 catches count in full: an upper bound; "bytes_min" each input read
-  and each output written once: the lower bound. The compile mode's per-kernel roofline
-  (tools/compile.py) reads it; cost_analysis has none for a Triton call."""
+                  key_tile: int | None = None, ahead: int = 0) -> dict:
+  """FLOPs and HBM bytes of one call's kernels (B=b, H=h, a block of m queries, window w behind
+  and `ahead` in front), every row at `span` on both sides (None: a fixed span, every distance of
+  both windows visited), as {kernel: {"flops", "bytes", "bytes_min"}}: the three Triton kernels'
+  tile schedules, and "position", the XLA matmuls around them (G = q [pe | pe_ahead] forward and
+  again backward, dq += dG pe^T, d pe = q^T dG over the whole band: their cost does not fall with
+  the spans). "bytes" counts every block a program loads or stores (keys, values and position
+  tiles once per query block that visits them), so re-reads that L2 catches count in full: an
+  upper bound; "bytes_min" each input read and each output written once: the lower bound.
+  Segment ids are not counted (one segment: no tile skipped for them). The compile mode's
+  per-kernel roofline (tools/compile.py) reads it; cost_analysis has none for a Triton call."""
   dp, isz = padded_head_dim(head_dim), jnp.dtype(dtype).itemsize
   bq, bk = tile, key_tile or tile
+  a_rows = -(-ahead // bk) * bk  # the rows ahead in whole key tiles
+  band = w + a_rows  # G's row: the band's columns (and one zero column)
   win = w if span is None else max(1, min(w, int(math.floor(span)) + ramp + 1))
-  tiles = 0  # visited (query block, key block) pairs: _key_blocks' range per query block
+  wa = ahead if span is None else max(0, min(ahead, int(math.floor(span)) + ramp))
+  tiles = 0  # visited (query block, key block) pairs: the kernels' range per query block
   for i0 in range(0, m, bq):
-    lo, hi = (w + i0 - win) // bk, (w + i0 + bq - 2) // bk + 1
+    lo, hi = (w + i0 - win) // bk, (w + i0 + bq - 2 + wa) // bk + 1
     tiles += hi - lo
   tiles *= b * h
-  progs_q, progs_k = b * h * (m // bq), b * h * ((w + m) // bk)
+  progs_q, progs_k = b * h * (m // bq), b * h * ((w + m + a_rows) // bk)
   qk = 2 * bq * bk * dp
   rows, keys, pos = bq * dp * isz, bk * dp * isz, bq * bk * isz
   pers_mm, pers_io = 2 * bq * n_pers * dp, 2 * n_pers * dp * isz
-  keys_read = ((w + m - 2) // bk + 1 - (w - win) // bk) * bk  # the span's keys, block-rounded
+  keys_read = ((w + m - 2 + wa) // bk + 1 - (w - win) // bk) * bk  # the spans' keys, in tiles
   q_all, kv_all = b * h * m * dp * isz, b * h * keys_read * dp * isz
-  g_all, g_read, stat = b * h * m * (w + 1) * isz, b * h * m * keys_read * isz, b * h * m * 4
+  g_all, g_read, stat = b * h * m * (band + 1) * isz, b * h * m * keys_read * isz, b * h * m * 4
   minimum = {"fwd": 2 * q_all + 2 * kv_all + g_read + 3 * stat + pers_io * h,
              "bwd_q": 2 * q_all + q_all * 4 // isz + 2 * kv_all + 2 * g_read + 4 * stat
                       + pers_io * h * 3,
              "bwd_kv": 2 * q_all + 4 * kv_all + g_read + 4 * stat,
-             "position": 4 * q_all + 3 * g_all + (w + 1) * dp * (isz + 4)}
+             "position": 4 * q_all + 3 * g_all + (band + 1) * dp * (isz + 4)}
   cost = {
       "fwd": {"flops": tiles * 2 * qk + progs_q * 2 * pers_mm,
               "bytes": tiles * (2 * keys + pos) + progs_q * (2 * rows + 3 * bq * 4 + pers_io)},
@@ -908,8 +912,8 @@ def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: in
                                       + 4 * n_pers * dp * 4)},
       "bwd_kv": {"flops": tiles * 4 * qk,
                  "bytes": tiles * (2 * rows + 4 * bq * 4 + pos) + progs_k * 4 * keys},
-      "position": {"flops": 4 * 2 * b * h * m * (w + 1) * dp,
-                   "bytes": 4 * q_all + 4 * g_all + (w + 1) * dp * (isz + 4)},
+      "position": {"flops": 4 * 2 * b * h * m * (band + 1) * dp,
+                   "bytes": 4 * q_all + 4 * g_all + (band + 1) * dp * (isz + 4)},
   }
   return {k: dict(v, bytes_min=minimum[k]) for k, v in cost.items()}
 
