@@ -32,10 +32,13 @@ def key_tile(impl, spec, dtype, tile: int) -> int:
   return pallas_gpu.key_tile(_cc(impl), spec.head_dim, dtype, tile)
 
 
-def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=None,
-           pers_v_GxNxD=None, dropout=None, dropout_seed=None):
+def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span_z=None,
+           span_z_ahead=None, segments=None, pers_k_GxDxN=None, pers_v_GxNxD=None, dropout=None,
+           dropout_seed=None):
   b, g, m, _ = q_BxGxMxD.shape
-  z = None if span_z is None else jnp.broadcast_to(jnp.asarray(span_z, jnp.float32), (b, g, m))
+  rows = lambda x: None if x is None else jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, g, m))
+  z = rows(span_z)
+  z_ahead = rows(span_z_ahead) if z is not None else None  # a fixed span: none ahead either
   seed = None if dropout is None else dropout_seed()
   tile, warps, stages = tiles(impl, spec, q_BxGxMxD.dtype)
   return pallas_gpu.span_attention(
@@ -44,12 +47,15 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=N
       # float32 parameters go in as such: the kernel casts them, their gradients stay float32
       pers_k_HxDxN=pers_k_GxDxN, pers_v_HxNxD=pers_v_GxNxD,
       dropout_rate=spec.dropout if seed is not None else 0.0, dropout_seed=seed,
-      interpret=impl.interpret, precision=spec.attention.precision)
+      interpret=impl.interpret, precision=spec.attention.precision,
+      key_pe_ahead_DxA=key_pe_ahead_DxA if spec.ahead else None, z_ahead_BxHxM=z_ahead,
+      q_segments_BxM=None if segments is None else segments.q,
+      kv_segments_BxT=None if segments is None else segments.kv)
 
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del train
-  return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w),
+  return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w) + spec.ahead,
                                       pallas_gpu.padded_head_dim(spec.head_dim),
                                       jnp.dtype(spec.dtype).itemsize)
 
@@ -58,7 +64,8 @@ def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> dict:
   tile = tiles(impl, spec, spec.dtype)[0]
   return pallas_gpu.schedule_cost(batch, spec.heads, m, w, spec.head_dim, spec.dtype, tile,
                                   span=span, ramp=spec.ramp, n_pers=spec.pers_mem,
-                                  key_tile=key_tile(impl, spec, spec.dtype, tile))
+                                  key_tile=key_tile(impl, spec, spec.dtype, tile),
+                                  ahead=spec.ahead)
 
 
 def compiler_options(impl) -> dict:
@@ -66,13 +73,8 @@ def compiler_options(impl) -> dict:
 
 
 def misfit(impl, spec, m, w) -> str:
-  del impl, m, w  # the door's fused rule is the rest of it
-  return _two_sided(spec)
-
-
-def _two_sided(spec) -> str:
-  if spec.ahead:
-    return "windows ahead (bidirectional) are not in this kernel yet"
-  if spec.segmented:
-    return "segment ids are not in this kernel yet"
+  """'' : beyond the door's fused rule (whole tiles: kernels.fused_misfit), the kernel takes
+  every spec: windows ahead of any size (padded to whole key tiles), segment ids, persistent
+  memory, dropout."""
+  del impl, spec, m, w
   return ""

@@ -6,38 +6,65 @@ formed one (query block, key block) tile at a time and never stored. Each query 
 the key blocks that hold a non-zero mask value for one of its rows, and the spans come in as an
 array, so a span that changes changes the work done, not the compiled program.
 
-Tiles: keys are the last T = W + M positions (window + block); the query at block row i sits at
-key index W + i and sees distances d = W + i - t in [1, w_i], w_i = min(W, floor(z_i) + R + 1)
-(every distance with a non-zero mask, plus the clamp's lower end, where the mask is 0 but its
-derivative is 1, as torch.clamp's).
+Tiles: keys are the T = W + M + A rows (window, block, rows ahead; A = 0: causal); the query at
+block row i sits at key row W + i. Key t is at signed distance dist = W + i - t: behind at
+d = dist in [1, w_i], w_i = min(W, floor(z_i) + R + 1), and ahead at a = 1 - dist in [1, a_i],
+a_i = min(A, floor(z'_i) + R) (z' the span ahead, z when not learned apart): every distance with a
+non-zero mask value, plus the clamp's lower end, where the mask is 0 but its derivative is 1, as
+torch.clamp's. The mask reads x = d - 1 behind and x = a ahead.
 
-Position term as a rel-shift view. Query i's position score for key t is G[i, t - i] with
-G = q @ pe (M x W per head; column W - d is distance d). G is one matmul outside the kernels,
-written with a row pitch of W + 1 (pe gets one zero column), and read with a row stride of W the
-same buffer is the score in key coordinates: flat[i W + t] = G[i, t - i] (Transformer-XL's
-rel_shift, the reference's skew). So a tile's position scores are one plain strided load, read-only
-like the keys and values: every loop pipelines (asynchronous copies) and no kernel reads back what
-it wrote. Entries of the view outside the band alias neighbouring rows: the span mask drops them on
-reads, and the backward pass's stores are masked to visited entries. G is recomputed in the
-backward pass, not saved, so it lives only while one layer's kernels run (B H M (W + 1) elements
-in the queries' dtype).
+Position term as a rel-shift view. Band column s = t - i of query i is key t: columns s < W are
+behind (d = W - s), columns s >= W ahead (a = s - W + 1), so query i's position score for key t
+is G[i, t - i] with G = q @ [pe | pe_ahead] (M x (W + A) per head). G is one matmul outside the
+kernels, written with a row pitch of W + A + 1 (the embeddings get one zero column), and read with
+a row stride of W + A the same buffer is the score in key coordinates: flat[i (W + A) + t] =
+G[i, t - i] (Transformer-XL's rel_shift, the reference's skew). A two-sided kernel is the causal
+one with a band of width W + A and the query at column W. So a tile's position scores are one
+plain strided load, read-only like the keys and values: every loop pipelines (asynchronous
+copies) and no kernel reads back what it wrote. Entries of the view outside the band alias
+neighbouring rows: the span mask drops them on reads, and the backward pass's stores are masked
+to visited entries. G is recomputed in the backward pass, not saved, so it lives only while one
+layer's kernels run (B H M (W + A + 1) elements in the queries' dtype). A that is not a multiple
+of the key tile runs with the rows ahead (and pe_ahead's columns) zero-padded to one: the padded
+columns lie beyond every row's window, so nothing reads them.
 
-Backward as FlashAttention-2: a kernel per query block (dq's key term, the span gradient, the
-position-score gradient dG stored once per cell in G's layout: no atomics; the persistent vectors'
-gradients by atomic adds) and one per key block (dk, dv: deterministic). Then dq += dG pe^T and
-d pe = sum q^T dG, two plain matmuls outside.
+Segment ids (padding, packing; `segmented`): a query attends only keys of its own non-zero
+segment, a query of segment 0 gives zeros (persistent memory included). The ids mask entry by
+entry through G: outside the kernels, a cell of G whose key is of another segment (or padding)
+gets the position score MASKED (-1e30), so its logit is far below any real one and its weight
+exp(l - max) is exactly 0 once the row has seen a key of its own; the kernels' tiles do no
+per-entry segment work (in registers the causal kernel's tile). Rows that see no key of their
+own segment (and no persistent vector) end with a row maximum below EMPTY: the forward pass
+writes 0 for them and for queries of segment 0, with a normaliser of 1 and a row maximum no logit
+reaches (-NEG), so the backward pass's weights exp(l - max) / den of their rows are 0 on every key,
+persistent ones included: their output and every gradient are exactly 0, never NaN.
+Skipping: outside the kernels each query tile and each key tile gets the [min, max] of its non-zero
+ids; a query tile visits only the key tiles from the first to the last whose range meets its own
+(and a key tile's backward only those query tiles), intersected with the windows' range. With ids
+that run in order along the sequence (packing, padding runs) that skips exactly the tiles whose
+ranges are disjoint; for any ids it never skips a tile it needs (disjoint ranges hold no pair of
+equal ids), and a tile inside the range is masked through G.
+
+Backward as FlashAttention-2: a kernel per query block (dq's key term, the span gradient (behind
+and ahead apart when they are learned apart), the position-score gradient dG stored once per cell
+in G's layout: no atomics; the persistent vectors' gradients by atomic adds) and one per key block
+(dk, dv: deterministic). Then dq += dG pe^T and d pe = sum q^T dG, two plain matmuls outside.
 
 Head sizes that are not a power of two (the large paper models' 96) run zero-padded to the next
 one (`padded_head_dim`); the padded columns add nothing to any score and are sliced off.
 
-Normaliser: sum over the visited distances d <= w_i of e^l (m + eps), where the plain path sums
-eps e^l over all W distances; the two agree to ~eps relative (1e-8).
+Normaliser: sum over the visited distances of e^l (m + eps), where the plain path sums eps e^l over
+all distances; the two agree to ~eps relative (1e-8).
 
 Dropout on the attention weights draws its keep mask from a hash of (seed, head, row, key)
 (kernels/hashed_dropout.py, shared with the TPU kernel), so the backward pass regenerates it
-instead of storing it. Persistent memory (all-attention layers) joins
-the softmax as extra key blocks with mask 1 and no position term. Interpret mode
-(`interpret=True`) runs the same kernels on CPU for tests.
+instead of storing it; key t is row t of the T rows, persistent vector n is key T + n. Persistent
+memory (all-attention layers) joins the softmax as extra key blocks with mask 1 and no position
+term. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
+
+What the causal unsegmented kernel traces is unchanged by the two-sided and segment code: every
+addition is behind a static flag (A > 0, spans ahead learned apart, segments), so that kernel has
+no extra inputs, loads or branches.
 """
 import functools
 import math
@@ -54,6 +81,8 @@ from span_lm.kernels import hashed_dropout
 from span_lm.kernels import span_mask
 
 NEG = -1e30
+MASKED = -1e30  # G's position score for a key of another segment: its logit is ~ -1e30 / sqrt(Dh)
+EMPTY = -1e20  # a row maximum below this saw no key of its own segment (real logits are far above)
 # What the kernels compute and how (autotune's cache key): the position term read from G's
 # rel-shift view, pipelined loads.
 VERSION = "relshift-1"
@@ -83,6 +112,14 @@ def _pitched_pe(pe_DxW, dtype):
   return jnp.pad(pe_DxW.astype(dtype), ((0, 0), (0, 1)))
 
 
+def _band_pe(pe_DxW, pe_ahead_DxA, dtype):
+  """[pe | pe_ahead] with one zero column (the causal kernel's: pe and the zero column)."""
+  if pe_ahead_DxA is None:
+    return _pitched_pe(pe_DxW, dtype)
+  return _pitched_pe(jnp.concatenate([pe_DxW.astype(dtype), pe_ahead_DxA.astype(dtype)], -1),
+                     dtype)
+
+
 def position_scores(q_BxHxMxD, pe_Dx1W, precision: str = "default"):
   """G = q @ pe in the rel-shift layout, flat (B, H, M (W + 1)) in the queries' dtype (f32
   accumulation): element i W + t is query i's position score for key t (module docstring)."""
@@ -94,42 +131,91 @@ def position_scores(q_BxHxMxD, pe_Dx1W, precision: str = "default"):
 
 def _view(i0, t0, *, w, bq, bk):
   """Flat indices of a tile's position scores (rows i0 + r, keys t0 + c) in G's layout: a plain
-  tile with row stride W, contiguous along the keys."""
+  tile with row stride w (the band's width, W + A), contiguous along the keys."""
   r = jnp.arange(bq, dtype=jnp.int32)[:, None]
   c = jnp.arange(bk, dtype=jnp.int32)[None, :]
   return (i0 * w + t0) + (r * w + c)
 
 
 def _row_windows(z, *, w, ramp, bq):
-  """Distances each row visits (z: spans in tokens, or None for a fixed span): every non-zero
-  mask value and the clamp's lower boundary."""
+  """Distances each row visits behind (z: spans in tokens, or None for a fixed span): every
+  non-zero mask value and the clamp's lower boundary."""
   if z is None:
     return jnp.full((bq,), w, jnp.int32)
   return jnp.clip(span_mask.visited_distances(z, ramp), 1, w)
 
 
+def _row_windows_ahead(z, *, a, ramp, bq):
+  """Distances each row visits ahead (x = a): a <= floor(z) + R, at most A."""
+  if z is None:
+    return jnp.full((bq,), a, jnp.int32)
+  return jnp.clip(span_mask.visited_distances(z, ramp) - 1, 0, a)
+
+
+class _Rows:
+  """Which distances a block's rows visit, by kind of kernel:
+  causal (a = 0): win, the windows behind: dist in [1, win];
+  two-sided, one span both sides: reach = floor(z) + R per row (None: a fixed span), the bound
+    on the mask's x = |dist - 1| on both sides, within the band dist in [1 - A, W]: one row
+    vector, and x is what the mask reads anyway;
+  two-sided, spans ahead learned apart: win and wa, the windows ahead: dist in [1 - wa, win]."""
+
+  def __init__(self, z, za, *, w, a, ramp, bq, asym):
+    self.w, self.a, self.asym = w, a, asym
+    self.win = self.wa = self.reach = None
+    if not a or asym:
+      self.win = _row_windows(z, w=w, ramp=ramp, bq=bq)
+    if a and asym:
+      self.wa = _row_windows_ahead(za, a=a, ramp=ramp, bq=bq)
+    elif a and z is not None:
+      self.reach = jnp.clip(span_mask.visited_distances(z, ramp) - 1, 0, max(w, a))
+
+  def visited(self, dist):
+    if not self.a:
+      return (dist >= 1) & (dist <= self.win[:, None])
+    if self.asym:
+      return (dist >= 1 - self.wa[:, None]) & (dist <= self.win[:, None])
+    inside = (dist >= 1 - self.a) & (dist <= self.w)
+    return inside if self.reach is None else inside & (jnp.abs(dist - 1) <= self.reach[:, None])
+
+  def key_blocks(self, i0, *, bq, bk):
+    """[first, last + 1) key blocks with a visited key for some row of the query block (row r
+    sees keys w + i0 + r - (its window behind) .. w + i0 + r - 1 + (its window ahead))."""
+    w = self.w
+    if not self.a:
+      return _key_blocks(self.win, i0, w=w, bq=bq, bk=bk)
+    if self.asym:
+      back, ahead = jnp.max(self.win), jnp.max(self.wa)
+    elif self.reach is None:
+      back, ahead = w, self.a
+    else:
+      top = jnp.max(self.reach)
+      back, ahead = jnp.minimum(top + 1, w), jnp.minimum(top, self.a)
+    return lax.div(w + i0 - back, bk), lax.div(w + i0 + bq - 2 + ahead, bk) + 1
+
+
 def _key_blocks(win, i0, *, w, bq, bk):
-  """[first, last + 1) key blocks with a visited key for some row of the query block (row r
-  sees keys w + i0 + r - win_r .. w + i0 + r - 1)."""
+  """[first, last + 1) key blocks with a visited key for some row of the causal query block
+  (row r sees keys w + i0 + r - win_r .. w + i0 + r - 1)."""
   lo = lax.div(w + i0 - jnp.max(win), bk)
   hi = lax.div(w + i0 + bq - 2, bk) + 1
   return lo, hi
 
 
 def _load_pos(g_ref, i0, t0, *, w, bq, bk):
-  """A tile's position scores, read from G's rel-shift view."""
+  """A tile's position scores, read from G's rel-shift view (w: its row stride)."""
   return g_ref[_view(i0, t0, w=w, bq=bq, bk=bk)]
 
 
-def _tile(q, k, pos, t0, i0, win, *, w, bq, bk, scale, exact):
-  """Scaled logits of one tile (pos: its position scores), its distances and which entries are
-  visited."""
+def _tile(q, k, pos, t0, i0, rows, *, w, bq, bk, scale, exact):
+  """Scaled logits of one tile (pos: its position scores), its signed distances and which entries
+  are visited (rows: a `_Rows`)."""
   cont = _dot(q, k, trans_b=True, exact=exact)  # bq x bk
   pos = pos.astype(jnp.float32)
   r = jnp.arange(bq)[:, None]
   c = jnp.arange(bk)[None, :]
   dist = (w + i0 - t0) + r - c
-  visited = (dist >= 1) & (dist <= win[:, None])
+  visited = rows.visited(dist)
   logits = jnp.where(visited, (cont + pos) * scale, NEG)
   return logits, dist, visited
 
@@ -141,22 +227,68 @@ def _tile_dropout(seed, bh, t0, i0, *, bq, bk, n_rows, n_keys, rate):
                                       rate=rate)
 
 
-def _mask_value(z, dist, ramp):
+def _two_sided_ramp(z, za, dist, ramp):
+  """The soft mask's argument (before the clamp) of a two-sided tile: behind (dist >= 1) x =
+  dist - 1 with the span z, ahead x = 1 - dist with za (None: z); so x = |dist - 1|, read by
+  span_mask.ramp as the distance x + 1 (exact in float32)."""
+  zz = z[:, None] if za is None else jnp.where(dist >= 1, z[:, None], za[:, None])
+  return span_mask.ramp(zz, jnp.abs(dist - 1).astype(jnp.float32) + 1.0, ramp)
+
+
+def _mask_value(z, dist, ramp, *, two_sided=False, za=None):
+  if two_sided:
+    return span_mask.clamp01(_two_sided_ramp(z, za, dist, ramp))
   return span_mask.soft_mask(z[:, None], dist, ramp)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_ref, mx_ref,
-                den_ref, *, w, ramp, has_mask, bq, bk, eps, rate, n_heads, scale, n_rows, n_pers,
-                exact):
+def _weights_grad_two_sided(p, dp, delta, z, za, dist, *, renormalised, eps, ramp):
+  """fused.weights_grad for a two-sided tile: (dS before the scale, the weights A, the span
+  gradient per row behind (both sides when za is None) and ahead (None when za is None))."""
+  delta = delta[:, None]
+  g = dp - delta
+  if z is None:
+    return (p * g - eps * p * delta if renormalised else p * g), p, None, None
+  u = _two_sided_ramp(z, za, dist, ramp)
+  a = p * span_mask.clamp01(u)
+  ds = a * g - eps * p * delta
+  gs = p * g * span_mask.clamp01_slope(u)
+  if za is None:
+    return ds, a, jnp.sum(gs, axis=1) / ramp, None
+  behind = dist >= 1
+  return (ds, a, jnp.sum(jnp.where(behind, gs, 0.0), axis=1) / ramp,
+          jnp.sum(jnp.where(behind, 0.0, gs), axis=1) / ramp)
+
+
+def _unpack(refs, n_first, asym, n_seg, n_last):
+  """A kernel's refs: the first n_first, then the spans ahead (asym), then n_seg segment refs
+  (the forward's: the block's query ids, then the tile range; the backward's: the tile range),
+  then the last n_last (its outputs)."""
+  first, rest = list(refs[:n_first]), list(refs[n_first:])
+  last = rest[len(rest) - n_last:]
+  rest = rest[:len(rest) - n_last]
+  za_ref = rest.pop(0) if asym else None
+  return first, za_ref, rest[:n_seg], last
+
+
+def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps, rate, n_heads,
+                scale, n_rows, n_pers, exact):
+  (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref), za_ref, seg, outs = _unpack(
+      refs, 8, asym, 2 if segmented else 0, 3)
+  qseg_ref, range_ref = seg if segmented else (None, None)
+  o_ref, mx_ref, den_ref = outs
+  n_keys = w + n_rows + a + n_pers  # the dropout hash's keys: the T rows, then persistent ones
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
   q = q_ref[...]
   dh = q.shape[-1]
   z = z_ref[...].astype(jnp.float32) if has_mask else None
-  win = _row_windows(z, w=w, ramp=ramp, bq=bq)
-  lo, hi = _key_blocks(win, i0, w=w, bq=bq, bk=bk)
-  view = functools.partial(_load_pos, g_ref, i0, w=w, bq=bq, bk=bk)
+  za = za_ref[...].astype(jnp.float32) if asym else None
+  rows = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
+  lo, hi = rows.key_blocks(i0, bq=bq, bk=bk)
+  if segmented:  # the key tiles whose segments meet the block's
+    lo, hi = jnp.maximum(lo, range_ref[0]), jnp.minimum(hi, range_ref[1])
+  view = functools.partial(_load_pos, g_ref, i0, w=band, bq=bq, bk=bk)
 
   def body(kb, carry):
     acc, mx, z_all, z_mask, pos = carry
@@ -164,14 +296,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
     k = k_ref[pl.ds(t0, bk), :]
     v = v_ref[pl.ds(t0, bk), :]
     nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
-    logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale,
+    logits, dist, visited = _tile(q, k, pos, t0, i0, rows, w=w, bq=bq, bk=bk, scale=scale,
                                   exact=exact)
     mx_new, corr, p = fused.online_softmax(mx, logits, visited, keepdims=False)
-    pm = p * _mask_value(z, dist, ramp) if has_mask else p
+    pm = p * _mask_value(z, dist, ramp, two_sided=bool(a), za=za) if has_mask else p
     kept = pm
     if rate:
       kept = pm * _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
-                                n_keys=w + n_rows + n_pers, rate=rate)
+                                n_keys=n_keys, rate=rate)
     acc = acc * corr[:, None] + _dot(kept.astype(v.dtype), v, exact=exact)
     return (acc, mx_new, z_all * corr + jnp.sum(p, axis=1), z_mask * corr + jnp.sum(pm, axis=1),
             nxt)
@@ -182,9 +314,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
     logits = _dot(q, pk_ref[:, pl.ds(n0, bk)], exact=exact) * scale
     mx_new, corr, p = fused.online_softmax(mx, logits, keepdims=False)
     kept = p
-    if rate:  # persistent key n is key w + n_rows + n of the dropout hash
-      kept = p * _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
-                               n_keys=w + n_rows + n_pers, rate=rate)
+    if rate:  # persistent key n is key T + n of the dropout hash
+      kept = p * _tile_dropout(seed, bh, w + n_rows + a + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
+                               n_keys=n_keys, rate=rate)
     pv = pv_ref[pl.ds(n0, bk), :]
     acc = acc * corr[:, None] + _dot(kept.astype(pv.dtype), pv, exact=exact)
     s_p = jnp.sum(p, axis=1)
@@ -195,38 +327,55 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, o_r
   carry = lax.fori_loop(lo, hi, body, (*init, view(lo * bk)))[:4]
   acc, mx, z_all, z_mask = lax.fori_loop(0, n_pers // bk, pers_body, carry)
   den = span_mask.online_denominator(z_mask, z_all, eps) if has_mask else z_all
+  if segmented:
+    # A query of segment 0, or one that saw no key of its segment (nor a persistent vector),
+    # gives 0, with a normaliser of 1 and a maximum no logit reaches: the backward pass's
+    # exp(l - mx) / den is 0 on every key of its row, persistent ones included.
+    live = (qseg_ref[...] != 0) & ~(mx < EMPTY)  # (a NaN row stays NaN)
+    den = jnp.where(live, den, 1.0)
+    acc = jnp.where(live[:, None], acc, 0.0)
+    mx = jnp.where(live, mx, -NEG)
   o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
   mx_ref[...] = mx
   den_ref[...] = den
 
 
-def _tile_grads(q, do, k, v, pos, t0, i0, win, z, mx, den, delta, seed, bh, *,
-                w, ramp, has_mask, bq, bk, eps, rate, n_rows, n_pers, scale, exact):
+def _tile_grads(q, do, k, v, pos, t0, i0, rows, z, mx, den, delta, seed, bh, *,
+                w, a, ramp, has_mask, bq, bk, eps, rate, n_rows, n_keys, scale, exact, za=None):
   """Recomputes one tile and returns (ds: d (q.k + q.pe), the weights as applied to the
-  values, the tile's span gradient per row, which entries are visited)."""
-  logits, dist, visited = _tile(q, k, pos, t0, i0, win, w=w, bq=bq, bk=bk, scale=scale,
+  values, the tile's span gradient per row (behind, and ahead when learned apart, else None),
+  which entries are visited)."""
+  logits, dist, visited = _tile(q, k, pos, t0, i0, rows, w=w, bq=bq, bk=bk, scale=scale,
                                 exact=exact)
   p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
   gv = _dot(do, v, trans_b=True, exact=exact)
   keep = None
   if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (do . v_j)
-    keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
-                         n_keys=w + n_rows + n_pers, rate=rate)
+    keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows, n_keys=n_keys,
+                         rate=rate)
     gv = gv * keep
-  dl, a, dz = fused.weights_grad(p, gv, delta, z, dist, renormalised=has_mask, eps=eps,
-                                 ramp=ramp, keepdims=False)
-  kept = a if keep is None else a * keep
-  return dl * scale, kept, dz, visited
+  dza = None
+  if a:
+    dl, wts, dz, dza = _weights_grad_two_sided(p, gv, delta, z if has_mask else None, za, dist,
+                                               renormalised=has_mask, eps=eps, ramp=ramp)
+  else:
+    dl, wts, dz = fused.weights_grad(p, gv, delta, z, dist, renormalised=has_mask, eps=eps,
+                                     ramp=ramp, keepdims=False)
+  kept = wts if keep is None else wts * keep
+  return dl * scale, kept, dz, dza, visited
 
 
-def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, do_ref, mx_ref,
-                  den_ref, delta_ref, dg_in, dpk_in, dpv_in, dq_ref, dz_ref, dg_ref, dpk_ref,
-                  dpv_ref, *, w, ramp, has_mask, bq, bk, eps, rate, n_heads, scale, n_rows,
-                  n_pers, exact):
+def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps, rate,
+                  n_heads, scale, n_rows, n_pers, exact):
   """Per query block: dq's key term, the span gradient of its rows, the position-score
   gradient of its rows (stored once per visited cell; the buffer comes in zeroed), and
   (atomically) the persistent keys' and values' gradients."""
-  del dg_in, dpk_in, dpv_in  # zeros, aliased to dg_ref, dpk_ref, dpv_ref: never read
+  ins, za_ref, seg, outs = _unpack(refs, 15, asym, 1 if segmented else 0, 6 if asym else 5)
+  (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, do_ref, mx_ref, den_ref,
+   delta_ref, _, _, _) = ins  # zeros, aliased to dg_ref, dpk_ref, dpv_ref: never read
+  dq_ref, dz_ref, dg_ref, dpk_ref, dpv_ref = outs[:5]
+  dza_ref = outs[5] if asym else None
+  n_keys = w + n_rows + a + n_pers
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
   seed = seed_ref[0]
@@ -234,36 +383,42 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
   do = do_ref[...]
   dh = q.shape[-1]
   z = z_ref[...].astype(jnp.float32) if has_mask else None
-  win = _row_windows(z, w=w, ramp=ramp, bq=bq)
+  za = za_ref[...].astype(jnp.float32) if asym else None
+  rows = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
   mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
-  lo, hi = _key_blocks(win, i0, w=w, bq=bq, bk=bk)
-  view = functools.partial(_load_pos, g_ref, i0, w=w, bq=bq, bk=bk)
+  lo, hi = rows.key_blocks(i0, bq=bq, bk=bk)
+  if segmented:  # the key tiles whose segments meet the block's
+    lo, hi = jnp.maximum(lo, seg[0][0]), jnp.minimum(hi, seg[0][1])
+  view = functools.partial(_load_pos, g_ref, i0, w=band, bq=bq, bk=bk)
 
   def body(kb, carry):
-    dq, dz, pos = carry
+    dq, dz, dza, pos = carry
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
     nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
-    ds, _, dz_tile, visited = _tile_grads(
-        q, do, k, v_ref[pl.ds(t0, bk), :], pos, t0, i0, win, z, mx, den, delta, seed, bh,
-        w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate, n_rows=n_rows,
-        n_pers=n_pers, scale=scale, exact=exact)
+    ds, _, dz_tile, dza_tile, visited = _tile_grads(
+        q, do, k, v_ref[pl.ds(t0, bk), :], pos, t0, i0, rows, z, mx, den, delta, seed, bh,
+        w=w, a=a, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
+        n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, za=za)
     if dz_tile is not None:
       dz = dz + dz_tile
-    plt.store(dg_ref.at[_view(i0, t0, w=w, bq=bq, bk=bk)], ds.astype(dg_ref.dtype),
+    if dza_tile is not None:
+      dza = dza + dza_tile
+    plt.store(dg_ref.at[_view(i0, t0, w=band, bq=bq, bk=bk)], ds.astype(dg_ref.dtype),
               mask=visited)
-    return dq + _dot(ds.astype(k.dtype), k, exact=exact), dz, nxt
+    return dq + _dot(ds.astype(k.dtype), k, exact=exact), dz, dza, nxt
 
   def pers_body(c, dq):  # the persistent keys: mask 1, so no span gradient
     n0 = c * bk
     pk = pk_ref[:, pl.ds(n0, bk)]
     pv = pv_ref[pl.ds(n0, bk), :]
+    # (a query of segment 0 has mx = -NEG, from the forward pass: p = 0)
     p = jnp.exp(_dot(q, pk, exact=exact) * scale - mx[:, None]) / den[:, None]
     gv = _dot(do, pv, trans_b=True, exact=exact)
     kept = p
     if rate:
-      keep = _tile_dropout(seed, bh, w + n_rows + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
-                           n_keys=w + n_rows + n_pers, rate=rate)
+      keep = _tile_dropout(seed, bh, w + n_rows + a + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
+                           n_keys=n_keys, rate=rate)
       gv, kept = gv * keep, p * keep
     dl, _, _ = fused.weights_grad(p, gv, delta, renormalised=has_mask, eps=eps, ramp=ramp,
                                   keepdims=False)
@@ -274,30 +429,41 @@ def _bwd_q_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, d
                    _dot(kept.astype(do.dtype), do, trans_a=True, exact=exact))
     return dq + _dot(ds.astype(pk.dtype), pk, trans_b=True, exact=exact)
 
-  dq, dz, _ = lax.fori_loop(lo, hi, body, (jnp.zeros((bq, dh), jnp.float32),
-                                           jnp.zeros((bq,), jnp.float32), view(lo * bk)))
+  dq, dz, dza, _ = lax.fori_loop(lo, hi, body, (
+      jnp.zeros((bq, dh), jnp.float32), jnp.zeros((bq,), jnp.float32),
+      jnp.zeros((bq,), jnp.float32) if asym else None, view(lo * bk)))
   dq = lax.fori_loop(0, n_pers // bk, pers_body, dq)
   dq_ref[...] = dq
   dz_ref[...] = dz
+  if asym:
+    dza_ref[...] = dza
 
 
-def _bwd_kv_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, den_ref,
-                   delta_ref, wmax_ref, dk_ref, dv_ref, *, w, ramp, has_mask, bq, bk, eps, rate,
+def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps, rate,
                    n_heads, n_rows, n_pers, scale, exact):
   """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
   key and value gradients are deterministic)."""
+  ins, za_ref, seg, outs = _unpack(refs, 11, asym, 1 if segmented else 0, 2)
+  (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, den_ref, delta_ref,
+   wmax_ref) = ins
+  dk_ref, dv_ref = outs
+  n_keys = w + n_rows + a + n_pers
   t0 = pl.program_id(2) * bk
   bh = pl.program_id(0) * n_heads + pl.program_id(1)
   seed = seed_ref[0]
   k = k_ref[...]
   v = v_ref[...]
   dh = k.shape[-1]
-  # Rows i see key t at distance w + i - t in [1, w_i], w_i <= wmax: i in
-  # [t0 - w + 1, t0 + bk - 1 - w + wmax].
+  # Rows i see key t at distance w + i - t in [1 - wa_i, w_i], w_i <= wmax, wa_i <= wamax:
+  # i in [t0 - w + 1 - wamax, t0 + bk - 1 - w + wmax].
   wmax = wmax_ref[0] if has_mask else w
   first, last = t0 - w + 1, t0 + bk - 1 - w + wmax
+  if a:
+    first = first - (wmax_ref[1] if has_mask else a)
   lo = lax.div(jnp.maximum(first, 0), bq)
   hi = jnp.where(last < 0, 0, lax.div(jnp.minimum(last, n_rows - 1), bq) + 1)
+  if segmented:  # the query tiles whose segments meet the key tile's
+    lo, hi = jnp.maximum(lo, seg[0][0]), jnp.minimum(hi, seg[0][1])
 
   def body(qb, carry):
     dk, dv = carry
@@ -306,12 +472,13 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, 
     q = q_ref[rows, :]
     do = do_ref[rows, :]
     z = z_ref[rows].astype(jnp.float32) if has_mask else None
-    win = _row_windows(z, w=w, ramp=ramp, bq=bq)
-    pos = _load_pos(g_ref, i0, t0, w=w, bq=bq, bk=bk)  # pipelined by Triton: a cp.async
-    ds, kept, _, _ = _tile_grads(
-        q, do, k, v, pos, t0, i0, win, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
-        seed, bh, w=w, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
-        n_rows=n_rows, n_pers=n_pers, scale=scale, exact=exact)
+    za = za_ref[rows].astype(jnp.float32) if asym else None
+    seen = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
+    pos = _load_pos(g_ref, i0, t0, w=band, bq=bq, bk=bk)  # pipelined by Triton: a cp.async
+    ds, kept, _, _, _ = _tile_grads(
+        q, do, k, v, pos, t0, i0, seen, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
+        seed, bh, w=w, a=a, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
+        n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, za=za)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, exact=exact)
     dv = dv + _dot(kept.astype(do.dtype), do, trans_a=True, exact=exact)
     return dk, dv
@@ -324,7 +491,7 @@ def _bwd_kv_kernel(q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, 
 
 def _specs(m, t, dh, w, bq):
   """BlockSpecs over the grid (batch, head, query block): a block of rows, every key, a block's
-  row statistics, G's flat view (whole), the seed."""
+  row statistics, G's flat view (whole; w: the band's width), the seed."""
   row = pl.BlockSpec((None, None, bq, dh), lambda i, hh, qi: (i, hh, qi, 0))
   keys = pl.BlockSpec((None, None, t, dh), lambda i, hh, qi: (i, hh, 0, 0))
   stat = pl.BlockSpec((None, None, bq), lambda i, hh, qi: (i, hh, qi))
@@ -333,11 +500,63 @@ def _specs(m, t, dh, w, bq):
   return row, keys, stat, view, seed
 
 
-def _check(q, k, pe, block, block_k):
+_RANGE = pl.BlockSpec((None, None, 2), lambda i, hh, x: (i, x, 0))  # a tile's range of tiles
+
+
+def masked_position_scores(q_BxHxMxD, pe_Dx1W, q_seg_BxM, kv_seg_BxT,
+                           precision: str = "default"):
+  """position_scores, with MASKED where the key is of another segment than the query's (or
+  padding: id 0): G's cell (i, s) is key row i + s, so it reads the key ids as a band of the
+  rows (T = M + the band's width). Without segment ids: position_scores."""
+  if q_seg_BxM is None:
+    return position_scores(q_BxHxMxD, pe_Dx1W, precision)
+  b, h, m, _ = q_BxHxMxD.shape
+  n = pe_Dx1W.shape[-1]  # the band's width + its zero column
+  g = jnp.einsum("bhmd,dw->bhmw", q_BxHxMxD, pe_Dx1W, preferred_element_type=jnp.float32,
+                 precision=_xla_precision(precision, q_BxHxMxD.dtype))
+  rows = lax.broadcasted_iota(jnp.int32, (m, n), 0) + lax.broadcasted_iota(jnp.int32, (m, n), 1)
+  kv_band = jnp.take(kv_seg_BxT, rows, axis=1, mode="clip")  # B M n (the last column: padding)
+  same = (kv_band == q_seg_BxM[:, :, None]) & (kv_band != 0)
+  g = jnp.where(same[:, None], g.astype(q_BxHxMxD.dtype),
+                jnp.asarray(MASKED, q_BxHxMxD.dtype))
+  return g.reshape(b, h, m * n)
+
+
+def segment_tile_ranges(q_seg_BxM, kv_seg_BxT, bq: int, bk: int):
+  """(key tiles per query tile, query tiles per key tile): int32 (B, M / bq, 2) and
+  (B, T / bk, 2), [first, last + 1) of the tiles whose range of non-zero segment ids meets the
+  tile's own ([0, 0) when none does). Tiles outside the range hold no pair of equal non-zero ids,
+  so the kernels skip them; tiles inside it are masked entry by entry."""
+  b, m = q_seg_BxM.shape
+  t = kv_seg_BxT.shape[1]
+  top, bottom = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+
+  def bounds(ids, tile):
+    x = ids.astype(jnp.int32).reshape(b, -1, tile)
+    return (jnp.min(jnp.where(x != 0, x, top), axis=-1),
+            jnp.max(jnp.where(x != 0, x, bottom), axis=-1))
+
+  q_lo, q_hi = bounds(q_seg_BxM, bq)  # (B, nq)
+  k_lo, k_hi = bounds(kv_seg_BxT, bk)  # (B, nk)
+  meet = (k_lo[:, None, :] <= q_hi[:, :, None]) & (k_hi[:, None, :] >= q_lo[:, :, None])
+
+  def first_last(x):  # x (B, n, n'): [first, last + 1) along the last axis, [0, 0) if none
+    n = x.shape[-1]
+    some = jnp.any(x, axis=-1)
+    first = jnp.argmax(x, axis=-1)
+    last = n - jnp.argmax(x[..., ::-1], axis=-1)
+    return jnp.stack([jnp.where(some, first, 0), jnp.where(some, last, 0)],
+                     axis=-1).astype(jnp.int32)
+
+  return first_last(meet), first_last(jnp.swapaxes(meet, 1, 2))
+
+
+def _check(q, k, pe, block, block_k, a_rows=0):
   b, h, m, dh = q.shape
   w = pe.shape[-1]
-  if k.shape != (b, h, w + m, dh):
-    raise ValueError(f"fused attention: keys {k.shape} for queries {q.shape} and window {w}")
+  if k.shape != (b, h, w + m + a_rows, dh):
+    raise ValueError(f"fused attention: keys {k.shape} for queries {q.shape}, window {w} and "
+                     f"{a_rows} rows ahead")
   if m % block or w % block or m % block_k or w % block_k:
     raise ValueError(f"fused attention: block {m} and window {w} must be multiples of the "
                      f"tiles {block} and {block_k}")
@@ -358,113 +577,165 @@ def _pers_inputs(pk, pv, h, dh, block, dtype):
   return pk, pv, n, specs
 
 
-def _forward(q, k, v, pe, z, seed, pk, pv, *, ramp, eps, block, block_k, interpret, num_warps,
-             num_stages, rate, scale, precision):
-  _check(q, k, pe, block, block_k)
-  b, h, m, dh = q.shape
+def _layout(q, pe, pe_a, z, z_a, q_seg, ahead):
+  """The static facts a call's kernels are traced with."""
   w = pe.shape[-1]
-  has_mask = z is not None
-  z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
+  a_rows = 0 if pe_a is None else pe_a.shape[-1]  # A rounded up to the key tile
+  return dict(w=w, a=ahead, band=w + a_rows, has_mask=z is not None,
+              asym=z is not None and z_a is not None and ahead > 0, segmented=q_seg is not None,
+              n_rows=q.shape[2])
+
+
+def _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, *, ramp, eps, block,
+             block_k, interpret, num_warps, num_stages, rate, scale, precision, ahead):
+  lay = _layout(q, pe, pe_a, z, z_a, q_seg, ahead)
+  band = lay["band"]
+  _check(q, k, pe, block, block_k, band - lay["w"])
+  b, h, m, dh = q.shape
+  t = k.shape[2]
+  z_in = z if lay["has_mask"] else jnp.zeros((b, h, m), jnp.float32)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
-  row, keys, stat, view, seed_spec = _specs(m, w + m, dh, w, block)
-  kernel = functools.partial(_fwd_kernel, w=w, ramp=ramp, has_mask=has_mask, bq=block,
-                             bk=block_k, eps=eps, rate=rate, n_heads=h, n_rows=m, n_pers=n_pers,
-                             scale=scale, exact=precision == "highest")
+  row, keys, stat, view, seed_spec = _specs(m, t, dh, band, block)
+  extra_specs, extra = [], []
+  if lay["asym"]:
+    extra_specs.append(stat)
+    extra.append(z_a)
+  if lay["segmented"]:
+    extra_specs += [pl.BlockSpec((None, block), lambda i, hh, qi: (i, qi)), _RANGE]
+    extra += [q_seg, segment_tile_ranges(q_seg, kv_seg, block, block_k)[0]]
+  kernel = functools.partial(_fwd_kernel, **lay, ramp=ramp, bq=block, bk=block_k, eps=eps,
+                             rate=rate, n_heads=h, n_pers=n_pers, scale=scale,
+                             exact=precision == "highest")
   call = pl.pallas_call(
       kernel, grid=(b, h, m // block),
-      in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs],
+      in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs, *extra_specs],
       out_specs=[row, stat, stat],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32),
                  jax.ShapeDtypeStruct((b, h, m), jnp.float32)],
       interpret=interpret, name="span_attention_fwd",
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-  g = position_scores(q, _pitched_pe(pe, q.dtype), precision)
-  out, mx, den = call(q, k, v, g, z_in, seed, pk_in, pv_in)
+  g = masked_position_scores(q, _band_pe(pe, pe_a, q.dtype), q_seg, kv_seg, precision)
+  out, mx, den = call(q, k, v, g, z_in, seed, pk_in, pv_in, *extra)
   return out, mx, den
 
 
-def _backward(q, k, v, pe, z, seed, pk, pv, out, mx, den, do, *, ramp, eps, block, block_k,
-              interpret, num_warps, num_stages, rate, scale, precision):
+def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, den, do, *, ramp,
+              eps, block, block_k, interpret, num_warps, num_stages, rate, scale, precision,
+              ahead):
+  lay = _layout(q, pe, pe_a, z, z_a, q_seg, ahead)
+  w, band, has_mask, asym, segmented = (lay[f] for f in ("w", "band", "has_mask", "asym",
+                                                         "segmented"))
   b, h, m, dh = q.shape
-  w = pe.shape[-1]
-  t = w + m
-  has_mask = z is not None
+  t = k.shape[2]
   z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
   # G is recomputed here, not saved: the barrier ties its inputs and its gradient's zeroed
   # buffer to this layer's cotangent, so XLA neither merges the recomputation with the forward's
   # G (which would keep every layer's G alive until its backward) nor hoists it (or the zeros)
   # ahead of the layer's own backward pass.
-  q, pe, do, zero = lax.optimization_barrier((q, pe, do, jnp.zeros((), q.dtype)))
-  zeros_g = jnp.broadcast_to(zero, (b, h, m * (w + 1)))  # after the barrier: not hoisted
+  if pe_a is None:
+    q, pe, do, zero = lax.optimization_barrier((q, pe, do, jnp.zeros((), q.dtype)))
+  else:
+    q, pe, pe_a, do, zero = lax.optimization_barrier((q, pe, pe_a, do, jnp.zeros((), q.dtype)))
+  zeros_g = jnp.broadcast_to(zero, (b, h, m * (band + 1)))  # after the barrier: not hoisted
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-  pe1 = _pitched_pe(pe, q.dtype)  # pe may be float32: d pe is returned as such
-  g = position_scores(q, pe1, precision)
-  row, keys, stat, view, seed_spec = _specs(m, t, dh, w, block)
+  pe1 = _band_pe(pe, pe_a, q.dtype)  # pe may be float32: d pe is returned as such
+  g = masked_position_scores(q, pe1, q_seg, kv_seg, precision)
+  row, keys, stat, view, seed_spec = _specs(m, t, dh, band, block)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
-  static = dict(w=w, ramp=ramp, has_mask=has_mask, bq=block, bk=block_k, eps=eps, rate=rate,
-                n_heads=h, n_rows=m, n_pers=n_pers, scale=scale,
-                exact=precision == "highest")
+  static = dict(lay, ramp=ramp, bq=block, bk=block_k, eps=eps, rate=rate, n_heads=h,
+                n_pers=n_pers, scale=scale, exact=precision == "highest")
   params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
+  q_ranges = k_ranges = None
+  if segmented:
+    q_ranges, k_ranges = segment_tile_ranges(q_seg, kv_seg, block, block_k)
+  extra_specs, extra = [], []
+  if asym:
+    extra_specs.append(stat)
+    extra.append(z_a)
+  if segmented:
+    extra_specs.append(_RANGE)
+    extra.append(q_ranges)
+  stat_shape = jax.ShapeDtypeStruct((b, h, m), jnp.float32)
   call_q = pl.pallas_call(
       functools.partial(_bwd_q_kernel, **static), grid=(b, h, m // block),
       in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs, row, stat, stat, stat,
-                view, *pers_specs],
-      out_specs=[row, stat, view, *pers_specs],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, m), jnp.float32),
+                view, *pers_specs, *extra_specs],
+      out_specs=[row, stat, view, *pers_specs] + ([stat] if asym else []),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), stat_shape,
                  jax.ShapeDtypeStruct(g.shape, g.dtype),
                  jax.ShapeDtypeStruct(zeros_pk.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)],
+                 jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)]
+                + ([stat_shape] if asym else []),
       input_output_aliases={12: 2, 13: 3, 14: 4}, interpret=interpret,
       name="span_attention_bwd_q", compiler_params=params)
-  dq, dz, dg, dpk, dpv = call_q(q, k, v, g, z_in, seed, pk_in, pv_in, do, mx, den, delta,
-                                zeros_g, zeros_pk, zeros_pv)
+  dq, dz, dg, dpk, dpv, *dza = call_q(q, k, v, g, z_in, seed, pk_in, pv_in, do, mx, den, delta,
+                                      zeros_g, zeros_pk, zeros_pv, *extra)
 
-  # Per key block: every row of its (b, h), and the largest row window there.
+  # Per key block: every row of its (b, h), and the largest row windows there (behind, ahead).
   all_rows = pl.BlockSpec((None, None, m, dh), lambda i, hh, kb: (i, hh, 0, 0))
   all_stat = pl.BlockSpec((None, None, m), lambda i, hh, kb: (i, hh, 0))
   key_blk = pl.BlockSpec((None, None, block_k, dh), lambda i, hh, kb: (i, hh, kb, 0))
-  wmax_spec = pl.BlockSpec((None, None, 1), lambda i, hh, kb: (i, hh, 0))
+  n_win = 2 if lay["a"] else 1
+  wmax_spec = pl.BlockSpec((None, None, n_win), lambda i, hh, kb: (i, hh, 0))
   wmax = _row_windows(jnp.max(z_in, axis=-1, keepdims=True), w=w, ramp=ramp, bq=1)
+  if lay["a"]:
+    za_max = jnp.max(z_a if asym else z_in, axis=-1, keepdims=True)
+    wmax = jnp.concatenate([wmax, _row_windows_ahead(za_max, a=lay["a"], ramp=ramp, bq=1)], -1)
+  kv_extra_specs, kv_extra = [], []
+  if asym:
+    kv_extra_specs.append(all_stat)
+    kv_extra.append(z_a)
+  if segmented:
+    kv_extra_specs.append(_RANGE)
+    kv_extra.append(k_ranges)
   call_kv = pl.pallas_call(
       functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block_k),
       in_specs=[all_rows, key_blk, key_blk, view, all_stat, seed_spec, all_rows, all_stat,
-                all_stat, all_stat, wmax_spec],
+                all_stat, all_stat, wmax_spec, *kv_extra_specs],
       out_specs=[key_blk, key_blk],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       interpret=interpret, name="span_attention_bwd_kv", compiler_params=params)
-  dk, dv = call_kv(q, k, v, g, z_in, seed, do, mx, den, delta, wmax)
+  dk, dv = call_kv(q, k, v, g, z_in, seed, do, mx, den, delta, wmax, *kv_extra)
 
   # The position term's share, two plain matmuls over G's layout (its pad column is zero).
   prec = _xla_precision(precision, q.dtype)
-  dg = dg.reshape(b, h, m, w + 1)
+  dg = dg.reshape(b, h, m, band + 1)
   dq = dq + jnp.einsum("bhmw,dw->bhmd", dg, pe1, preferred_element_type=jnp.float32,
                        precision=prec)
-  dpe = jnp.einsum("bhmd,bhmw->dw", q, dg, preferred_element_type=jnp.float32, precision=prec)
-  dpe = dpe[:, :w].astype(pe.dtype)
+  dpe_all = jnp.einsum("bhmd,bhmw->dw", q, dg, preferred_element_type=jnp.float32,
+                       precision=prec)
+  dpe = dpe_all[:, :w].astype(pe.dtype)
   # d pe is not needed until the optimizer step: without the barrier XLA computes it late and
   # every layer's dG stays alive until then. With it, d pe is done when dq, dk and dv are.
-  dq, dk, dv, dpe = lax.optimization_barrier((dq, dk, dv, dpe))
+  dpe_a = None
+  if pe_a is None:
+    dq, dk, dv, dpe = lax.optimization_barrier((dq, dk, dv, dpe))
+  else:
+    dpe_a = dpe_all[:, w:band].astype(pe_a.dtype)
+    dq, dk, dv, dpe, dpe_a = lax.optimization_barrier((dq, dk, dv, dpe, dpe_a))
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
   dpk = None if pk is None else dpk.astype(pk.dtype)
   dpv = None if pv is None else dpv.astype(pv.dtype)
-  return dq.astype(q.dtype), dk, dv, dpe, (dz if has_mask else None), dseed, dpk, dpv
+  return (dq.astype(q.dtype), dk, dv, dpe, (dz if has_mask else None), dseed, dpk, dpv, dpe_a,
+          (dza[0] if asym else None), None, None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13, 14, 15, 16, 17))
-def _span_attention(q, k, v, pe, z, seed, pk, pv, ramp, eps, block, block_k, interpret, num_warps,
-                    num_stages, rate, scale, precision):
-  return _forward(q, k, v, pe, z, seed, pk, pv, ramp=ramp, eps=eps, block=block,
-                  block_k=block_k, interpret=interpret, num_warps=num_warps, num_stages=num_stages, rate=rate,
-                  scale=scale, precision=precision)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(12, 23)))
+def _span_attention(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, ramp, eps, block,
+                    block_k, interpret, num_warps, num_stages, rate, scale, precision, ahead):
+  return _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, ramp=ramp, eps=eps,
+                  block=block, block_k=block_k, interpret=interpret, num_warps=num_warps,
+                  num_stages=num_stages, rate=rate, scale=scale, precision=precision,
+                  ahead=ahead)[0]
 
 
-def _span_attention_fwd(q, k, v, pe, z, seed, pk, pv, *static):
-  out, mx, den = _forward(q, k, v, pe, z, seed, pk, pv, **dict(zip(_STATIC, static)))
-  return out, (q, k, v, pe, z, seed, pk, pv, out, mx, den)
+def _span_attention_fwd(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, *static):
+  out, mx, den = _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg,
+                          **dict(zip(_STATIC, static)))
+  return out, (q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, den)
 
 
 def _span_attention_bwd(*args):
@@ -472,8 +743,8 @@ def _span_attention_bwd(*args):
   return _backward(*res, g, **dict(zip(_STATIC, static)))
 
 
-_STATIC = ("ramp", "eps", "block", "block_k", "interpret", "num_warps", "num_stages", "rate", "scale",
-           "precision")
+_STATIC = ("ramp", "eps", "block", "block_k", "interpret", "num_warps", "num_stages", "rate",
+           "scale", "precision", "ahead")
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
 
 
@@ -481,21 +752,31 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
                    pers_k_HxDxN=None, pers_v_HxNxD=None, eps: float = span_mask.EPS,
                    block: int = 64, block_k: int | None = None,
                    dropout_rate: float = 0.0, dropout_seed=None, interpret: bool = False,
-                   num_warps: int = 4, num_stages: int = 2, precision: str = "default"):
-  """Banded attention over the W distances before each query, spans given at run time.
+                   num_warps: int = 4, num_stages: int = 2, precision: str = "default",
+                   key_pe_ahead_DxA=None, z_ahead_BxHxM=None, q_segments_BxM=None,
+                   kv_segments_BxT=None):
+  """Banded attention over the W distances before each query (and the A after), spans given at
+  run time.
 
   Args:
-    q_BxHxMxD: queries. k/v_BxHxTxD: keys/values of the last T = W + M positions.
-    key_pe_DxW: relative position embeddings, column W - d for distance d.
+    q_BxHxMxD: queries. k/v_BxHxTxD: keys/values of the T = W + M + A rows (window, block, rows
+      ahead): query i is row W + i, distance d behind is row W + i - d, distance a ahead is row
+      W + i + a - 1.
+    key_pe_DxW: relative position embeddings, column W - d for distance d. key_pe_ahead_DxA:
+      those ahead, column a - 1 for distance a (None: causal, A = 0). A may be any size: the
+      kernels pad it to whole key tiles.
     z_BxHxM: span in tokens per query row (broadcast an adaptive span (H,) to it), or None for a
-      fixed span (no mask). Differentiable.
+      fixed span (no mask). Differentiable. z_ahead_BxHxM: the spans ahead where they are learned
+      apart (None: z_BxHxM on both sides; ignored with a fixed span, as the reference does).
+    q_segments_BxM, kv_segments_BxT: segment ids (int) of the queries and of the T rows, or None:
+      a query attends only keys of its own non-zero segment; a query of segment 0 gives zeros.
     ramp: R of the soft mask. block: the query tile (divides M and W); block_k: the key tile
       (divides M, W and N; default: block).
     pers_k_HxDxN, pers_v_HxNxD: persistent memory (already scaled), in the same softmax with
       mask 1; or None.
     dropout_rate, dropout_seed: dropout on the attention weights (after the mask), the keep
-      mask drawn by `hashed_dropout.dropout_scale` from a uint32 seed; a rate of 0 compiles no
-      dropout.
+      mask drawn by `hashed_dropout.dropout_scale` from a uint32 seed (key t: row t of the T
+      rows; persistent vector n: key T + n); a rate of 0 compiles no dropout.
     num_stages: Triton's pipeline depth (2 or more: the loops' loads become asynchronous
       copies issued ahead of the tile that needs them).
     precision: float32 dots: 'default' (TF32 tensor cores on sm_80+, XLA's own default for
@@ -510,15 +791,45 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   if pers_k_HxDxN is not None and pers_k_HxDxN.shape[-1] % block_k:
     raise ValueError(f"fused attention: {pers_k_HxDxN.shape[-1]} persistent vectors must be a "
                      f"multiple of {block_k}")
+  if (q_segments_BxM is None) != (kv_segments_BxT is None):
+    raise ValueError("fused attention: segment ids of the queries and of the keys come together")
+  pe_a, z_a = key_pe_ahead_DxA, z_ahead_BxHxM
+  if pe_a is not None and pe_a.shape[-1] == 0:
+    pe_a = None
+  a = 0 if pe_a is None else pe_a.shape[-1]
+  if z_BxHxM is None or not a:
+    z_a = None  # a fixed span has no spans ahead (the reference ignores them too)
   dh = q_BxHxMxD.shape[-1]
+  b, _, m, _ = q_BxHxMxD.shape
+  w = key_pe_DxW.shape[-1]
+  if k_BxHxTxD.shape[2] != w + m + a:
+    raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} key rows for window {w}, block {m} "
+                     f"and {a} ahead")
+  k, v, kv_seg = k_BxHxTxD, v_BxHxTxD, kv_segments_BxT
+  a_rows = -(-a // block_k) * block_k  # rows ahead in whole key tiles, zero-padded
+  if a_rows > a:
+    rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, a_rows - a), (0, 0)))
+    k, v = rows(k), rows(v)
+    pe_a = jnp.pad(pe_a, ((0, 0), (0, a_rows - a)))
+    if kv_seg is not None:
+      kv_seg = jnp.pad(kv_seg, ((0, 0), (0, a_rows - a)))
+  q_seg = None
+  if kv_seg is not None:
+    q_seg, kv_seg = (jnp.asarray(x, jnp.int32) for x in (q_segments_BxM, kv_seg))
+    if q_seg.shape != (b, m) or kv_seg.shape != (b, k.shape[2]):
+      raise ValueError(f"fused attention: segment ids {q_seg.shape} and "
+                       f"{kv_segments_BxT.shape} for {m} queries and {w + m + a} key rows")
   static = (ramp, eps, block, block_k, interpret, num_warps, num_stages, float(dropout_rate),
-            1.0 / math.sqrt(dh), precision)
-  args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW,
-                       pers_k_HxDxN, pers_v_HxNxD)
-  args = (*args[:4], z_BxHxM, fused.seed_array(dropout_seed), *args[4:])
-  # q, k, v, z by batch rows; key_pe, the seed and the persistent vectors replicated
+            1.0 / math.sqrt(dh), precision, a)
+  args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k, v, key_pe_DxW, pers_k_HxDxN,
+                       pers_v_HxNxD, pe_a)
+  args = (*args[:4], z_BxHxM, fused.seed_array(dropout_seed), *args[4:], z_a, q_seg, kv_seg)
+  # q, k, v, z (and the spans ahead, the segment ids) by batch rows; key_pe, the seed and the
+  # persistent vectors replicated
   return fused.per_device(lambda *a: _span_attention(*a, *static), args,
-                          (True, True, True, False, True, False, False, False), seed_at=5)[..., :dh]
+                          (True, True, True, False, True, False, False, False, False, True, True,
+                           True), seed_at=5)[..., :dh]
+
 
 
 # Tiles per target: (compute capability major, padded head size, dtype) -> (query tile, key tile,
@@ -558,36 +869,40 @@ def key_tile(compute_capability: float | None, head_dim: int, dtype, tile: int) 
 
 def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: int,
                   span: float | None = None, ramp: int = 32, n_pers: int = 0,
-                  key_tile: int | None = None) -> dict:
-  """FLOPs and HBM bytes of one call's kernels (B=b, H=h, a block of m queries, window w), every
-  row at `span` (None: a fixed span, every distance to w visited), as {kernel: {"flops",
-  "bytes", "bytes_min"}}: the three Triton kernels' tile schedules, and "position", the XLA
-  matmuls around them (G = q pe forward and again backward, dq += dG pe^T, d pe = q^T dG over
-  the whole window: their cost does not fall with the spans). "bytes" counts every block a
-  program loads or stores (keys, values and position tiles once per query block that visits
-  them), so re-reads that L2 catches count in full: an upper bound; "bytes_min" each input read
-  and each output written once: the lower bound. The compile mode's per-kernel roofline
-  (tools/compile.py) reads it; cost_analysis has none for a Triton call."""
+                  key_tile: int | None = None, ahead: int = 0) -> dict:
+  """FLOPs and HBM bytes of one call's kernels (B=b, H=h, a block of m queries, window w behind
+  and `ahead` in front), every row at `span` on both sides (None: a fixed span, every distance of
+  both windows visited), as {kernel: {"flops", "bytes", "bytes_min"}}: the three Triton kernels'
+  tile schedules, and "position", the XLA matmuls around them (G = q [pe | pe_ahead] forward and
+  again backward, dq += dG pe^T, d pe = q^T dG over the whole band: their cost does not fall with
+  the spans). "bytes" counts every block a program loads or stores (keys, values and position
+  tiles once per query block that visits them), so re-reads that L2 catches count in full: an
+  upper bound; "bytes_min" each input read and each output written once: the lower bound.
+  Segment ids are not counted (one segment: no tile skipped for them). The compile mode's
+  per-kernel roofline (tools/compile.py) reads it; cost_analysis has none for a Triton call."""
   dp, isz = padded_head_dim(head_dim), jnp.dtype(dtype).itemsize
   bq, bk = tile, key_tile or tile
+  a_rows = -(-ahead // bk) * bk  # the rows ahead in whole key tiles
+  band = w + a_rows  # G's row: the band's columns (and one zero column)
   win = w if span is None else max(1, min(w, int(math.floor(span)) + ramp + 1))
-  tiles = 0  # visited (query block, key block) pairs: _key_blocks' range per query block
+  wa = ahead if span is None else max(0, min(ahead, int(math.floor(span)) + ramp))
+  tiles = 0  # visited (query block, key block) pairs: the kernels' range per query block
   for i0 in range(0, m, bq):
-    lo, hi = (w + i0 - win) // bk, (w + i0 + bq - 2) // bk + 1
+    lo, hi = (w + i0 - win) // bk, (w + i0 + bq - 2 + wa) // bk + 1
     tiles += hi - lo
   tiles *= b * h
-  progs_q, progs_k = b * h * (m // bq), b * h * ((w + m) // bk)
+  progs_q, progs_k = b * h * (m // bq), b * h * ((w + m + a_rows) // bk)
   qk = 2 * bq * bk * dp
   rows, keys, pos = bq * dp * isz, bk * dp * isz, bq * bk * isz
   pers_mm, pers_io = 2 * bq * n_pers * dp, 2 * n_pers * dp * isz
-  keys_read = ((w + m - 2) // bk + 1 - (w - win) // bk) * bk  # the span's keys, block-rounded
+  keys_read = ((w + m - 2 + wa) // bk + 1 - (w - win) // bk) * bk  # the spans' keys, in tiles
   q_all, kv_all = b * h * m * dp * isz, b * h * keys_read * dp * isz
-  g_all, g_read, stat = b * h * m * (w + 1) * isz, b * h * m * keys_read * isz, b * h * m * 4
+  g_all, g_read, stat = b * h * m * (band + 1) * isz, b * h * m * keys_read * isz, b * h * m * 4
   minimum = {"fwd": 2 * q_all + 2 * kv_all + g_read + 3 * stat + pers_io * h,
              "bwd_q": 2 * q_all + q_all * 4 // isz + 2 * kv_all + 2 * g_read + 4 * stat
                       + pers_io * h * 3,
              "bwd_kv": 2 * q_all + 4 * kv_all + g_read + 4 * stat,
-             "position": 4 * q_all + 3 * g_all + (w + 1) * dp * (isz + 4)}
+             "position": 4 * q_all + 3 * g_all + (band + 1) * dp * (isz + 4)}
   cost = {
       "fwd": {"flops": tiles * 2 * qk + progs_q * 2 * pers_mm,
               "bytes": tiles * (2 * keys + pos) + progs_q * (2 * rows + 3 * bq * 4 + pers_io)},
@@ -597,8 +912,8 @@ def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: in
                                       + 4 * n_pers * dp * 4)},
       "bwd_kv": {"flops": tiles * 4 * qk,
                  "bytes": tiles * (2 * rows + 4 * bq * 4 + pos) + progs_k * 4 * keys},
-      "position": {"flops": 4 * 2 * b * h * m * (w + 1) * dp,
-                   "bytes": 4 * q_all + 4 * g_all + (w + 1) * dp * (isz + 4)},
+      "position": {"flops": 4 * 2 * b * h * m * (band + 1) * dp,
+                   "bytes": 4 * q_all + 4 * g_all + (band + 1) * dp * (isz + 4)},
   }
   return {k: dict(v, bytes_min=minimum[k]) for k, v in cost.items()}
 
@@ -609,13 +924,13 @@ def padded_head_dim(dh: int) -> int:
   return max(16, 1 << (dh - 1).bit_length())
 
 
-def _pad_head_dim(dp, q, k, v, pe, pk, pv):
+def _pad_head_dim(dp, q, k, v, pe, pk, pv, pe_a=None):
   """Zero-pads the head dim to dp: the padded columns add 0 to every score and give 0 outputs,
   which the caller slices off (so their gradients are sliced off too)."""
   dh = q.shape[-1]
   if dp == dh:
-    return q, k, v, pe, pk, pv
+    return q, k, v, pe, pk, pv, pe_a
   last = lambda x: None if x is None else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - dh)])
-  pe = jnp.pad(pe, ((0, dp - dh), (0, 0)))
+  rows = lambda x: None if x is None else jnp.pad(x, ((0, dp - dh), (0, 0)))
   pk = None if pk is None else jnp.pad(pk, ((0, 0), (0, dp - dh), (0, 0)))
-  return last(q), last(k), last(v), pe, pk, last(pv)
+  return last(q), last(k), last(v), rows(pe), pk, last(pv), rows(pe_a)

@@ -304,7 +304,7 @@ def test_rejects_shapes_the_kernel_cannot_tile():
     fa.span_attention(q, k, v, pe, None, block=64, interpret=True)
   with pytest.raises(ValueError, match="multiples of the tiles 16 and 64"):
     fa.span_attention(q, k, v, pe, None, block=BLOCK, block_k=64, interpret=True)
-  with pytest.raises(ValueError, match="keys"):
+  with pytest.raises(ValueError, match="key rows"):
     fa.span_attention(q, k[:, :, 1:], v, pe, None, block=BLOCK, interpret=True)
 
 
