@@ -15,6 +15,11 @@ out-of-memory is that family's rows, not the run):
                       a learned plan (windows < S) against the plain definition; then forward and
                       forward+backward ms at enwik8's layer shapes: the kernel (all spans at S,
                       learned spans 3 to 0.7 W), the XLA path, cuDNN flash attention
+  encoder             bench/gpu_encoder.py: bidirectional attention with segment ids (packed
+                      sequences, padding) through the drop-in layer's function: the kernel's
+                      values and every gradient against the layer's dense definition, then ms of
+                      the kernel (learned spans, all at S), the XLA path and cuDNN's dense flash
+                      attention (segments as a mask; padding as lengths) at 8 x 2,048 tokens
   train_enwik8        configs/enwik8.py's bf16 training step, pallas and reference, learned plan
                       then the full plan (all spans at S): ms, tokens/s, MFU, compiled bytes
   reference           the reference's PyTorch step on the same device at the same two plans
@@ -45,15 +50,15 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-FAMILIES = ("kernel", "train_enwik8", "reference", "train_enwik8_large", "sampling")
+FAMILIES = ("kernel", "encoder", "train_enwik8", "reference", "train_enwik8_large", "sampling")
 # Device seconds, estimated from the H200 run of 2026-11-27 (a training step compiled in ~24 s,
 # an enwik8 step ran in 18-470 ms): what each family should take, its cap, and the minimum it
 # keeps for itself out of the earlier families' time.
-EST_S = {"kernel": 110, "train_enwik8": 140, "reference": 25, "train_enwik8_large": 110,
+EST_S = {"kernel": 110, "encoder": 50, "train_enwik8": 140, "reference": 25, "train_enwik8_large": 110,
          "sampling": 45}
-CAP_S = {"kernel": 170, "train_enwik8": 175, "reference": 50, "train_enwik8_large": 150,
+CAP_S = {"kernel": 170, "encoder": 80, "train_enwik8": 175, "reference": 50, "train_enwik8_large": 150,
          "sampling": 60}
-RESERVE_S = {"kernel": 0, "train_enwik8": 60, "reference": 25, "train_enwik8_large": 45,
+RESERVE_S = {"kernel": 0, "encoder": 25, "train_enwik8": 60, "reference": 25, "train_enwik8_large": 45,
              "sampling": 30}
 ROW_EST_S = {"train_enwik8": 35, "train_enwik8_large": 50, "sampling": 15}  # one compile + reps
 BUDGET_S = 480.0  # 8 minutes: the 10-minute command keeps ~2 for pip, start-up and slack
@@ -66,6 +71,8 @@ def family_specs(family: str, dry: bool) -> tuple[list[str], dict | None]:
   """(script and arguments, spec or None) of one family's child."""
   if family == "kernel":
     return [os.path.join(HERE, "gpu_kernel_check.py")] + (["--dry_run"] if dry else []), None
+  if family == "encoder":
+    return [os.path.join(HERE, "gpu_encoder.py")] + (["--dry_run"] if dry else []), None
   sys.path.insert(0, REPO)
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   impls = [("pallas", "pallas_interpret" if dry else "pallas"), ("reference", "reference")]
@@ -322,6 +329,38 @@ def markdown(rows: list[dict]) -> str:
                  f"{r.get('span_mode')} | {r.get('pers_mem')} | "
                  f"{(r.get('shape') or {}).get('groups')} | {r['status']} | " +
                  " | ".join(_f(d.get(k)) for _, k in MODEL_COLUMNS) + f" | {worst} |")
+
+  echecks = [r for r in rows if r.get("kind") == "encoder_check"]
+  if echecks:
+    names = ("out", "query", "key", "value", "span_ratio", "pos_back", "pos_ahead",
+             "span_ratio_ahead")
+    out += ["", "## Encoder correctness (bidirectional, segment ids: the layer's kernel path "
+            "against its dense definition, float32, exact dots)", "",
+            "| case | shape B,N,H,S | impl | status | " + " | ".join(names) +
+            " | worst | padding out | s |", "|" + "---|" * (7 + len(names))]
+    for r in echecks:
+      d = r.get("diffs", {})
+      worst = (f"{r['worst']} {r['worst_diff']:.3g} (tol {r['tol']})" if "worst" in r else
+               _first_line(r.get("error")))
+      out.append(f"| {r['case']} | {r.get('shape')} | {r.get('impl')} | {r['status']} | " +
+                 " | ".join(_f(d.get(g)) for g in names) +
+                 f" | {worst} | {_f(r.get('padding_out'))} | {r.get('seconds')} |")
+  etimes = [r for r in rows if r.get("kind") == "encoder_time"]
+  if etimes:
+    ok = [r for r in etimes if r.get("status") == "ok"]
+    base = {k: next((r for r in ok if r["path"].startswith(k)), None)
+            for k in ("reference", "cudnn")}
+    out += ["", f"## Encoder attention timings, bf16, {etimes[0].get('shape')}", "",
+            "| path | spans | status | fwd ms | fwd+bwd ms | fwd+bwd vs XLA | "
+            "fwd+bwd vs cuDNN (mask) | note |", "|---|---|---|---|---|---|---|---|"]
+    for r in etimes:
+      vs = lambda b, r=r: (f"{r['fwd_bwd_ms'] / b['fwd_bwd_ms']:.2f}x"
+                           if b and r.get("fwd_bwd_ms") else "-")
+      note = "; ".join(x for x in (r.get("note"), "interpreted" if r.get("interpret") else "")
+                       if x)
+      out.append(f"| {r['path']} | {r['spans']} | {r.get('status')} | {_f(r.get('fwd_ms'))} | "
+                 f"{_f(r.get('fwd_bwd_ms'))} | {vs(base['reference'])} | {vs(base['cudnn'])} | "
+                 f"{note or _first_line(r.get('error'))} |")
 
   times = [r for r in rows if r.get("kind") == "time"]
   if times:

@@ -59,7 +59,7 @@ def test_every_family_ran_and_every_row_succeeded(dry_run):
     assert f"| {name} | ok" in md
   assert "cut short" not in md
   for header in ("## Kernel correctness", "## Attention layer, learned plan",
-                 "## Attention timings", "## Training step: configs/enwik8.py",
+                 "## Attention timings", "## Encoder correctness", "## Encoder attention timings", "## Training step: configs/enwik8.py",
                  "## Training step: configs/enwik8_large.py", "## Reference (PyTorch)",
                  "## Sampling"):
     assert header in md
@@ -104,6 +104,32 @@ def test_timing_rows_and_the_marked_cudnn_stand_in(dry_run):
   for r in times.values():
     assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
   assert times[("pallas", "all_S")]["tiles"] and "STAND-IN" in md
+
+
+def test_encoder_rows_compared_every_gradient_and_timed_every_path(dry_run):
+  """The encoder family: the kernel's bidirectional segmented path against the layer's dense
+  definition (every gradient, the spans ahead learned apart, padding rows exactly 0), and
+  timings of the kernel, the XLA path and cuDNN's marked stand-in."""
+  rows, md, _ = dry_run
+  checks = [r for r in rows if r.get("kind") == "encoder_check"]
+  assert checks and all(r["status"] == "pass" and r["interpret"] for r in checks)
+  assert {r["dtype"] for r in checks} == {"bfloat16", "float32"} and any(r["apart"]
+                                                                        for r in checks)
+  for r in checks:
+    must = ["out", "query", "key", "value", "span_ratio", "pos_back", "pos_ahead"] + (
+        ["span_ratio_ahead"] if r["apart"] else [])
+    assert set(must) <= set(r["diffs"]) and not r["zero_reference"], r
+    assert all(math.isfinite(r["diffs"][n]) and r["diffs"][n] <= r["tol"] for n in must), r
+    assert r["padding_out"] == 0.0
+  times = {(r["path"], r["spans"]): r for r in rows if r.get("kind") == "encoder_time"}
+  assert set(times) == {("pallas_interpret", "learned"), ("pallas_interpret", "all_S"),
+                        ("reference", "learned"), ("cudnn_standin_mask", "dense"),
+                        ("cudnn_standin_lengths", "dense")}
+  for r in times.values():
+    assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+    assert r["shape"]["ahead"] == r["shape"]["max_span"] - 1 and r["shape"]["padding"] > 0
+  argv, spec = gpu_run.family_specs("encoder", dry=False)
+  assert argv[-1].endswith("gpu_encoder.py") and spec is None  # on a GPU: the real thing
 
 
 def test_training_reference_and_sampling_rows(dry_run):

@@ -24,12 +24,13 @@ def tiles(impl, spec, dtype) -> tuple[int, int, int]:
   explicit = kernels.parse_tiles(spec.attention.tiles)
   if explicit is not None:
     return explicit
-  return pallas_gpu.tiles(_cc(impl), spec.head_dim, dtype, spec.attention.block)
+  return pallas_gpu.tiles(_cc(impl), spec.head_dim, dtype, spec.attention.block,
+                         two_sided=spec.ahead > 0)
 
 
 def key_tile(impl, spec, dtype, tile: int) -> int:
   """The kernel's key tile for a query tile (pallas_gpu.TILES; interpreted: the tile)."""
-  return pallas_gpu.key_tile(_cc(impl), spec.head_dim, dtype, tile)
+  return pallas_gpu.key_tile(_cc(impl), spec.head_dim, dtype, tile, two_sided=spec.ahead > 0)
 
 
 def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span_z=None,

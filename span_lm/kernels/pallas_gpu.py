@@ -803,8 +803,8 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   b, _, m, _ = q_BxHxMxD.shape
   w = key_pe_DxW.shape[-1]
   if k_BxHxTxD.shape[2] != w + m + a:
-    raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} key rows for window {w}, block {m} "
-                     f"and {a} ahead")
+    raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} rows of keys for window {w}, "
+                     f"block {m} and {a} ahead (W + M + A)")
   k, v, kv_seg = k_BxHxTxD, v_BxHxTxD, kv_segments_BxT
   a_rows = -(-a // block_k) * block_k  # rows ahead in whole key tiles, zero-padded
   if a_rows > a:
@@ -844,26 +844,40 @@ TILES = {
     (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (64, 32, 8, 2),
     (8, 64, "float32"): (32, 32, 4, 2), (8, 128, "float32"): (32, 16, 8, 2),
 }
+# Two-sided kernels (windows ahead: the two-sided visit test, the mask's x = |dist - 1|, spans
+# ahead learned apart) hold more per tile: at the table above bwd_q spilled in bf16 (A100, head
+# size 128: 52 B with one span, 204 B with spans apart; H100 with spans apart: 140-200 B). From a
+# deviceless sweep of both (segment ids, persistent memory, dropout; docs/kernels.md): no bf16
+# spills, the fewest in float32 while Hopper keeps wgmma (64-row tiles).
+TILES_TWO_SIDED = {
+    (9, 64, "bfloat16"): (64, 32, 4, 3), (9, 128, "bfloat16"): (64, 32, 8, 3),
+    (9, 64, "float32"): (64, 16, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),
+    (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (32, 32, 8, 2),
+    (8, 64, "float32"): (32, 32, 4, 2), (8, 128, "float32"): (16, 16, 4, 2),
+}
 DEFAULT_TILES = (64, 4, 2)  # elsewhere (interpret mode, unknown targets): the attn_block itself
 
 
-def _entry(compute_capability, head_dim, dtype):
+def _entry(compute_capability, head_dim, dtype, two_sided=False):
   dp = padded_head_dim(head_dim)
   key = (None if compute_capability is None else int(compute_capability), min(dp, 128),
          jnp.dtype(dtype).name)
-  return TILES.get(key)
+  return (TILES_TWO_SIDED if two_sided else TILES).get(key)
 
 
-def tiles(compute_capability: float | None, head_dim: int, dtype, block: int):
-  """(tile, num_warps, num_stages) for a target (None: not a GPU) and an attn_block."""
-  entry = _entry(compute_capability, head_dim, dtype)
+def tiles(compute_capability: float | None, head_dim: int, dtype, block: int,
+          two_sided: bool = False):
+  """(tile, num_warps, num_stages) for a target (None: not a GPU) and an attn_block; two_sided:
+  the kernels with windows ahead (TILES_TWO_SIDED)."""
+  entry = _entry(compute_capability, head_dim, dtype, two_sided)
   tile, warps, stages = (entry[0], *entry[2:]) if entry else (block, *DEFAULT_TILES[1:])
   return min(tile, block), warps, stages
 
 
-def key_tile(compute_capability: float | None, head_dim: int, dtype, tile: int) -> int:
+def key_tile(compute_capability: float | None, head_dim: int, dtype, tile: int,
+             two_sided: bool = False) -> int:
   """The key tile that goes with a query tile on a target: the table's, at most the tile."""
-  entry = _entry(compute_capability, head_dim, dtype)
+  entry = _entry(compute_capability, head_dim, dtype, two_sided)
   return min(entry[1], tile) if entry else tile
 
 

@@ -273,26 +273,30 @@ sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
 """
 
 # The kernels alone at the door's tiles: two-sided (A = 255: not a whole key tile), segment ids,
-# one span both sides, persistent memory, dropout; bf16 and float32, head sizes 64 and 96.
+# one span both sides and spans ahead learned apart, persistent memory, dropout; bf16 and
+# float32, head sizes 64 and 96.
 _KERNEL_CHILD = _PRELUDE + """
 b, h, m, w, a, n = 1, 2, 128, 256, 255, 64
 for dt in (jnp.bfloat16, jnp.float32):
   for dh in (64, 96):
-    tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)
-    bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile)
+    tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64, two_sided=True)
+    bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile, two_sided=True)
     print("TILES " + json.dumps([jnp.dtype(dt).name, dh, tile, warps, stages, bk]), flush=True)
     sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
-    def loss(q, k, v, pe, pe_a, z, pk, pv, qs, ks):
-      return jnp.sum(pallas_gpu.span_attention(
-          q, k, v, pe, z, ramp=32, block=tile, block_k=bk, num_warps=warps, num_stages=stages,
-          pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=0.1, dropout_seed=jnp.uint32(3),
-          key_pe_ahead_DxA=pe_a, q_segments_BxM=qs, kv_segments_BxT=ks).astype(jnp.float32))
-    f32, i32 = jnp.float32, jnp.int32
-    jax.jit(jax.value_and_grad(loss, argnums=tuple(range(8)))).lower(
-        sds(b, h, m, dh), sds(b, h, w + m + a, dh), sds(b, h, w + m + a, dh), sds(dh, w),
-        sds(dh, a), sds(b, h, m, d=f32), sds(h, dh, n, d=f32), sds(h, n, dh, d=f32),
-        sds(b, m, d=i32), sds(b, w + m + a, d=i32)
-        ).compile(compiler_options=dict(kernels.GPU_COMPILER_OPTIONS))
+    for apart in (False, True):
+      def loss(q, k, v, pe, pe_a, z, z_a, pk, pv, qs, ks):
+        return jnp.sum(pallas_gpu.span_attention(
+            q, k, v, pe, z, ramp=32, block=tile, block_k=bk, num_warps=warps,
+            num_stages=stages, pers_k_HxDxN=pk, pers_v_HxNxD=pv, dropout_rate=0.1,
+            dropout_seed=jnp.uint32(3), key_pe_ahead_DxA=pe_a,
+            z_ahead_BxHxM=z_a if apart else None, q_segments_BxM=qs,
+            kv_segments_BxT=ks).astype(jnp.float32))
+      f32, i32 = jnp.float32, jnp.int32
+      jax.jit(jax.value_and_grad(loss, argnums=tuple(range(9)))).lower(
+          sds(b, h, m, dh), sds(b, h, w + m + a, dh), sds(b, h, w + m + a, dh), sds(dh, w),
+          sds(dh, a), sds(b, h, m, d=f32), sds(b, h, m, d=f32), sds(h, dh, n, d=f32),
+          sds(h, n, dh, d=f32), sds(b, m, d=i32), sds(b, w + m + a, d=i32)
+          ).compile(compiler_options=dict(kernels.GPU_COMPILER_OPTIONS))
 """
 
 # A real step: jit(grad) of a small encoder (embedding, one bidirectional AdaptiveSpanAttention
@@ -375,15 +379,16 @@ def _assert_facts(facts, target):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
 @pytest.mark.parametrize("target", ["h100", "a100_80"])
 def test_two_sided_segmented_kernels_ptx(tmp_path, target):
-  """The two-sided segmented kernels (A = 255, not a whole tile; persistent memory, dropout) at
-  the door's tiles, bf16 and float32, head sizes 64 and 96: no read-back, asynchronous copies,
-  the position tiles pipelined, tensor-core instructions, no spills in bf16."""
+  """The two-sided segmented kernels (A = 255, not a whole tile; one span both sides and spans
+  ahead learned apart; persistent memory, dropout) at the door's tiles (TILES_TWO_SIDED), bf16
+  and float32, head sizes 64 and 96: no read-back, asynchronous copies, the position tiles
+  pipelined, tensor-core instructions (wgmma on the H100), no spills in bf16."""
   r, facts, reports = _compile(tmp_path, _KERNEL_CHILD, target)
   tiles = [json.loads(l[6:]) for l in r.stdout.splitlines() if l.startswith("TILES ")]
   assert len(tiles) == 4 and all(t[4] >= 2 for t in tiles), tiles  # pipelined launches
-  assert len(facts) == 12 == len(reports), ([f["kernel"] for f in facts], reports)
+  assert len(facts) == 24 == len(reports), ([f["kernel"] for f in facts], reports)
   _assert_facts(facts, target)
-  bf16 = reports[:6]  # compiled in the child's order: bf16 first
+  bf16 = reports[:12]  # compiled in the child's order: bf16 first
   assert all(k["spill_store"] == 0 == k["spill_load"] for k in bf16), bf16
 
 
