@@ -13,8 +13,8 @@ Sec. 4.3 writes A1 of strided as {max(0, i - l), ..., i}, l + 1 positions; the r
 `local` mask (openai/sparse_attention, band of width l) keeps l. We follow the code: the position
 i - l is reached by A2 anyway, and a window of l spans at most two blocks of l.
 
-`connectivity` gives the boolean (n, n) matrix of a head (the dense reference and Figure 3); the
-fast path never builds it. Each head is a sum of parts, each part O(n sqrt n) when l ~ sqrt n:
+`connectivity` gives the boolean (n, n) matrix of a head (the dense reference and Figure 3), from
+the one formula in span_lm/kernels/block_sparse.py; the fast path never builds it. Each head is a sum of parts, each part O(n sqrt n) when l ~ sqrt n:
   local part    queries of block b against keys of blocks b-1 and b: (n/l, l, 2l) scores;
   strided part  the sequence transposed to (l, n/l): column r attends causally along its n/l rows;
   summary part  the c summary keys of every block gathered into (n/l * c) keys.
@@ -22,33 +22,17 @@ A merged head (A1 u A2) drops the overlap from its summary part (strided: j = i;
 keys of the query's own block) and combines the parts' softmaxes exactly, by their running maxima.
 Scores and softmax are float32 whatever the input dtype; a query with no key outputs zeros.
 """
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm.kernels.block_sparse import HeadPattern, connectivity  # noqa: F401 (the API)
 from span_lm.model.config import SPARSE_COMBINES as COMBINES
 from span_lm.model.config import SPARSE_PATTERNS as PATTERNS
 
 _NEG = -1e30  # finite: an all-masked part gives exp(0) * 0 = 0, never a NaN
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadPattern:
-  """The connectivity of one head: which parts of its pattern it attends to."""
-  kind: str  # 'strided' | 'fixed' | 'dense'
-  local: bool = False  # A1
-  summary: bool = False  # A2
-  stride: int = 1
-  c: int = 1  # fixed: summary width
-  offset: int = 0  # fixed: summary sub-block offset from the block end
-
-  @property
-  def group(self):
-    """Heads with the same group run together (offsets may differ within a group)."""
-    return (self.kind, self.local, self.summary, self.stride, self.c)
 
 
 def layer_heads(pattern: str, combine: str, n_heads: int, layer: int, stride: int, c: int,
@@ -82,26 +66,6 @@ def layer_heads(pattern: str, combine: str, n_heads: int, layer: int, stride: in
       k += 1
     heads.append(HeadPattern(kind, local, summary, stride, c if kind == "fixed" else 1, offset))
   return tuple(heads)
-
-
-def connectivity(head: HeadPattern, n: int) -> np.ndarray:
-  """Boolean (n, n) matrix: [i, j] is True when query i attends to key j."""
-  i = np.arange(n)[:, None]
-  j = np.arange(n)[None, :]
-  causal = j <= i
-  if head.kind == "dense":
-    return causal
-  l = head.stride
-  out = np.zeros((n, n), bool)
-  if head.local:
-    out |= (i - j < l) if head.kind == "strided" else (i // l == j // l)
-  if head.summary:
-    if head.kind == "strided":
-      out |= (i - j) % l == 0
-    else:
-      col = j % l
-      out |= (col >= l - head.c - head.offset) & (col < l - head.offset)
-  return out & causal
 
 
 def reachable(layer_masks: list[np.ndarray]) -> np.ndarray:
