@@ -54,6 +54,18 @@ def long_band(c: int, w: int) -> bool:
   return w >= 2 * c
 
 
+def two_sided_chunk(m: int, w: int) -> int:
+  """Queries per chunk of a band with keys ahead (W = behind + ahead): the largest divisor of M
+  up to W / 2, in band coordinates (`_band_attention`). The band's (C, W + C) scores then cost
+  at most 1.5 times the band, against twice for C >= W, and the four skews of band coordinates
+  stay cheaper than key coordinates' row-wise work over W + C (docs/benchmarks.md, "The drop-in
+  layer"; causal bands keep `choose_chunk`: the language model's shapes were tuned on it)."""
+  for c in range(min(m, max(1, w // 2)), 0, -1):
+    if m % c == 0:
+      return c
+  return m
+
+
 def unskew(x, w: int):
   """(..., C, W + C) query-by-key scores -> (..., C, W) bands (column s: distance W - s)."""
   return _unskew_long(x, w) if long_band(x.shape[-2], w) else _unskew_pad(x, w)
@@ -192,7 +204,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   if a:
     key_pe_DxW = jnp.concatenate([key_pe_DxW.astype(jnp.float32),
                                   key_pe_ahead_DxA.astype(jnp.float32)], axis=-1)
-  c = choose_chunk(m, w, chunk)
+  c = two_sided_chunk(m, w) if a and not chunk else choose_chunk(m, w, chunk)
   n = m // c
   if positions_last and n > 1:  # windows are cut along T
     k, v, positions_last = k.swapaxes(2, 3), v.swapaxes(2, 3), False
@@ -206,7 +218,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   # position term is skewed there, and its gradient unskewed, where band coordinates would skew
   # the scores, the weights and both their gradients (two gathers fewer per layer, for 1 + C/W
   # times the row-wise work). Short bands (W + C up to 2W) take band coordinates.
-  keyed = long_band(c, w)
+  keyed = long_band(c, w) and not a
   cont = matmul.einsum(f"bgncd,bgn{kd}->bgnck", q, k_win, jnp.float32)
   # float32 parameters (key_pe, persistent vectors) go in as they are: matmul.einsum (and
   # _keyed_attention) cast them to q's dtype and keep their gradients in float32
@@ -267,9 +279,10 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
       probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
     probs = probs.reshape(b, g, n, c, kw)
 
-  if keyed and pers_k_GxDxN is None:  # one custom VJP (the scores above are for `probs` only)
+  if pers_k_GxDxN is None:  # one custom VJP (the scores above are for `probs` only)
     keep = None if dropout is None else dropout(jnp.ones(probs.shape, jnp.float32))
-    out = _keyed_attention(q, k_win, v_win, pe, mask, keep, allowed, kd, eps)
+    out = (_keyed_attention if keyed else _band_attention)(q, k_win, v_win, pe, mask, keep,
+                                                           allowed, kd, eps)
   else:
     dropped = dropout(probs) if dropout is not None else probs
     dropped = dropped.astype(v.dtype)
@@ -367,8 +380,9 @@ def _mm(spec, a, b):
   return out.reshape(lead + out.shape[1:])
 
 
-def _weights_fwd(logits, mask, keep, v_win, kd, eps):
-  """softmax, mask, dropout, p @ v; returns out and the residuals of _weights_bwd."""
+def _weights_fwd(logits, mask, keep, v_win, kd, eps, to_keys=None):
+  """softmax, mask, dropout, p @ v; returns out and the residuals of _weights_bwd. to_keys: the
+  weights' skew to key coordinates when logits are bands (None: logits are in key coordinates)."""
   shape = logits.shape
   e = jax.nn.softmax(logits.reshape(-1, shape[-1]), axis=-1).reshape(shape)
   p, den = e, None
@@ -376,25 +390,28 @@ def _weights_fwd(logits, mask, keep, v_win, kd, eps):
     u = e * mask
     den = jnp.sum(u, axis=-1, keepdims=True) + eps
     p = u / den
-  p_v = (p if keep is None else p * keep).astype(v_win.dtype)
+  p_v = p if keep is None else p * keep
+  p_v = (p_v if to_keys is None else to_keys(p_v)).astype(v_win.dtype)
   out = _mm(f"bgnck,bgn{kd}->bgncd", p_v, v_win)
-  if keep is None and p_v.dtype != p.dtype:  # bf16/f16: the weights are kept once, as cast
+  if keep is None and p_v.dtype != p.dtype and to_keys is None:  # bf16/f16: kept once, as cast
     p = None
   return out, (p, e if mask is not None else None, den, mask, keep, p_v, v_win, out)
 
 
-def _weights_bwd(kd, eps, res, d_out, scale: float = 1.0):
-  """Gradients of _weights_fwd: d_logits (times scale), d_mask, None for keep, dv."""
+def _weights_bwd(kd, eps, res, d_out, scale: float = 1.0, from_keys=None):
+  """Gradients of _weights_fwd: d_logits (times scale), d_mask, None for keep, dv. from_keys:
+  the unskew back to bands (the transpose of _weights_fwd's to_keys)."""
   p, e, den, mask, keep, p_v, v_win, out = res
   if p is None:  # every consumer of d_logits rounds it to bf16/f16 anyway
     p = p_v.astype(jnp.float32)
+  from_keys = from_keys or (lambda x: x)
   d_v = d_out.astype(v_win.dtype)
   dv = _mm(f"bgnck,bgncd->bgn{kd}", p_v, d_v).astype(v_win.dtype)
   if mask is None and keep is None:  # d_logits * scale, the scale folded into dO (small)
-    dp = _mm(f"bgncd,bgn{kd}->bgnck", (d_out * scale).astype(v_win.dtype), v_win)
+    dp = from_keys(_mm(f"bgncd,bgn{kd}->bgnck", (d_out * scale).astype(v_win.dtype), v_win))
     rowdot = jnp.sum(d_out * out, axis=-1, keepdims=True) * scale
     return p * (dp - rowdot), None, None, dv
-  dp = _mm(f"bgncd,bgn{kd}->bgnck", d_v, v_win)  # gradient of the weights as multiplied
+  dp = from_keys(_mm(f"bgncd,bgn{kd}->bgnck", d_v, v_win))  # of the weights as multiplied
   if keep is not None:
     dp = dp * keep
   rowdot = jnp.sum(d_out * out, axis=-1, keepdims=True)  # = sum(dp * p) over the row
@@ -443,12 +460,59 @@ def _keyed_bwd(kd, eps, res, d_out):
   dq = (_mm(f"bgnck,bgn{kd}->bgncd", ds, k_win)
         + matmul.einsum("bgncw,dw->bgncd", d_pos, pe, jnp.float32))
   dk = _mm(f"bgncd,bgnck->bgn{kd}", q, ds)
-  dpe = matmul.einsum("bgncd,bgncw->dw", q, d_pos, jnp.float32)
-  return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, dpe.astype(pe.dtype), d_mask, None,
-          None)
+  return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, _pe_grad(q, d_pos).astype(pe.dtype),
+          d_mask, None, None)
 
 
 _keyed_attention.defvjp(_keyed_fwd, _keyed_bwd)
+
+
+def _pe_grad(q, d_pos):
+  """dL/d(key_pe) = sum over rows of q^T d_pos, (Dh, W) in float32, as one (Dh, rows) x (rows,
+  W) matmul: written as an einsum over (b, g, n, c), XLA:CPU copied the (rows, W) gradient to
+  (W, rows) first, a transpose as slow as the product (the (rows, Dh) queries are W / Dh times
+  smaller to transpose)."""
+  rows = math.prod(q.shape[:-1])
+  return matmul.einsum("dr,rw->dw", q.reshape(rows, q.shape[-1]).T,
+                       d_pos.reshape(rows, d_pos.shape[-1]), jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _band_attention(q, k_win, v_win, pe, mask, keep, allowed, kd: str, eps: float):
+  """`_keyed_attention` for short bands (W < 2C), whose logits, weights and their gradients stay
+  in band coordinates (C, W): the scores q k^T are unskewed once, the weights skewed once for
+  p @ v, and the backward mirrors that (dp unskewed, d_logits skewed for dq and dk). Autodiff of
+  the same expressions broadcast the mask's and the softmax's row factors to full (C, W) arrays,
+  and transposed the (rows, W) position gradient (docs/benchmarks.md, "The drop-in layer")."""
+  return _band_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps)[0]
+
+
+def _band_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps):
+  dh, w = q.shape[4], pe.shape[1]
+  cont = _mm(f"bgncd,bgn{kd}->bgnck", q, k_win)
+  pos = matmul.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
+  logits = (_unskew_pad(cont, w) + pos) / math.sqrt(dh)
+  if allowed is not None:  # finite: a row with no key of its segment gives zeros, not NaN
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+  out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps, to_keys=_skew_pad)
+  return out, (res, q, k_win, pe)
+
+
+def _band_bwd(kd, eps, res, d_out):
+  res, q, k_win, pe = res
+  dh, w = q.shape[4], pe.shape[1]
+  d_logits, d_mask, _, dv = _weights_bwd(kd, eps, res, d_out, 1 / math.sqrt(dh),
+                                         from_keys=lambda x: _unskew_pad(x, w))
+  d_pos = d_logits.astype(q.dtype)
+  ds = _skew_pad(d_pos)  # zero off the band
+  dq = (_mm(f"bgnck,bgn{kd}->bgncd", ds, k_win)
+        + matmul.einsum("bgncw,dw->bgncd", d_pos, pe, jnp.float32))
+  dk = _mm(f"bgncd,bgnck->bgn{kd}", q, ds)
+  return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, _pe_grad(q, d_pos).astype(pe.dtype),
+          d_mask, None, None)
+
+
+_band_attention.defvjp(_band_fwd, _band_bwd)
 
 
 @jax.custom_vjp
