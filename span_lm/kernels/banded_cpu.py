@@ -314,7 +314,9 @@ def _segment_allowed(segments, w: int, a: int, c: int, keyed: bool):
   idx = np.arange(n)[:, None] * c + np.arange(w + c)[None, :]
   kv_win = kv_seg[:, idx]  # B n (W+C)
   same = (q_seg.reshape(b, n, c, 1) == kv_win[:, :, None, :]) & (kv_win[:, :, None, :] != 0)
-  if not keyed:
+  if keyed:  # keys off the band are not the query's: a row whose segment has keys only there
+    same = same & _on_band(c, w)  # has none (its output is zero, `row_ok`)
+  else:
     same = _unskew_pad(same.astype(jnp.int8), w).astype(bool)
   return same[:, None]
 

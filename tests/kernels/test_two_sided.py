@@ -111,6 +111,30 @@ def test_two_sided_equals_the_definition(impl, case):
   _check(impl, np.random.default_rng(0), **case)
 
 
+@pytest.mark.parametrize("impl", TWO_SIDED)
+@pytest.mark.parametrize("a", [0, 16])
+def test_a_query_whose_segment_has_keys_only_outside_its_window_gives_zeros(impl, a):
+  """Query 5's segment (id 2) holds only rows beyond its window ahead (and the query's own row
+  when causal): it sees no key and gives zeros; the others are unchanged. Regression: the cpu
+  path's key coordinates (a chunk's W + C columns) once counted such keys and attended to the
+  finite minimum of every band key instead (found by the property test below)."""
+  rng = np.random.default_rng(3)
+  b, g, m, w, dh = 1, 2, 16, 32, 8
+  q, k, v, pe, pe_a, z, _, _, _ = _case(rng, b, g, m, w, a, dh, 0, 0, False, False)
+  kv_seg = np.ones((b, w + m + a), np.int32)
+  kv_seg[:, w + 5 + a + 1:] = 2  # beyond query 5's farthest key ahead (distance a)
+  if not a:
+    kv_seg[:, w + 5] = 2  # causal: the row at the query's own position is not among its keys
+  q_seg = np.ones((b, m), np.int32)
+  q_seg[:, 5] = 2
+  spec = _spec(impl, w, a, True)
+  out = np.asarray(_door(impl, spec, q, k, v, pe, pe_a, z, None, (None, None), (q_seg, kv_seg)))
+  want, _ = ref.banded_attention(q, k, v, pe, z, R, None, None, ct=np.ones_like(q),
+                                 pe_ahead=pe_a, q_seg=q_seg, kv_seg=kv_seg)
+  assert np.all(out[:, :, 5] == 0)
+  np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", TWO_SIDED)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
