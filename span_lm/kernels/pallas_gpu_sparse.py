@@ -279,7 +279,7 @@ def _bwd_kv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_
   k, v = k_ref[...], v_ref[...]
 
   def body(t, carry):
-    dk, dv = carry
+    dk_t, dv_t = carry
     i0 = tab_ref[2 + t] * bq
     rows = pl.ds(i0, bq)
     q, do = q_ref[rows, :], do_ref[rows, :]
@@ -287,15 +287,17 @@ def _bwd_kv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_
     mask = _mask(head, offset, i0, j0, n=n, bq=bq, bk=bk)
     s = _dot(q, k, trans_b=True, exact=exact)
     p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
-    dv = dv + _dot(p.astype(do.dtype), do, trans_a=True, exact=exact)
+    dv_t = dv_t + _dot(do, p.astype(do.dtype), trans_a=True, exact=exact)
     dp = _dot(do, v, trans_b=True, exact=exact)
     ds = p * (dp - delta[:, None])
-    return dk + _dot(ds.astype(q.dtype), q, trans_a=True, exact=exact), dv
+    return dk_t + _dot(q, ds.astype(q.dtype), trans_a=True, exact=exact), dv_t
 
-  dk, dv = lax.fori_loop(0, count, body, (jnp.zeros(k.shape, jnp.float32),
-                                          jnp.zeros(v.shape, jnp.float32)))
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  # dK and dV accumulate transposed, (head size, bk): the dots' rows are the head size (64 or
+  # more), so a 32-key tile still runs Hopper's wgmma (64-row operands), not mma.sync.
+  dk_t, dv_t = lax.fori_loop(0, count, body, (jnp.zeros(k.shape[::-1], jnp.float32),
+                                              jnp.zeros(v.shape[::-1], jnp.float32)))
+  dk_ref[...] = dk_t.T.astype(dk_ref.dtype)
+  dv_ref[...] = dv_t.T.astype(dv_ref.dtype)
 
 
 # ---------------------------------------------------------------------------------- the calls
