@@ -6,15 +6,16 @@ head, split across heads, interleaved by layer (a layer's heads share a pattern)
 with distinct summary offsets, and dense causal heads.
 
 Lists. For each head, `block_sparse.block_map` marks every (bq x bk) tile EMPTY, PARTIAL or
-FULL; `block_sparse.block_lists` turns each query block's row of it into a count and an index
-list of its non-empty key blocks (the forward and the dQ pass), and each key block's column
-into a list of query blocks (the dK/dV pass). They are numpy constants built at trace time
-(cached per head, length and tiles), packed per head and row into one int32 table
-(H, rows, P): [count, summary offset, index 0, index 1, ...], P a power of two (Triton's
-block shapes). A program reads its row's count and loops over it (a fori_loop with a dynamic
-bound), loading the key (or query) tile its list names: tiles outside the list are never read.
+FULL; each query block's row of it becomes a list of its non-empty key blocks (the forward and
+the dQ pass), and each key block's column a list of query blocks (the dK/dV pass), FULL blocks
+first, then PARTIAL ones. They are numpy constants built at trace time (cached per head, length
+and tiles), packed per head and row into one int32 table (H, rows, P): [FULL count, PARTIAL
+count, summary offset, indices...], P a power of two (Triton's block shapes). A program reads
+its row's counts and runs two loops (fori_loops with dynamic bounds): the FULL blocks without
+any element mask, then the PARTIAL ones with it, loading the key (or query) tile its list
+names: tiles outside the list are never read.
 
-Element mask. Inside a tile the pattern formula itself (`block_sparse.allowed`) runs on iota
+Element mask. Inside a PARTIAL tile the pattern formula itself (`block_sparse.allowed`) runs on iota
 tiles of positions, with the head's summary offset read from the table (so fixed heads with
 distinct offsets share one kernel), and keys past the true length masked. Heads are grouped by
 `HeadPattern.group` (kind, parts, stride, c): one pallas_call per group, so a split layer runs
@@ -114,41 +115,49 @@ def padded_head_dim(dh: int) -> int:
 # ------------------------------------------------------------------------------------- the lists
 
 
+def _split_lists(bmap):
+  """Per row of a block map (R, C): (FULL counts, PARTIAL counts, (R, w) indices: the row's FULL
+  columns, then its PARTIAL ones, each in increasing order, padded with the last index)."""
+  full, part = bmap == block_sparse.FULL, bmap == block_sparse.PARTIAL
+  nf, np_ = full.sum(-1).astype(np.int32), part.sum(-1).astype(np.int32)
+  # stable sort by (FULL first, PARTIAL next, EMPTY last), column order within each
+  rank = np.where(full, 0, np.where(part, 1, 2))
+  order = np.argsort(rank, axis=-1, kind="stable").astype(np.int32)
+  width = max(1, int((nf + np_).max(initial=0)))
+  order = order[:, :width]
+  last = np.take_along_axis(order, np.maximum(nf + np_ - 1, 0)[:, None], -1)
+  pad = np.arange(width) >= (nf + np_)[:, None]
+  return nf, np_, np.where(pad, last, order).astype(np.int32)
+
+
 @functools.lru_cache(maxsize=256)
 def _head_lists(head: HeadPattern, n: int, bq: int, bk: int):
   bmap = block_sparse.block_map(head, n, bq, bk)
-  return block_sparse.block_lists(bmap), block_sparse.block_lists(bmap.T)
+  return _split_lists(bmap), _split_lists(bmap.T)
 
 
-def _table(counts, idx, offsets):
-  """(H, R) counts, (H, R, w) indices, (H,) offsets -> (H, R, P) int32 [count, offset, idx...]."""
-  h, r, w = idx.shape
-  p = _pow2(w + 2)
-  t = np.zeros((h, r, p), np.int32)
-  t[:, :, 0] = counts
-  t[:, :, 1] = np.asarray(offsets, np.int32)[:, None]
-  t[:, :, 2:2 + w] = idx
-  t[:, :, 2 + w:] = idx[:, :, -1:]
+def _table(parts, offsets):
+  """Per head (FULL counts (R,), PARTIAL counts (R,), indices (R, w)) and its summary offset ->
+  (H, R, P) int32 rows [FULL count, PARTIAL count, offset, indices...], P a power of two."""
+  w = max(p[2].shape[-1] for p in parts)
+  r = parts[0][0].shape[0]
+  p = _pow2(w + 3)
+  t = np.zeros((len(parts), r, p), np.int32)
+  for h, ((nf, np_, idx), off) in enumerate(zip(parts, offsets)):
+    t[h, :, 0], t[h, :, 1], t[h, :, 2] = nf, np_, off
+    t[h, :, 3:3 + idx.shape[-1]] = idx
+    t[h, :, 3 + idx.shape[-1]:] = idx[:, -1:]
   return t
 
 
 @functools.lru_cache(maxsize=64)
 def tables(heads: tuple, n: int, bq: int, bk: int):
   """(forward table over query blocks, backward table over key blocks) of a group of heads, as
-  numpy int32 (H, rows, P) [count, offset, indices...]; lists of different widths padded."""
-  fwd, bwd = [], []
-  for h in heads:
-    (cq, iq), (ck, ik) = _head_lists(h, n, bq, bk)
-    fwd.append((cq, iq))
-    bwd.append((ck, ik))
-
-  def stack(parts):
-    w = max(p[1].shape[-1] for p in parts)
-    idx = np.stack([np.pad(i, ((0, 0), (0, w - i.shape[-1])), mode="edge") for _, i in parts])
-    return np.stack([c for c, _ in parts]), idx
-
+  numpy int32 (H, rows, P): [FULL count, PARTIAL count, summary offset, the FULL blocks' indices,
+  the PARTIAL blocks' indices, padding]."""
+  lists = [_head_lists(h, n, bq, bk) for h in heads]
   offsets = [h.offset for h in heads]
-  return _table(*stack(fwd), offsets), _table(*stack(bwd), offsets)
+  return _table([f for f, _ in lists], offsets), _table([b for _, b in lists], offsets)
 
 
 # ----------------------------------------------------------------------------------- the kernels
@@ -223,26 +232,38 @@ def _dot(a, b, trans_a=False, trans_b=False, *, exact=False):
   return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
 
 
+def _loops(tab_ref, body, carry):
+  """body(t, carry, masked) over the row's FULL blocks (no element mask), then its PARTIAL
+  ones."""
+  n_full, n_part = tab_ref[0], tab_ref[1]
+  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(n_full, n_full + n_part, functools.partial(body, masked=True), carry)
+
+
 def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, head, n, bq, bk, exact):
   i0 = pl.program_id(2) * bq
-  count, offset = tab_ref[0], tab_ref[1]
+  offset = tab_ref[2]
   q = q_ref[...]
 
-  def body(t, carry):
+  def body(t, carry, masked):
     acc, mx, den = carry
-    j0 = tab_ref[2 + t] * bk
+    j0 = tab_ref[3 + t] * bk
     k = k_ref[pl.ds(j0, bk), :]
     v = v_ref[pl.ds(j0, bk), :]
-    mask = _mask(head, offset, i0, j0, n=n, bq=bq, bk=bk)
-    s = jnp.where(mask, _dot(q, k, trans_b=True, exact=exact), NEG)
+    s = _dot(q, k, trans_b=True, exact=exact)
+    if masked:
+      mask = _mask(head, offset, i0, j0, n=n, bq=bq, bk=bk)
+      s = jnp.where(mask, s, NEG)
     mx_new = jnp.maximum(mx, jnp.max(s, axis=1))
     corr = jnp.exp(mx - mx_new)
-    p = jnp.where(mask, jnp.exp(s - mx_new[:, None]), 0.0)
+    p = jnp.exp(s - mx_new[:, None])
+    if masked:
+      p = jnp.where(mask, p, 0.0)
     acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, exact=exact)
     return acc, mx_new, den * corr + jnp.sum(p, axis=1)
 
   e = o_ref.shape[-1]
-  acc, mx, den = lax.fori_loop(0, count, body, (
+  acc, mx, den = _loops(tab_ref, body, (
       jnp.zeros((bq, e), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
       jnp.zeros((bq,), jnp.float32)))
   live = den > 0
@@ -253,40 +274,40 @@ def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, head, n, bq, bk
 def _bwd_q_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, head, n,
                   bq, bk, exact):
   i0 = pl.program_id(2) * bq
-  count, offset = tab_ref[0], tab_ref[1]
+  offset = tab_ref[2]
   q, do = q_ref[...], do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
 
-  def body(t, dq):
-    j0 = tab_ref[2 + t] * bk
+  def body(t, dq, masked):
+    j0 = tab_ref[3 + t] * bk
     k = k_ref[pl.ds(j0, bk), :]
     v = v_ref[pl.ds(j0, bk), :]
-    mask = _mask(head, offset, i0, j0, n=n, bq=bq, bk=bk)
-    s = _dot(q, k, trans_b=True, exact=exact)
-    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+    p = jnp.exp(_dot(q, k, trans_b=True, exact=exact) - lse[:, None])
+    if masked:
+      p = jnp.where(_mask(head, offset, i0, j0, n=n, bq=bq, bk=bk), p, 0.0)
     dp = _dot(do, v, trans_b=True, exact=exact)
     ds = p * (dp - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k, exact=exact)
 
-  dq = lax.fori_loop(0, count, body, jnp.zeros(q.shape, jnp.float32))
+  dq = _loops(tab_ref, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _bwd_kv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
                    head, n, bq, bk, exact):
   j0 = pl.program_id(2) * bk
-  count, offset = tab_ref[0], tab_ref[1]
+  offset = tab_ref[2]
   k, v = k_ref[...], v_ref[...]
 
-  def body(t, carry):
+  def body(t, carry, masked):
     dk_t, dv_t = carry
-    i0 = tab_ref[2 + t] * bq
+    i0 = tab_ref[3 + t] * bq
     rows = pl.ds(i0, bq)
     q, do = q_ref[rows, :], do_ref[rows, :]
     lse, delta = lse_ref[rows], delta_ref[rows]
-    mask = _mask(head, offset, i0, j0, n=n, bq=bq, bk=bk)
-    s = _dot(q, k, trans_b=True, exact=exact)
-    p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
+    p = jnp.exp(_dot(q, k, trans_b=True, exact=exact) - lse[:, None])
+    if masked:
+      p = jnp.where(_mask(head, offset, i0, j0, n=n, bq=bq, bk=bk), p, 0.0)
     dv_t = dv_t + _dot(do, p.astype(do.dtype), trans_a=True, exact=exact)
     dp = _dot(do, v, trans_b=True, exact=exact)
     ds = p * (dp - delta[:, None])
@@ -294,8 +315,8 @@ def _bwd_kv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_
 
   # dK and dV accumulate transposed, (head size, bk): the dots' rows are the head size (64 or
   # more), so a 32-key tile still runs Hopper's wgmma (64-row operands), not mma.sync.
-  dk_t, dv_t = lax.fori_loop(0, count, body, (jnp.zeros(k.shape[::-1], jnp.float32),
-                                              jnp.zeros(v.shape[::-1], jnp.float32)))
+  dk_t, dv_t = _loops(tab_ref, body, (jnp.zeros(k.shape[::-1], jnp.float32),
+                                      jnp.zeros(v.shape[::-1], jnp.float32)))
   dk_ref[...] = dk_t.T.astype(dk_ref.dtype)
   dv_ref[...] = dv_t.T.astype(dv_ref.dtype)
 

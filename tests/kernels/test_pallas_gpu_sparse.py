@@ -87,6 +87,22 @@ def test_values_and_gradients_match_the_dense_reference_float32(pattern, combine
     _close(a, b, 5e-5)
 
 
+@pytest.mark.parametrize("pattern,combine", [("fixed", "merged"), ("fixed", "split"),
+                                             ("strided", "merged"), ("strided", "split")])
+def test_full_tiles_run_without_the_element_mask_and_still_match(pattern, combine):
+  """Stride 64, c = 16, 16 x 16 tiles: many non-empty tiles are FULL (whole local blocks, whole
+  summary columns, the strided window's inner tiles), run by the loop without a mask."""
+  heads = _heads(pattern, combine, 0, True, stride=64, c=16)
+  n = 150
+  fwd, bwd = ps.tables(heads, n, BQ, BK)
+  assert fwd[:, :, 0].sum() > 0 and bwd[:, :, 0].sum() > 0
+  (q, k, v), do = _inputs(n, seed=6)
+  (o, g), (o_ref, g_ref) = _both(heads, q, k, v, do)
+  _close(o, o_ref, 2e-5)
+  for a, b in zip(g, g_ref):
+    _close(a, b, 5e-5)
+
+
 @pytest.mark.parametrize("pattern,combine,layer", [("fixed", "merged", 0), ("fixed", "split", 0),
                                                    ("strided", "interleaved", 1)])
 def test_values_and_gradients_match_the_dense_reference_bf16(pattern, combine, layer):
@@ -159,20 +175,27 @@ def test_key_tiles_outside_a_query_blocks_list_are_never_read():
 
 
 def test_tables_hold_each_heads_block_lists_and_offsets():
-  heads = _heads("fixed", "split", 0, True)
+  """Per row: the FULL blocks (no element mask), then the PARTIAL ones, each in order; the
+  head's summary offset; no EMPTY block."""
+  heads = _heads("fixed", "split", 0, True, stride=64, c=16)  # strides of 2 tiles: FULL ones
   n = 100
   fwd, bwd = ps.tables(heads, n, 32, 16)
   assert fwd.dtype == np.int32 and fwd.shape[:2] == (H, 4) and bwd.shape[:2] == (H, 7)
   for table in (fwd, bwd):
     assert table.shape[-1] & (table.shape[-1] - 1) == 0  # a power of two (Triton's blocks)
+  saw_full = False
   for i, h in enumerate(heads):
     bm = block_sparse.block_map(h, n, 32, 16)
     for tab, m in ((fwd[i], bm), (bwd[i], bm.T)):
-      assert np.all(tab[:, 1] == h.offset)
+      assert np.all(tab[:, 2] == h.offset)
       for r in range(m.shape[0]):
-        want = np.nonzero(m[r] != block_sparse.EMPTY)[0]
-        assert tab[r, 0] == len(want)
-        np.testing.assert_array_equal(tab[r, 2:2 + len(want)], want)
+        full = np.nonzero(m[r] == block_sparse.FULL)[0]
+        part = np.nonzero(m[r] == block_sparse.PARTIAL)[0]
+        assert (tab[r, 0], tab[r, 1]) == (len(full), len(part))
+        np.testing.assert_array_equal(tab[r, 3:3 + len(full) + len(part)],
+                                      np.concatenate([full, part]))
+        saw_full |= len(full) > 0
+  assert saw_full
 
 
 def test_enwik8_sparse_fixed_tiles_compute_about_a_quarter_of_the_causal_tiles():
