@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from span_lm.kernels import block_sparse
+from span_lm.kernels import fused
 from span_lm.kernels.block_sparse import HeadPattern
 
 NEG = -1e30
@@ -436,6 +437,17 @@ def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret:
 
   q, k, v = pad(q_BxHxNxD, dp), pad(k_BxHxNxD, dp), pad(v_BxHxNxE.astype(q_BxHxNxD.dtype), ep)
   k = k.astype(q.dtype)
+  # Under a mesh each device runs the kernels on its own batch rows (a pallas_call is opaque to
+  # the partitioner, which would gather the batch); the placeholder seed is unused.
+  run = lambda q, k, v, _: _heads_attention(q, k, v, heads, n, cfg)
+  o = fused.per_device(run, (q, k, v, fused.seed_array(None)), (True, True, True, False),
+                       seed_at=3)
+  return o[:, :, :n, :e]
+
+
+def _heads_attention(q, k, v, heads, n, cfg):
+  """One call per group of heads with the same pattern kind, parts, stride and c."""
+  h = len(heads)
   groups: dict = {}
   for i, hp in enumerate(heads):
     groups.setdefault(hp.group, []).append(i)
@@ -448,7 +460,7 @@ def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret:
       sel = lambda x, idx=np.asarray(idx): x[:, idx]
     o = _group_attention(sel(q), sel(k), sel(v), hs, n, cfg)
     if len(idx) == h:
-      return o[:, :, :n, :e]
+      return o
     for j, i in enumerate(idx):
       outs[i] = o[:, j]
-  return jnp.stack(outs, axis=1)[:, :, :n, :e]
+  return jnp.stack(outs, axis=1)
