@@ -1,11 +1,11 @@
 """The Sparse Transformer's attention on a GPU, one process (the `sparse` family of
 bench/gpu_run.py): the block-sparse Pallas kernel (span_lm/kernels/pallas_gpu_sparse.py).
 
-  1. correctness at small shapes: values and every gradient (q, k, v) of the kernel against the
+  1. (run second) correctness at small shapes: values and every gradient (q, k, v) of the kernel against the
      dense masked reference (span_lm/model/sparse.py `reference_attention`, float32 inputs,
      exact dots) for fixed merged (distinct offsets), fixed split, fixed A2 alone (interleaved,
      odd layer: rows with no key) and strided merged heads, bf16 and float32;
-  2. at configs/enwik8_sparse_fixed.py's attention shape (12,288 tokens, 8 heads, head dim 64,
+  2. (run first) at configs/enwik8_sparse_fixed.py's attention shape (12,288 tokens, 8 heads, head dim 64,
      fixed pattern, stride 128, c = 32, merged heads with distinct offsets, bf16; B = 1, one
      device's share of the batch being 8 / 8 GPUs in the paper): the kernel's and the jnp path's
      (model/sparse.py `sparse_attention`, the default impl='fast') values and gradients against
@@ -14,7 +14,8 @@ bench/gpu_run.py): the block-sparse Pallas kernel (span_lm/kernels/pallas_gpu_sp
      forward+backward ms of: the kernel (fixed merged), the jnp path, cuDNN dense causal, and
      the kernel with dense heads (its causal flash attention, for scale).
 
-  python bench/gpu_sparse.py --out /tmp/sparse.json    # a GPU machine (~1 minute)
+  python bench/gpu_sparse.py --out /tmp/sparse.json    # a GPU machine (~1-2 minutes, a guess)
+  python bench/gpu_run.py --families sparse --out DIR  # the same as gpu_run.py's family alone
   python bench/gpu_sparse.py --dry_run                 # CPU rehearsal: tiny shapes, the kernel
       interpreted, cuDNN replaced by implementation='xla' (rows marked "cudnn_standin")
 
@@ -188,10 +189,10 @@ def main():
   env = gpu_kernel_check.env_row()
   emit(env)
   gpu_kernel_check.DEVICE.append(env["device"])
+  if "scale" in a.parts:  # first: the comparison at 12,288 tokens checks the kernel's values too
+    at_scale(a, deadline)
   if "check" in a.parts:
     correctness(a, deadline)
-  if "scale" in a.parts:
-    at_scale(a, deadline)
   rows = gpu_kernel_check.ROWS
   if a.out:
     with open(a.out, "w") as f:
