@@ -1,18 +1,18 @@
 """The Sparse Transformer's attention on a GPU, one process (the `sparse` family of
 bench/gpu_run.py): the block-sparse Pallas kernel (span_lm/kernels/pallas_gpu_sparse.py).
 
-  1. (run second) correctness at small shapes: values and every gradient (q, k, v) of the kernel against the
-     dense masked reference (span_lm/model/sparse.py `reference_attention`, float32 inputs,
-     exact dots) for fixed merged (distinct offsets), fixed split, fixed A2 alone (interleaved,
-     odd layer: rows with no key) and strided merged heads, bf16 and float32;
-  2. (run first) at configs/enwik8_sparse_fixed.py's attention shape (12,288 tokens, 8 heads, head dim 64,
-     fixed pattern, stride 128, c = 32, merged heads with distinct offsets, bf16; B = 1, one
-     device's share of the batch being 8 / 8 GPUs in the paper): the kernel's and the jnp path's
-     (model/sparse.py `sparse_attention`, the default impl='fast') values and gradients against
-     each other, the kernel with dense heads against cuDNN's dense causal flash attention
-     (jax.nn.dot_product_attention(implementation='cudnn', is_causal=True)), then forward and
-     forward+backward ms of: the kernel (fixed merged), the jnp path, cuDNN dense causal, and
-     the kernel with dense heads (its causal flash attention, for scale).
+  1. first, at configs/enwik8_sparse_fixed.py's attention shape (12,288 tokens, 8 heads, head
+     dim 64, fixed pattern, stride 128, c = 32, merged heads with distinct offsets, bf16;
+     B = 1, one device's share of the batch being 8 / 8 GPUs in the paper): the kernel's and
+     the jnp path's (model/sparse.py `sparse_attention`, the default impl='fast') values and
+     gradients against each other, the kernel with dense heads against cuDNN's dense causal
+     flash attention (jax.nn.dot_product_attention(implementation='cudnn', is_causal=True)),
+     then forward and forward+backward ms of: the kernel (fixed merged), the jnp path, cuDNN
+     dense causal, and the kernel with dense heads (its causal flash attention, for scale);
+  2. then correctness at small shapes: values and every gradient (q, k, v) of the kernel
+     against the dense masked reference (span_lm/model/sparse.py `reference_attention`, float32
+     inputs, exact dots) for fixed merged (distinct offsets), fixed split, fixed A2 alone
+     (interleaved, odd layer: rows with no key) and strided merged heads, bf16 and float32.
 
   python bench/gpu_sparse.py --out /tmp/sparse.json    # a GPU machine (~1-2 minutes, a guess)
   python bench/gpu_run.py --families sparse --out DIR  # the same as gpu_run.py's family alone

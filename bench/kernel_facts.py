@@ -45,8 +45,8 @@ from span_lm.tools import ptx  # pylint: disable=wrong-import-position
 
 CASES = ("causal", "causal_segmented", "two_sided", "two_sided_apart", "encoder_step",
          "sparse_enwik8", "sparse_split")
-_SMEM = re.compile(r"\b((?:span|block_sparse)_attention_\w+) grid: \[([^\]]*)\] threads: \[([^\]]*)\]\s+"
-                   r"shared_memory: (\d+) bytes")
+_SMEM = re.compile(r"\b((?:span|block_sparse)_attention_\w+) grid: \[([^\]]*)\] "
+                   r"threads: \[([^\]]*)\]\s+shared_memory: (\d+) bytes")
 
 _PRELUDE = """
 import json, sys, jax, jax.numpy as jnp, numpy as np
@@ -137,8 +137,9 @@ with target.compiling_for("gpu", chip.cc, chip.device_kind):
 
 
 def shared_memory(dump_dir) -> dict:
-  """{kernel: (shared memory bytes, threads)} of the span_attention (block_sparse_attention) launches in XLA's thunk
-  sequences (Triton's dynamic shared memory; ptxas' static count is 0 for these kernels)."""
+  """{kernel: (shared memory bytes, threads)} of the span_attention (and block_sparse_attention)
+  launches in XLA's thunk sequences (Triton's dynamic shared memory; ptxas' static count is 0
+  for these kernels)."""
   out = {}
   for f in sorted(pathlib.Path(dump_dir).glob("*thunk_sequence.txt")):
     for m in _SMEM.finditer(f.read_text()):

@@ -15,9 +15,9 @@ its row's counts and runs two loops (fori_loops with dynamic bounds): the FULL b
 any element mask, then the PARTIAL ones with it, loading the key (or query) tile its list
 names: tiles outside the list are never read.
 
-Element mask. Inside a PARTIAL tile the pattern formula itself (`block_sparse.allowed`) runs on iota
-tiles of positions, with the head's summary offset read from the table (so fixed heads with
-distinct offsets share one kernel), and keys past the true length masked. Heads are grouped by
+Element mask. Inside a PARTIAL tile the pattern formula itself (`block_sparse.allowed`) runs
+on iota tiles of positions, with the head's summary offset read from the table (so fixed heads
+with distinct offsets share one kernel), and keys past the true length masked. Heads are grouped by
 `HeadPattern.group` (kind, parts, stride, c): one pallas_call per group, so a split layer runs
 two calls (its A1 heads and its A2 heads); a merged or interleaved layer one.
 
