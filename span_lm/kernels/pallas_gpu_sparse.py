@@ -60,9 +60,11 @@ BIG = 1e30  # the log-sum-exp of a row with no key: exp(s - BIG) = 0 on every ke
 
 # (compute capability major, dtype) -> (query tile, key tile, warps, stages). 64-row query tiles
 # (wgmma), 32-key tiles (a quarter of the tiles at the fixed pattern's summary columns). float32:
-# on an H100 16-key tiles (at 32, bwd_kv spilled 24 + 20 B with 4 warps, 16 + 12 B with 8), the
-# same tiles computed at the enwik8 shape; on an A100 32 x 32 (64 x 32: bwd_kv spilled 744 B).
-# From deviceless ptxas compiles (docs/kernels.md, "Block-sparse kernels"): untimed on a device.
+# on an H100 16-key tiles (at 32, bwd_kv spills 16 + 12 B with 4 warps, 164 + 160 B with 8), the
+# same tiles computed at the enwik8 shape; on an A100 32 x 32 (64 x 32: no spills but bwd_kv at
+# the 255-register ceiling; 64 x 16: 220). bf16 64 x 64 (half the tiles skipped, not three
+# quarters): an A100's bwd_kv spills 4 + 4 B. From deviceless ptxas compiles (docs/kernels.md,
+# "Block-sparse kernels"): untimed on a device.
 TILES = {
     (9, "bfloat16"): (64, 32, 4, 3), (9, "float16"): (64, 32, 4, 3),
     (9, "float32"): (64, 16, 4, 2),
