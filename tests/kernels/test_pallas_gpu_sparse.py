@@ -8,9 +8,11 @@ no key (zeros, zero gradients, no NaN), that key tiles outside a query block's l
 read (NaN there changes nothing), the lists themselves and `misfit`. Bigger shapes: `-m slow`.
 `-m compile` (CUDA plugin, no GPU): the kernels compiled deviceless for an H100 and an A100
 inside jit(value_and_grad) of a model-like step (embedding, per layer q/k/v projections, the
-kernel, an output projection, a readout), since the selection table that would route the Sparse
-Transformer's own step to the kernel is not on this branch: PTX facts (tensor-core
-instructions, asynchronous copies, no read-back, no spills in bf16).
+kernel, an output projection, a readout; every combination), and inside the Sparse Transformer's
+own train step (configs/enwik8_sparse_fixed.py:small, the compile mode's builder) with the
+model's attention routed to the kernel by replacing `model.sparse.attention` in the compiling
+child, since the selection table that would route it is not on this branch: PTX facts
+(tensor-core instructions, asynchronous copies, no read-back, no spills in bf16).
 """
 import importlib.util
 import json
@@ -349,3 +351,49 @@ def test_training_step_compiles_the_block_sparse_kernels(tmp_path, target):
     assert (f["wgmma"] if sm90 else f["mma"]) > 0, f
   bf16 = reports[:12]  # compiled in the child's order: bf16 first
   assert all(k["spill_store"] == 0 == k["spill_load"] for k in bf16), bf16
+
+
+# The Sparse Transformer's own train step (span_lm/tools/compile.py's compile_target: the
+# trainer's step builder, remat, the layer scan, dropout, the optimizer) for one GPU, with the
+# model's attention routed to the kernel in this child only (the selection table is not on this
+# branch): configs/enwik8_sparse_fixed.py:small (n = 12,288, 2 heads of 64, fixed, stride 128,
+# c = 32, bf16), merged and interleaved.
+REAL_STEP_CHILD = """
+import json, sys
+from span_lm import config as config_lib
+from span_lm.kernels import pallas_gpu_sparse as ps
+from span_lm.model import sparse
+from span_lm.tools import compile as compile_lib
+routed = []
+def attention(q, k, v, heads, impl="fast"):
+  routed.append(heads)
+  return ps.block_sparse_attention(q, k, v, heads)
+sparse.attention = attention
+for combine in ("merged", "interleaved"):
+  config = config_lib.load_config("configs/enwik8_sparse_fixed.py:small", {
+      "compile.steps": "train", "data.batch": 1, "model.sparse.combine": combine})
+  row = compile_lib.compile_target(config, compile_lib.parse_target(sys.argv[1] + ":1"))
+  train = row.get("train") or {}
+  print("STEP " + json.dumps([combine, len(routed), row.get("error"), train.get("compiled"),
+                              train.get("error")]), flush=True)
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+@pytest.mark.parametrize("target", ["h100", "a100_80"])
+def test_sparse_transformer_train_step_routed_to_the_kernel(tmp_path, target):
+  """configs/enwik8_sparse_fixed.py:small's train step compiled for one GPU with its attention
+  routed to the kernel: merged (one head group) and interleaved (layer 0 A1, layer 1 A2 with
+  distinct offsets: two kernels of each kind), the same PTX facts, no spills (bf16)."""
+  out, facts, reports = compile_step(tmp_path, target, REAL_STEP_CHILD)
+  steps = [json.loads(l[5:]) for l in out.splitlines() if l.startswith("STEP ")]
+  assert [s[0] for s in steps] == ["merged", "interleaved"], out[-2000:]
+  assert all(s[1] > 0 and s[2] is None and s[3] and s[4] is None for s in steps), steps
+  assert steps[1][1] > steps[0][1]  # the interleaved step traced the kernel too
+  assert len(facts) == len(reports) >= 9, ([f["kernel"] for f in facts], reports)
+  sm90 = target == "h100"
+  for f in facts:
+    assert f["unresolved"] == 0 and f["writes"] and not f["read_back"], f
+    assert f["cp_async"] > 0 and (f["wgmma"] if sm90 else f["mma"]) > 0, f
+  assert all(k["spill_store"] == 0 == k["spill_load"] for k in reports), reports
