@@ -261,6 +261,26 @@ def test_bigger_shapes_match_the_dense_reference(pattern, combine, layer, dtype)
     _close(a, b, 3 * tol)
 
 
+@pytest.mark.slow
+def test_enwik8_sparse_fixed_shape_matches_the_jnp_path():
+  """n = 12,288, fixed, stride 128, c = 32, two merged heads with distinct offsets (64, 96), head
+  size 64, the GPU's bf16 tiles 64 x 32, float32: values and every gradient against the jnp
+  path (model/sparse.py sparse_attention, itself checked against the dense reference in
+  tests/model; the (n, n) reference is too big here)."""
+  heads = sparse.layer_heads("fixed", "merged", 8, 0, 128, 32)[2:4]
+  (q, k, v), do = _inputs(12_288, d=64, h=2, seed=8)
+  got, want = [], []
+  for f, out in ((lambda q, k, v: ps.block_sparse_attention(q, k, v, heads, interpret=True,
+                                                            block_q=64, block_k=32), got),
+                 (lambda q, k, v: sparse.sparse_attention(q, k, v, heads), want)):
+    def run(q, k, v, f=f):
+      o, vjp = jax.vjp(f, q, k, v)
+      return (o, *vjp(do))
+    out.extend(jax.jit(run)(q, k, v))
+  for a, b in zip(got, want):
+    _close(a, b, 1e-5)
+
+
 # ------------------------------------------------------------------------------------------------
 # Deviceless compiles for an H100 and an A100 (CUDA plugin): the kernels' PTX facts inside a
 # model-like training step.
