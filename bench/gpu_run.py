@@ -27,6 +27,13 @@ out-of-memory is that family's rows, not the run):
   train_enwik8_large  configs/enwik8_large.py's bf16 step (head dim 96, batch split 2), both
                       impls at the learned plan, then the full plan while time remains
   sampling            tokens/s of the cached decoder on the enwik8 model, learned and full plans
+  sparse              bench/gpu_sparse.py: the Sparse Transformer's block-sparse kernel
+                      (kernels/pallas_gpu_sparse.py): values and every gradient against the dense
+                      masked reference (fixed merged / split / A2 alone, strided merged; bf16 and
+                      float32), then at configs/enwik8_sparse_fixed.py's attention shape (12,288
+                      tokens, 8 heads, head dim 64, fixed merged, bf16): the kernel against the
+                      jnp path and, with dense heads, against cuDNN; ms of the kernel, the jnp path
+                      (model/sparse.py sparse_attention) and cuDNN's dense causal flash attention
 
 Out: DIR/rows.jsonl (one JSON row per line, appended and flushed as each arrives), DIR/report.md
 (rewritten after every family; `--md` rebuilds it from a cut run's rows), DIR/run.log (the
@@ -50,21 +57,23 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-FAMILIES = ("kernel", "encoder", "train_enwik8", "reference", "train_enwik8_large", "sampling")
+FAMILIES = ("kernel", "encoder", "train_enwik8", "reference", "train_enwik8_large", "sampling",
+            "sparse")
 # Device seconds, estimated from the H200 run of 2026-11-27 (a training step compiled in ~24 s,
 # an enwik8 step ran in 18-470 ms): what each family should take, its cap, and the minimum it
 # keeps for itself out of the earlier families' time.
 EST_S = {"kernel": 110, "encoder": 50, "train_enwik8": 140, "reference": 25, "train_enwik8_large": 110,
-         "sampling": 45}
+         "sampling": 45, "sparse": 90}
 CAP_S = {"kernel": 170, "encoder": 80, "train_enwik8": 175, "reference": 50, "train_enwik8_large": 150,
-         "sampling": 60}
+         "sampling": 60, "sparse": 150}
 RESERVE_S = {"kernel": 0, "encoder": 25, "train_enwik8": 60, "reference": 25, "train_enwik8_large": 45,
-             "sampling": 30}
+             "sampling": 30, "sparse": 60}
 ROW_EST_S = {"train_enwik8": 35, "train_enwik8_large": 50, "sampling": 15}  # one compile + reps
 BUDGET_S = 480.0  # 8 minutes: the 10-minute command keeps ~2 for pip, start-up and slack
 REFERENCE_GPUS = 8  # the paper's enwik8 runs: a batch of 64 streams over 8 GPUs
 REFERENCE_H200_MS = 469.6  # the PyTorch reference's enwik8 step, batch 8, H200 (docs/gpu/)
 IMPLS = ("pallas", "reference")
+SPARSE_NAMES = ("out", "q", "k", "v")
 
 
 def family_specs(family: str, dry: bool) -> tuple[list[str], dict | None]:
@@ -73,6 +82,8 @@ def family_specs(family: str, dry: bool) -> tuple[list[str], dict | None]:
     return [os.path.join(HERE, "gpu_kernel_check.py")] + (["--dry_run"] if dry else []), None
   if family == "encoder":
     return [os.path.join(HERE, "gpu_encoder.py")] + (["--dry_run"] if dry else []), None
+  if family == "sparse":
+    return [os.path.join(HERE, "gpu_sparse.py")] + (["--dry_run"] if dry else []), None
   sys.path.insert(0, REPO)
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   impls = [("pallas", "pallas_interpret" if dry else "pallas"), ("reference", "reference")]
@@ -360,6 +371,46 @@ def markdown(rows: list[dict]) -> str:
                        if x)
       out.append(f"| {r['path']} | {r['spans']} | {r.get('status')} | {_f(r.get('fwd_ms'))} | "
                  f"{_f(r.get('fwd_bwd_ms'))} | {vs(base['reference'])} | {vs(base['cudnn'])} | "
+                 f"{note or _first_line(r.get('error'))} |")
+
+  schecks = [r for r in rows if r.get("kind") == "sparse_check"]
+  if schecks:
+    out += ["", "## Sparse Transformer kernel correctness (pallas_gpu_sparse against the dense "
+            "masked reference, float32, exact dots)", "",
+            "| case | dtype | shape | status | " + " | ".join(SPARSE_NAMES) + " | worst | s |",
+            "|" + "---|" * (6 + len(SPARSE_NAMES))]
+    for r in schecks:
+      d = r.get("diffs", {})
+      worst = (f"{r['worst']} {r['worst_diff']:.3g} (tol {r['tol']})" if "worst" in r else
+               _first_line(r.get("error")))
+      out.append(f"| {r['case']} | {r['dtype']} | {r.get('shape')} | {r['status']} | " +
+                 " | ".join(_f(d.get(g)) for g in SPARSE_NAMES) + f" | {worst} | "
+                 f"{r.get('seconds')} |")
+  spairs = [r for r in rows if r.get("kind") == "sparse_pair"]
+  stimes = [r for r in rows if r.get("kind") == "sparse_time"]
+  if spairs or stimes:
+    shape = (spairs or stimes)[0].get("shape")
+    out += ["", f"## Sparse Transformer attention, bf16, {shape}", "",
+            "| paths compared | status | " + " | ".join(SPARSE_NAMES) + " | worst |",
+            "|" + "---|" * (3 + len(SPARSE_NAMES))]
+    for r in spairs:
+      d = r.get("diffs", {})
+      worst = (f"{r['worst']} {r['worst_diff']:.3g} (tol {r['tol']})" if "worst" in r else
+               _first_line(r.get("error")))
+      out.append(f"| {' vs '.join(r['paths'])} | {r['status']} | " +
+                 " | ".join(_f(d.get(g)) for g in SPARSE_NAMES) + f" | {worst} |")
+    ok = [r for r in stimes if r.get("status") == "ok"]
+    jnp_ = next((r for r in ok if r["path"] == "jnp"), None)
+    cud = next((r for r in ok if r["path"].startswith("cudnn")), None)
+    out += ["", "| path | status | fwd ms | fwd+bwd ms | fwd+bwd vs jnp | fwd+bwd vs cuDNN "
+            "dense | note |", "|---|---|---|---|---|---|---|"]
+    for r in stimes:
+      vs = lambda base, r=r: (f"{r['fwd_bwd_ms'] / base['fwd_bwd_ms']:.2f}x"
+                              if base and r.get("fwd_bwd_ms") else "-")
+      note = "; ".join(x for x in (r.get("note"), "interpreted" if r.get("interpret") else "")
+                       if x)
+      out.append(f"| {r['path']} | {r.get('status')} | {_f(r.get('fwd_ms'))} | "
+                 f"{_f(r.get('fwd_bwd_ms'))} | {vs(jnp_)} | {vs(cud)} | "
                  f"{note or _first_line(r.get('error'))} |")
 
   times = [r for r in rows if r.get("kind") == "time"]

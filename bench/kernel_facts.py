@@ -13,6 +13,15 @@ pallas_gpu.TILES causal, TILES_TWO_SIDED with windows ahead), value_and_grad of 
   two_sided_apart   the same with the spans ahead learned apart (asymmetric=True)
   encoder_step      jit(grad) of an encoder built from the drop-in layer (4 heads, max_span 64,
                     bidirectional, segment ids, dropout 0.1, 2 x 256 tokens), attn_impl='pallas'
+  sparse_enwik8     the block-sparse kernel (kernels/pallas_gpu_sparse.py), value_and_grad at
+                    configs/enwik8_sparse_fixed.py's attention shape: B=1, 8 heads, n=12,288,
+                    fixed pattern, stride 128, c=32, merged (distinct offsets), at its TILES
+                    (head size 64 only: --head_dims 64)
+  sparse_split      the same kernel, strided pattern split across heads (two groups: two calls
+                    of each kernel, the same code), n=12,288
+
+  python bench/kernel_facts.py --targets h100 a100_80 --cases sparse_enwik8 --head_dims 64 \
+      --out docs/kernel_sparse.json
 
   python bench/kernel_facts.py --targets h100 a100_80 --out docs/kernel_two_sided.json
   python bench/kernel_facts.py --md docs/kernel_two_sided.json     # the table again
@@ -34,9 +43,10 @@ import time
 from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
 from span_lm.tools import ptx  # pylint: disable=wrong-import-position
 
-CASES = ("causal", "causal_segmented", "two_sided", "two_sided_apart", "encoder_step")
-_SMEM = re.compile(r"\b(span_attention_\w+) grid: \[([^\]]*)\] threads: \[([^\]]*)\]\s+"
-                   r"shared_memory: (\d+) bytes")
+CASES = ("causal", "causal_segmented", "two_sided", "two_sided_apart", "encoder_step",
+         "sparse_enwik8", "sparse_split")
+_SMEM = re.compile(r"\b((?:span|block_sparse)_attention_\w+) grid: \[([^\]]*)\] "
+                   r"threads: \[([^\]]*)\]\s+shared_memory: (\d+) bytes")
 
 _PRELUDE = """
 import json, sys, jax, jax.numpy as jnp, numpy as np
@@ -108,9 +118,28 @@ with target.compiling_for("gpu", chip.cc, chip.device_kind):
 """
 
 
+_SPARSE = _PRELUDE + """
+from span_lm.kernels import pallas_gpu_sparse as ps
+from span_lm.kernels import target
+from span_lm.model import sparse
+b, h, n = 1, 8, 12288
+heads = (sparse.layer_heads("fixed", "merged", h, 0, 128, 32) if case == "sparse_enwik8" else
+         sparse.layer_heads("strided", "split", h, 0, 128, 1))
+with target.compiling_for("gpu", chip.cc, chip.device_kind):
+  bq, bk, warps, stages = ps._target_tiles(dt)
+  print("TILES " + json.dumps([bq, bk, warps, stages]), flush=True)
+  sds = lambda *s: jax.ShapeDtypeStruct(s, dt, sharding=sh)
+  def loss(q, k, v):
+    return jnp.sum(ps.block_sparse_attention(q, k, v, heads).astype(jnp.float32) ** 2)
+  jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(
+      sds(b, h, n, dh), sds(b, h, n, dh), sds(b, h, n, dh)).compile(compiler_options=opts)
+"""
+
+
 def shared_memory(dump_dir) -> dict:
-  """{kernel: (shared memory bytes, threads)} of the span_attention launches in XLA's thunk
-  sequences (Triton's dynamic shared memory; ptxas' static count is 0 for these kernels)."""
+  """{kernel: (shared memory bytes, threads)} of the span_attention (and block_sparse_attention)
+  launches in XLA's thunk sequences (Triton's dynamic shared memory; ptxas' static count is 0
+  for these kernels)."""
   out = {}
   for f in sorted(pathlib.Path(dump_dir).glob("*thunk_sequence.txt")):
     for m in _SMEM.finditer(f.read_text()):
@@ -123,7 +152,10 @@ def run_one(target, case, dtype, dh):
     env = compile_lib.child_env("gpu")
     env["XLA_FLAGS"] = f"--xla_dump_to={tmp}"
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-c", _ENCODER if case == "encoder_step" else _KERNEL,
+    child = (_ENCODER if case == "encoder_step" else _SPARSE if case.startswith("sparse")
+             else _KERNEL)
+    prefix = "block_sparse_attention" if case.startswith("sparse") else "span_attention"
+    r = subprocess.run([sys.executable, "-c", child,
                         target, case, dtype, str(dh)], cwd=_repo.ROOT, env=env,
                        capture_output=True, text=True, timeout=1800, check=False)
     row = {"target": target, "case": case, "dtype": dtype, "head_dim": dh,
@@ -132,23 +164,31 @@ def run_one(target, case, dtype, dh):
       return [dict(row, error=r.stderr[-1500:])]
     tiles = next((json.loads(l[6:]) for l in r.stdout.splitlines() if l.startswith("TILES ")),
                  None)
-    facts = {f["kernel"]: f for f in ptx.dumped_kernels(tmp, "span_attention")}
+    facts = {f["kernel"]: f for f in ptx.dumped_kernels(tmp, prefix)}
     smem = shared_memory(tmp)
     rows = []
     for rep in compile_lib.parse_ptxas(r.stdout + r.stderr):
       name = rep["kernel"]
-      if not name.startswith("span_attention"):
+      if not name.startswith(prefix):
         continue
       f = facts.get(name, {})
-      rows.append(dict(row, kernel=name[len("span_attention_"):], tiles=tiles, arch=rep["arch"],
+      rows.append(dict(row, kernel=name[len(prefix) + 1:], tiles=tiles, arch=rep["arch"],
                        registers=rep["registers"], spill_store=rep["spill_store"],
                        spill_load=rep["spill_load"], smem=smem.get(name, (None,))[0],
                        threads=smem.get(name, (None, None))[1],
                        tensor_core=f.get("wgmma", 0) + f.get("mma", 0),
+                       wgmma=f.get("wgmma", 0), mma=f.get("mma", 0),
                        tensor_op="wgmma" if f.get("wgmma") else "mma.sync",
                        cp_async=f.get("cp_async"), read_back=f.get("read_back"),
                        loop_prefetch=f.get("loop_prefetch"), unresolved=f.get("unresolved")))
     return rows
+
+
+def _tensor_ops(r) -> str:
+  """'6 wgmma', '32 mma.sync', or both where a kernel has both (a 32-row dot on Hopper)."""
+  if r.get("wgmma") and r.get("mma"):
+    return f"{r['wgmma']} wgmma + {r['mma']} mma.sync"
+  return f"{r['tensor_core']} {r['tensor_op']}"
 
 
 def markdown(rows) -> str:
@@ -163,7 +203,7 @@ def markdown(rows) -> str:
     t = r["tiles"]
     out.append(f"| {r['target']} | {r['case']} | {r['dtype']} | {r['head_dim']} | {r['kernel']} "
                f"| {t[0]}/{t[1]}, {t[2]}, {t[3]} | {r['registers']} | {r['spill_store']}+"
-               f"{r['spill_load']} | {r['smem']} | {r['tensor_core']} {r['tensor_op']} | "
+               f"{r['spill_load']} | {r['smem']} | {_tensor_ops(r)} | "
                f"{r['cp_async']} | {'none' if not r['read_back'] else r['read_back']} |")
   return "\n".join(out) + "\n"
 

@@ -61,7 +61,8 @@ def test_every_family_ran_and_every_row_succeeded(dry_run):
   for header in ("## Kernel correctness", "## Attention layer, learned plan",
                  "## Attention timings", "## Encoder correctness", "## Encoder attention timings", "## Training step: configs/enwik8.py",
                  "## Training step: configs/enwik8_large.py", "## Reference (PyTorch)",
-                 "## Sampling"):
+                 "## Sampling", "## Sparse Transformer kernel correctness",
+                 "## Sparse Transformer attention"):
     assert header in md
 
 
@@ -130,6 +131,33 @@ def test_encoder_rows_compared_every_gradient_and_timed_every_path(dry_run):
     assert r["shape"]["ahead"] == r["shape"]["max_span"] - 1 and r["shape"]["padding"] > 0
   argv, spec = gpu_run.family_specs("encoder", dry=False)
   assert argv[-1].endswith("gpu_encoder.py") and spec is None  # on a GPU: the real thing
+
+
+def test_sparse_rows_compared_every_gradient_and_timed_every_path(dry_run):
+  """The sparse family: the block-sparse kernel against the dense masked reference (every
+  pattern kind it covers, both dtypes, every gradient), the kernel against the jnp path and
+  (dense heads) against cuDNN's marked stand-in, and timings of the four paths."""
+  rows, md, _ = dry_run
+  checks = [r for r in rows if r.get("kind") == "sparse_check"]
+  assert checks and all(r["status"] == "pass" and r["interpret"] for r in checks)
+  assert {r["dtype"] for r in checks} == {"bfloat16", "float32"}
+  assert {r["case"] for r in checks} >= {"fixed/merged", "fixed/split", "fixed/A2_alone",
+                                         "strided/merged"}
+  for r in checks:
+    assert set(r["diffs"]) == {"out", "q", "k", "v"}, r
+    assert all(math.isfinite(x) and x <= r["tol"] for x in r["diffs"].values()), r
+  pairs = [r for r in rows if r.get("kind") == "sparse_pair"]
+  assert [r["paths"] for r in pairs] == [["pallas_interpret", "jnp"],
+                                         ["pallas_interpret_dense", "cudnn_standin_dense"]]
+  assert all(r["status"] == "pass" for r in pairs), pairs
+  times = {r["path"]: r for r in rows if r.get("kind") == "sparse_time"}
+  assert set(times) == {"pallas_interpret", "jnp", "cudnn_standin_dense",
+                        "pallas_interpret_dense"}
+  for r in times.values():
+    assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
+  assert "STAND-IN" in times["cudnn_standin_dense"]["note"]
+  argv, spec = gpu_run.family_specs("sparse", dry=False)
+  assert argv[-1].endswith("gpu_sparse.py") and spec is None  # on a GPU: the real thing
 
 
 def test_training_reference_and_sampling_rows(dry_run):

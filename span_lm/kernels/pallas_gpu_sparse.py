@@ -1,0 +1,468 @@
+"""Block-sparse attention for the Sparse Transformer's patterns on GPUs (Pallas; Triton).
+
+A flash-attention kernel that visits only the non-empty (query block, key block) tiles of each
+head's connectivity (span_lm/kernels/block_sparse.py): strided and fixed patterns, merged in one
+head, split across heads, interleaved by layer (a layer's heads share a pattern), fixed heads
+with distinct summary offsets, and dense causal heads.
+
+Lists. For each head, `block_sparse.block_map` marks every (bq x bk) tile EMPTY, PARTIAL or
+FULL; each query block's row of it becomes a list of its non-empty key blocks (the forward and
+the dQ pass), and each key block's column a list of query blocks (the dK/dV pass), FULL blocks
+first, then PARTIAL ones. They are numpy constants built at trace time (cached per head, length
+and tiles), packed per head and row into one int32 table (H, rows, P): [FULL count, PARTIAL
+count, summary offset, indices...], P a power of two (Triton's block shapes). A program reads
+its row's counts and runs two loops (fori_loops with dynamic bounds): the FULL blocks without
+any element mask, then the PARTIAL ones with it, loading the key (or query) tile its list
+names: tiles outside the list are never read.
+
+Element mask. Inside a PARTIAL tile the pattern formula itself (`block_sparse.allowed`) runs
+on iota tiles of positions, with the head's summary offset read from the table (so fixed heads
+with distinct offsets share one kernel), and keys past the true length masked. Heads are grouped by
+`HeadPattern.group` (kind, parts, stride, c): one pallas_call per group, so a split layer runs
+two calls (its A1 heads and its A2 heads); a merged or interleaved layer one.
+
+Softmax in float32 whatever the dtype (scores accumulate in float32), masked entries are exact
+zeros (not exp(-inf)). A query with no key (fixed A2 alone: the first positions before any
+summary) ends with a normaliser 0: its output is 0 and its log-sum-exp is +1e30, so the
+backward pass's weights exp(s - lse) are 0 on its row and every gradient there is 0, never NaN.
+
+Backward as FlashAttention-2: delta = rowsum(o * do) outside (float32), then a kernel per query
+block (dQ over the block's key list) and one per key block (dK, dV over the key block's query
+list): no atomics, deterministic, and no kernel reads a buffer it writes.
+
+Queries come pre-scaled (no scale inside). Head sizes that are not a power of two >= 16 run
+zero-padded; a length that is not a multiple of the tiles runs zero-padded at the end (padded
+keys are in every real query's future and masked by `j < n` as well; padded rows are sliced
+off and get a zero cotangent).
+
+Tiles (query tile, key tile, warps, stages) per compute capability and dtype in TILES: 64-row
+query tiles (Hopper's wgmma needs 64 rows), 32-key tiles, which at the enwik8 config's shape
+(n = 12,288, fixed, stride 128, c = 32, merged) computes 26% of the causal tiles a dense flash
+kernel would (64-key tiles: 51%, the summary columns then touch every other key tile).
+Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
+"""
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+import jax.numpy as jnp
+import numpy as np
+
+from span_lm.kernels import block_sparse
+from span_lm.kernels import fused
+from span_lm.kernels.block_sparse import HeadPattern
+
+NEG = -1e30
+BIG = 1e30  # the log-sum-exp of a row with no key: exp(s - BIG) = 0 on every key
+
+# (compute capability major, dtype) -> (query tile, key tile, warps, stages). 64-row query tiles
+# (wgmma), 32-key tiles (a quarter of the tiles at the fixed pattern's summary columns). float32:
+# on an H100 16-key tiles (at 32, bwd_kv spills 16 + 12 B with 4 warps, 164 + 160 B with 8), the
+# same tiles computed at the enwik8 shape; on an A100 32 x 32 (64 x 32: no spills but bwd_kv at
+# the 255-register ceiling; 64 x 16: 220). bf16 64 x 64 (half the tiles skipped, not three
+# quarters): an A100's bwd_kv spills 4 + 4 B. From deviceless ptxas compiles (docs/kernels.md,
+# "Block-sparse kernels"): untimed on a device.
+TILES = {
+    (9, "bfloat16"): (64, 32, 4, 3), (9, "float16"): (64, 32, 4, 3),
+    (9, "float32"): (64, 16, 4, 2),
+    (8, "bfloat16"): (64, 32, 4, 2), (8, "float16"): (64, 32, 4, 2),
+    (8, "float32"): (32, 32, 4, 2),
+}
+DEFAULT_TILES = (64, 32, 4, 2)  # interpret mode and unknown targets
+MAX_HEAD_DIM = 256
+
+
+def misfit(heads, n: int, head_dim: int) -> str:
+  """'' when the kernel runs these heads at length n and head size head_dim, else why not."""
+  if not heads:
+    return "no head patterns"
+  for h in heads:
+    if not isinstance(h, HeadPattern):
+      return f"{h!r} is not a block_sparse.HeadPattern"
+    if h.kind not in ("strided", "fixed", "dense"):
+      return f"unknown pattern kind {h.kind!r}"
+    if h.kind != "dense" and not (h.local or h.summary):
+      return f"head {h} attends to no part of its pattern"
+    if h.kind != "dense" and h.stride < 1:
+      return f"stride {h.stride} < 1"
+  if n < 1:
+    return f"length {n} < 1"
+  if head_dim < 1 or head_dim > MAX_HEAD_DIM:
+    return f"head size {head_dim} outside [1, {MAX_HEAD_DIM}] (the tiles would not fit)"
+  return ""
+
+
+def tiles(compute_capability, dtype) -> tuple[int, int, int, int]:
+  """(query tile, key tile, warps, stages) for a target (None: not a GPU) and a dtype."""
+  key = (None if compute_capability is None else int(compute_capability), jnp.dtype(dtype).name)
+  return TILES.get(key, DEFAULT_TILES)
+
+
+def _target_tiles(dtype):
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  p = target.current()
+  return tiles(p.compute_capability if p.name == "gpu" else None, dtype)
+
+
+def _pow2(x: int) -> int:
+  return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def padded_head_dim(dh: int) -> int:
+  return max(16, _pow2(dh))
+
+
+# ------------------------------------------------------------------------------------- the lists
+
+
+def _split_lists(bmap):
+  """Per row of a block map (R, C): (FULL counts, PARTIAL counts, (R, w) indices: the row's FULL
+  columns, then its PARTIAL ones, each in increasing order, padded with the last index)."""
+  full, part = bmap == block_sparse.FULL, bmap == block_sparse.PARTIAL
+  nf, np_ = full.sum(-1).astype(np.int32), part.sum(-1).astype(np.int32)
+  # stable sort by (FULL first, PARTIAL next, EMPTY last), column order within each
+  rank = np.where(full, 0, np.where(part, 1, 2))
+  order = np.argsort(rank, axis=-1, kind="stable").astype(np.int32)
+  width = max(1, int((nf + np_).max(initial=0)))
+  order = order[:, :width]
+  last = np.take_along_axis(order, np.maximum(nf + np_ - 1, 0)[:, None], -1)
+  pad = np.arange(width) >= (nf + np_)[:, None]
+  return nf, np_, np.where(pad, last, order).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=256)
+def _head_lists(head: HeadPattern, n: int, bq: int, bk: int):
+  bmap = block_sparse.block_map(head, n, bq, bk)
+  return _split_lists(bmap), _split_lists(bmap.T)
+
+
+def _table(parts, offsets):
+  """Per head (FULL counts (R,), PARTIAL counts (R,), indices (R, w)) and its summary offset ->
+  (H, R, P) int32 rows [FULL count, PARTIAL count, offset, indices...], P a power of two."""
+  w = max(p[2].shape[-1] for p in parts)
+  r = parts[0][0].shape[0]
+  p = _pow2(w + 3)
+  t = np.zeros((len(parts), r, p), np.int32)
+  for h, ((nf, np_, idx), off) in enumerate(zip(parts, offsets)):
+    t[h, :, 0], t[h, :, 1], t[h, :, 2] = nf, np_, off
+    t[h, :, 3:3 + idx.shape[-1]] = idx
+    t[h, :, 3 + idx.shape[-1]:] = idx[:, -1:]
+  return t
+
+
+@functools.lru_cache(maxsize=64)
+def tables(heads: tuple, n: int, bq: int, bk: int):
+  """(forward table over query blocks, backward table over key blocks) of a group of heads, as
+  numpy int32 (H, rows, P): [FULL count, PARTIAL count, summary offset, the FULL blocks' indices,
+  the PARTIAL blocks' indices, padding]."""
+  lists = [_head_lists(h, n, bq, bk) for h in heads]
+  offsets = [h.offset for h in heads]
+  return _table([f for f, _ in lists], offsets), _table([b for _, b in lists], offsets)
+
+
+# ----------------------------------------------------------------------------------- the kernels
+
+
+class _Int:
+  """An int32 array for `block_sparse.allowed` inside a kernel: // and % as lax.div and lax.rem
+  (exact for the non-negative operands the formula divides; a negative i - j only meets % in a
+  term that causality masks anyway), comparisons give plain booleans."""
+
+  def __init__(self, x):
+    self.x = x
+
+  @staticmethod
+  def _v(o):
+    return o.x if isinstance(o, _Int) else o
+
+  def __add__(self, o):
+    return _Int(self.x + self._v(o))
+
+  __radd__ = __add__
+
+  def __sub__(self, o):
+    return _Int(self.x - self._v(o))
+
+  def __rsub__(self, o):
+    return _Int(self._v(o) - self.x)
+
+  def __floordiv__(self, o):
+    return _Int(lax.div(self.x, jnp.asarray(self._v(o), jnp.int32)))
+
+  def __mod__(self, o):
+    return _Int(lax.rem(self.x, jnp.asarray(self._v(o), jnp.int32)))
+
+  def __lt__(self, o):
+    return self.x < self._v(o)
+
+  def __le__(self, o):
+    return self.x <= self._v(o)
+
+  def __gt__(self, o):
+    return self.x > self._v(o)
+
+  def __ge__(self, o):
+    return self.x >= self._v(o)
+
+  def __eq__(self, o):
+    return self.x == self._v(o)
+
+  def __ne__(self, o):
+    return self.x != self._v(o)
+
+  __hash__ = None
+
+
+def _mask(head, offset, i0, j0, *, n, bq, bk):
+  """(bq, bk) booleans: query i0 + r attends key j0 + c (and the key is a real one)."""
+  i = i0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+  j = j0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  pat = head
+  if head.kind == "fixed" and head.summary:
+    pat = dataclasses.replace(head, offset=offset)
+  return block_sparse.allowed(pat, _Int(i), _Int(j)) & (j < n)
+
+
+def _dot(a, b, trans_a=False, trans_b=False, *, exact=False):
+  if trans_a:
+    a = a.T
+  if trans_b:
+    b = b.T
+  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 and exact else None
+  return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
+
+
+def _loops(tab_ref, body, carry):
+  """body(t, carry, masked) over the row's FULL blocks (no element mask), then its PARTIAL
+  ones."""
+  n_full, n_part = tab_ref[0], tab_ref[1]
+  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(n_full, n_full + n_part, functools.partial(body, masked=True), carry)
+
+
+def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, head, n, bq, bk, exact):
+  i0 = pl.program_id(2) * bq
+  offset = tab_ref[2]
+  q = q_ref[...]
+
+  def body(t, carry, masked):
+    acc, mx, den = carry
+    j0 = tab_ref[3 + t] * bk
+    k = k_ref[pl.ds(j0, bk), :]
+    v = v_ref[pl.ds(j0, bk), :]
+    s = _dot(q, k, trans_b=True, exact=exact)
+    if masked:
+      mask = _mask(head, offset, i0, j0, n=n, bq=bq, bk=bk)
+      s = jnp.where(mask, s, NEG)
+    mx_new = jnp.maximum(mx, jnp.max(s, axis=1))
+    corr = jnp.exp(mx - mx_new)
+    p = jnp.exp(s - mx_new[:, None])
+    if masked:
+      p = jnp.where(mask, p, 0.0)
+    acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, exact=exact)
+    return acc, mx_new, den * corr + jnp.sum(p, axis=1)
+
+  e = o_ref.shape[-1]
+  acc, mx, den = _loops(tab_ref, body, (
+      jnp.zeros((bq, e), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
+      jnp.zeros((bq,), jnp.float32)))
+  live = den > 0
+  o_ref[...] = (acc / jnp.where(live, den, 1.0)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(live, mx + jnp.log(jnp.where(live, den, 1.0)), BIG)
+
+
+def _bwd_q_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, head, n,
+                  bq, bk, exact):
+  i0 = pl.program_id(2) * bq
+  offset = tab_ref[2]
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+
+  def body(t, dq, masked):
+    j0 = tab_ref[3 + t] * bk
+    k = k_ref[pl.ds(j0, bk), :]
+    v = v_ref[pl.ds(j0, bk), :]
+    p = jnp.exp(_dot(q, k, trans_b=True, exact=exact) - lse[:, None])
+    if masked:
+      p = jnp.where(_mask(head, offset, i0, j0, n=n, bq=bq, bk=bk), p, 0.0)
+    dp = _dot(do, v, trans_b=True, exact=exact)
+    ds = p * (dp - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k, exact=exact)
+
+  dq = _loops(tab_ref, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+
+
+def _bwd_kv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
+                   head, n, bq, bk, exact):
+  j0 = pl.program_id(2) * bk
+  offset = tab_ref[2]
+  k, v = k_ref[...], v_ref[...]
+
+  def body(t, carry, masked):
+    dk_t, dv_t = carry
+    i0 = tab_ref[3 + t] * bq
+    rows = pl.ds(i0, bq)
+    q, do = q_ref[rows, :], do_ref[rows, :]
+    lse, delta = lse_ref[rows], delta_ref[rows]
+    p = jnp.exp(_dot(q, k, trans_b=True, exact=exact) - lse[:, None])
+    if masked:
+      p = jnp.where(_mask(head, offset, i0, j0, n=n, bq=bq, bk=bk), p, 0.0)
+    dv_t = dv_t + _dot(do, p.astype(do.dtype), trans_a=True, exact=exact)
+    dp = _dot(do, v, trans_b=True, exact=exact)
+    ds = p * (dp - delta[:, None])
+    return dk_t + _dot(q, ds.astype(q.dtype), trans_a=True, exact=exact), dv_t
+
+  # dK and dV accumulate transposed, (head size, bk): the dots' rows are the head size (64 or
+  # more), so a 32-key tile still runs Hopper's wgmma (64-row operands), not mma.sync.
+  dk_t, dv_t = _loops(tab_ref, body, (jnp.zeros(k.shape[::-1], jnp.float32),
+                                      jnp.zeros(v.shape[::-1], jnp.float32)))
+  dk_ref[...] = dk_t.T.astype(dk_ref.dtype)
+  dv_ref[...] = dv_t.T.astype(dv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------- the calls
+
+
+def _specs(tab, nrow):
+  """BlockSpecs over the grid (batch, head, row block): the row's table entry, a block of rows,
+  every row (the tiles the lists name are sliced inside), a block's statistics, every row's."""
+  table = pl.BlockSpec((None, None, tab.shape[-1]), lambda b, h, r: (h, r, 0))
+  own = lambda rows, d: pl.BlockSpec((None, None, rows, d), lambda b, h, r: (b, h, r, 0))
+  every = lambda d: pl.BlockSpec((None, None, nrow, d), lambda b, h, r: (b, h, 0, 0))
+  own_stat = lambda rows: pl.BlockSpec((None, None, rows), lambda b, h, r: (b, h, r))
+  every_stat = pl.BlockSpec((None, None, nrow), lambda b, h, r: (b, h, 0))
+  return table, own, every, own_stat, every_stat
+
+
+def _forward(q, k, v, heads, n, cfg):
+  bq, bk, warps, stages, interpret, exact = cfg
+  b, h, npad, d = q.shape
+  e = v.shape[-1]
+  tab_f, _ = tables(heads, n, bq, bk)
+  table, own, every, own_stat, _ = _specs(tab_f, npad)
+  kernel = functools.partial(_fwd_kernel, head=heads[0], n=n, bq=bq, bk=bk, exact=exact)
+  return pl.pallas_call(
+      kernel, grid=(b, h, npad // bq),
+      in_specs=[table, own(bq, d), every(d), every(e)],
+      out_specs=[own(bq, e), own_stat(bq)],
+      out_shape=[jax.ShapeDtypeStruct((b, h, npad, e), q.dtype),
+                 jax.ShapeDtypeStruct((b, h, npad), jnp.float32)],
+      interpret=interpret, name="block_sparse_attention_fwd",
+      compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages),
+  )(jnp.asarray(tab_f), q, k, v)
+
+
+def _backward(q, k, v, o, lse, do, heads, n, cfg):
+  bq, bk, warps, stages, interpret, exact = cfg
+  b, h, npad, d = q.shape
+  e = v.shape[-1]
+  tab_f, tab_b = tables(heads, n, bq, bk)
+  delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  params = plt.CompilerParams(num_warps=warps, num_stages=stages)
+  static = dict(head=heads[0], n=n, bq=bq, bk=bk, exact=exact)
+  table, own, every, own_stat, every_stat = _specs(tab_f, npad)
+  dq = pl.pallas_call(
+      functools.partial(_bwd_q_kernel, **static), grid=(b, h, npad // bq),
+      in_specs=[table, own(bq, d), every(d), every(e), own(bq, e), own_stat(bq), own_stat(bq)],
+      out_specs=own(bq, d),
+      out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32),
+      interpret=interpret, name="block_sparse_attention_bwd_q", compiler_params=params,
+  )(jnp.asarray(tab_f), q, k, v, do, lse, delta)
+  table_b = pl.BlockSpec((None, None, tab_b.shape[-1]), lambda b_, h_, r: (h_, r, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_bwd_kv_kernel, **static), grid=(b, h, npad // bk),
+      in_specs=[table_b, every(d), own(bk, d), own(bk, e), every(e), every_stat, every_stat],
+      out_specs=[own(bk, d), own(bk, e)],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      interpret=interpret, name="block_sparse_attention_bwd_kv", compiler_params=params,
+  )(jnp.asarray(tab_b), q, k, v, do, lse, delta)
+  return dq.astype(q.dtype), dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _group_attention(q, k, v, heads, n, cfg):
+  return _forward(q, k, v, heads, n, cfg)[0]
+
+
+def _group_fwd(q, k, v, heads, n, cfg):
+  o, lse = _forward(q, k, v, heads, n, cfg)
+  return o, (q, k, v, o, lse)
+
+
+def _group_bwd(heads, n, cfg, res, do):
+  q, k, v, o, lse = res
+  return _backward(q, k, v, o, lse, do, heads, n, cfg)
+
+
+_group_attention.defvjp(_group_fwd, _group_bwd)
+
+
+def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret: bool = False,
+                           block_q: int | None = None, block_k: int | None = None,
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           precision: str = "default"):
+  """Causal attention of each head under its Sparse Transformer pattern, visiting only the
+  non-empty tiles (queries pre-scaled).
+
+  Args:
+    q_BxHxNxD, k_BxHxNxD, v_BxHxNxE: queries (already scaled), keys, values.
+    heads: one block_sparse.HeadPattern per head.
+    interpret: run the Pallas kernels in interpret mode (CPU tests).
+    block_q, block_k, num_warps, num_stages: override the target's TILES entry.
+    precision: float32 dots 'default' (TF32 tensor cores on sm_80+) or 'highest' (exact).
+  Returns:
+    (B, H, N, E) in the dtype of q; float32 softmax; a query with no key gives zeros.
+  """
+  heads = tuple(heads)
+  b, h, n, d = q_BxHxNxD.shape
+  e = v_BxHxNxE.shape[-1]
+  if len(heads) != h:
+    raise ValueError(f"{len(heads)} head patterns for {h} heads")
+  why = misfit(heads, n, max(d, e))
+  if why:
+    raise ValueError(f"block-sparse attention: {why}")
+  tq, tk, tw, ts = _target_tiles(q_BxHxNxD.dtype)
+  bq, bk = block_q or tq, block_k or tk
+  warps, stages = num_warps or tw, num_stages or ts
+  if bq < 16 or bk < 16 or bq & (bq - 1) or bk & (bk - 1):
+    raise ValueError(f"block-sparse attention: tiles {bq} x {bk} must be powers of two >= 16")
+  cfg = (bq, bk, warps, stages, bool(interpret), precision == "highest")
+  npad = -(-n // max(bq, bk)) * max(bq, bk)
+  dp, ep = padded_head_dim(d), padded_head_dim(e)
+
+  def pad(x, last):
+    return jnp.pad(x, ((0, 0), (0, 0), (0, npad - n), (0, last - x.shape[-1])))
+
+  q, k, v = pad(q_BxHxNxD, dp), pad(k_BxHxNxD, dp), pad(v_BxHxNxE.astype(q_BxHxNxD.dtype), ep)
+  k = k.astype(q.dtype)
+  # Under a mesh each device runs the kernels on its own batch rows (a pallas_call is opaque to
+  # the partitioner, which would gather the batch); the placeholder seed is unused.
+  run = lambda q, k, v, _: _heads_attention(q, k, v, heads, n, cfg)
+  o = fused.per_device(run, (q, k, v, fused.seed_array(None)), (True, True, True, False),
+                       seed_at=3)
+  return o[:, :, :n, :e]
+
+
+def _heads_attention(q, k, v, heads, n, cfg):
+  """One call per group of heads with the same pattern kind, parts, stride and c."""
+  h = len(heads)
+  groups: dict = {}
+  for i, hp in enumerate(heads):
+    groups.setdefault(hp.group, []).append(i)
+  outs = [None] * h
+  for idx in groups.values():
+    hs = tuple(heads[i] for i in idx)
+    if len(idx) == h:
+      sel = lambda x: x
+    else:
+      sel = lambda x, idx=np.asarray(idx): x[:, idx]
+    o = _group_attention(sel(q), sel(k), sel(v), hs, n, cfg)
+    if len(idx) == h:
+      return o
+    for j, i in enumerate(idx):
+      outs[i] = o[:, j]
+  return jnp.stack(outs, axis=1)
