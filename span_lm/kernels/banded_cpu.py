@@ -255,8 +255,10 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     allowed = _segment_allowed(segments, w, a, c, keyed)  # B 1 n C (W+C | W)
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
     row_ok = (segments.q != 0)[:, None, :, None]  # with persistent memory every row has keys
-    if pers_k_GxDxN is None:
-      row_ok = row_ok & jnp.any(allowed, axis=-1).reshape(b, 1, m, 1)
+    if pers_k_GxDxN is None:  # keyed: the keys on the band only (not the query itself, not
+      # the keys after it in its chunk, which share its segment but are not in its window)
+      on = (allowed & _on_band(c, w)[None, None, None]) if keyed else allowed
+      row_ok = row_ok & jnp.any(on, axis=-1).reshape(b, 1, m, 1)
   if keyed:  # a select: with an added -inf constant XLA:CPU kept the broadcast constant in memory
     logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
 

@@ -65,10 +65,12 @@ class SeqAttention(nn.Module):
   kv_cache: bool = False  # inference: the cache holds projected [keys | values] (B, L, 2D)
 
   @nn.compact
-  def __call__(self, h_BxMxD, cache_BxLxD, key_pe_DxS, train: bool, ring_pos=None):
+  def __call__(self, h_BxMxD, cache_BxLxD, key_pe_DxS, train: bool, ring_pos=None, docs=None):
     """ring_pos (kv_cache, one token): the cache is a ring of projected keys|values, slot j
     holding the token at the position congruent to j mod L, and ring_pos is this token's
-    position; nothing is copied per token (kernels.decode)."""
+    position; nothing is copied per token (kernels.decode).
+    docs (model.doc_boundary): (document ids of the queries (B, M), of the newest cached
+    positions and the block (B, L' + M), L' >= every window): the door's segment ids."""
     cfg = self.cfg
     dt = jnp.dtype(cfg.dtype)
     b, m, d = h_BxMxD.shape
@@ -155,8 +157,12 @@ class SeqAttention(nn.Module):
         span_z = take(z_H, 0)[None, :, None]
       elif z_BxMxH is not None:
         span_z = take(z_BxMxH, 2).transpose(0, 2, 1)
+      segments = None
+      if docs is not None:  # the last w cached positions and the block: the door's rows
+        q_ids, all_ids = docs
+        segments = kernels.Segments(q_ids, all_ids[:, all_ids.shape[1] - (w + m):])
       out = impl.attend(
-          spec, take(q, 1), kv, key_pe_DxS[:, s - w:], span_z=span_z,
+          spec, take(q, 1), kv, key_pe_DxS[:, s - w:], span_z=span_z, segments=segments,
           pers_k_GxDxN=None if pers_k is None else take(pers_k, 0),
           pers_v_GxNxD=None if pers_v is None else take(pers_v, 0), dropout=dropout,
           dropout_seed=lambda: jax.random.bits(self.make_rng("dropout"), (), jnp.uint32))

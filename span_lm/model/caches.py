@@ -1,9 +1,24 @@
 """Layer caches: zero caches for a plan, resizing to a new plan (as the reference: keep the newest
-states, zero-pad on the left), and the ring layout one-token decoding reads in place."""
+states, zero-pad on the left), and the ring layout one-token decoding reads in place.
+
+With model.doc_boundary set, the caches carry one more entry after the layers' (`doc_ids`):
+(B, seg_len) int32 over the newest seg_len = max(cache lengths) positions, 1 where the position
+is in the document of the newest cached position, 0 elsewhere (an older document, or the zero
+states a stream starts with: not attended). Zeroed, resized (zero-padded) and split by rows as
+the layer caches are."""
 import jax.numpy as jnp
 
 from span_lm.model.config import ModelConfig
 from span_lm.model.plan import SpanPlan, full_plan
+
+
+def seg_len(plan: SpanPlan) -> int:
+  """Positions the document-id cache covers: the longest layer cache."""
+  return max(lp.cache_len for lp in plan.layers)
+
+
+def has_doc_ids(cfg: ModelConfig) -> bool:
+  return cfg.doc_boundary >= 0
 
 
 def to_ring(caches, pos, n_heads: int):
@@ -40,18 +55,27 @@ def init_caches(cfg: ModelConfig, plan: SpanPlan | None, batch: int, dtype=None,
   plan = plan or full_plan(cfg)
   width = 2 * cfg.d_model if kv else cfg.d_model
   dtype = jnp.dtype(cfg.dtype) if dtype is None else dtype
-  return tuple(jnp.zeros((batch, lp.cache_len, width), dtype) for lp in plan.layers)
+  out = tuple(jnp.zeros((batch, lp.cache_len, width), dtype) for lp in plan.layers)
+  if has_doc_ids(cfg):  # no document before the stream starts
+    out += (jnp.zeros((batch, seg_len(plan)), jnp.int32),)
+  return out
 
 
 def resize_caches(caches, cfg: ModelConfig, plan: SpanPlan | None):
   """Fits caches to a plan: keeps the newest states, zero-pads on the left (as the reference)."""
   plan = plan or full_plan(cfg)
+  lens = [lp.cache_len for lp in plan.layers]
+  if has_doc_ids(cfg):  # the document ids: padded with 0, positions no query attends
+    lens.append(seg_len(plan))
+  if len(caches) != len(lens):
+    raise ValueError(f"{len(caches)} caches for {len(lens)} entries (model.doc_boundary="
+                     f"{cfg.doc_boundary} carries document ids last)")
   out = []
-  for c, lp in zip(caches, plan.layers):
+  for c, want in zip(caches, lens):
     n = c.shape[1]
-    if n > lp.cache_len:
-      c = c[:, n - lp.cache_len:]
-    elif n < lp.cache_len:
-      c = jnp.pad(c, ((0, 0), (lp.cache_len - n, 0), (0, 0)))
+    if n > want:
+      c = c[:, n - want:]
+    elif n < want:
+      c = jnp.pad(c, ((0, 0), (want - n, 0)) + ((0, 0),) * (c.ndim - 2))
     out.append(c)
   return tuple(out)

@@ -198,6 +198,18 @@ class ModelConfig(_Section):
   # (least memory), dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.
   remat_policy: str = "nothing_saveable"
   arch: str = "span"  # span (span_lm/model/transformer.py) | sparse (sparse_transformer.py)
+  # Document boundaries in the token stream (concatenated documents), span model only: the token
+  # id that starts a new document (e.g. a separator/BOS id), or -1: off (the default; the model
+  # is then the reference's, number for number). When set, a query attends only to keys of its
+  # own document. The boundary token is the first token of the new document (the query that
+  # predicts its first content token). Since a query sees only positions strictly before it, the
+  # boundary token's query sees no key at all and its attention output is zero (persistent
+  # memory alone with pers_mem). Segment ids are derived on device from the tokens; the carried
+  # caches gain one last entry, (B, L) int32: 1 where a cached position is in the document of
+  # the newest cached position, 0 elsewhere (older documents, and the zero states a stream
+  # starts with, which are therefore not attended): blocks carried through the caches give the
+  # outputs of one long block (model/caches.py, transformer.py).
+  doc_boundary: int = -1
   # arch='sparse' ignores what is set here: its span is fixed at sparse.context.
   span: Span = dataclasses.field(default_factory=Span)
   plan: Plan = dataclasses.field(default_factory=Plan)
@@ -233,6 +245,11 @@ class ModelConfig(_Section):
       bad("remat_policy", f"choose one of {REMAT_POLICIES}")
     if self.arch not in ARCHS:
       bad("arch", f"choose one of {ARCHS}")
+    if isinstance(self.doc_boundary, bool) or not isinstance(self.doc_boundary, int) or (
+        self.doc_boundary < -1 or self.vocab_size > 1 and self.doc_boundary >= self.vocab_size):
+      bad("doc_boundary", f"must be -1 (off) or a token id in [0, vocab_size={self.vocab_size})")
+    if self.doc_boundary >= 0 and self.arch != "span":
+      bad("doc_boundary", "document boundaries are for arch='span' (the sparse model has none)")
     if self.arch == "sparse":  # no learned spans: what reads model.span sees a fixed span of n
       object.__setattr__(self, "span", Span(size=self.sparse.context, mode="fixed", loss=0.0,
                                             ramp=self.span.ramp))
@@ -282,10 +299,12 @@ class ModelConfig(_Section):
 
   @property
   def attn_spec(self) -> kernels.Spec:
-    """What the attention door reads of this model: causal windows of up to S, unsegmented."""
+    """What the attention door reads of this model: causal windows of up to S, segmented (segment
+    ids: documents) when doc_boundary is set."""
     return kernels.Spec(heads=self.n_heads, head_dim=self.head_dim, window=self.span.size,
                         ramp=self.span.ramp, mode=self.span.mode, dtype=self.dtype,
-                        dropout=self.dropout, pers_mem=self.pers_mem, attention=self.attention)
+                        dropout=self.dropout, pers_mem=self.pers_mem,
+                        segmented=self.doc_boundary >= 0, attention=self.attention)
 
   @classmethod
   def from_config(cls, model_cfg: Any, vocab_size: int | None = None) -> "ModelConfig":

@@ -57,10 +57,10 @@ class SeqLayer(nn.Module):
   kv_cache: bool = False
 
   @nn.compact
-  def __call__(self, h, cache, key_pe, train: bool, ring_pos=None):
+  def __call__(self, h, cache, key_pe, train: bool, ring_pos=None, docs=None):
     cfg = self.cfg
     attn_out, aux = SeqAttention(cfg, self.plan, self.kv_cache, name="attn")(h, cache, key_pe,
-                                                                            train, ring_pos)
+                                                                            train, ring_pos, docs)
     h = nn.LayerNorm(epsilon=1e-5, name="norm1")(h + attn_out)
     if cfg.pers_mem == 0:
       h = nn.LayerNorm(epsilon=1e-5, name="norm2")(h + FeedForward(cfg, name="ff")(h, train))
@@ -71,7 +71,9 @@ class SpanTransformer(nn.Module):
   """apply(tokens_BxM, caches, train) -> (logprobs_BxMxV, new_caches, aux).
 
   `caches` holds, per layer, the layer *inputs* of previous blocks, (B, L_l, D) with L_l fixed by
-  the plan (caches.init_caches / caches.resize_caches). With kv_cache=True (inference only) it holds
+  the plan (caches.init_caches / caches.resize_caches); with cfg.doc_boundary set, one more entry
+  last: the document ids of the newest max(L_l) positions (model/caches.py), from which and the
+  block's tokens each layer's attention gets its segment ids (a query sees its own document). With kv_cache=True (inference only) it holds
   their projected keys and values instead, (B, L_l, 2D) (caches.init_caches(..., kv=True)): the
   same numbers, since the weights do not change, without re-projecting L_l states per block
   (training must re-project: the reference's keys of cached states use the current weights and
@@ -93,7 +95,28 @@ class SpanTransformer(nn.Module):
     if self.kv_cache and train:
       raise ValueError("kv_cache=True is for inference: training re-projects the cached states "
                        "with the current weights, as the reference does")
-    if len(caches) != cfg.n_layers:
+    docs = None  # with doc_boundary: (ids of the block's queries (B, M), of cache + block rows)
+    if cfg.doc_boundary >= 0:
+      if ring_pos is not None:
+        raise ValueError("model.doc_boundary: one-token ring decoding (kernels.decode) takes no "
+                         "document ids; decode with ring=False (tools/sample.py does)")
+      if len(caches) != cfg.n_layers + 1:
+        raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers and the document "
+                         "ids (model.doc_boundary: caches.init_caches adds them)")
+      caches, doc_cache = tuple(caches[:-1]), caches[-1]
+      want_len = max(lp.cache_len for lp in plan.layers)
+      if doc_cache.shape != (tokens_BxM.shape[0], want_len):
+        raise ValueError(f"document-id cache of shape {doc_cache.shape}, the plan wants "
+                         f"{(tokens_BxM.shape[0], want_len)} (caches.resize_caches)")
+      # the block's ids: 1 continues the newest cached document, each boundary token opens the
+      # next id (the boundary belongs to the document it starts); cached ids are 0 or 1
+      starts = (tokens_BxM == cfg.doc_boundary).astype(jnp.int32)
+      q_ids = 1 + jnp.cumsum(starts, axis=1)
+      all_ids = jnp.concatenate([doc_cache.astype(jnp.int32), q_ids], axis=1)
+      docs = (q_ids, all_ids)
+      tail = all_ids[:, all_ids.shape[1] - want_len:]
+      new_doc_cache = (tail == q_ids[:, -1:]).astype(jnp.int32)  # rebased: the newest doc is 1
+    elif len(caches) != cfg.n_layers:
       raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers")
     tables = None
     if cfg.adapt_io.enabled:
@@ -124,7 +147,7 @@ class SpanTransformer(nn.Module):
                          f"(kv_cache={self.kv_cache})")
       h_in = h
       h, aux = layer_cls(cfg, lp, self.kv_cache, name=f"layers_{i}")(
-          h, cache, key_pe, train, ring_pos)
+          h, cache, key_pe, train, ring_pos, docs)
       new = aux.pop("kv") if self.kv_cache else h_in
       if ring_pos is not None:  # this token's keys|values into its slot, head-major
         slot = jnp.asarray(ring_pos, jnp.int32) % lp.cache_len
@@ -137,6 +160,8 @@ class SpanTransformer(nn.Module):
         both = jnp.concatenate([cache, new.astype(cache.dtype)], axis=1)
         new_caches.append(jax.lax.stop_gradient(both[:, both.shape[1] - lp.cache_len:]))
       auxes.append(aux)
+    if docs is not None:
+      new_caches.append(new_doc_cache)
     h = nn.Dropout(cfg.emb_dropout)(h, deterministic=not train)
     if cfg.adapt_io.enabled:
       logp = adaptive_io.AdaptiveLogSoftmax(cfg, name="out_emb")(

@@ -50,7 +50,8 @@ def _generate(params, prompt_BxP, key, temperature, top_k, *, cfg, plan, length,
   caches = caches_lib.init_caches(cfg, plan, prompt_BxP.shape[0], kv=kv_cache)
   logp, caches, _ = model.apply({"params": params}, prompt_BxP, caches, train=False)
   n_prompt = prompt_BxP.shape[1]
-  ring = kv_cache and ring
+  # the ring decode (kernels.decode) takes no document ids: with doc_boundary, shift the caches
+  ring = kv_cache and ring and cfg.doc_boundary < 0
   if ring:  # one slot written per token, instead of every cache shifted by one
     caches = caches_lib.to_ring(caches, n_prompt, cfg.n_heads)
 

@@ -188,3 +188,30 @@ def test_other_segments_and_padding_get_exactly_no_gradient(impl, chunk):
   assert other.any() and (~other).any()
   assert np.all(np.asarray(dk)[:, :, other] == 0) and np.all(np.asarray(dv)[:, :, other] == 0)
   assert np.abs(np.asarray(dk)[:, :, ~other]).max() > 0
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_causal_documents_whose_first_query_has_no_key(chunk):
+  """Causal bands with document ids (model.doc_boundary): a document's first query has keys of
+  its segment only at and after itself, none in its window, so it gives zeros, as the reference
+  does. The cpu path in key coordinates (chunks of 16 on a band of 32) once counted those
+  off-band keys and attended the other documents' keys instead."""
+  rng = np.random.default_rng(5)
+  b, g, m, w, dh = 2, 2, 32, 32, 8
+  t = w + m
+  q = rng.normal(size=(b, g, m, dh)).astype(np.float32)
+  k, v = (rng.normal(size=(b, g, t, dh)).astype(np.float32) for _ in range(2))
+  pe = rng.normal(size=(dh, w)).astype(np.float32)
+  z = np.full((1, g, 1), 20.0, np.float32)
+  ids = np.ones((b, t), np.int32)
+  ids[:, :w - 5] = 0  # padding before the stream
+  for s in (w + 3, w + 17, w + 18, w + 31):  # documents start at these rows
+    ids[:, s:] += 1
+  seg = kernels.Segments(ids[:, w:], ids)
+  outs = {}
+  for impl in ("reference", "cpu"):
+    spec = _spec(impl, w, 0, True, chunk=chunk)
+    outs[impl] = np.asarray(kernels.IMPLS[impl].attend(spec, q, kernels.KV(k, v), pe, span_z=z,
+                                                       segments=seg))
+  np.testing.assert_allclose(outs["cpu"], outs["reference"], rtol=1e-5, atol=1e-5)
+  assert not outs["cpu"][:, :, [3, 17, 18, 31]].any()

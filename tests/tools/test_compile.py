@@ -251,3 +251,25 @@ def test_fused_kernel_fits_shared_memory_for_every_head_size_and_dtype(target):
   assert r.returncode == 0, r.stderr[-2000:]
   lines = [l for l in r.stdout.splitlines() if l.startswith(target)]
   assert len(lines) == 4 and all(": ok " in l for l in lines), r.stdout
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("target,impl", [
+    pytest.param("h100:1", "pallas", marks=pytest.mark.skipif(
+        not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")),
+    pytest.param("v5e:2x2", "pallas_tpu", marks=pytest.mark.skipif(
+        not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]"))])
+def test_compile_mode_with_document_boundaries(tmp_path, target, impl):
+  """model.doc_boundary: the span model's train step with segment ids (documents) through the
+  fused kernel of each target, compiled deviceless."""
+  r = subprocess.run([sys.executable, "main.py", "--config=configs/tiny.py",  # block 128: TPU tiles
+                      "--config.model.n_layers=2",
+                      "--config.mode=compile", f"--config.compile.targets={target}",
+                      "--config.model.dtype=bfloat16", "--config.compile.steps=train",
+                      f"--config.model.attention.impl={impl}", "--config.model.doc_boundary=0",
+                      f"--config.compile.out={tmp_path}"],
+                     cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
+  assert r.returncode == 0, r.stdout + r.stderr
+  row = json.load(open(tmp_path / "compile_report.json"))["rows"][0]
+  assert row["attention"] == impl and row["train"]["compiled"], row
+  assert row["train"]["memory"]["fits"], row["train"]["memory"]
