@@ -255,10 +255,8 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     allowed = _segment_allowed(segments, w, a, c, keyed)  # B 1 n C (W+C | W)
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
     row_ok = (segments.q != 0)[:, None, :, None]  # with persistent memory every row has keys
-    if pers_k_GxDxN is None:  # keyed: the keys on the band only (not the query itself, not
-      # the keys after it in its chunk, which share its segment but are not in its window)
-      on = (allowed & _on_band(c, w)[None, None, None]) if keyed else allowed
-      row_ok = row_ok & jnp.any(on, axis=-1).reshape(b, 1, m, 1)
+    if pers_k_GxDxN is None:  # `allowed` holds on-band keys only (_segment_allowed)
+      row_ok = row_ok & jnp.any(allowed, axis=-1).reshape(b, 1, m, 1)
   if keyed:  # a select: with an added -inf constant XLA:CPU kept the broadcast constant in memory
     logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
 
@@ -317,7 +315,7 @@ def _segment_allowed(segments, w: int, a: int, c: int, keyed: bool):
   kv_win = kv_seg[:, idx]  # B n (W+C)
   same = (q_seg.reshape(b, n, c, 1) == kv_win[:, :, None, :]) & (kv_win[:, :, None, :] != 0)
   if keyed:  # keys off the band are not the query's: a row whose segment has keys only there
-    same = same & _on_band(c, w)  # has none (its output is zero, `row_ok`)
+    same = same & _on_band(c, w)[None, None]  # has none (its output is zero, `row_ok`)
   else:
     same = _unskew_pad(same.astype(jnp.int8), w).astype(bool)
   return same[:, None]
