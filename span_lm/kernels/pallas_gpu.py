@@ -803,7 +803,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   b, _, m, _ = q_BxHxMxD.shape
   w = key_pe_DxW.shape[-1]
   if k_BxHxTxD.shape[2] != w + m + a:
-    raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} rows of keys for window {w}, "
+    raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} key rows for window {w}, "
                      f"block {m} and {a} ahead (W + M + A)")
   k, v, kv_seg = k_BxHxTxD, v_BxHxTxD, kv_segments_BxT
   a_rows = -(-a // block_k) * block_k  # rows ahead in whole key tiles, zero-padded
