@@ -803,7 +803,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   b, _, m, _ = q_BxHxMxD.shape
   w = key_pe_DxW.shape[-1]
   if k_BxHxTxD.shape[2] != w + m + a:
-    raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} rows of keys for window {w}, "
+    raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} key rows for window {w}, "
                      f"block {m} and {a} ahead (W + M + A)")
   k, v, kv_seg = k_BxHxTxD, v_BxHxTxD, kv_segments_BxT
   a_rows = -(-a // block_k) * block_k  # rows ahead in whole key tiles, zero-padded
@@ -836,10 +836,14 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 # warps, stages), from a deviceless ptxas sweep (bench/kernel_sweep.py; docs/kernels.md): 64-row
 # query tiles with no spills in bf16 on Hopper and Ampere (A100's mma.sync keeps its accumulators
 # in registers: 32-key tiles there; at head size 128 64-key tiles spilled in bwd_q with
-# persistent memory), the fewest spills in float32. Untimed on a
+# persistent memory), the fewest spills in float32. Hopper bf16 at head size 128 takes 32-key
+# tiles too: at 64 x 64 bwd_kv sat at 255 registers and spilled 8+8 B in enwik8_large's step
+# (B=4, H=8, M=512, W=8192, dropout 0.4; 2-4 stages alike; not at the PTX test's B=1, H=2):
+# 64 x 32 compiles at most 203 registers, no spills, wgmma in fwd and bwd_q (bwd_kv's 32-row
+# dk/dv products run as mma.sync). Untimed on a
 # device: `attention.tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
 TILES = {
-    (9, 64, "bfloat16"): (64, 64, 4, 3), (9, 128, "bfloat16"): (64, 64, 8, 3),
+    (9, 64, "bfloat16"): (64, 64, 4, 3), (9, 128, "bfloat16"): (64, 32, 8, 3),
     (9, 64, "float32"): (64, 32, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),
     (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (64, 32, 8, 2),
     (8, 64, "float32"): (32, 32, 4, 2), (8, 128, "float32"): (32, 16, 8, 2),

@@ -602,3 +602,52 @@ def test_ptx_pipelined_tensor_cores_no_read_back_no_spills(tmp_path, target):
   assert len(reports) == 12, reports
   bf16 = reports[:6]  # compiled in the child's order: bf16 first
   assert all(k["spill_store"] == 0 == k["spill_load"] for k in bf16), bf16
+
+
+# enwik8_large's attention per device in its training step on 8 GPUs (batch 64 / 8 devices /
+# batch_split 2 = 4 sequences, 8 heads, block 512, span 8192, head size 96, dropout 0.4, bf16):
+# the kernels at the tiles the door picks. The PTX test's small shape (B=1, H=2) did not show
+# the spill this one did (bwd_kv at 64 x 64 tiles on the H100: 255 registers, 8+8 B).
+_LARGE_STEP_CHILD = _PTX_PRELUDE + """
+b, h, m, w, dh, dt = 4, 8, 512, 8192, 96, jnp.bfloat16
+tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)
+bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile)
+print("TILES " + json.dumps([tile, bk, warps, stages]), flush=True)
+sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
+def loss(q, k, v, pe, z):
+  return jnp.sum(pallas_gpu.span_attention(q, k, v, pe, z, ramp=32, block=tile, block_k=bk,
+      num_warps=warps, num_stages=stages, dropout_rate=0.4,
+      dropout_seed=jnp.uint32(3)).astype(jnp.float32))
+jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)))).lower(
+    sds(b, h, m, dh), sds(b, h, w + m, dh), sds(b, h, w + m, dh), sds(dh, w),
+    sds(b, h, m, d=jnp.float32)).compile(compiler_options=dict(kernels.GPU_COMPILER_OPTIONS))
+"""
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+@pytest.mark.parametrize("target", ["h100", "a100_80"])
+def test_enwik8_large_step_shapes_no_bf16_spills(tmp_path, target):
+  """At enwik8_large's per-device shapes (head size 96, run as 128) every kernel compiles
+  without spills in bf16, with tensor-core instructions and asynchronous copies and no
+  read-back (the compile mode's `GPU kernels` table of
+  `main.py --config=configs/enwik8_large.py --config.mode=compile --config.compile.targets=h100:8
+  --config.compile.steps=train --config.model.dtype=bfloat16 --config.model.attention.impl=pallas`
+  shows the same kernels)."""
+  from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
+  env = compile_lib.child_env("gpu")
+  env["XLA_FLAGS"] = f"--xla_dump_to={tmp_path}"
+  r = subprocess.run([sys.executable, "-c", _LARGE_STEP_CHILD, target], cwd=REPO, env=env,
+                     capture_output=True, text=True, timeout=900, check=False)
+  assert r.returncode == 0, r.stderr[-3000:]
+  reports = [k for k in compile_lib.parse_ptxas(r.stdout + r.stderr)
+             if k["kernel"].startswith("span_attention")]
+  assert len(reports) == 3, reports
+  assert all(k["spill_store"] == 0 == k["spill_load"] for k in reports), reports
+  facts = ptx.dumped_kernels(tmp_path, "span_attention")
+  assert len(facts) == 3, [f["kernel"] for f in facts]
+  for f in facts:
+    assert not f["read_back"] and f["unresolved"] == 0, f
+    assert f["cp_async"] > 0, f
+    assert (f["wgmma"] if target == "h100" else f["mma"]) > 0, f
