@@ -28,6 +28,15 @@ def block_size(n: int) -> int:
   return LANES
 
 
+@functools.lru_cache(maxsize=256)
+def computed_pairs(head: HeadPattern, n: int) -> int:
+  """(query, key) pairs the kernel computes for one head over n positions: its non-empty blocks
+  (block_sparse.block_map) times the block area, partial blocks computed whole."""
+  from span_lm.kernels.block_sparse import EMPTY, block_map  # pylint: disable=g-import-not-at-top
+  b = block_size(n)
+  return int((block_map(head, n, b, b) != EMPTY).sum()) * b * b
+
+
 def misfit(heads, n, head_dim) -> str:
   if n is not None and n < 1:
     return f"sequence length {n}"
@@ -73,7 +82,11 @@ def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret=
   padded = -(-n // block) * block
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, padded - n), (0, 0)))
   kernel = _kernel(tuple(heads), padded, block, interpret)
-  o = jax.vmap(kernel)(pad(q_BxHxNxD), pad(k_BxHxNxD), pad(v_BxHxNxE))
+  from span_lm.kernels import fused  # pylint: disable=g-import-not-at-top
+  # A Mosaic call is not partitioned by XLA: each device runs it on its own batch rows.
+  run = lambda q, k, v, seed: jax.vmap(kernel)(q, k, v)
+  o = fused.per_device(run, (pad(q_BxHxNxD), pad(k_BxHxNxD), pad(v_BxHxNxE),
+                             fused.seed_array(None)), (True, True, True, False), seed_at=3)
   # Splash's masked score is finite, so a query with no key would average the values: zero them.
   first = np.array([first_query(h) for h in heads])
   if first.any():
