@@ -95,3 +95,12 @@ def computed_fraction(heads, n: int, block_q: int, block_k: int) -> float:
   dense = block_map(HeadPattern("dense"), n, block_q, block_k)
   done = sum(int((block_map(h, n, block_q, block_k) != EMPTY).sum()) for h in heads)
   return done / (len(heads) * int((dense != EMPTY).sum()))
+
+
+def first_query(head: HeadPattern) -> int:
+  """The first query that attends to any key (earlier ones output zeros): 0 for every pattern
+  that keeps the query itself; for a fixed summary-only head (A2 alone), the first summary
+  column l - c - o, which every later query sees as well (A2 depends on the key alone)."""
+  if head.kind == "fixed" and head.summary and not head.local:
+    return max(0, head.stride - head.c - head.offset)
+  return 0

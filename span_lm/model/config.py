@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 from span_lm import kernels
+from span_lm.kernels.sparse_door import SPARSE_IMPL_NAMES
 
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -134,7 +135,9 @@ class Sparse(_Section):
   stride: int = 128  # l
   c: int = 32  # fixed: summary positions per block per head
   distinct: bool = True  # fixed: heads attend to distinct c-sub-blocks (Sec. 4.3)
-  impl: str = "fast"  # fast (O(n sqrt n)) | dense (the masked n x n reference)
+  # auto | jnp (O(n sqrt n)) | dense (the masked n x n reference) | splash (TPU) |
+  # splash_interpret; 'fast' is read as 'jnp'. Chosen by kernels/sparse_door.py.
+  impl: str = "auto"
   prenorm: bool = True  # pre-activation residual blocks (eqs. 9-14); False: post-LN
   act: str = "gelu"  # gelu: x * sigmoid(1.702 x) as the paper | relu
   init_scale: bool = True  # W_p and W_2 init scaled by 1/sqrt(2N)
@@ -151,7 +154,7 @@ class Sparse(_Section):
     bad = _checker("sparse.", self)
     if not _positive_int(self.context):
       bad("context", "must be a positive integer")
-    choices = {"pattern": SPARSE_PATTERNS, "combine": SPARSE_COMBINES, "impl": ("fast", "dense"),
+    choices = {"pattern": SPARSE_PATTERNS, "combine": SPARSE_COMBINES, "impl": SPARSE_IMPL_NAMES,
                "pos": SPARSE_POS, "act": SPARSE_ACTS}
     for f, allowed in choices.items():
       if getattr(self, f) not in allowed:

@@ -246,11 +246,11 @@ def sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads):
   return jnp.stack(outs, axis=1)
 
 
-def attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, impl: str = "fast"):
-  """impl: 'fast' (sparse_attention) or 'dense' (the masked n x n reference)."""
-  if impl == "dense":
-    return reference_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads)
-  return sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads)
+def attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, impl: str = "auto"):
+  """impl: a row of kernels/sparse_door.py's SPARSE_IMPLS or 'auto' (its `select`)."""
+  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
+  chosen = sparse_door.select(impl, heads, q_BxHxNxD.shape[2], q_BxHxNxD.shape[3])
+  return chosen(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads)
 
 
 def attended_keys(heads, n: int) -> int:

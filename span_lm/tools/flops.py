@@ -80,14 +80,21 @@ def sparse_attention_macs(cfg: ModelConfig, layer: int, n: int) -> tuple[int, in
     local  (A1)    strided: each block's l queries x the 2l keys of blocks b-1 and b; fixed: l x l;
     strided (A2)   the (l, nb) transpose: each column's nb queries x nb keys;
     summary (A2)   fixed: every query x the c summary keys of all nb blocks.
-  Scores are d_qk / H long, values head_dim; masked products are computed (and counted) too."""
+  Scores are d_qk / H long, values head_dim; masked products are computed (and counted) too.
+  A block-skipping kernel (kernels/sparse_door.py, a row with kernel=True: splash) counts the
+  blocks it computes: non-empty blocks x block area (splash_sparse.computed_pairs)."""
+  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import splash_sparse  # pylint: disable=g-import-not-at-top
   from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
   h, dk, dv = cfg.n_heads, cfg.d_qk // cfg.n_heads, cfg.head_dim
   heads = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, layer, cfg.sparse.stride,
                              cfg.sparse.c, cfg.sparse.distinct)
   keys = 0  # (query, key) pairs computed, summed over heads
+  if sparse_door.select(cfg.sparse.impl, heads, n, dk).kernel:
+    keys = sum(splash_sparse.computed_pairs(head, n) for head in heads)
+    return keys * dk, keys * dv
   for head in heads:
-    if cfg.sparse.impl == "dense" or head.kind == "dense":
+    if sparse_door.ALIASES.get(cfg.sparse.impl, cfg.sparse.impl) == "dense" or head.kind == "dense":
       keys += n * n
       continue
     l = head.stride

@@ -1,0 +1,94 @@
+"""The 'splash' rows of kernels/sparse_door.py: jax's splash attention (TPU) with each head's
+Sparse Transformer pattern as a computable mask (kernels/block_sparse.py `allowed` on the
+kernel's index tiles), one per head in a MultiHeadMask. Splash's MaskInfo skips the all-zero
+blocks in the forward and both backward passes and evaluates the mask only in partial blocks.
+
+What it cannot do (misfit says so): sequence lengths that are not a multiple of 128 (its
+blocks are multiples of 128 lanes; we pad n up to the block and slice, padded keys lie in every
+real query's future); attention-weight dropout (the sparse model applies none). Head sizes
+below 128 are padded by splash itself to whole lanes (head_dim 64 does twice the q.k lanes).
+It does not scale q (our queries are pre-scaled) and softmax is float32. Its masked score is
+finite, so queries with no key (fixed summary-only heads) are zeroed after (`first_query`).
+"""
+import functools
+
+import numpy as np
+
+from span_lm.kernels.block_sparse import HeadPattern, allowed, first_query
+
+LANES = 128
+
+
+def block_size(n: int) -> int:
+  """The splash block (queries and keys) for n positions: up to 512, a multiple of 128."""
+  padded = -(-n // LANES) * LANES
+  for b in (512, 256, 128):
+    if padded % b == 0:
+      return b
+  return LANES
+
+
+@functools.lru_cache(maxsize=256)
+def computed_pairs(head: HeadPattern, n: int) -> int:
+  """(query, key) pairs the kernel computes for one head over n positions: its non-empty blocks
+  (block_sparse.block_map) times the block area, partial blocks computed whole."""
+  from span_lm.kernels.block_sparse import EMPTY, block_map  # pylint: disable=g-import-not-at-top
+  b = block_size(n)
+  return int((block_map(head, n, b, b) != EMPTY).sum()) * b * b
+
+
+def misfit(heads, n, head_dim) -> str:
+  if n is not None and n < 1:
+    return f"sequence length {n}"
+  if head_dim is not None and head_dim % 8:
+    return f"head size {head_dim}: splash needs a multiple of 8"
+  return ""
+
+
+@functools.lru_cache(maxsize=64)
+def _kernel(heads: tuple[HeadPattern, ...], n: int, block: int, interpret: bool):
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # pylint: disable=g-import-not-at-top
+
+  class PatternMask(sm._ComputableMask):  # pylint: disable=protected-access
+    """One head's pattern, computed on index tiles (never an (n, n) array)."""
+
+    def __init__(self, head: HeadPattern, n: int):
+      self.head = head
+      super().__init__((n, n), lambda i, j: allowed(head, i, j))
+
+    def __eq__(self, other):
+      return (isinstance(other, PatternMask) and self.head == other.head
+              and self.shape == other.shape)
+
+    def __hash__(self):
+      return hash((self.head, self.shape))
+
+  mask = sm.MultiHeadMask(tuple(PatternMask(h, n) for h in heads))
+  sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                        block_q_dq=block, block_kv_dq=block)
+  return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                            interpret=interpret)
+
+
+def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret=False):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  n = q_BxHxNxD.shape[2]
+  if len(heads) != q_BxHxNxD.shape[1]:
+    raise ValueError(f"{len(heads)} head patterns for {q_BxHxNxD.shape[1]} heads")
+  block = block_size(n)
+  padded = -(-n // block) * block
+  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, padded - n), (0, 0)))
+  kernel = _kernel(tuple(heads), padded, block, interpret)
+  from span_lm.kernels import fused  # pylint: disable=g-import-not-at-top
+  # A Mosaic call is not partitioned by XLA: each device runs it on its own batch rows.
+  run = lambda q, k, v, seed: jax.vmap(kernel)(q, k, v)
+  o = fused.per_device(run, (pad(q_BxHxNxD), pad(k_BxHxNxD), pad(v_BxHxNxE),
+                             fused.seed_array(None)), (True, True, True, False), seed_at=3)
+  # Splash's masked score is finite, so a query with no key would average the values: zero them.
+  first = np.array([first_query(h) for h in heads])
+  if first.any():
+    o = jnp.where((np.arange(padded)[None, :] >= first[:, None])[:, :, None], o, 0)
+  return o[:, :, :n].astype(q_BxHxNxD.dtype)

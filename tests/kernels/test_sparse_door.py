@@ -1,0 +1,142 @@
+"""The sparse model's attention table (kernels/sparse_door.py) and its splash rows: every pattern
+and combination against the dense masked reference, values and gradients, interpreted."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from span_lm.kernels import block_sparse
+from span_lm.kernels import sparse_door
+from span_lm.kernels import splash_sparse
+from span_lm.kernels import target
+from span_lm.model import sparse
+
+
+def _heads(pattern, combine, layer, n_heads, stride, c):
+  return sparse.layer_heads(pattern, combine, n_heads, layer, stride, c)
+
+
+def test_rows_and_auto_by_platform():
+  assert set(sparse_door.SPARSE_IMPLS) >= {"jnp", "dense", "splash", "splash_interpret",
+                                           "pallas", "pallas_interpret"}
+  heads = _heads("fixed", "merged", 0, 2, 32, 8)
+  with target.compiling_for("cpu"):
+    assert sparse_door.select("auto", heads, 256, 64).name == "jnp"
+  with target.compiling_for("tpu", kind="TPU v5p"):
+    assert sparse_door.select("auto", heads, 256, 64).name == "splash"
+  with target.compiling_for("gpu", 9.0):  # Hopper, and Ampere: the Triton block-sparse kernel
+    assert sparse_door.select("auto", heads, 256, 64).name == "pallas"
+  with target.compiling_for("gpu", 8.0):
+    assert sparse_door.select("auto", heads, 256, 64).name == "pallas"
+  with target.compiling_for("gpu", 7.0):  # V100: no Triton kernel
+    assert sparse_door.select("auto", heads, 256, 64).name == "jnp"
+  assert sparse_door.select("dense", heads, 256, 64).fn == "dense_attention"
+
+
+def test_fast_is_an_alias_with_a_warning():
+  heads = _heads("strided", "merged", 0, 2, 8, 2)
+  with pytest.warns(FutureWarning, match="'fast' is now 'jnp'"):
+    assert sparse_door.select("fast", heads, 64, 16).name == "jnp"
+
+
+def test_explicit_choices_refused_in_one_line():
+  with pytest.raises(ValueError, match=r"sparse.impl='nope': choose one of"):
+    sparse_door.check("nope")
+  with pytest.raises(ValueError, match=r"sparse.impl='splash' runs jax's splash.*cpu devices"):
+    sparse_door.check("splash", backend="cpu")
+  sparse_door.check("splash", backend="tpu")
+  sparse_door.check("splash_interpret", backend="cpu")
+  with pytest.raises(ValueError, match=r"sparse.impl='pallas' runs a Triton.*cpu devices"):
+    sparse_door.check("pallas", backend="cpu")
+  sparse_door.check("pallas_interpret", backend="cpu")
+  with pytest.raises(ValueError, match="head size 12"):
+    sparse_door.check("splash", _heads("fixed", "merged", 0, 2, 8, 2), 64, 12)
+
+
+def test_config_takes_the_table_names():
+  from span_lm.model.config import ModelConfig
+  base = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=40,
+              span_mode="fixed", arch="sparse", sparse_stride=8, sparse_c=2)
+  for name in ("auto", "jnp", "dense", "splash", "splash_interpret", "pallas",
+               "pallas_interpret", "fast"):
+    assert ModelConfig.from_config(dict(base, sparse_impl=name)).sparse.impl == name
+  with pytest.raises(ValueError, match="sparse.impl"):
+    ModelConfig.from_config(dict(base, sparse_impl="flash"))
+
+
+@pytest.mark.parametrize("pattern", ["fixed", "strided"])
+def test_first_query_is_the_connectivity_s(pattern):
+  for combine in sparse.COMBINES:
+    for layer in (0, 1):
+      for h in _heads(pattern, combine, layer, 4, 16, 4):
+        rows = block_sparse.connectivity(h, 64).any(1)
+        assert rows.argmax() == block_sparse.first_query(h)
+        assert rows[block_sparse.first_query(h):].all()
+
+
+def _check(heads, n, d, dtype, atol):
+  """The kernel in `dtype` against the float32 reference on the same (rounded) inputs."""
+  rng = np.random.default_rng(n)
+  q, k, v, w = (jnp.asarray(rng.normal(size=(1, len(heads), n, d)), jnp.float32)
+                for _ in range(4))
+  q, k, v = ((x * s).astype(dtype) for x, s in ((q, d ** -0.5), (k, 1), (v, 1)))
+
+  def run(fn, cast):
+    f = lambda *a: jnp.sum(w * fn(*(x.astype(cast) for x in a), heads).astype(jnp.float32))
+    return jax.value_and_grad(f, (0, 1, 2))(q, k, v), fn(q.astype(cast), k.astype(cast),
+                                                         v.astype(cast), heads)
+
+  kernel = lambda *a: splash_sparse.block_sparse_attention(*a, interpret=True)
+  ((lk, gk), ok) = run(kernel, dtype)
+  ((lr, gr), orf) = run(sparse.reference_attention, jnp.float32)
+  assert ok.dtype == dtype
+  np.testing.assert_allclose(np.asarray(ok, np.float32), orf, atol=atol)
+  np.testing.assert_allclose(lk, lr, rtol=atol, atol=atol * n)
+  for a, b in zip(gk, gr):
+    b = np.asarray(b)
+    np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=atol * max(1, np.abs(b).max()))
+
+
+# Fast tier: one merged fixed layer with distinct offsets, one fixed summary-only layer (queries
+# with no key) and split strided heads, at n = 200 (padded to 256: two blocks of 128), float32.
+@pytest.mark.parametrize("pattern,combine,layer", [("fixed", "merged", 0),
+                                                   ("fixed", "interleaved", 1),
+                                                   ("strided", "split", 0)])
+def test_splash_equals_dense_reference(pattern, combine, layer):
+  _check(_heads(pattern, combine, layer, 2, 32, 8), 200, 16, jnp.float32, 2e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 2e-5), (jnp.bfloat16, 6e-2)])
+@pytest.mark.parametrize("combine", sparse.COMBINES)
+@pytest.mark.parametrize("pattern", sparse.PATTERNS)
+def test_splash_every_pattern_and_combination(pattern, combine, dtype, atol):
+  for layer in (0, 1):
+    _check(_heads(pattern, combine, layer, 4, 64, 16), 640, 64, dtype, atol)
+
+
+@pytest.mark.parametrize("kernel", [
+    "pallas_interpret", pytest.param("splash_interpret", marks=pytest.mark.slow)])
+def test_kernels_in_the_model_equal_the_dense_reference(kernel):
+  from model_helpers import replace_flat  # pylint: disable=g-import-not-at-top
+  from span_lm.model import build_model
+  from span_lm.model import caches as caches_lib
+  from span_lm.model import plan as plan_lib
+  from span_lm.model.config import ModelConfig
+  cfg = ModelConfig.from_config(dict(vocab_size=30, d_model=32, n_layers=2, n_heads=2, d_ff=32,
+                                     span=130, span_mode="fixed", arch="sparse",
+                                     sparse_stride=16, sparse_c=4, sparse_combine="interleaved"))
+  tok = jnp.asarray(np.random.default_rng(1).integers(0, 30, (1, 130)), jnp.int32)
+  out = {}
+  for name in ("dense", kernel):
+    c = replace_flat(cfg, sparse_impl=name)
+    model = build_model(c, plan_lib.full_plan(c))
+    caches = caches_lib.init_caches(c, None, 1)
+    params = model.init(jax.random.key(0), tok, caches)["params"]
+    loss = lambda p: -jnp.mean(model.apply({"params": p}, tok, caches)[0][:, :, 0])
+    out[name] = jax.value_and_grad(loss)(params)
+  np.testing.assert_allclose(out["dense"][0], out[kernel][0], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
+               out["dense"][1], out[kernel][1])
