@@ -107,6 +107,13 @@ def _target_tiles(dtype):
   return tiles(p.compute_capability if p.name == "gpu" else None, dtype)
 
 
+def computed_pairs(head: HeadPattern, n: int, dtype="bfloat16") -> int:
+  """(query, key) pairs the kernel computes for one head over n positions at the target's tiles:
+  its non-empty tiles (block_sparse.block_map) times the tile area, partial tiles whole."""
+  bq, bk = _target_tiles(dtype)[:2]
+  return int((block_sparse.block_map(head, n, bq, bk) != block_sparse.EMPTY).sum()) * bq * bk
+
+
 def _pow2(x: int) -> int:
   return 1 << max(0, (int(x) - 1).bit_length())
 

@@ -82,7 +82,7 @@ def sparse_attention_macs(cfg: ModelConfig, layer: int, n: int) -> tuple[int, in
     summary (A2)   fixed: every query x the c summary keys of all nb blocks.
   Scores are d_qk / H long, values head_dim; masked products are computed (and counted) too.
   A block-skipping kernel (kernels/sparse_door.py, a row with kernel=True: splash) counts the
-  blocks it computes: non-empty blocks x block area (splash_sparse.computed_pairs)."""
+  blocks it computes: non-empty blocks x block area (its module's computed_pairs)."""
   from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
   from span_lm.kernels import splash_sparse  # pylint: disable=g-import-not-at-top
   from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
@@ -90,8 +90,11 @@ def sparse_attention_macs(cfg: ModelConfig, layer: int, n: int) -> tuple[int, in
   heads = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, layer, cfg.sparse.stride,
                              cfg.sparse.c, cfg.sparse.distinct)
   keys = 0  # (query, key) pairs computed, summed over heads
-  if sparse_door.select(cfg.sparse.impl, heads, n, dk).kernel:
-    keys = sum(splash_sparse.computed_pairs(head, n) for head in heads)
+  impl = sparse_door.select(cfg.sparse.impl, heads, n, dk)
+  if impl.kernel:  # the kernel's own tiles (splash's blocks, the Triton kernel's tiles)
+    pairs = impl.ops.computed_pairs
+    keys = sum(pairs(head, n) if impl.ops is splash_sparse else pairs(head, n, cfg.dtype)
+               for head in heads)
     return keys * dk, keys * dv
   for head in heads:
     if sparse_door.ALIASES.get(cfg.sparse.impl, cfg.sparse.impl) == "dense" or head.kind == "dense":

@@ -140,3 +140,28 @@ def test_kernels_in_the_model_equal_the_dense_reference(kernel):
   np.testing.assert_allclose(out["dense"][0], out[kernel][0], rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
                out["dense"][1], out[kernel][1])
+
+
+def test_flops_count_the_blocks_the_chosen_kernel_computes():
+  """The FLOPs accounting counts what runs: the jnp path's parts, or a kernel's non-empty tiles
+  times their area (here the Triton kernel's 64 x 32 bf16 tiles on an H100), which
+  block_sparse.computed_fraction relates to the dense causal tiles."""
+  from span_lm.kernels import block_sparse  # pylint: disable=g-import-not-at-top
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from span_lm.tools import flops  # pylint: disable=g-import-not-at-top
+  n = 1024
+  cfg = ModelConfig.from_config(dict(vocab_size=30, d_model=128, n_layers=1, n_heads=2, d_ff=32,
+                                     span=n, span_mode="fixed", arch="sparse", sparse_stride=64,
+                                     sparse_c=16, dtype="bfloat16"))
+  heads = _heads("fixed", "merged", 0, 2, 64, 16)
+  with target.compiling_for("gpu", 9.0):
+    macs_q, _ = flops.sparse_attention_macs(cfg, 0, n)
+  tiles = sum(int((block_sparse.block_map(h, n, 64, 32) != block_sparse.EMPTY).sum())
+              for h in heads)
+  assert macs_q == tiles * 64 * 32 * 64  # pairs x head size
+  dense_pairs = 2 * int((block_sparse.block_map(block_sparse.HeadPattern("dense"), n, 64, 32)
+                         != block_sparse.EMPTY).sum()) * 64 * 32
+  assert macs_q / 64 == pytest.approx(
+      block_sparse.computed_fraction(heads, n, 64, 32) * dense_pairs)
+  with target.compiling_for("cpu"):  # the jnp path: its parts, not tiles
+    assert flops.sparse_attention_macs(cfg, 0, n)[0] != macs_q
