@@ -18,7 +18,8 @@ RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its 
 # older span run's flat config.model lacked (a sparse run's old `span` becomes it); what a run
 # reports (profiling, the MFU peak, Weights & Biases).
 QUIET_DEFAULTS = ("dist.", "model.sparse.context", "train.profile_", "train.peak_tflops",
-                  "train.wandb", "compile.strict")
+                  "train.wandb", "compile.strict",
+                  "model.doc_boundary")  # added with its old behaviour as the default (off)
 
 
 def config_path(workdir: str) -> str:
