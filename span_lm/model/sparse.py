@@ -24,8 +24,6 @@ Scores and softmax are float32 whatever the input dtype; a query with no key out
 """
 import math
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from span_lm.kernels.block_sparse import HeadPattern, connectivity  # noqa: F401 (the API)
