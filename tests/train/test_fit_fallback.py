@@ -7,6 +7,7 @@ once built a fused config the config check refuses, so no sparse config compiled
 Hopper GPU. These tests need no CUDA toolchain: they ask the decision on a GPU target, and compile
 a sparse step on the CPU's devices while tracing for an H100 with a capacity nothing fits in.
 """
+import dataclasses
 import importlib
 import pathlib
 import sys
@@ -94,8 +95,12 @@ def test_span_auto_falls_back_to_the_kernel_on_triton_gpus_only():
 
 def test_sparse_step_compiles_on_a_gpu_target_that_it_does_not_fit():
   """The step compiler as a GPU run builds it (capacity known, here 1 KiB so nothing fits): the
-  sparse model's train step compiles with its own attention, no fallback tried."""
-  cfg = _tiny("sparse")
+  sparse model's train step compiles with its own attention, no fallback tried. Its attention is
+  the block-sparse GPU kernel interpreted ('auto' picks the compiled kernel for an sm_90 target,
+  which this CPU host cannot compile; tests/kernels/test_pallas_gpu_sparse.py compiles it with
+  ptxas)."""
+  tiny = _tiny("sparse")
+  cfg = dataclasses.replace(tiny, sparse=dataclasses.replace(tiny.sparse, impl="pallas_interpret"))
   opt = config_lib.load_config("configs/tiny.py").optim
   tx, _ = optimizer_lib.make_optimizer(opt)
   logged = []
