@@ -333,7 +333,7 @@ class Run:
     mine = run_dir.flatten(json.loads(json.dumps(dataclasses.asdict(self.model_cfg))))  # lists
     arch = [k for k in mine if k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
                                      "pers_mem", "arch", "span.mode")
-            or k.startswith(("sparse.", "adapt_io."))]
+            or k.startswith(("sparse.", "adapt_io.")) and k != "sparse.impl"]  # impl: how it runs
     arch.append("sparse.context" if self.model_cfg.arch == "sparse" else "span.size")
     diff = [f"{k}: checkpoint {saved.get(k)!r}, config {mine[k]!r}" for k in arch
             if k in saved and saved[k] != mine[k]]
