@@ -53,6 +53,7 @@ import numpy as np
 
 from span_lm.kernels import block_sparse
 from span_lm.kernels import fused
+from span_lm.kernels.pallas_gpu import _dot  # the span kernel's f32-accumulating dot
 from span_lm.kernels.block_sparse import HeadPattern
 
 NEG = -1e30
@@ -231,15 +232,6 @@ def _mask(head, offset, i0, j0, *, n, bq, bk):
   if head.kind == "fixed" and head.summary:
     pat = dataclasses.replace(head, offset=offset)
   return block_sparse.allowed(pat, _Int(i), _Int(j)) & (j < n)
-
-
-def _dot(a, b, trans_a=False, trans_b=False, *, exact=False):
-  if trans_a:
-    a = a.T
-  if trans_b:
-    b = b.T
-  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 and exact else None
-  return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
 
 
 def _loops(tab_ref, body, carry):
