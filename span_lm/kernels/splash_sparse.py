@@ -46,8 +46,9 @@ def misfit(heads, n, head_dim) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _kernel(heads: tuple[HeadPattern, ...], n: int, block: int, interpret: bool):
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # pylint: disable=g-import-not-at-top
+def _mask(heads: tuple[HeadPattern, ...], n: int):
+  """The heads' patterns as splash's MultiHeadMask: plain objects, cached (equal masks also hit
+  splash's own cache of their block tables)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # pylint: disable=g-import-not-at-top
 
   class PatternMask(sm._ComputableMask):  # pylint: disable=protected-access
@@ -58,17 +59,23 @@ def _kernel(heads: tuple[HeadPattern, ...], n: int, block: int, interpret: bool)
       super().__init__((n, n), lambda i, j: allowed(head, i, j))
 
     def __eq__(self, other):
-      return (isinstance(other, PatternMask) and self.head == other.head
+      return (type(other).__name__ == "PatternMask" and self.head == other.head
               and self.shape == other.shape)
 
     def __hash__(self):
       return hash((self.head, self.shape))
 
-  mask = sm.MultiHeadMask(tuple(PatternMask(h, n) for h in heads))
+  return sm.MultiHeadMask(tuple(PatternMask(h, n) for h in heads))
+
+
+def _kernel(heads: tuple[HeadPattern, ...], n: int, block: int, interpret: bool):
+  """Built per call, not cached: the kernel holds its block tables as jax arrays, and one made
+  inside a trace (a Flax layer scan) holds that trace's values."""
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # pylint: disable=g-import-not-at-top
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
-  return sk.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+  return sk.make_splash_mha(_mask(heads, n), block_sizes=sizes, head_shards=1, q_seq_shards=1,
                             interpret=interpret)
 
 

@@ -418,8 +418,12 @@ def report(config) -> dict:
         os.remove(out_json)
       else:
         tail = [l for l in text.splitlines() if l.strip()][-1:] or ["no output"]
+        log_keep = os.path.join(out_dir, f"{tgt.spec.replace(':', '_')}.log")
+        with open(log_keep, "w") as f:  # the whole traceback, for a bug report
+          f.write(text)
         row = {"target": tgt.spec, "chip": tgt.chip.name, "platform": tgt.chip.platform,
-               "error": f"the compiler process failed (status {proc.returncode}): {tail[0][:300]}"}
+               "error": f"the compiler process failed (status {proc.returncode}): {tail[0][:300]}"
+                        f" (its output: {log_keep})"}
       row["wall_s"] = time.perf_counter() - t0
       row["batch_split"] = config.optim.batch_split
       if tgt.chip.platform == "gpu":
