@@ -17,25 +17,21 @@ layout of jax.nn.dot_product_attention):
      only as sequence lengths (cudnn_lengths: a lower bound, it does not separate packed
      sequences).
 
-  python bench/gpu_encoder.py --out /tmp/enc.json      # a GPU machine (~1 minute)
-  python bench/gpu_encoder.py --dry_run                # CPU rehearsal: tiny shapes, the kernel
+  python -m bench.gpu_encoder --out /tmp/enc.json      # a GPU machine (~1 minute)
+  python -m bench.gpu_encoder --dry_run                # CPU rehearsal: tiny shapes, the kernel
       interpreted, cuDNN replaced by implementation='xla' (rows marked "cudnn_standin")
 
 Rows are printed as they complete ("ROW {json}"); --deadline (epoch seconds) skips what would
 start after it, each skip recorded.
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
-import argparse
-import json
-import sys
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gpu_kernel_check  # pylint: disable=wrong-import-position
-from span_lm.layers import core  # pylint: disable=wrong-import-position
+from bench import gpu_families
+from bench import gpu_kernel_check
+from bench import harness
+from span_lm.layers import core
 
 TOL = gpu_kernel_check.TOL
 RAMP = 32
@@ -45,10 +41,6 @@ CASES = (("bf16/d64", "bfloat16", 64, False), ("bf16/d96/apart", "bfloat16", 96,
          ("f32/d64/apart", "float32", 64, True), ("f32/d96", "float32", 96, False))
 DRY_CASES = ("bf16/d96/apart", "f32/d64/apart")
 SMALL_HEAD_DIM = {64: 16, 96: 24}
-
-
-def emit(row):
-  gpu_kernel_check.emit(row)
 
 
 def segments(rng, b, n, pieces):
@@ -96,9 +88,10 @@ def values_and_grads(f, x, g, precision=None):
   return {"out": out, **dict(zip(names, grads))}
 
 
-def correctness(a, deadline):
+def correctness(a, env, deadline):
+  del env
   b, n, h, s = (2, 64, 2, 16) if a.small else (2, 512, 4, 128)
-  use = "pallas_interpret" if a.interpret else "pallas"
+  use = gpu_families.gpu_kernel(a.interpret)
   for name, dtype, dh, apart in CASES:
     if a.dry_run and name not in DRY_CASES:
       continue
@@ -106,11 +99,8 @@ def correctness(a, deadline):
     row = {"kind": "encoder_check", "case": name, "dtype": dtype, "head_dim": dh,
            "apart": apart, "shape": [b, n, h, s], "impl": use, "tol": TOL[dtype],
            "interpret": a.interpret}
-    if time.time() > deadline:
-      emit(dict(row, status="skipped", error="past the family's deadline"))
-      continue
-    t0 = time.perf_counter()
-    try:
+
+    def check(dtype=dtype, dh=dh, apart=apart):
       seg = segments(np.random.default_rng(1), b, n, 3)
       x = inputs(b, n, h, dh, s, jnp.dtype(dtype), apart)
       g = jax.random.normal(jax.random.PRNGKey(9), (b, n, h, dh), jnp.float32)
@@ -118,26 +108,22 @@ def correctness(a, deadline):
       x32 = {k: (None if v is None else v.astype(jnp.float32)) for k, v in x.items()}
       want = values_and_grads(attention("plain", s, seg), x32, g, "highest")
       got = values_and_grads(attention(use, s, seg), x, g)
-      diffs = {k: gpu_kernel_check.rel(got[k], want[k]) for k in want}
-      zero = [k for k in want if float(jnp.max(jnp.abs(want[k]))) == 0.0]
+      r = harness.check_fields(got, want, TOL[dtype])
       padded = np.asarray(seg) == 0
       pad_out = float(jnp.max(jnp.abs(got["out"][padded]))) if padded.any() else 0.0
-      worst = max(diffs, key=diffs.get)
-      ok = diffs[worst] <= TOL[dtype] and not zero and pad_out == 0.0
-      row.update(status="pass" if ok else "FAIL", diffs=diffs, worst=worst,
-                 worst_diff=diffs[worst], zero_reference=zero, padding_out=pad_out)
-    except Exception as e:  # pylint: disable=broad-except
-      row.update(gpu_kernel_check._err(e))  # pylint: disable=protected-access
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    emit(row)
+      if pad_out != 0.0:
+        r["status"] = "FAIL"
+      return dict(r, padding_out=pad_out)
+    harness.CHILD.measure(row, deadline, check)
 
 
-def timings(a, deadline):
+def timings(a, env, deadline):
+  del env
   b, n, h, dh, s = (2, 64, 2, 16, 16) if a.small else (8, 2048, 8, 64, 256)
   reps = 2 if a.small else 10
   seg = segments(np.random.default_rng(2), b, n, 4 if a.small else 6)
   g = jax.random.normal(jax.random.PRNGKey(9), (b, n, h, dh), jnp.float32)
-  use = "pallas_interpret" if a.interpret else "pallas"
+  use = gpu_families.gpu_kernel(a.interpret)
   cudnn = "cudnn_standin" if a.cudnn_standin else "cudnn"
   jobs = [(use, "learned"), (use, "all_S"), ("reference", "learned"), (cudnn + "_mask", "dense"),
           (cudnn + "_lengths", "dense")]
@@ -153,75 +139,31 @@ def timings(a, deadline):
                      ("; STAND-IN: implementation='xla', not cuDNN" if a.cudnn_standin else ""))
     if path == "reference":
       row["note"] = "the XLA path behind the same door: the whole band whatever the spans"
-    if time.time() > deadline:
-      emit(dict(row, status="skipped", error="past the family's deadline"))
-      continue
-    t0 = time.perf_counter()
-    try:
+
+    def time_path(path=path, spans=spans):
       x = inputs(b, n, h, dh, s, jnp.bfloat16, False, spans=spans)
       if path.startswith("cudnn"):
-        impl = "xla" if a.cudnn_standin else "cudnn"
         kw = {}
         if path.endswith("_mask"):
           kw["mask"] = ((seg[:, None, :, None] == seg[:, None, None, :])
                         & (seg[:, None, None, :] != 0))
         else:
           kw["query_seq_lengths"] = kw["key_value_seq_lengths"] = jnp.sum(seg != 0, axis=1)
-        attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl, **kw)
-        fargs = (x["query"], x["key"], x["value"])
-        fwd = jax.jit(attn)
-        bwd = jax.jit(jax.value_and_grad(
-            lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * g), argnums=(0, 1, 2)))
-        bargs = fargs
-      else:
-        f = attention(path, s, seg)
-        fargs = [x[k] for k in NAMES[:6]]
-        fwd = jax.jit(lambda *a: f(*a, None))
-        bwd = jax.jit(jax.value_and_grad(
-            lambda *a: jnp.sum(f(*a, None).astype(jnp.float32) * g), argnums=tuple(range(6))))
-        bargs = fargs
-      row["fwd_ms"] = round(gpu_kernel_check.timed(fwd, fargs, reps), 3)
-      row["fwd_bwd_ms"] = round(gpu_kernel_check.timed(bwd, bargs, reps), 3)
-      row["status"] = "ok"
-    except Exception as e:  # pylint: disable=broad-except
-      row.update(gpu_kernel_check._err(e))  # pylint: disable=protected-access
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    emit(row)
+        fwd, bwd = gpu_kernel_check.cudnn_pair(jax.nn.dot_product_attention, a.cudnn_standin,
+                                               g, **kw)
+        qkv = (x["query"], x["key"], x["value"])
+        return harness.fwd_bwd_ms(fwd, qkv, bwd, qkv, reps)
+      f = attention(path, s, seg)
+      fargs = [x[k] for k in NAMES[:6]]
+      fwd = jax.jit(lambda *a: f(*a, None))
+      bwd = jax.jit(jax.value_and_grad(
+          lambda *a: jnp.sum(f(*a, None).astype(jnp.float32) * g), argnums=tuple(range(6))))
+      return harness.fwd_bwd_ms(fwd, fargs, bwd, fargs, reps)
+    harness.CHILD.measure(row, deadline, time_path)
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--out", default="", help="also write every row as one JSON list")
-  ap.add_argument("--dry_run", action="store_true",
-                  help="CPU rehearsal: --interpret --small --cudnn_standin")
-  ap.add_argument("--interpret", action="store_true")
-  ap.add_argument("--small", action="store_true")
-  ap.add_argument("--cudnn_standin", action="store_true")
-  ap.add_argument("--parts", nargs="*", default=["check", "timing"], choices=["check", "timing"])
-  ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds; 0: none")
-  a = ap.parse_args()
-  if a.dry_run:
-    a.interpret = a.small = a.cudnn_standin = True
-    jax.config.update("jax_platforms", "cpu")
-  if jax.default_backend() != "gpu" and not a.interpret:
-    sys.exit("gpu_encoder: no GPU here: --dry_run rehearses on the CPU")
-  deadline = a.deadline or float("inf")
-  env = gpu_kernel_check.env_row()
-  emit(env)
-  gpu_kernel_check.DEVICE.append(env["device"])
-  if "check" in a.parts:
-    correctness(a, deadline)
-  if "timing" in a.parts:
-    timings(a, deadline)
-  rows = gpu_kernel_check.ROWS
-  if a.out:
-    with open(a.out, "w") as f:
-      json.dump(rows, f, indent=1, default=str)
-  bad = [r for r in rows if r.get("status") in ("FAIL", "error")]
-  if bad:
-    raise SystemExit(f"gpu_encoder: {len(bad)} row(s) failed: "
-                     f"{[r.get('case') or r.get('path') for r in bad]}")
+  harness.child_main("gpu_encoder", __doc__, {"check": correctness, "timing": timings})
 
 
 if __name__ == "__main__":

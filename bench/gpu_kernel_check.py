@@ -6,7 +6,7 @@
      adaptive / dynamic spans, learned spans far below the window, persistent memory, attention
      dropout (the plain path given the kernel's hashed keep mask), head dims 64 and 96, bf16 and
      float32; then the attention layer (SeqAttention, attn_impl=pallas) against the plain
-     definition (tests/reference_numpy.py run under jax) with a learned plan whose windows are
+     definition (span_lm/testing.py run under jax) with a learned plan whose windows are
      shorter than S (heads grouped by window);
   2. timings at configs/enwik8.py's layer shapes (B=8, H=8, M=512, W=8192, Dh=64, bf16): forward
      and forward+backward ms of the kernel (all spans at S; learned spans 3 to 0.7 W; the table's
@@ -14,32 +14,27 @@
      (`jax.nn.dot_product_attention(implementation='cudnn')`) on plain attention with the same
      query and key counts (q 512, keys W+M = 8704, not causal).
 
-  python bench/gpu_kernel_check.py --out /tmp/kcheck.json     # a GPU machine (~1-2 minutes)
-  python bench/gpu_kernel_check.py --dry_run                  # CPU rehearsal: tiny shapes, the
+  python -m bench.gpu_kernel_check --out /tmp/kcheck.json     # a GPU machine (~1-2 minutes)
+  python -m bench.gpu_kernel_check --dry_run                  # CPU rehearsal: tiny shapes, the
       kernel interpreted, cuDNN replaced by implementation='xla' (marked "cudnn_standin")
 
 Each row is printed as it completes ("ROW {json}" lines: bench/gpu_run.py appends them to its
 row file), so a run cut short keeps what it measured. --deadline (epoch seconds) skips what
 would start after it, each skip recorded as a row.
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
-import argparse
-import json
-import platform
-import sys
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import gpu_suite  # pylint: disable=wrong-import-position
-from span_lm.kernels import banded_reference  # pylint: disable=wrong-import-position
-from span_lm.kernels import hashed_dropout  # pylint: disable=wrong-import-position
-from span_lm.kernels import pallas_gpu  # pylint: disable=wrong-import-position
+from bench import gpu_families
+from bench import gpu_layer_check
+from bench import harness
+from span_lm.kernels import banded_reference
+from span_lm.kernels import hashed_dropout
+from span_lm.kernels import pallas_gpu
 
 RAMP = 32
-TOL = gpu_suite.TOL  # the suite's tolerances: TF32 / bf16 against the float32 definition
+TOL = gpu_layer_check.TOL  # TF32 / bf16 against the float32 definition
 NAMES = ("q", "k", "v", "pe", "z", "pk", "pv")
 DROPOUT_SEED = 1234567
 
@@ -69,41 +64,6 @@ MODEL_CASES = (
     {"dtype": "bfloat16", "head_dim": 64, "span_mode": "adaptive", "pers_mem": False},
     {"dtype": "float32", "head_dim": 96, "span_mode": "adaptive", "pers_mem": True},
 )
-
-
-def emit(row):
-  row = dict(row, device=DEVICE[0]) if DEVICE else row
-  print("ROW " + json.dumps(row, default=str), flush=True)
-  ROWS.append(row)
-
-
-ROWS, DEVICE = [], []
-
-
-def env_row():
-  dev = jax.devices()[0]
-  cc = getattr(dev, "compute_capability", None)
-  row = {"kind": "env", "device": dev.device_kind, "backend": jax.default_backend(),
-         "cc": float(cc) if cc else None, "python": platform.python_version(),
-         "jax": jax.__version__, "device_count": jax.device_count()}
-  try:
-    import jaxlib  # pylint: disable=g-import-not-at-top
-    row["jaxlib"] = jaxlib.__version__
-  except ImportError:
-    pass
-  try:
-    from jax._src.lib import cuda_versions  # pylint: disable=g-import-not-at-top
-    if cuda_versions is not None:
-      for f in ("cuda_runtime_get_version", "cuda_driver_get_version", "cudnn_get_version"):
-        try:
-          row[f.replace("_get_version", "")] = getattr(cuda_versions, f)()
-        except Exception as e:  # pylint: disable=broad-except
-          row[f.replace("_get_version", "")] = f"n/a ({type(e).__name__})"
-  except Exception:  # pylint: disable=broad-except
-    pass
-  row["memory_bytes"] = (dev.memory_stats() or {}).get("bytes_limit")
-  row["peak_table"] = gpu_suite.peak_tflops(dev.device_kind)
-  return row
 
 
 def inputs(b, h, m, w, dh, dtype, spans, n_pers, seed=0):
@@ -174,100 +134,62 @@ def values_and_grads(attn, x, g):
   return {"out": out, **dict(zip(names, grads))}
 
 
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  err = float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
-  return err if np.isfinite(err) else float("inf")
-
-
-def timed(f, args, reps):
-  """Median ms of three runs of `reps` calls (after one warm call, which compiles)."""
-  jax.block_until_ready(f(*args))
-  runs = []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      r = f(*args)
-    jax.block_until_ready(r)
-    runs.append((time.perf_counter() - t0) / reps * 1e3)
-  return float(np.median(runs))
-
-
-def _err(e):
-  msg = f"{type(e).__name__}: {e}"
-  return {"status": "oom" if "RESOURCE_EXHAUSTED" in msg else "error", "error": msg[:600]}
-
-
-def correctness(a, cc, shape, deadline):
-  b, h, m, w, block, n_pers = shape
+def correctness(a, env, deadline):
+  b, h, m, w, block, n_pers = (1, 2, 32, 64, 16, 16) if a.small else (2, 4, 256, 1024, 64, 64)
   runs = [(c, None) for c in CASES if not (a.dry_run and c[0] not in DRY_CASES)]
   if not a.interpret:  # the first two cases at the other pipeline depth too (timed below): is
     runs[2:2] = [(c, "other") for c in CASES[:2]]  # it safe to ship if it is faster?
   for (name, dtype, dh, spans, pers, rate), variant in runs:
     if a.small:
       dh = SMALL_HEAD_DIM[dh]
-    tile, warps, stages = pallas_gpu.tiles(cc, dh, jnp.dtype(dtype), block)
+    tile, warps, stages = pallas_gpu.tiles(env["cc"], dh, jnp.dtype(dtype), block)
     if variant == "other":
       stages = 1 if stages > 1 else 2
     row = {"kind": "check", "case": name, "dtype": dtype, "head_dim": dh, "spans": spans,
            "pers": n_pers if pers else 0, "dropout": rate, "shape": [b, h, m, w],
            "block": block, "tiles": [tile, warps, stages], "tol": TOL[dtype],
            "interpret": a.interpret, "shipped_tiles": variant is None}
-    if time.time() > deadline:
-      emit(dict(row, status="skipped", error="past the family's deadline"))
-      continue
-    t0 = time.perf_counter()
-    try:
+
+    def check(dtype=dtype, dh=dh, spans=spans, pers=pers, rate=rate, tiles=(tile, warps, stages)):
       x = inputs(b, h, m, w, dh, jnp.dtype(dtype), spans, n_pers if pers else 0)
       g = jax.random.normal(jax.random.PRNGKey(9), (b, h, m, dh), jnp.float32)
       drop = band_dropout(rate, b, h, m, w, n_pers if pers else 0) if rate else None
       want = values_and_grads(plain(drop), x, g)
-      got = values_and_grads(fused(tile, warps, stages, a.interpret, rate), x, g)
-      diffs = {n: rel(got[n], want[n]) for n in want}
-      zero = [n for n in want if float(jnp.max(jnp.abs(want[n]))) == 0.0]
-      worst = max(diffs, key=diffs.get)
-      row.update(status="pass" if diffs[worst] <= TOL[dtype] and not zero else "FAIL",
-                 diffs=diffs, worst=worst, worst_diff=diffs[worst], zero_reference=zero)
-    except Exception as e:  # pylint: disable=broad-except
-      row.update(_err(e))
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    emit(row)
+      got = values_and_grads(fused(*tiles, a.interpret, rate), x, g)
+      return harness.check_fields(got, want, TOL[dtype])
+    harness.CHILD.measure(row, deadline, check)
 
 
-def model_correctness(a, deadline):
-  """SeqAttention (attn_impl pallas; pallas_interpret in the rehearsal) against gpu_suite's plain
-  definition: a learned plan with one short head, so windows are shorter than S and the heads run
-  as groups of different windows (cache trimmed, key_pe sliced)."""
-  use = "pallas_interpret" if a.interpret else "pallas"
+def model_correctness(a, env, deadline):
+  """SeqAttention (attention.impl pallas; pallas_interpret in the rehearsal) against the plain
+  definition (bench/gpu_layer_check.py): a learned plan with one short head, so windows are
+  shorter than S and the heads run as groups of different windows (cache trimmed, key_pe
+  sliced)."""
+  del env
+  use = gpu_families.gpu_kernel(a.interpret)
   shape = (2, 2, 32, 64, 16) if a.small else (4, 2, 128, 512, 64)  # heads, batch, block, S, tile
   for case in MODEL_CASES[-1:] if a.dry_run else MODEL_CASES:  # the rehearsal: the one with more
     if a.small:
-      case = dict(case, head_dim={64: 16, 96: 24}[case["head_dim"]])
+      case = dict(case, head_dim=SMALL_HEAD_DIM[case["head_dim"]])
     row = dict(case, kind="model_check", impl=use, tol=TOL[case["dtype"]])
-    if time.time() > deadline:
-      emit(dict(row, status="skipped", error="past the family's deadline"))
-      continue
-    t0 = time.perf_counter()
-    try:
-      setup = gpu_suite._case_setup(jax, jnp, np, case, [use], *shape)  # pylint: disable=protected-access
-      want = gpu_suite._values_and_grads(jax, setup, gpu_suite._plain_fn(setup))  # pylint: disable=protected-access
-      r = gpu_suite._compare(jax, np, setup, use, want, case["dtype"])  # pylint: disable=protected-access
+
+    def check(case=case):
+      setup = gpu_layer_check.case_setup(jax, jnp, np, case, [use], *shape)
+      want = gpu_layer_check.values_and_grads(jax, setup, gpu_layer_check.plain_fn(setup))
+      r = gpu_layer_check.compare(jax, np, setup, use, want, case["dtype"])
       r["status"] = {"pass": "pass", "fail": "FAIL"}[r["status"]]
       if r["zero_reference"]:
         r["status"] = "FAIL"
-      row.update(r)
-    except Exception as e:  # pylint: disable=broad-except
-      row.update(_err(e))
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    emit(row)
+      return r
+    harness.CHILD.measure(row, deadline, check)
 
 
-def timings(a, cc, deadline):
+def timings(a, env, deadline):
   """Forward and forward+backward ms at enwik8's layer shapes (one GPU's share of the batch)."""
   tb, th, tm, tw, dh = (1, 2, 32, 64, 16) if a.small else (8, 8, 512, 8192, 64)
-  block = 16 if a.small else 64  # configs/enwik8.py's attn_block (model.config's default)
+  block = 16 if a.small else 64  # configs/enwik8.py's attention.block (model.config's default)
   reps = 2 if a.small else 10
-  tile, warps, stages = pallas_gpu.tiles(cc, dh, jnp.bfloat16, block)
+  tile, warps, stages = pallas_gpu.tiles(env["cc"], dh, jnp.bfloat16, block)
   alt = 1 if stages > 1 else 2
   g = jax.random.normal(jax.random.PRNGKey(9), (tb, th, tm, dh), jnp.float32)
   xs = {spans: inputs(tb, th, tm, tw, dh, jnp.bfloat16, spans, 0) for spans in ("all_S", "learned")}
@@ -293,79 +215,37 @@ def timings(a, cc, deadline):
       row["note"] = (f"plain attention, {tm} queries x {tw + tm} keys, not causal, no position "
                      "term: the same query and key counts" +
                      ("; STAND-IN: implementation='xla', not cuDNN" if a.cudnn_standin else ""))
-    if time.time() > deadline:
-      emit(dict(row, status="skipped", error="past the family's deadline"))
-      continue
-    t0 = time.perf_counter()
-    try:
+
+    def time_path(path=path, spans=spans, attn=attn, tiles=tiles):
       if path.startswith("cudnn"):
-        impl = "xla" if a.cudnn_standin else "cudnn"
-        x = xs["all_S"]
         tr = lambda t: jnp.swapaxes(t, 1, 2)  # (B, H, T, D) -> (B, T, H, D)
-        q, k, v = tr(x["q"]), tr(x["k"]), tr(x["v"])
-        gg = tr(g)
-        fwd = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation=impl))
-        bwd = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(
-            q, k, v, implementation=impl).astype(jnp.float32) * gg), argnums=(0, 1, 2)))
-        fargs = bargs = (q, k, v)
-      else:
-        x = xs[spans]
-        fargs = [x[n] for n in NAMES]
-        key = (path, tuple(tiles or ()))
-        if key not in compiled:
-          compiled[key] = (jax.jit(attn), jax.jit(jax.value_and_grad(
-              lambda q, k, v, pe, z, attn=attn: jnp.sum(
-                  attn(q, k, v, pe, z, None, None).astype(jnp.float32) * g),
-              argnums=(0, 1, 2, 3, 4))))
-        fwd, bwd = compiled[key]
-        bargs = [x[n] for n in ("q", "k", "v", "pe", "z")]
-      row["fwd_ms"] = round(timed(fwd, fargs, reps), 3)
-      row["fwd_bwd_ms"] = round(timed(bwd, bargs, reps), 3)
-      row["status"] = "ok"
-    except Exception as e:  # pylint: disable=broad-except
-      row.update(_err(e))
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    emit(row)
+        qkv = [tr(xs["all_S"][n]) for n in ("q", "k", "v")]
+        fwd, bwd = cudnn_pair(jax.nn.dot_product_attention, a.cudnn_standin, tr(g))
+        return harness.fwd_bwd_ms(fwd, qkv, bwd, qkv, reps)
+      x = xs[spans]
+      key = (path, tuple(tiles or ()))
+      if key not in compiled:
+        compiled[key] = (jax.jit(attn), jax.jit(jax.value_and_grad(
+            lambda q, k, v, pe, z: jnp.sum(attn(q, k, v, pe, z, None, None).astype(
+                jnp.float32) * g), argnums=(0, 1, 2, 3, 4))))
+      fwd, bwd = compiled[key]
+      return harness.fwd_bwd_ms(fwd, [x[n] for n in NAMES], bwd,
+                                [x[n] for n in ("q", "k", "v", "pe", "z")], reps)
+    harness.CHILD.measure(row, deadline, time_path)
+
+
+def cudnn_pair(attention, standin: bool, g, **kw):
+  """Jitted forward and value_and_grad of <out, g> of cuDNN's flash attention (`attention` is
+  jax.nn.dot_product_attention; kw its mask or lengths), or of its XLA stand-in."""
+  impl = "xla" if standin else "cudnn"
+  f = lambda q, k, v: attention(q, k, v, implementation=impl, **kw)
+  return jax.jit(f), jax.jit(jax.value_and_grad(
+      lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * g), argnums=(0, 1, 2)))
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--out", default="", help="also write every row as one JSON list")
-  ap.add_argument("--dry_run", action="store_true",
-                  help="CPU rehearsal: --interpret --small --cudnn_standin")
-  ap.add_argument("--interpret", action="store_true",
-                  help="interpret the kernel (any backend; all of CASES unless --dry_run)")
-  ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU rehearsal)")
-  ap.add_argument("--cudnn_standin", action="store_true",
-                  help="time jax.nn.dot_product_attention(implementation='xla') instead")
-  ap.add_argument("--parts", nargs="*", default=["kernel", "model", "timing"],
-                  choices=["kernel", "model", "timing"])
-  ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds; 0: none")
-  a = ap.parse_args()
-  if a.dry_run:
-    a.interpret = a.small = a.cudnn_standin = True
-    jax.config.update("jax_platforms", "cpu")
-  if jax.default_backend() != "gpu" and not a.interpret:
-    sys.exit("gpu_kernel_check: no GPU here: --dry_run rehearses on the CPU")
-  deadline = a.deadline or float("inf")
-  env = env_row()
-  emit(env)
-  DEVICE.append(env["device"])  # every row names the device it ran on
-  shape = (1, 2, 32, 64, 16, 16) if a.small else (2, 4, 256, 1024, 64, 64)  # b h m w block pers
-  if "kernel" in a.parts:
-    correctness(a, env["cc"], shape, deadline)
-  if "model" in a.parts:
-    model_correctness(a, deadline)
-  if "timing" in a.parts:
-    timings(a, env["cc"], deadline)
-  if a.out:
-    with open(a.out, "w") as f:
-      json.dump(ROWS, f, indent=1, default=str)
-  bad = [r for r in ROWS if r.get("status") in ("FAIL", "error")]
-  if bad:
-    raise SystemExit(f"gpu_kernel_check: {len(bad)} row(s) failed: "
-                     f"{[r.get('case') or r.get('path') or r.get('span_mode') for r in bad]}")
+  harness.child_main("gpu_kernel_check", __doc__, {
+      "kernel": correctness, "model": model_correctness, "timing": timings})
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ bench/gpu_run.py): the block-sparse Pallas kernel (span_lm/kernels/pallas_gpu_sp
   1. first, at configs/enwik8_sparse_fixed.py's attention shape (12,288 tokens, 8 heads, head
      dim 64, fixed pattern, stride 128, c = 32, merged heads with distinct offsets, bf16;
      B = 1, one device's share of the batch being 8 / 8 GPUs in the paper): the kernel's and
-     the jnp path's (model/sparse.py `sparse_attention`, the default impl='fast') values and
+     the jnp path's (model/sparse.py `sparse_attention`, sparse.impl='jnp') values and
      gradients against each other, the kernel with dense heads against cuDNN's dense causal
      flash attention (jax.nn.dot_product_attention(implementation='cudnn', is_causal=True)),
      then forward and forward+backward ms of: the kernel (fixed merged), the jnp path, cuDNN
@@ -14,27 +14,23 @@ bench/gpu_run.py): the block-sparse Pallas kernel (span_lm/kernels/pallas_gpu_sp
      inputs, exact dots) for fixed merged (distinct offsets), fixed split, fixed A2 alone
      (interleaved, odd layer: rows with no key) and strided merged heads, bf16 and float32.
 
-  python bench/gpu_sparse.py --out /tmp/sparse.json    # a GPU machine (~1-2 minutes, a guess)
-  python bench/gpu_run.py --families sparse --out DIR  # the same as gpu_run.py's family alone
-  python bench/gpu_sparse.py --dry_run                 # CPU rehearsal: tiny shapes, the kernel
+  python -m bench.gpu_sparse --out /tmp/sparse.json    # a GPU machine (~1-2 minutes, a guess)
+  python -m bench.gpu_run --families sparse --out DIR  # the same as gpu_run.py's family alone
+  python -m bench.gpu_sparse --dry_run                 # CPU rehearsal: tiny shapes, the kernel
       interpreted, cuDNN replaced by implementation='xla' (rows marked "cudnn_standin")
 
 Rows are printed as they complete ("ROW {json}"); --deadline (epoch seconds) skips what would
 start after it, each skip recorded.
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
-import argparse
-import json
-import sys
-import time
-
 import jax
 import jax.numpy as jnp
 
-import gpu_kernel_check  # pylint: disable=wrong-import-position
-from span_lm.kernels import block_sparse  # pylint: disable=wrong-import-position
-from span_lm.kernels import pallas_gpu_sparse as ps  # pylint: disable=wrong-import-position
-from span_lm.model import sparse  # pylint: disable=wrong-import-position
+from bench import gpu_kernel_check
+from bench import harness
+from span_lm.kernels import block_sparse
+from span_lm.kernels import pallas_gpu_sparse as ps
+from span_lm.kernels import sparse_door
+from span_lm.model import sparse
 
 TOL = gpu_kernel_check.TOL
 NAMES = ("out", "q", "k", "v")
@@ -46,8 +42,13 @@ PATTERNS = (("fixed/merged", "fixed", "merged", 0), ("fixed/split", "fixed", "sp
 PAIR_TOL = 2 * TOL["bfloat16"]
 
 
-def emit(row):
-  gpu_kernel_check.emit(row)
+def sparse_kernel(interpret: bool) -> str:
+  """The GPU block-sparse kernel's name in span_lm.kernels.sparse_door.SPARSE_IMPLS (compiled, or
+  its interpreted twin); the XLA path is the table's `jnp`."""
+  gpu = next(n for n, i in sparse_door.SPARSE_IMPLS.items() if i.platform == "gpu")
+  twin = next(n for n, i in sparse_door.SPARSE_IMPLS.items()
+              if i.interpret and i.module == sparse_door.SPARSE_IMPLS[gpu].module)
+  return twin if interpret else gpu
 
 
 def inputs(b, h, n, d, dtype, seed=0):
@@ -81,7 +82,8 @@ def cudnn_fn(standin):
   return f
 
 
-def correctness(a, deadline):
+def correctness(a, env, deadline):
+  del env
   b, h, n, d, l, c = (1, 4, 80, 16, 16, 4) if a.small else (2, 8, 1000, 64, 128, 32)
   for name, pattern, combine, layer in PATTERNS:
     heads = sparse.layer_heads(pattern, combine, h, layer, l, c)
@@ -89,27 +91,18 @@ def correctness(a, deadline):
       row = {"kind": "sparse_check", "case": name, "dtype": dtype, "tol": TOL[dtype],
              "shape": {"B": b, "H": h, "N": n, "D": d, "stride": l, "c": c},
              "interpret": a.interpret}
-      if time.time() > deadline:
-        emit(dict(row, status="skipped", error="past the family's deadline"))
-        continue
-      t0 = time.perf_counter()
-      try:
+
+      def check(heads=heads, dtype=dtype):
         q, k, v, g = inputs(b, h, n, d, jnp.dtype(dtype))
         want = values_and_grads(lambda q, k, v: sparse.reference_attention(q, k, v, heads),
                                 *(x.astype(jnp.float32) for x in (q, k, v)), g, "highest")
         got = values_and_grads(kernel_fn(heads, a.interpret), q, k, v, g)
-        diffs = {x: gpu_kernel_check.rel(got[x], want[x]) for x in NAMES}
-        worst = max(diffs, key=diffs.get)
-        ok = diffs[worst] <= TOL[dtype]
-        row.update(status="pass" if ok else "FAIL", diffs=diffs, worst=worst,
-                   worst_diff=diffs[worst])
-      except Exception as e:  # pylint: disable=broad-except
-        row.update(gpu_kernel_check._err(e))  # pylint: disable=protected-access
-      row["seconds"] = round(time.perf_counter() - t0, 2)
-      emit(row)
+        return harness.check_fields(got, want, TOL[dtype], zeros=False)
+      harness.CHILD.measure(row, deadline, check)
 
 
-def at_scale(a, deadline):
+def at_scale(a, env, deadline):
+  del env
   b, h, n, d, l, c = (1, 2, 256, 16, 32, 4) if a.small else (1, 8, 12_288, 64, 128, 32)
   reps = 2 if a.small else 10
   heads = sparse.layer_heads("fixed", "merged", h, 0, l, c)
@@ -123,7 +116,7 @@ def at_scale(a, deadline):
            "tiles": [bq, bk, warps, stages]}
   q, k, v, g = inputs(b, h, n, d, jnp.bfloat16, seed=1)
   cudnn = "cudnn_standin" if a.cudnn_standin else "cudnn"
-  kern = "pallas_interpret" if a.interpret else "pallas"
+  kern = sparse_kernel(a.interpret)
   paths = {kern: kernel_fn(heads, a.interpret, tiles),
            "jnp": lambda q, k, v: sparse.sparse_attention(q, k, v, heads),
            cudnn + "_dense": cudnn_fn(a.cudnn_standin),
@@ -133,21 +126,12 @@ def at_scale(a, deadline):
   for x, y in ((kern, "jnp"), (kern + "_dense", cudnn + "_dense")):
     row = {"kind": "sparse_pair", "paths": [x, y], "shape": shape, "tol": PAIR_TOL,
            "dtype": "bfloat16"}
-    if time.time() > deadline:
-      emit(dict(row, status="skipped", error="past the family's deadline"))
-      continue
-    t0 = time.perf_counter()
-    try:
+
+    def pair(x=x, y=y):
       gx, gy = values_and_grads(paths[x], q, k, v, g), values_and_grads(paths[y], q, k, v, g)
-      diffs = {nm: gpu_kernel_check.rel(gx[nm], gy[nm]) for nm in NAMES}
-      worst = max(diffs, key=diffs.get)
-      row.update(status="pass" if diffs[worst] <= PAIR_TOL else "FAIL", diffs=diffs,
-                 worst=worst, worst_diff=diffs[worst])
-    except Exception as e:  # pylint: disable=broad-except
-      row.update(gpu_kernel_check._err(e))  # pylint: disable=protected-access
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    emit(row)
-  notes = {"jnp": "model/sparse.py sparse_attention (impl='fast'): gathered blocks and "
+      return harness.check_fields(gx, gy, PAIR_TOL, zeros=False)
+    harness.CHILD.measure(row, deadline, pair)
+  notes = {"jnp": "model/sparse.py sparse_attention (impl='jnp'): gathered blocks and "
                   "summaries, XLA",
            cudnn + "_dense": "dense causal over all keys" + (
                "; STAND-IN: implementation='xla', not cuDNN" if a.cudnn_standin else ""),
@@ -155,56 +139,18 @@ def at_scale(a, deadline):
   for path, f in paths.items():
     row = {"kind": "sparse_time", "path": path, "dtype": "bfloat16", "shape": shape,
            "interpret": path.startswith("pallas_interpret"), "note": notes.get(path, "")}
-    if time.time() > deadline:
-      emit(dict(row, status="skipped", error="past the family's deadline"))
-      continue
-    t0 = time.perf_counter()
-    try:
+
+    def time_path(f=f):
       fwd = jax.jit(f)
       bwd = jax.jit(jax.value_and_grad(
-          lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g), argnums=(0, 1, 2)))
-      row["fwd_ms"] = round(gpu_kernel_check.timed(fwd, (q, k, v), reps), 3)
-      row["fwd_bwd_ms"] = round(gpu_kernel_check.timed(bwd, (q, k, v), reps), 3)
-      row["status"] = "ok"
-    except Exception as e:  # pylint: disable=broad-except
-      row.update(gpu_kernel_check._err(e))  # pylint: disable=protected-access
-    row["seconds"] = round(time.perf_counter() - t0, 2)
-    emit(row)
+          lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) * g), argnums=(0, 1, 2)))
+      return harness.fwd_bwd_ms(fwd, (q, k, v), bwd, (q, k, v), reps)
+    harness.CHILD.measure(row, deadline, time_path)
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--out", default="", help="also write every row as one JSON list")
-  ap.add_argument("--dry_run", action="store_true",
-                  help="CPU rehearsal: --interpret --small --cudnn_standin")
-  ap.add_argument("--interpret", action="store_true")
-  ap.add_argument("--small", action="store_true")
-  ap.add_argument("--cudnn_standin", action="store_true")
-  ap.add_argument("--parts", nargs="*", default=["check", "scale"], choices=["check", "scale"])
-  ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds; 0: none")
-  a = ap.parse_args()
-  if a.dry_run:
-    a.interpret = a.small = a.cudnn_standin = True
-    jax.config.update("jax_platforms", "cpu")
-  if jax.default_backend() != "gpu" and not a.interpret:
-    sys.exit("gpu_sparse: no GPU here: --dry_run rehearses on the CPU")
-  deadline = a.deadline or float("inf")
-  env = gpu_kernel_check.env_row()
-  emit(env)
-  gpu_kernel_check.DEVICE.append(env["device"])
-  if "scale" in a.parts:  # first: the comparison at 12,288 tokens checks the kernel's values too
-    at_scale(a, deadline)
-  if "check" in a.parts:
-    correctness(a, deadline)
-  rows = gpu_kernel_check.ROWS
-  if a.out:
-    with open(a.out, "w") as f:
-      json.dump(rows, f, indent=1, default=str)
-  bad = [r for r in rows if r.get("status") in ("FAIL", "error")]
-  if bad:
-    raise SystemExit(f"gpu_sparse: {len(bad)} row(s) failed: "
-                     f"{[r.get('case') or r.get('path') or r.get('paths') for r in bad]}")
+  # "scale" first: the comparison at 12,288 tokens checks the kernel's values too
+  harness.child_main("gpu_sparse", __doc__, {"scale": at_scale, "check": correctness})
 
 
 if __name__ == "__main__":

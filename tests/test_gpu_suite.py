@@ -13,12 +13,12 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from bench import gpu_families
+from bench import gpu_layer_check
+from bench import gpu_run
+from span_lm import testing as reference_numpy
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-sys.path.insert(0, os.path.join(REPO, "tests"))
-import gpu_run  # pylint: disable=g-import-not-at-top,wrong-import-position
-import gpu_suite  # pylint: disable=g-import-not-at-top,wrong-import-position
-import reference_numpy  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 OK = ("ok", "pass", "stand_in")
 
@@ -30,8 +30,7 @@ def dry_run(tmp_path_factory):
   env.pop("XLA_FLAGS", None)
   # The generous default budget (900 s): CI's shared cores must not turn a slow family into a
   # skipped one. No .gpu_carry here: the reference family is its marked stand-in.
-  proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_run.py"), "--dry_run",
-                         "--out", str(out)], capture_output=True, text=True, cwd=REPO, env=env,
+  proc = subprocess.run([sys.executable, "-m", "bench.gpu_run", "--dry_run", "--out", str(out)], capture_output=True, text=True, cwd=REPO, env=env,
                         timeout=1200)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   rows = gpu_run.read_rows(str(out / "rows.jsonl"))
@@ -129,8 +128,8 @@ def test_encoder_rows_compared_every_gradient_and_timed_every_path(dry_run):
   for r in times.values():
     assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
     assert r["shape"]["ahead"] == r["shape"]["max_span"] - 1 and r["shape"]["padding"] > 0
-  argv, spec = gpu_run.family_specs("encoder", dry=False)
-  assert argv[-1].endswith("gpu_encoder.py") and spec is None  # on a GPU: the real thing
+  [job] = gpu_families.run_jobs("encoder", dry=False)
+  assert job.module == "bench.gpu_encoder" and job.spec is None  # on a GPU: the real thing
 
 
 def test_sparse_rows_compared_every_gradient_and_timed_every_path(dry_run):
@@ -156,8 +155,8 @@ def test_sparse_rows_compared_every_gradient_and_timed_every_path(dry_run):
   for r in times.values():
     assert r["status"] == "ok" and r["fwd_ms"] > 0 and r["fwd_bwd_ms"] > 0
   assert "STAND-IN" in times["cudnn_standin_dense"]["note"]
-  argv, spec = gpu_run.family_specs("sparse", dry=False)
-  assert argv[-1].endswith("gpu_sparse.py") and spec is None  # on a GPU: the real thing
+  [job] = gpu_families.run_jobs("sparse", dry=False)
+  assert job.module == "bench.gpu_sparse" and job.spec is None  # on a GPU: the real thing
 
 
 def test_training_reference_and_sampling_rows(dry_run):
@@ -168,8 +167,9 @@ def test_training_reference_and_sampling_rows(dry_run):
   assert {(r["impl"], r["plan"]) for r in train} >= {("reference", "learned"),
                                                      ("reference", "all_S")}
   # on a GPU both impls at both plans, learned first (what a cut keeps decides most)
-  argv, spec = gpu_run.family_specs("train_enwik8", dry=False)
-  assert argv[-2:] == ["--child", "train"] and spec["batch"] == 8 and spec["block"] == 512
+  [job] = gpu_families.run_jobs("train_enwik8", dry=False)
+  spec = job.spec
+  assert job.child == "train" and spec["batch"] == 8 and spec["block"] == 512
   assert [(v["impl"], v["use"], v["dtype"], v["plans"]) for v in spec["variants"]] == [
       ("pallas", "pallas", "bfloat16", ["learned"]), ("reference", "reference", "bfloat16",
                                                       ["learned"]),
@@ -198,8 +198,7 @@ def test_a_cut_row_file_still_renders(dry_run, tmp_path):
   first = next(i for i, l in enumerate(lines) if '"kind": "check"' in l)
   cut = tmp_path / "rows.jsonl"
   cut.write_text("\n".join(lines[:first + 1]) + "\n" + lines[first + 1][:25])
-  r = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_run.py"), "--md",
-                      str(cut)], capture_output=True, text=True, cwd=REPO, timeout=120,
+  r = subprocess.run([sys.executable, "-m", "bench.gpu_run", "--md", str(cut)], capture_output=True, text=True, cwd=REPO, timeout=120,
                      check=False)
   assert r.returncode == 0, r.stderr[-2000:]
   md = (tmp_path / "report.md").read_text()
@@ -207,26 +206,54 @@ def test_a_cut_row_file_still_renders(dry_run, tmp_path):
 
 
 def test_impl_names_are_span_lms_own():
-  accepted = gpu_suite.accepted_impls()
-  assert set(gpu_suite.IMPLS) <= set(accepted)  # every name the suite measures exists
-  gpu = gpu_suite.resolve_impls(accepted, on_gpu=True)
+  """The driver measures span_lm.kernels.IMPLS's names (no list of its own): on a GPU the readable
+  definition and the compiled GPU kernel; in the rehearsal the CPU layout and the kernel
+  interpreted; a name the device's span_lm does not accept is listed, not run."""
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  gpu = gpu_families.measured_impls(on_gpu=True)
+  assert set(gpu) <= set(kernels.IMPLS)
   assert {k: v["use"] for k, v in gpu.items()} == {"reference": "reference", "pallas": "pallas"}
-  cpu = gpu_suite.resolve_impls(accepted, on_gpu=False)
+  cpu = gpu_families.measured_impls(on_gpu=False)
   assert {k: v["use"] for k, v in cpu.items()} == {
       "reference": "reference", "cpu": "cpu", "pallas_interpret": "pallas_interpret"}
-  missing = gpu_suite.resolve_impls(["auto", "reference"], on_gpu=True)
+  missing = gpu_families.measured_impls(True, ["auto", "reference"])
   assert missing["reference"]["use"] == "reference" and missing["pallas"]["use"] is None
+  assert gpu_families.gpu_kernel(dry=False) == "pallas"
+  assert gpu_families.gpu_kernel(dry=True) == "pallas_interpret"
+
+
+@pytest.mark.slow
+def test_the_suite_preset_rehearses_env_and_correctness(tmp_path):
+  """`--preset suite` (the longer suite, once its own driver): the env family feeds the later
+  ones the implementations to measure, and each is compared with the plain definition."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-m", "bench.gpu_run", "--dry_run", "--preset", "suite",
+                         "--families", "correctness", "--budget_s", "600", "--out", str(tmp_path)],
+                        capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  rows = gpu_run.read_rows(str(tmp_path / "rows.jsonl"))
+  fams = {r["name"]: r for r in rows if r.get("kind") == "family"}
+  assert set(fams) == {"env", "correctness"} and all(f["status"] == "ok" for f in fams.values())
+  env_row = next(r for r in rows if r.get("family") == "env" and r.get("kind") == "env")
+  assert env_row["matmul_tflops_float32"] > 0
+  checks = [r for r in rows if r.get("family") == "correctness" and "case_index" in r]
+  assert {r["impl"] for r in checks} == {"reference", "cpu", "pallas_interpret"}
+  for r in checks:
+    assert r["status"] == "pass" and r["worst_diff"] <= r["tol"] and not r["zero_reference"], r
+  md = (tmp_path / "report.md").read_text()
+  assert "## Environment" in md and "## Correctness against the plain definition" in md
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,pers", [("adaptive", 0), ("dynamic", 0), ("fixed", 4),
                                        ("adaptive", 4)])
 def test_plain_definition_under_jax_equals_the_float64_numpy_model(mode, pers):
-  """The suite's yardstick: tests/reference_numpy.py's attention run under jax in float32 (what
-  gpu_suite and gpu_kernel_check differentiate) against the same lines in float64 numpy."""
-  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  cfg = ModelConfig.from_config(dict(vocab_size=8, d_model=16, n_heads=2, d_ff=32, span=24, ramp=4,
-                    span_mode=mode, pers_mem=pers, n_layers=1))
+  """The checks' yardstick: span_lm/testing.py's attention run under jax in float32 (what
+  gpu_layer_check and gpu_kernel_check differentiate) against the same lines in float64 numpy."""
+  from span_lm.model.config import ModelConfig, Span  # pylint: disable=g-import-not-at-top
+  cfg = ModelConfig(vocab_size=8, d_model=16, n_heads=2, d_ff=32, pers_mem=pers, n_layers=1,
+                    span=Span(size=24, ramp=4, mode=mode))
   rng = np.random.default_rng(3)
   p = {n: {"kernel": rng.standard_normal((16, 16)) / 4} for n in
        ("proj_query", "proj_key", "proj_val", "proj_out")}
@@ -241,7 +268,7 @@ def test_plain_definition_under_jax_equals_the_float64_numpy_model(mode, pers):
   want = reference_numpy.attention(cfg, p, key_pe, h, cache)
   as32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
   setup = {"cfg": cfg}
-  plain = gpu_suite._plain_fn(setup)  # pylint: disable=protected-access
+  plain = gpu_layer_check.plain_fn(setup)
   got = plain(as32(p), as32(h), as32(cache), as32(key_pe))
   assert got.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
