@@ -13,10 +13,9 @@ per head-token-key of an all-long layer - `long`, else `fixed` - times the mixed
 Each case is a jitted value_and_grad of the training loss (span loss included) at its span plan;
 the compile time of each plan is reported too (the cost of one plan change).
 
-  python bench/attention_span.py                       # S = 1024 2048 4096 8192
-  python bench/attention_span.py --spans 1024 --reps 5 --json out.json
+  python -m bench.attention_span                       # S = 1024 2048 4096 8192
+  python -m bench.attention_span --spans 1024 --reps 5 --json out.json
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import time
@@ -25,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import harness
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
-from span_lm.model.config import ModelConfig
+from span_lm.model.config import ModelConfig, Plan, Span
 from span_lm.model.transformer import SpanTransformer
 from span_lm.train import cpu_host
 from span_lm.train import steps as steps_lib
@@ -35,9 +35,10 @@ from span_lm.train import steps as steps_lib
 
 def make_case(case: str, s: int, args):
   mode = "fixed" if case == "fixed" else "adaptive"
-  cfg = ModelConfig.from_config(dict(vocab_size=205, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                    d_ff=args.d_ff, span=s, span_mode=mode, ramp=32,
-                    head_grouping=case != "mixed_nogroup", dtype=args.dtype))
+  cfg = ModelConfig(vocab_size=205, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=args.heads, d_ff=args.d_ff, dtype=args.dtype,
+                    span=Span(size=s, mode=mode, ramp=32),
+                    plan=Plan(head_grouping=case != "mixed_nogroup"))
   model = SpanTransformer(cfg, plan_lib.full_plan(cfg))
   tok = jnp.zeros((1, 1), jnp.int32)
   params = model.init(jax.random.key(0), tok, caches_lib.init_caches(cfg, None, 1))["params"]
@@ -69,21 +70,12 @@ def compile_case(cfg, plan, params, args):
     total, count = steps_lib.nll(logp, y)
     return total / count + aux["span_loss"], new_caches
 
-  fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
-  t0 = time.perf_counter()
-  compiled = fn.lower(params).compile()
-  return compiled, time.perf_counter() - t0
+  return harness.compile_timed(jax.jit(jax.value_and_grad(loss_fn, has_aux=True)), params)
 
 
 def time_compiled(compiled, params, reps: int) -> list[float]:
   """Seconds per call after one warm-up call."""
-  jax.block_until_ready(compiled(params))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(params))
-    times.append(time.perf_counter() - t0)
-  return times
+  return harness.time_calls(lambda: compiled(params), reps)
 
 
 def time_case(cfg, plan, params, args):
@@ -121,12 +113,7 @@ def main():
   p.add_argument("--spans", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
   p.add_argument("--cases", nargs="+", default=["fixed", "short", "mixed", "mixed_nogroup"],
                  choices=["fixed", "short", "mixed", "mixed_nogroup", "long"])
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--d_model", type=int, default=256)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--d_ff", type=int, default=1024)
-  p.add_argument("--block", type=int, default=128)
-  p.add_argument("--batch", type=int, default=16)
+  harness.int_flags(p, layers=4, d_model=256, heads=4, d_ff=1024, block=128, batch=16)
   p.add_argument("--short_span", type=int, default=64, help="span + ramp of the short heads")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--reps", type=int, default=3)

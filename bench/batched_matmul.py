@@ -7,10 +7,9 @@ the AMX CPU (session 9) XLA:CPU's YNNPACK runs them at ~300 GFLOP/s when each ha
 on one. This prints the table behind that (docs/benchmarks.md, "Session 9"), alternating the
 shapes so that drift hits all of them alike.
 
-  python bench/batched_matmul.py
-  taskset -c 0 python bench/batched_matmul.py   # one core
+  python -m bench.batched_matmul
+  taskset -c 0 python -m bench.batched_matmul   # one core
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import time
 

@@ -9,11 +9,10 @@ windows, as the model gives it; the fused kernel gets the full window S and the 
 values (one compilation for every profile). Reports ms per call and, for the kernel, the
 attention FLOPs it would do if it skipped exactly the keys outside each head's span.
 
-  python bench/fused_attention.py                           # GPU: B=8, H=8, M=512, Dh=64, S=8192
-  python bench/fused_attention.py --interpret --batch 1 --heads 2 --block 64 --span 256 --reps 1
+  python -m bench.fused_attention                           # GPU: B=8, H=8, M=512, Dh=64, S=8192
+  python -m bench.fused_attention --interpret --batch 1 --heads 2 --block 64 --span 256 --reps 1
       # CPU: the kernel interpreted (a smoke run: interpret-mode times mean nothing)
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import time
@@ -22,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import harness
 from span_lm.kernels import banded_reference
 from span_lm.kernels import pallas_gpu as fa
 
@@ -36,14 +36,7 @@ def profile(case, h, s, short):
 
 
 def timed(fn, args, reps):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
+  return harness.median_s(lambda: fn(*args), reps)
 
 
 def run(a):
@@ -92,9 +85,7 @@ def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cases", nargs="+", default=["fixed", "short", "mixed"])
-  p.add_argument("--batch", type=int, default=8)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--block", type=int, default=512)
+  harness.int_flags(p, batch=8, heads=8, block=512)
   p.add_argument("--head_dim", type=int, default=64)
   p.add_argument("--span", type=int, default=8192)
   p.add_argument("--short", type=int, default=128, help="span + ramp of the short heads")

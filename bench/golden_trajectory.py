@@ -26,7 +26,7 @@ warmup 20, no dropout; tokens are bytes of enwik8's head, ids in order of first 
   adaptive  adaptive span from z' = 0, span loss 2e-6, adapt_span_cache (trimmed caches)
   pers      adaptive span + 16 persistent memory vectors per head, no feed-forward
 
-  python bench/golden_trajectory.py --reference_dir /tmp/adaptive-span     # an env with torch
+  python -m bench.golden_trajectory --reference_dir /tmp/adaptive-span     # an env with torch
 
 The tokens are the first bytes of the enwik8 head packaged in span_lm/data/demo (read here
 with the standard library, so the torch environment needs none of span_lm's dependencies);
@@ -40,9 +40,9 @@ import sys
 
 import numpy as np
 
+from bench import reference_step
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-import reference_step  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 SHAPES = dict(layers=2, d_model=64, heads=4, d_ff=64, span=256, ramp=32, block=64, batch=4,
               pers_mem=16, span_loss=2e-6, lr=0.07, grad_clip=0.03, warmup=20)

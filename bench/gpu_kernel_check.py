@@ -38,22 +38,24 @@ TOL = gpu_layer_check.TOL  # TF32 / bf16 against the float32 definition
 NAMES = ("q", "k", "v", "pe", "z", "pk", "pv")
 DROPOUT_SEED = 1234567
 
-# (name, dtype, head dim, spans, persistent vectors, dropout rate): most telling first.
-CASES = (
-    ("bf16/adaptive/d64", "bfloat16", 64, "adaptive", 0, 0.0),
-    ("bf16/dynamic/d64", "bfloat16", 64, "dynamic", 0, 0.0),
-    ("bf16/fixed/d64", "bfloat16", 64, "fixed", 0, 0.0),
-    ("bf16/learned_short/d64", "bfloat16", 64, "short", 0, 0.0),
-    ("bf16/adaptive+pers/d64", "bfloat16", 64, "adaptive", 1, 0.0),
-    ("bf16/dynamic+dropout/d64", "bfloat16", 64, "dynamic", 0, 0.3),
-    ("bf16/adaptive+pers+dropout/d96", "bfloat16", 96, "adaptive", 1, 0.3),
-    ("bf16/dynamic/d96", "bfloat16", 96, "dynamic", 0, 0.0),
-    ("f32/adaptive/d64", "float32", 64, "adaptive", 0, 0.0),
-    ("f32/dynamic+pers/d64", "float32", 64, "dynamic", 1, 0.0),
-    ("f32/fixed+dropout/d64", "float32", 64, "fixed", 0, 0.3),
-    ("f32/learned_short+pers/d96", "float32", 96, "short", 1, 0.0),
-    ("f32/dynamic+dropout/d96", "float32", 96, "dynamic", 0, 0.3),
-)
+
+
+def _case(name: str) -> tuple:
+  """(name, dtype, head dim, spans, persistent vectors, dropout rate) read from a case's name,
+  'dtype/spans[+pers][+dropout]/dHEAD' (learned_short: learned spans far below the window)."""
+  dtype, what, dh = name.split("/")
+  spans, *extra = what.split("+")
+  return (name, {"bf16": "bfloat16", "f32": "float32"}[dtype], int(dh[1:]),
+          "short" if spans == "learned_short" else spans, int("pers" in extra),
+          0.3 if "dropout" in extra else 0.0)
+
+
+# Most telling first.
+CASES = tuple(_case(n) for n in (
+    "bf16/adaptive/d64", "bf16/dynamic/d64", "bf16/fixed/d64", "bf16/learned_short/d64",
+    "bf16/adaptive+pers/d64", "bf16/dynamic+dropout/d64", "bf16/adaptive+pers+dropout/d96",
+    "bf16/dynamic/d96", "f32/adaptive/d64", "f32/dynamic+pers/d64", "f32/fixed+dropout/d64",
+    "f32/learned_short+pers/d96", "f32/dynamic+dropout/d96"))
 # The CPU rehearsal's share (the interpreted kernel compiles for ~15 s a case): every dtype,
 # head dim, span kind, persistent memory and dropout at least once. tests/kernels/ checks the
 # kernel itself in interpret mode; the rehearsal checks this harness.

@@ -40,6 +40,11 @@ def _note(r):
   return note or first_line(r.get("error"))
 
 
+def _planned(rows, family):
+  """A step family's rows (those with a plan: not its summary)."""
+  return [r for r in rows if r.get("family") == family and "plan" in r]
+
+
 def _first_ok(rows, test):
   return next((r for r in rows if r.get("status") == "ok" and test(r["path"])), None)
 
@@ -173,14 +178,13 @@ def kernel_times(rows):
 def training(rows, suite):
   """The training tables (the run preset's: bf16 against the reference; the suite's: dtypes,
   peak memory and TFLOP/s too)."""
-  ref_rows = [r for r in rows if r.get("family") == "reference" and "plan" in r]
-  ref_ok = {(r.get("shapes"), r.get("plan")): r for r in ref_rows
+  ref_ok = {(r.get("shapes"), r.get("plan")): r for r in _planned(rows, "reference")
             if r.get("status") in (("ok",) if suite else ("ok", "stand_in"))}
   out = []
   names = ("train_enwik8", "train_issue8", "train_enwik8_large") if suite else (
       "train_enwik8", "train_enwik8_large")
   for name in names:
-    tr = [r for r in rows if r.get("family") == name and "plan" in r]
+    tr = _planned(rows, name)
     if tr:
       out += (_suite_training if suite else _run_training)(name, tr, ref_ok)
   return out
@@ -236,11 +240,8 @@ def _suite_training(name, tr, ref_ok):
 
 
 def reference(rows, suite):
-  ref_rows = [r for r in rows if r.get("family") == "reference" and "plan" in r]
-  if not ref_rows:
-    return []
   lines = []
-  for r in ref_rows:
+  for r in _planned(rows, "reference"):
     if r.get("status") in ("ok", "stand_in"):
       note = (f"{'stand-in' if suite else 'STAND-IN'} ({r.get('error')}): not a reference number"
               if r.get("stand_in") else f"{r.get('device')}, {r.get('torch')}")
@@ -251,17 +252,16 @@ def reference(rows, suite):
       lines.append([r.get("shapes"), r.get("plan"), r.get("batch"), r.get("status"),
                     first_line(r.get("error"), 160 if suite else 140), ""] + [""] * (
                         3 if suite else 1))
+  if not lines:
+    return []
   cols = ("shapes", "plan", "batch", "status", "ms/step", "tokens/s") + (
       ("peak GiB", "device, torch", "caches") if suite else ("device, torch",))
   return ["", "## Reference (PyTorch) training step, same device", ""] + table(cols, lines)
 
 
 def sampling(rows, suite):
-  samp = [r for r in rows if r.get("family") == "sampling" and "plan" in r]
-  if not samp:
-    return []
   lines = []
-  for r in samp:
+  for r in _planned(rows, "sampling"):
     first = r.get("label") if suite else r.get("attn_impl")
     if r.get("status") == "ok":
       lines.append([first, r["plan"], r["batch"], r["length"], "ok", f"{r['tokens_per_s']:.0f}",
@@ -269,6 +269,8 @@ def sampling(rows, suite):
     else:
       lines.append([first, r["plan"], r["batch"], r.get("length"), r.get("status"),
                     first_line(r.get("error"), 160 if suite else 140), "", ""])
+  if not lines:
+    return []
   title = "## Sampling (ring key/value caches, one jitted scan)" + (
       "" if suite else ", enwik8 model")
   return ["", title, ""] + table(

@@ -348,3 +348,19 @@ def child_main(name: str, doc: str, parts: dict) -> None:
 
 
 CHILD = Child()
+
+
+# --------------------------------------------------------------------------------- commands
+
+
+def int_flags(parser, **defaults) -> None:
+  """Integer flags of a bench command (--layers, --d_model, ...), each with its default: the shape
+  flags every script shares, spelled the same everywhere."""
+  for name, default in defaults.items():
+    parser.add_argument(f"--{name}", type=int, default=default)
+
+
+def write_json(path: str, obj, indent: int = 1) -> None:
+  """A result file (rows and the command that made them)."""
+  with open(path, "w") as f:
+    json.dump(obj, f, indent=indent, default=str)

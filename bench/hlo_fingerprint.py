@@ -6,8 +6,8 @@ rather than computes (metadata, the module name, instruction and computation nam
 order of appearance) and prints one sha256 per case. `--out DIR` also writes the stripped texts,
 so two trees' dumps can be diffed:
 
-  python bench/hlo_fingerprint.py --tree /tmp/before --out /tmp/hlo_before
-  python bench/hlo_fingerprint.py --out /tmp/hlo_after
+  python -m bench.hlo_fingerprint --tree /tmp/before --out /tmp/hlo_before
+  python -m bench.hlo_fingerprint --out /tmp/hlo_after
   diff -r /tmp/hlo_before /tmp/hlo_after && echo identical
 
 Shapes are the issue-8 ones by default (4 layers, D=256, S=1024, block 128, batch 16); smaller
@@ -37,6 +37,14 @@ def strip(text: str) -> str:
   names: dict[str, str] = {}
   text = re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%v{len(names)}"), text)
   return "\n".join(line.rstrip() for line in text.splitlines() if line.strip()) + "\n"
+
+
+def train_step_command(tree: str) -> list[str]:
+  """How `tree` runs bench/train_step.py: as a module where bench/ is a package, as a file in a
+  tree from before (its bench/_repo.py puts the root first)."""
+  if os.path.isfile(os.path.join(tree, "bench", "__init__.py")):
+    return ["-m", "bench.train_step"]
+  return [os.path.join(tree, "bench", "train_step.py")]
 
 
 def main():
@@ -69,7 +77,7 @@ def main():
     for dtype in args.dtypes:
       for n in args.devices:
         with tempfile.NamedTemporaryFile(suffix=".hlo") as f:
-          cmd = [sys.executable, os.path.join(args.tree, "bench", "train_step.py"), *CASES[case],
+          cmd = [sys.executable, *train_step_command(args.tree), *CASES[case],
                  "--devices", str(n), "--dtype", dtype, "--layers", str(args.layers),
                  "--batch", str(args.batch), "--reps", "1", "--hlo", f.name]
           out = subprocess.run(cmd, env=env, cwd=args.tree, capture_output=True, text=True)

@@ -20,16 +20,15 @@ pallas_gpu.TILES causal, TILES_TWO_SIDED with windows ahead), value_and_grad of 
   sparse_split      the same kernel, strided pattern split across heads (two groups: two calls
                     of each kernel, the same code), n=12,288
 
-  python bench/kernel_facts.py --targets h100 a100_80 --cases sparse_enwik8 --head_dims 64 \
+  python -m bench.kernel_facts --targets h100 a100_80 --cases sparse_enwik8 --head_dims 64 \
       --out docs/kernel_sparse.json
 
-  python bench/kernel_facts.py --targets h100 a100_80 --out docs/kernel_two_sided.json
-  python bench/kernel_facts.py --md docs/kernel_two_sided.json     # the table again
+  python -m bench.kernel_facts --targets h100 a100_80 --out docs/kernel_two_sided.json
+  python -m bench.kernel_facts --md docs/kernel_two_sided.json     # the table again
 
 Needs the CUDA toolchain (pip install -e .[gpu-compile]); no GPU. One child process per case,
 dtype and head size (its own XLA dump).
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import os
@@ -40,8 +39,9 @@ import sys
 import tempfile
 import time
 
-from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
-from span_lm.tools import ptx  # pylint: disable=wrong-import-position
+from bench import harness
+from span_lm.tools import compile as compile_lib
+from span_lm.tools import ptx
 
 CASES = ("causal", "causal_segmented", "two_sided", "two_sided_apart", "encoder_step",
          "sparse_enwik8", "sparse_split")
@@ -156,7 +156,7 @@ def run_one(target, case, dtype, dh):
              else _KERNEL)
     prefix = "block_sparse_attention" if case.startswith("sparse") else "span_attention"
     r = subprocess.run([sys.executable, "-c", child,
-                        target, case, dtype, str(dh)], cwd=_repo.ROOT, env=env,
+                        target, case, dtype, str(dh)], cwd=harness.REPO, env=env,
                        capture_output=True, text=True, timeout=1800, check=False)
     row = {"target": target, "case": case, "dtype": dtype, "head_dim": dh,
            "compile_s": round(time.time() - t0, 1)}
@@ -234,7 +234,7 @@ def main():
           print("\n".join(markdown(got).splitlines()[2:]), flush=True)
           if a.out:
             with open(a.out, "w") as f:
-              json.dump({"command": "python bench/kernel_facts.py " + " ".join(sys.argv[1:]),
+              json.dump({"command": "python -m bench.kernel_facts " + " ".join(sys.argv[1:]),
                          "rows": rows}, f, indent=1)
   print(markdown(rows))
 

@@ -8,10 +8,9 @@ Each candidate (target, dtype, head size, tile, warps, stages) compiles value_an
 child process with the CUDA toolchain (pip install "jax[cuda12]==<jax version>"; no GPU needed).
 The table `pallas_gpu.TILES` is chosen from its results (docs/kernels.md).
 
-  python bench/kernel_sweep.py --targets h100 a100_80 --dtypes bfloat16 float32 \
+  python -m bench.kernel_sweep --targets h100 a100_80 --dtypes bfloat16 float32 \
       --head_dims 64 128 --warps 4 8 --stages 2 3 --out docs/kernel_sweep.json
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import itertools
 import json
@@ -21,10 +20,11 @@ import sys
 import tempfile
 import time
 
-from span_lm import kernels  # pylint: disable=wrong-import-position
-from span_lm.tools import chips  # pylint: disable=wrong-import-position
-from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
-from span_lm.tools import ptx  # pylint: disable=wrong-import-position
+from bench import harness
+from span_lm import kernels
+from span_lm.tools import chips
+from span_lm.tools import compile as compile_lib
+from span_lm.tools import ptx
 
 
 def child(target, dtype, dh, tile, warps, stages, precision, key_tile=0):
@@ -86,13 +86,13 @@ def run(args):
       args.stages):
     if key_tile > tile > 0:
       continue
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", target, dtype, str(dh),
+    cmd = [sys.executable, "-m", "bench.kernel_sweep", "--child", target, dtype, str(dh),
            str(tile), str(warps), str(stages), args.precision, str(key_tile)]
     t0 = time.perf_counter()
     env = compile_lib.child_env("gpu")
     dump = tempfile.mkdtemp(prefix="kernel_sweep_")
     env["XLA_FLAGS"] = f"--xla_dump_to={dump}"
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=harness.REPO)
     text = p.stdout + p.stderr
     row = next((json.loads(l[4:]) for l in text.splitlines() if l.startswith("ROW ")), None)
     if row is None:
@@ -114,8 +114,7 @@ def run(args):
           f"{'ok' if row['compiled'] else 'FAIL ' + row.get('error', '')} {ks} "
           f"({row['compile_s'] if 'compile_s' in row else row['wall_s']:.0f}s)", flush=True)
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"command": " ".join(sys.argv), "rows": rows}, f, indent=1)
+    harness.write_json(args.out, {"command": " ".join(sys.argv), "rows": rows})
   return rows
 
 

@@ -9,10 +9,9 @@ ours bidirectional at several max_span (the cost should follow the span). Each c
 value_and_grad of sum(out^2) with respect to parameters and inputs: the median of --reps timed
 runs, and XLA's compiled memory (arguments + outputs + temporaries) of that step.
 
-  python bench/layer_speed.py                                  # N = 4096 and 8192
-  python bench/layer_speed.py --lengths 4096 --reps 3 --max_spans 32 256 1024
+  python -m bench.layer_speed                                  # N = 4096 and 8192
+  python -m bench.layer_speed --lengths 4096 --reps 3 --max_spans 32 256 1024
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import time
@@ -22,25 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import harness
 from span_lm import layers
 from span_lm.train import cpu_host
 
 
 def timed(fn, *args, reps: int):
-  jax.block_until_ready(fn(*args))  # compile
-  times = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t)
-  return float(np.median(times))
+  return harness.median_s(lambda: fn(*args), reps)
 
 
 def step_bytes(fn, *args) -> int:
   """XLA's memory analysis of the compiled step: arguments + outputs + temporaries."""
-  m = fn.lower(*args).compile().memory_analysis()
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-             + m.temp_size_in_bytes)
+  return harness.memory(fn.lower(*args).compile())["total"]
 
 
 def main():

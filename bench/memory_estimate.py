@@ -9,10 +9,10 @@ peak = arguments + outputs - aliased + temporaries, XLA's own accounting of the 
 on the backend it runs on (CPU here unless a GPU is visible: treat CPU numbers as an estimate;
 XLA:GPU fuses and schedules differently).
 
-  python bench/memory_estimate.py                              # all paper configs, float32
-  python bench/memory_estimate.py --configs=enwik8_large --dtype=bfloat16 --remat=layer
-  python bench/memory_estimate.py --gpu_less=float32:none,float32:layer,bfloat16:layer
-  python bench/memory_estimate.py --configs=enwik8_large --dtype=bfloat16 --topology=v5p:2x2x1
+  python -m bench.memory_estimate                              # all paper configs, float32
+  python -m bench.memory_estimate --configs=enwik8_large --dtype=bfloat16 --remat=layer
+  python -m bench.memory_estimate --gpu_less=float32:none,float32:layer,bfloat16:layer
+  python -m bench.memory_estimate --configs=enwik8_large --dtype=bfloat16 --topology=v5p:2x2x1
 
 --topology compiles for one TPU chip without one (jax[tpu]'s libtpu; the compile mode,
 span_lm/tools/compile.py, does the same for whole topologies and GPUs). Each row also gives
@@ -26,7 +26,6 @@ shrink with model.remat='layer'; --gpu_less adds an estimate built from JAX's sa
 and one layer's compiled working set instead (gpu_less()), checked against the compiled figure
 with remat='none'.
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)
 import argparse
 import contextlib
 import functools
@@ -34,17 +33,18 @@ import json
 import os
 import time
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax
+import jax.numpy as jnp
 
-from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from span_lm.kernels import target  # pylint: disable=g-import-not-at-top,wrong-import-position
-from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top,wrong-import-position
-from span_lm.tools import flops  # pylint: disable=g-import-not-at-top,wrong-import-position
-from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
-from span_lm.train import steps  # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench import harness
+from span_lm import config as config_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model import plan as plan_lib
+from span_lm.kernels import target
+from span_lm.model.config import ModelConfig
+from span_lm.tools import flops
+from span_lm.train import optimizer as optimizer_lib
+from span_lm.train import steps
 
 PAPER_CONFIGS = ("enwik8_small", "enwik8", "enwik8_large", "text8", "text8_large",
                  "enwik8_pers_small", "enwik8_pers", "wiki103_pers")
@@ -56,7 +56,7 @@ GIB = 2.0 ** 30
 
 def _config_file(name: str) -> str:
   """configs/NAME.py of this checkout, whatever the working directory."""
-  return os.path.join(_repo.ROOT, "configs", f"{name}.py")
+  return os.path.join(harness.REPO, "configs", f"{name}.py")
 
 
 def _tpu_chip(topology: str):
@@ -107,10 +107,9 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
     secs = time.perf_counter() - t0
     kept = sum(flops.activation_bytes(cfg, span_plan, piece, d.block).values())
     peak_est = flops.peak_activation_bytes(cfg, span_plan, piece, d.block)
-  ma = compiled.memory_analysis()
+  mem = harness.memory(compiled)
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-  arg, out = ma.argument_size_in_bytes, ma.output_size_in_bytes
-  alias, temp = ma.alias_size_in_bytes, ma.temp_size_in_bytes
+  arg, out, alias, temp = mem["argument"], mem["output"], mem["alias"], mem["temp"]
   backend = f"tpu {topology} (deviceless)" if chip else jax.default_backend()
   return {"config": name, "backend": backend, "dtype": cfg.dtype,
           "remat": cfg.remat if cfg.remat == "none" else f"{cfg.remat}/{cfg.remat_policy}",
@@ -119,7 +118,7 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
           "batch_split": config.optim.batch_split, "block": d.block, "span": cfg.span.size,
           "layers": cfg.n_layers, "d_model": cfg.d_model,
           "arguments_GiB": arg / GIB, "outputs_GiB": out / GIB, "aliased_GiB": alias / GIB,
-          "temp_GiB": temp / GIB, "peak_GiB": (arg + out - alias + temp) / GIB,
+          "temp_GiB": temp / GIB, "peak_GiB": mem["total"] / GIB,
           "estimate_activation_GiB": kept / GIB, "estimate_peak_activation_GiB": peak_est / GIB,
           "compile_s": secs}
 

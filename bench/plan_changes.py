@@ -8,18 +8,18 @@ the rest at the ramp). Each head follows z(t) = z_end (1 - exp(-t / tau)), tau d
 step on z' x S), clipped to [0, S] as the reference clamps z'. Real runs log the same count as
 `plan_changes` in metrics.jsonl.
 
-  python bench/plan_changes.py                         # 200k steps, growth 1.0 / 1.25 / 1.5
-  python bench/plan_changes.py --steps 600000 --growth 1.25
+  python -m bench.plan_changes                         # 200k steps, growth 1.0 / 1.25 / 1.5
+  python -m bench.plan_changes --steps 600000 --growth 1.25
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 
 import numpy as np
 
+from span_lm import kernels
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
 from span_lm.model import config as model_config
-from span_lm.model.config import ModelConfig
+from span_lm.model.config import ModelConfig, Span
 
 
 def trajectories(cfg: ModelConfig, steps: int, noise: float, seed: int) -> np.ndarray:
@@ -71,18 +71,19 @@ def main():
   p.add_argument("--heads", type=int, default=8)
   p.add_argument("--span", type=int, default=8192)
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--attn_impl", default="auto", choices=["auto", "reference", "cpu", "pallas"],
+  p.add_argument("--attn_impl", default="auto", choices=kernels.ATTN_IMPLS,
                  help="pallas: the fused kernel's plans (one window per layer, spans at run time)")
   args = p.parse_args()
-  base = ModelConfig.from_config(dict(vocab_size=256, d_model=512, n_layers=args.layers, n_heads=args.heads,
-                     d_ff=2048, span=args.span, ramp=32, attn_impl=args.attn_impl))
+  base = ModelConfig(vocab_size=256, d_model=512, n_layers=args.layers, n_heads=args.heads,
+                     d_ff=2048, span=Span(size=args.span, ramp=32),
+                     attention=kernels.Attention(impl=args.attn_impl))
   z = trajectories(base, args.steps, args.noise, args.seed)
   print(f"{args.steps} steps, {args.layers} layers x {args.heads} heads, S={args.span}; "
         f"granularity {base.plan.granularity}, shrink patience {base.plan.shrink_patience}")
   print("| plan_growth | plan changes | per 1000 steps: mean / max | attention keys vs tightest |")
   print("|---|---|---|---|")
   for g in args.growth:
-    r = count_changes(model_config.updated(base, plan_growth=g), z)
+    r = count_changes(model_config.updated(base, **{"plan.growth": g}), z)
     print(f"| {g} | {r['changes']} | {r['changes'] / (args.steps / 1000):.2f} / "
           f"{r['max_per_1000_steps']} | {r['mean_keys_over_tight']:.2f}x |", flush=True)
 

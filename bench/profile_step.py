@@ -6,13 +6,12 @@ with its numeric suffix dropped: ynn_fusion = YNNPACK matmuls, wrapped_reduce-wi
 the most expensive single operations; also the page faults and system/user CPU time per run
 (kernel time spent faulting in fresh buffers: span_lm/train/cpu_host.py).
 On two cores concurrent operations overlap (their times add up to more than the step). On one
-core (`taskset -c 0 python bench/profile_step.py ...`) they do not overlap, but YNNPACK
+core (`taskset -c 0 python -m bench.profile_step ...`) they do not overlap, but YNNPACK
 operations read up to 2x their clocked time (docs/benchmarks.md, "Session 9"). Use the per-op
 times to find where to look, and whole-step times of alternating variants to decide.
 
-  python bench/profile_step.py --case short --dtype bfloat16
+  python -m bench.profile_step --case short --dtype bfloat16
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import collections
 import glob
@@ -25,7 +24,7 @@ import tempfile
 import jax
 import numpy as np
 
-import attention_span
+from bench import attention_span
 from span_lm.train import cpu_host
 
 

@@ -8,10 +8,10 @@ value per token, newline bytes as line breaks, which its data.py turns into `<eo
 
   # the reference's input files for configs/tiny.py's splits of the packaged enwik8 head
   # (span_lm/data/demo: the first 4,154,000 bytes of enwik8)
-  python bench/reference_main.py --prepare_head demo --data_dir /tmp/ref_tiny_data
+  python -m bench.reference_main --prepare_head demo --data_dir /tmp/ref_tiny_data
   # the yardstick (1,250 steps = 5 iterations of 250 batches, validation every 250), with a
   # Python that has torch and an unmodified checkout of the reference at 27b815f
-  /tmp/refvenv/bin/python bench/reference_main.py --reference_dir /tmp/adaptive-span -- \\
+  /tmp/refvenv/bin/python -m bench.reference_main --reference_dir /tmp/adaptive-span -- \\
       --data /tmp/ref_tiny_data --nlayers 4 --hid-sz 256 --inner-hid-sz 1024 --nheads 4 \\
       --attn-span 1024 --block-sz 128 --batch-sz 16 --lr 0.07 --momentum 0 --dropout 0 \\
       --optim adagrad --lr-warmup 200 --grad-clip 0.03 --nbatches 250 --niter 5 \\
@@ -23,8 +23,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import reference_step  # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench import reference_step
 
 MAIN_SHA256 = {  # main.py and what it imports beyond reference_step's files, at 27b815f
     "main.py": "87e81edee6ee0de77401450569d8612f7d0e468c97b0e8c5720c38a92aa80da4",

@@ -8,8 +8,8 @@ span_lm ships. Those files' sha256 are checked against REFERENCE_SHA256 below be
 timed, so a ratio quoted against "the reference" is against its own code:
 
   pip install torch  # in any environment; span_lm itself is not imported here
-  python bench/reference_step.py --reference_dir ~/src/adaptive-span --cases short fixed --reps 20
-  python bench/train_step.py --reference_dir ~/src/adaptive-span \
+  python -m bench.reference_step --reference_dir ~/src/adaptive-span --cases short fixed --reps 20
+  python -m bench.train_step --reference_dir ~/src/adaptive-span \
       --reference_python ~/torch/bin/python
       # span_lm and the reference alternating in one run ("vs reference" from the measured times)
 
@@ -87,7 +87,7 @@ def measure_step(reference_dir: str, *, layers: int = 4, heads: int = 4, d_model
   """Median and fastest seconds per training step of the reference model on `device` (auto: CUDA
   when torch has it, else the CPU). ratios: None for a fixed span, else per layer the per-head span parameters z
   (span fractions) at which the adaptive spans are held after each step, so that the cache
-  trimming stays put. bench/gpu_suite.py times the reference through this function too."""
+  trimming stays put. bench/gpu_steps.py times the reference through this function too."""
   check_reference(reference_dir)
   sys.path.insert(0, os.path.abspath(reference_dir))
   import torch  # pylint: disable=g-import-not-at-top
@@ -193,7 +193,6 @@ def main():
   p.add_argument("--json", default=None)
   args = p.parse_args()
   if not args.system_malloc:  # before torch allocates anything
-    sys.path.insert(0, REPO)
     from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
     cpu_host.keep_freed_memory()
   check_reference(args.reference_dir)

@@ -5,21 +5,21 @@ One jitted scan of `length` tokens after a 1-token prompt (span_lm.tools.sample.
 weights, B streams; fixed span S (every window sees S cached states) or adaptive spans of
 `--span_tokens` tokens. Median of `--reps` runs after a compile-and-warm-up run.
 
-  python bench/sampling.py --span 1024 --length 256
+  python -m bench.sampling --span 1024 --length 256
 
 Also times one evaluation block (--eval_batch x --block tokens, caches full), the unit of the full
 evaluation, which caches keys/values too.
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import time
 
 import jax
 import numpy as np
 
+from bench import harness
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
-from span_lm.model.config import ModelConfig
+from span_lm.model.config import ModelConfig, Span
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import sample
 
@@ -27,10 +27,7 @@ from span_lm.tools import sample
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--d_model", type=int, default=256)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--d_ff", type=int, default=1024)
+  harness.int_flags(p, layers=4, d_model=256, heads=4, d_ff=1024)
   p.add_argument("--span", type=int, nargs="+", default=[1024, 4096])
   p.add_argument("--length", type=int, default=256)
   p.add_argument("--batch", type=int, default=1)
@@ -44,8 +41,8 @@ def main():
         "| ring vs shifted | ring vs hidden |")
   print("|---|---|---|---|---|---|")
   for s in args.span:
-    cfg = ModelConfig.from_config(dict(vocab_size=205, d_model=args.d_model, n_layers=args.layers,
-                      n_heads=args.heads, d_ff=args.d_ff, span=s, span_mode="fixed"))
+    cfg = ModelConfig(vocab_size=205, d_model=args.d_model, n_layers=args.layers,
+                      n_heads=args.heads, d_ff=args.d_ff, span=Span(size=s, mode="fixed"))
     plan = plan_lib.full_plan(cfg)
     params = SpanTransformer(cfg, plan).init(
         jax.random.key(0), np.zeros((1, 1), np.int32), caches_lib.init_caches(cfg, plan, 1))["params"]
@@ -55,13 +52,7 @@ def main():
       run = lambda kind=kind: sample.generate(cfg, params, plan, prompt, args.length,
                                               temperature=1.0, kv_cache=kind != "hidden",
                                               ring=kind == "ring")
-      run()
-      times = []
-      for _ in range(args.reps):
-        t = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t)
-      rate[kind] = args.length * args.batch / float(np.median(times))
+      rate[kind] = args.length * args.batch / harness.median_s(run, args.reps)
     print(f"| {s} | {rate['hidden']:.0f} | {rate['shifted']:.0f} | {rate['ring']:.0f} | "
           f"{rate['ring'] / rate['shifted']:.1f}x | {rate['ring'] / rate['hidden']:.1f}x |",
           flush=True)
@@ -71,13 +62,8 @@ def main():
       model = SpanTransformer(cfg, plan, kv_cache=kv)
       f = jax.jit(lambda p, x, c, model=model: model.apply({"params": p}, x, c)[:2])
       caches = caches_lib.init_caches(cfg, plan, args.eval_batch, kv=kv)
-      jax.block_until_ready(f(params, x, caches))
-      times = []
-      for _ in range(args.reps + 2):
-        t = time.perf_counter()
-        jax.block_until_ready(f(params, x, caches))
-        times.append(time.perf_counter() - t)
-      block_s[kv] = float(np.median(times))
+      block_s[kv] = harness.median_s(lambda f=f, caches=caches: f(params, x, caches),
+                                     args.reps + 2)
     print(f"|   | evaluation block {args.eval_batch} x {args.block}: {block_s[False] * 1e3:.0f} ms | "
           f"{block_s[True] * 1e3:.0f} ms (key/value caches) | | | {block_s[False] / block_s[True]:.2f}x |",
           flush=True)

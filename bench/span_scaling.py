@@ -15,11 +15,10 @@ Adaptive spans (z in tokens per layer and head, capped at each S):
   default              shaped like the paper's Fig. 4: in the top third of the layers one head at
                        z=4000, one at 1500, one at 500; every other head z=0 (span R).
 
-  python bench/span_scaling.py                          # paper small model, S = 1024 ... 8192
-  python bench/span_scaling.py --spans 256 512 --layers 2 --d_model 64 --heads 4 --d_ff 256 \\
+  python -m bench.span_scaling                          # paper small model, S = 1024 ... 8192
+  python -m bench.span_scaling --spans 256 512 --layers 2 --d_model 64 --heads 4 --d_ff 256 \\
       --block 64 --batch 2 --reps 1 --out /tmp/scaling    # smoke test, a minute on a CPU
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import os
@@ -28,6 +27,8 @@ import sys
 import time
 
 import numpy as np
+
+from bench import harness
 
 
 def default_z(layers: int, heads: int) -> list[list[float]]:
@@ -39,7 +40,8 @@ def default_z(layers: int, heads: int) -> list[list[float]]:
 
 
 def checkpoint_z(workdir: str):
-  """(model_cfg dict, z tokens (layers, heads)) of the latest checkpoint in a run directory."""
+  """(ModelConfig, z tokens (layers, heads)) of the latest checkpoint in a run directory (its
+  config in sections or, from an older run, flat: ModelConfig.from_config reads both)."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
@@ -60,7 +62,7 @@ def checkpoint_z(workdir: str):
                           shapes["params"])
     params = ckpt.restore_params(target)
   z = [np.asarray(r) * cfg.span.size for r in plan_lib.span_ratios(params)]
-  return meta["model_cfg"], np.stack(z).tolist()
+  return cfg, np.stack(z).tolist()
 
 
 def run_case(case: dict) -> dict:
@@ -69,11 +71,14 @@ def run_case(case: dict) -> dict:
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
   s, kind = case["span"], case["kind"]
-  cfg = ModelConfig.from_config(dict(**dict(case["model"], span=s, span_mode=kind, span_loss=0.0)))
+  model = dict(case["model"])  # fields and dotted section fields ('span.ramp')
+  cfg = model_config.updated(ModelConfig(vocab_size=model.pop("vocab_size")), **model,
+                             **{"span.size": s, "span.mode": kind, "span.loss": 0.0})
   tx = flops.default_optimizer()
   ratios = [np.minimum(np.asarray(z, np.float32), s) / s for z in case["z"]]
   plan = plan_lib.plan_from_ratios(cfg, ratios)
@@ -85,20 +90,11 @@ def run_case(case: dict) -> dict:
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, cfg.vocab_size, (case["batch"], case["block"] + 1))
   batch = steps_lib.host_batch(tokens[:, :-1], tokens[:, 1:], False)
-  t0 = time.perf_counter()
   fn = jax.jit(lambda st, b: steps_lib.train_step(st, b, cfg=cfg, plan=plan, tx=tx),
                donate_argnums=0)
-  compiled = fn.lower(state, batch).compile()
-  compile_s = time.perf_counter() - t0
-  state, m = compiled(state, batch)
-  jax.block_until_ready(m)
-  times = []
-  for _ in range(case["reps"]):
-    t0 = time.perf_counter()
-    state, m = compiled(state, batch)
-    jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
-  mem = compiled.memory_analysis()
+  compiled, compile_s = harness.compile_timed(fn, state, batch)
+  state, _, times = harness.time_steps(compiled, state, batch, case["reps"], warmup=1)
+  mem = harness.memory(compiled)
   stats = jax.devices()[0].memory_stats() or {}
   step_flops = flops.train_step_flops(cfg, plan, case["batch"], case["block"])
   sec = float(np.median(times))
@@ -108,9 +104,7 @@ def run_case(case: dict) -> dict:
           "compile_seconds": compile_s, "avg_span": float(np.mean(spans)),
           "plan": plan.describe(), "attention_keys": plan.attention_keys(),
           "device_peak_bytes": stats.get("peak_bytes_in_use"),
-          "xla_temp_bytes": mem.temp_size_in_bytes,
-          "xla_total_bytes": (mem.temp_size_in_bytes + mem.argument_size_in_bytes
-                              + mem.output_size_in_bytes - mem.alias_size_in_bytes),
+          "xla_temp_bytes": mem["temp"], "xla_total_bytes": mem["total"],
           "tokens_per_second": case["batch"] * case["block"] / sec,
           "analytic_step_flops": step_flops, "achieved_tflops": step_flops / sec / 1e12,
           "analytic_peak_activation_bytes": flops.peak_activation_bytes(
@@ -151,10 +145,7 @@ def main():
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--spans", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
   p.add_argument("--kinds", nargs="+", default=["fixed", "adaptive"])
-  p.add_argument("--layers", type=int, default=12)
-  p.add_argument("--d_model", type=int, default=512)
-  p.add_argument("--heads", type=int, default=8)
-  p.add_argument("--d_ff", type=int, default=2048)
+  harness.int_flags(p, layers=12, d_model=512, heads=8, d_ff=2048)
   p.add_argument("--vocab", type=int, default=205)
   p.add_argument("--block", type=int, default=512)
   p.add_argument("--batch", type=int, default=8, help="per device (the paper: 64 on 8 GPUs)")
@@ -178,9 +169,11 @@ def main():
            "n_heads": args.heads, "d_ff": args.d_ff, "dtype": args.dtype, "remat": args.remat}
   if args.workdir:
     saved, z = checkpoint_z(args.workdir)
-    model = {k: saved[k] for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
-                                   "ramp", "pers_mem")} | {"dtype": args.dtype, "remat": args.remat}
-    source = f"checkpoint {args.workdir} (S={saved['span']})"
+    model = {"vocab_size": saved.vocab_size, "d_model": saved.d_model,
+             "n_layers": saved.n_layers, "n_heads": saved.n_heads, "d_ff": saved.d_ff,
+             "span.ramp": saved.span.ramp, "pers_mem": saved.pers_mem, "dtype": args.dtype,
+             "remat": args.remat}
+    source = f"checkpoint {args.workdir} (S={saved.span.size})"
   elif args.z_json:
     with open(args.z_json) as f:
       z = json.load(f)
@@ -198,10 +191,10 @@ def main():
     for kind in args.kinds:
       case = {"span": s, "kind": kind, "model": model, "z": z, "batch": args.batch,
               "block": args.block, "reps": args.reps}
-      cmd = [sys.executable, os.path.abspath(__file__), "--case", json.dumps(case)]
+      cmd = [sys.executable, "-m", "bench.span_scaling", "--case", json.dumps(case)]
       try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
-                              check=False)
+                              check=False, cwd=harness.REPO)
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         row = json.loads(line[-1][7:]) if line else {
             "error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}

@@ -8,10 +8,9 @@ power of two (or --stride) and c = --c. Memory is XLA's own accounting of the co
 (GPU), and XLA's flop count. Exponents: slopes of log(time), log(flops) and log(bytes) against
 log(n) over the lengths measured (on a shared CPU the flop and byte exponents are the stable ones).
 
-  python bench/sparse_attention.py                            # n = 1024 2048 4096 (CPU-sized)
-  python bench/sparse_attention.py --n 1024 4096 12288 --json out.json   # the issue's lengths
+  python -m bench.sparse_attention                            # n = 1024 2048 4096 (CPU-sized)
+  python -m bench.sparse_attention --n 1024 4096 12288 --json out.json   # the issue's lengths
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import time
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench import harness
 from span_lm.model import sparse
 
 CASES = ("dense", "strided", "fixed")
@@ -40,22 +40,12 @@ def measure(case: str, n: int, args) -> dict:
   dt = jnp.dtype(args.dtype)
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(kk, (args.batch, args.heads, n, args.head_dim), dt) for kk in keys)
-  t0 = time.perf_counter()
-  compiled = fn.lower(q, k, v).compile()
-  compile_s = time.perf_counter() - t0
+  compiled, compile_s = harness.compile_timed(fn, q, k, v)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
-  mem = compiled.memory_analysis()
-  xla_bytes = None
-  if mem is not None:
-    xla_bytes = int(mem.temp_size_in_bytes + mem.output_size_in_bytes + mem.argument_size_in_bytes)
-  jax.block_until_ready(compiled(q, k, v))
-  times = []
-  for _ in range(args.reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(q, k, v))
-    times.append(time.perf_counter() - t0)
+  xla_bytes = harness.compiled_bytes(compiled)  # nothing donated: arguments + outputs + temps
+  times = harness.time_calls(lambda: compiled(q, k, v), args.reps)
   stats = jax.devices()[0].memory_stats() or {}
   return {"case": case, "n": n, "stride": stride if case != "dense" else None,
           "c": args.c if case == "fixed" else None, "ms": 1000 * float(np.median(times)),

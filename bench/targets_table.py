@@ -7,14 +7,13 @@ A split that cannot fit by the numbers of those that did not (`hopeless`) is ski
 compiled: each TPU compile of a paper config takes 5 to 20 minutes on a 2-core host.
 Needs the toolchains: pip install "jax[cuda12]==<jax version>" "jax[tpu]==<jax version>".
 
-  python bench/targets_table.py --configs configs/enwik8.py configs/enwik8_large.py \
+  python -m bench.targets_table --configs configs/enwik8.py configs/enwik8_large.py \
       --targets h100:8 a100_80:8 a100_40:8 v100_32:8 v5e:4x4 v5p:2x2x2 v6e:2x4 v4:2x2x2 \
       --out docs/targets
   # float16 rows: the same search with one more override on every row
-  python bench/targets_table.py --configs configs/enwik8_large.py --targets v100_16:8 v100_32:8 \
+  python -m bench.targets_table --configs configs/enwik8_large.py --targets v100_16:8 v100_32:8 \
       --set model.dtype=float16 --out docs/targets_float16_v100
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import os
@@ -24,8 +23,8 @@ import sys
 import tempfile
 import time
 
-from span_lm import config as config_lib  # pylint: disable=wrong-import-position
-from span_lm.tools import compile as compile_lib  # pylint: disable=wrong-import-position
+from span_lm import config as config_lib
+from span_lm.tools import compile as compile_lib
 
 
 def attempts(split: int, remat: str, batch: int, devices: int, max_split: int):

@@ -7,25 +7,25 @@ The default shape is configs/enwik8.py's layer on one chip of a v5p-8 (8 sequenc
 block of 512, every head at span 8192, head size 64, bfloat16). Needs: pip install
 "jax[tpu]==<jax version>". Runs with JAX_PLATFORMS=cpu.
 
-  JAX_PLATFORMS=cpu python bench/tpu_kernel_cost.py --target v5p --tiles 128x128 128x256 256x512
+  JAX_PLATFORMS=cpu python -m bench.tpu_kernel_cost --target v5p --tiles 128x128 128x256 256x512
 
 Two-sided (windows ahead, the drop-in layer's A = W - 1) with segment ids, and the smallest
 scoped VMEM limit Mosaic compiles the three kernels in (bisected, to 1 MiB):
 
-  JAX_PLATFORMS=cpu python bench/tpu_kernel_cost.py --target v5p --ahead 8191 --segments --vmem
+  JAX_PLATFORMS=cpu python -m bench.tpu_kernel_cost --target v5p --ahead 8191 --segments --vmem
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import os
 import time
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import jax
+import jax.numpy as jnp
 
-from span_lm.kernels import pallas_tpu  # pylint: disable=wrong-import-position
-from span_lm.tools import chips  # pylint: disable=wrong-import-position
+from bench import harness
+from span_lm.kernels import pallas_tpu
+from span_lm.tools import chips
 
 TOPOLOGY = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 
@@ -67,9 +67,8 @@ def measure(target, bq, bk, b, h, m, w, d, dtype, n_pers, rate, ahead=0, segment
   seconds = time.perf_counter() - start
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  mem = compiled.memory_analysis()
   return {"flops": cost["flops"], "bytes": cost["bytes accessed"], "compile_s": seconds,
-          "temp": mem.temp_size_in_bytes}
+          "temp": harness.memory(compiled)["temp"]}
 
 
 def smallest_vmem(run) -> int:

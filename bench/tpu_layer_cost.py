@@ -3,12 +3,11 @@
 (no optimizer, no sharding, no batch split). A quick probe for the traffic around the attention
 kernel: one layer compiles in a minute or two where the whole step takes ten.
 
-  JAX_PLATFORMS=cpu python bench/tpu_layer_cost.py --config=configs/enwik8_large.py --batch 4 \\
+  JAX_PLATFORMS=cpu python -m bench.tpu_layer_cost --config=configs/enwik8_large.py --batch 4 \\
       --set model.dtype=bfloat16 model.n_layers=1
 
 Needs: pip install "jax[tpu]==<jax version>". docs/kernels.md has what it measured.
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import json
 import os
@@ -16,15 +15,16 @@ import time
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
+import jax
+import jax.numpy as jnp
 
-from span_lm import config as config_lib  # pylint: disable=wrong-import-position
-from span_lm.kernels import target as target_lib  # pylint: disable=wrong-import-position
-from span_lm.model import caches as caches_lib  # pylint: disable=wrong-import-position
-from span_lm.model.config import ModelConfig  # pylint: disable=wrong-import-position
-from span_lm.model.transformer import SpanTransformer  # pylint: disable=wrong-import-position
-from span_lm.tools import chips  # pylint: disable=wrong-import-position
+from bench import harness
+from span_lm import config as config_lib
+from span_lm.kernels import target as target_lib
+from span_lm.model import caches as caches_lib
+from span_lm.model.config import ModelConfig
+from span_lm.model.transformer import SpanTransformer
+from span_lm.tools import chips
 
 TOPOLOGY = {"v5e": ("v5e:2x2", "TPU v5 lite"), "v5p": ("v5p:2x2x1", "TPU v5"),
             "v6e": ("v6e:2x2", "TPU v6 lite")}
@@ -70,9 +70,8 @@ def measure(cfg: ModelConfig, target: str, batch: int, block: int) -> dict:
         sds(params), tokens, tokens, sds(caches), key).compile()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  mem = compiled.memory_analysis()
   return {"flops": cost["flops"], "bytes": cost["bytes accessed"],
-          "temp": mem.temp_size_in_bytes, "compile_s": time.perf_counter() - start}
+          "temp": harness.memory(compiled)["temp"], "compile_s": time.perf_counter() - start}
 
 
 def main():

@@ -14,20 +14,19 @@ Each (case, devices) runs in its own process: `--devices N` splits the CPU host 
 (config.dist.cpu_devices) and shards the batch over them, as `python main.py` does by default.
 FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instructions XLA compiles).
 
-  python bench/train_step.py                                # short + fixed, 1 and 2 devices
-  python bench/train_step.py --cases short --devices 2 --reps 20
-  python bench/train_step.py --cases fixed --devices 1 --dtype bfloat16 --profile 20
+  python -m bench.train_step                                # short + fixed, 1 and 2 devices
+  python -m bench.train_step --cases short --devices 2 --reps 20
+  python -m bench.train_step --cases fixed --devices 1 --dtype bfloat16 --profile 20
       # and where the step's time goes, per XLA operation (bench/profile_step.py's summary)
-  python bench/train_step.py --config configs/enwik8.py --devices 1 --dtype bfloat16 --batch 8
+  python -m bench.train_step --config configs/enwik8.py --devices 1 --dtype bfloat16 --batch 8
       # a paper config's model, block and optimizer (GPU: MFU against the bf16 matmul peak)
   ... --attn_impl pallas     # the same with the fused kernel (span_lm/kernels/pallas_gpu.py)
-  python bench/train_step.py --dtype bfloat16 --devices 1 --reference_dir ~/src/adaptive-span \
+  python -m bench.train_step --dtype bfloat16 --devices 1 --reference_dir ~/src/adaptive-span \
       --reference_python ~/torch/bin/python --reps 20   # the reference timed in the same run
 
 The peak is a 4096^3 (CPU: 2048^3) jitted matmul on the default device in --dtype with float32
 accumulation, measured in the same run; "of peak" is the step's achieved FLOP rate over it (MFU).
 """
-import _repo  # first: the checkout's span_lm (bench/_repo.py)  # pylint: disable=unused-import
 import argparse
 import ast
 import json
@@ -36,6 +35,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from bench import harness
 
 # The issue's quoted reference times, for its CPU (AVX512-BF16, ~200 GFLOP/s float32); on other
 # machines time the reference itself (--reference_dir): on the AMX CPU of session 8 it took
@@ -50,16 +51,7 @@ def matmul_peak(dtype: str = "float32", reps: int = 20) -> float:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   n = 2048 if jax.default_backend() == "cpu" else 8192
-  a = jnp.ones((n, n), dtype)
-  f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-  f(a, a).block_until_ready()
-  best = float("inf")
-  for _ in range(3):
-    t = time.perf_counter()
-    for _ in range(reps):
-      f(a, a).block_until_ready()
-    best = min(best, (time.perf_counter() - t) / reps)
-  return 2 * n**3 / best / 1e9
+  return harness.matmul_gflops(jnp.ones((n, n), dtype), reps, block_each=True)
 
 
 def worker(spec: dict) -> dict:
@@ -73,7 +65,8 @@ def worker(spec: dict) -> dict:
   from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
-  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  from span_lm.model.config import ModelConfig, Span  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
@@ -86,13 +79,15 @@ def worker(spec: dict) -> dict:
     from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
     run = config_lib.load_config(a["config"])
     cfg = model_config.updated(ModelConfig.from_config(run.model, vocab_size=205),
-                               span_mode=mode, dtype=a["dtype"], attn_impl=a["attn_impl"])
+                               dtype=a["dtype"], **{"span.mode": mode,
+                                                    "attention.impl": a["attn_impl"]})
     optim = run.optim
     batch, block = a["batch"] or run.data.batch, run.data.block
   else:
-    cfg = ModelConfig.from_config(dict(vocab_size=205, d_model=a["d_model"], n_layers=a["layers"],
-                      n_heads=a["heads"], d_ff=a["d_ff"], span=a["span"], span_mode=mode,
-                      ramp=32, dtype=a["dtype"], attn_impl=a["attn_impl"]))
+    cfg = ModelConfig(vocab_size=205, d_model=a["d_model"], n_layers=a["layers"],
+                      n_heads=a["heads"], d_ff=a["d_ff"], dtype=a["dtype"],
+                      span=Span(size=a["span"], mode=mode, ramp=32),
+                      attention=kernels.Attention(impl=a["attn_impl"]))
     optim = base.get_base_config().optim
     optim.name, optim.lr, optim.grad_clip, optim.warmup = "adagrad", 0.07, 0.03, 200
     batch, block = a["batch"] or 16, a["block"]
@@ -134,17 +129,9 @@ def worker(spec: dict) -> dict:
   if a["hlo"]:
     with open(a["hlo"], "w") as f:
       f.write(step.as_text())
-  for _ in range(3):
-    state, metrics = step(state, dev)
-  jax.block_until_ready(state)
-  times = []
-  for _ in range(a["reps"]):
-    t = time.perf_counter()
-    state, metrics = step(state, dev)
-    jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - t)
+  state, metrics, times = harness.time_steps(step, state, dev, a["reps"], warmup=3)
   if a["profile"]:  # where the step's time goes, per XLA operation (to stderr: the parent prints it)
-    import profile_step  # pylint: disable=g-import-not-at-top
+    from bench import profile_step  # pylint: disable=g-import-not-at-top
 
     def one():
       nonlocal state
@@ -167,7 +154,7 @@ def worker(spec: dict) -> dict:
 
 def run_reference(args, case: str) -> dict:
   """bench/reference_step.py for one case in its own process; prints its row."""
-  cmd = [args.reference_python, os.path.join(REPO, "bench", "reference_step.py"),
+  cmd = [args.reference_python, "-m", "bench.reference_step",
          "--reference_dir", args.reference_dir, "--cases", case, "--reps", str(args.reps),
          "--short_span", str(args.short_span)]
   if not args.system_malloc:
@@ -193,10 +180,7 @@ def main():
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cases", nargs="+", default=["short", "fixed"], choices=sorted(REFERENCE_S))
   p.add_argument("--devices", type=int, nargs="+", default=[1, 2])
-  p.add_argument("--layers", type=int, default=4)
-  p.add_argument("--d_model", type=int, default=256)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--d_ff", type=int, default=1024)
+  harness.int_flags(p, layers=4, d_model=256, heads=4, d_ff=1024)
   p.add_argument("--span", type=int, default=1024)
   p.add_argument("--block", type=int, default=128)
   p.add_argument("--batch", type=int, default=0, help="0: 16, or the --config's data.batch")
@@ -204,10 +188,10 @@ def main():
   p.add_argument("--short_span", type=int, default=64, help="span + ramp of the short heads")
   p.add_argument("--dtype", default="float32")
   p.add_argument("--attn_impl", default="auto",
-                 choices=["auto", "reference", "cpu", "pallas", "pallas_interpret", "xla"],
+                 choices=list(kernels.ATTN_IMPLS) + list(kernels.ALIASES),
                  help="span_lm/kernels: auto picks by backend; pallas: the fused kernel (GPU)")
   p.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
-                 help="model config overrides, e.g. attn_chunk=128 (values as Python literals)")
+                 help="model config overrides, e.g. attention.chunk=128 (values as Python literals)")
   cpu_host.add_flag(p)
   p.add_argument("--reps", type=int, default=10)
   p.add_argument("--profile", type=int, default=0, metavar="TOP",
@@ -244,7 +228,7 @@ def main():
       reference_s = run_reference(args, case)["seconds"]
     for n in args.devices:
       spec = {"case": case, "devices": n, "args": vars(args)}
-      out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
+      out = subprocess.run([sys.executable, "-m", "bench.train_step", "--worker",
                             json.dumps(spec)], env=env, capture_output=True, text=True, cwd=REPO)
       if out.returncode:
         raise SystemExit(out.stdout[-2000:] + out.stderr[-4000:])
@@ -267,8 +251,8 @@ def main():
             f"{r['gflops_per_s'] / peak:.0%} | {vs} | "
             f"{r['compile_seconds']:.1f} |", flush=True)
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "peak_gflops_per_s": peak, "rows": rows}, f, indent=2)
+    harness.write_json(args.json, {"args": vars(args), "peak_gflops_per_s": peak, "rows": rows},
+                       indent=2)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,9 @@
 """bench/attention_span.py: issue 8's cost-follows-spans criteria computed from measured rows."""
-import os
-import sys
 
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-import attention_span  # noqa: E402  pylint: disable=g-import-not-at-top
+from bench import attention_span
 
 
 def _row(span, case, keys, seconds):

@@ -7,7 +7,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _reference_step(reference_dir):
-  return subprocess.run([sys.executable, os.path.join(REPO, "bench", "reference_step.py"),
+  return subprocess.run([sys.executable, "-m", "bench.reference_step",
                          "--reference_dir", str(reference_dir)], capture_output=True, text=True,
                         cwd=REPO, timeout=120)
 

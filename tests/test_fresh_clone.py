@@ -87,31 +87,34 @@ def _env_without_span_lm():
   return [sys.executable, "-S"], env
 
 
-def test_bench_script_runs_from_a_checkout_without_install(tmp_path):
-  """`python bench/X.py` from a checkout that was never `pip install -e .`d (issue 26 item 7)."""
+def test_bench_script_runs_from_a_checkout_without_install():
+  """`python -m bench.X` from the root of a checkout that was never `pip install -e .`d (issue 26
+  item 7): the root on sys.path is the one -m puts there, no shim of bench's own."""
   python, env = _env_without_span_lm()
-  probe = subprocess.run(python + ["-c", "import span_lm"], cwd=tmp_path, env=env,
+  probe = subprocess.run(python + ["-c", "import span_lm"], cwd="/", env=env,
                          capture_output=True, text=True, check=False)
   if probe.returncode == 0:
     pytest.skip("span_lm is installed in site-packages itself: nothing to hide it from")
-  proc = subprocess.run(python + [str(REPO / "bench" / "plan_changes.py"), "--help"], cwd=tmp_path,
-                        env=env, capture_output=True, text=True, timeout=300, check=False)
+  proc = subprocess.run(python + ["-m", "bench.plan_changes", "--help"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0 and "usage" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_every_bench_script_that_uses_span_lm_puts_the_checkout_first():
-  """Each bench script importing span_lm (function-local imports included) starts with
-  `import _repo` (bench/_repo.py), or puts the root on sys.path itself before its import."""
-  missing = []
+def test_bench_is_a_package_that_reaches_into_neither_sys_path_nor_tests():
+  """bench/ scripts import each other as `bench.X` and span_lm as installed or from the root
+  (issue 46): none edits sys.path (but to load the PyTorch reference's own files from its
+  checkout) or imports a module of tests/."""
+  assert (REPO / "bench" / "__init__.py").is_file()
+  test_modules = {p.stem for p in (REPO / "tests").rglob("*.py")} - {"__init__", "conftest"}
+  bad = []
   for path in sorted((REPO / "bench").glob("*.py")):
-    source = path.read_text()
-    tree = ast.parse(source, str(path))
-    uses = any((isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "span_lm")
-               or (isinstance(n, ast.Import) and any(a.name.split(".")[0] == "span_lm"
-                                                     for a in n.names))
-               for n in ast.walk(tree))
-    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
-    first = bool(top) and isinstance(top[0], ast.Import) and top[0].names[0].name == "_repo"
-    if uses and not first and "sys.path.insert" not in source:
-      missing.append(path.name)
-  assert not missing, f"bench scripts that need `import _repo` first: {missing}"
+    tree = ast.parse(path.read_text(), str(path))
+    for n in ast.walk(tree):
+      names = ([a.name for a in n.names] if isinstance(n, ast.Import) else
+               [n.module or ""] if isinstance(n, ast.ImportFrom) and not n.level else [])
+      bad += [f"{path.name} imports {m}" for m in names
+              if m.split(".")[0] in test_modules | {"_repo", "tests"}]
+      if (isinstance(n, ast.Call) and ast.unparse(n.func).startswith("sys.path.")
+          and "reference_dir" not in ast.unparse(n)):
+        bad.append(f"{path.name}: {ast.unparse(n)}")
+  assert not bad, bad

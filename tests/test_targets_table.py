@@ -1,11 +1,7 @@
 """bench/targets_table.py's search for the smallest setting that fits: what it skips, on the numbers
 real out-of-memory compiles gave (docs/targets.json's V100 rows; XLA:TPU's out-of-memory line)."""
-import os
-import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
-import targets_table  # pylint: disable=g-import-not-at-top,wrong-import-position
+from bench import targets_table
 
 GiB = 2**30
 

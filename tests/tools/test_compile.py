@@ -245,7 +245,7 @@ def test_compile_mode_for_an_h100(tmp_path):
 def test_fused_kernel_fits_shared_memory_for_every_head_size_and_dtype(target):
   """The tiles the door picks (pallas_gpu.TILES) compile within the target's shared memory; with
   the single 64/4/2 tile of before, head size 128 (the large models' 96) and float32 did not."""
-  r = subprocess.run([sys.executable, "bench/kernel_sweep.py", "--targets", target, "--dtypes",
+  r = subprocess.run([sys.executable, "-m", "bench.kernel_sweep", "--targets", target, "--dtypes",
                       "bfloat16", "float32", "--head_dims", "64", "128", "--tiles", "0"],
                      cwd=REPO, capture_output=True, text=True, timeout=1200, check=False)
   assert r.returncode == 0, r.stderr[-2000:]
