@@ -93,7 +93,7 @@ def run_case(case: dict) -> dict:
   fn = jax.jit(lambda st, b: steps_lib.train_step(st, b, cfg=cfg, plan=plan, tx=tx),
                donate_argnums=0)
   compiled, compile_s = harness.compile_timed(fn, state, batch)
-  state, _, times = harness.time_steps(compiled, state, batch, case["reps"], warmup=1)
+  state, m, times = harness.time_steps(compiled, state, batch, case["reps"], warmup=1)
   mem = harness.memory(compiled)
   stats = jax.devices()[0].memory_stats() or {}
   step_flops = flops.train_step_flops(cfg, plan, case["batch"], case["block"])

@@ -176,6 +176,7 @@ def run_reference(args, case: str) -> dict:
 
 def main():
   from span_lm.train import cpu_host  # pylint: disable=g-import-not-at-top
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--cases", nargs="+", default=["short", "fixed"], choices=sorted(REFERENCE_S))
