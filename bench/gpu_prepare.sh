@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds .gpu_carry/ (git-ignored) beside the checkout: what bench/gpu_suite.py needs on a GPU
+# Builds .gpu_carry/ (git-ignored) beside the checkout: what bench/gpu_run.py needs on a GPU
 # machine that has no network and whose image lacks it (bench/README.md):
 #   .gpu_carry/wheels/         pure-Python wheels of span_lm's dependencies the image lacks
 #   .gpu_carry/adaptive-span/  an export of facebookresearch/adaptive-span (the reference step;
@@ -88,4 +88,4 @@ PYTHONPATH="$CHECK" "$PY" -c "import ml_collections, tensorboardX" 2>/dev/null \
 rm -rf "$CHECK"
 echo "$OUT: $BYTES bytes; $(ls "$OUT/wheels" | wc -l) wheels; reference $(ls "$OUT/adaptive-span" | wc -l) entries"
 echo "GPU command (bench/README.md): carry [\".gpu_carry\"], then"
-echo "  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_carry/wheels/*.whl && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 python3 bench/gpu_suite.py --out \$OUT"
+echo "  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu_carry/wheels/*.whl && export PYTHONPATH=/tmp/site && PYTHONUNBUFFERED=1 python3 -m bench.gpu_run --out \$OUT"

@@ -26,7 +26,7 @@ import pytest
 
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
-from span_lm.model.config import ModelConfig
+from span_lm.model.config import ModelConfig, Span
 from span_lm.tools import reference_checkpoint as rc
 from span_lm.train import optimizer as optimizer_lib
 from span_lm.train import planner as planner_lib
@@ -47,12 +47,12 @@ def fixture():
 
 def model_cfg(case: str, vocab: int) -> ModelConfig:
   s = json.loads(str(fixture()["shapes"]))
-  return ModelConfig.from_config(dict(vocab_size=vocab, d_model=s["d_model"], n_layers=s["layers"],
-                     n_heads=s["heads"], d_ff=s["d_ff"], span=s["span"],
-                     span_mode="fixed" if case == "fixed" else "adaptive", ramp=s["ramp"],
-                     span_init=0.0, span_loss=s["span_loss"], span_cache=True,
+  span = Span(size=s["span"], mode="fixed" if case == "fixed" else "adaptive", ramp=s["ramp"],
+              init=0.0, loss=s["span_loss"], cache=True)
+  return ModelConfig(vocab_size=vocab, d_model=s["d_model"], n_layers=s["layers"],
+                     n_heads=s["heads"], d_ff=s["d_ff"], span=span,
                      pers_mem=s["pers_mem"] if case == "pers" else 0, dropout=0.0,
-                     emb_dropout=0.0))
+                     emb_dropout=0.0)
 
 
 def imported_params(case: str, cfg: ModelConfig):
