@@ -7,8 +7,9 @@ distance mask, no skew, no trimming, no head groups. Every array is float64.
 
 It is the project's one plain definition of attention: `attention(..., xp=jax.numpy)` runs the
 same lines under jax (float32, matmuls at HIGHEST precision, differentiable), which is how
-bench/gpu_suite.py and bench/gpu_kernel_check.py compare every implementation's output and
-gradients on a GPU. tests/test_gpu_suite.py checks that the two runs agree.
+bench/gpu_layer_check.py and bench/gpu_kernel_check.py compare every implementation's output and
+gradients on a GPU. tests/test_gpu_suite.py checks that the two runs agree. It lives in the
+package (not tests/) because bench uses it too; tests/reference_numpy.py is its old name.
 
 Parameters use the same nested-dict tree as the Flax model (kernels are (in, out)):
 
