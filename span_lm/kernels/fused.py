@@ -4,8 +4,28 @@ FlashAttention-2's names, the checks at their entry, and running them per device
 One tile is a block of query rows against a block of keys. S is its scaled logits, m the running
 row maximum, P = exp(S - m) and l the running row sum of P. The soft span mask
 (kernels/span_mask.py) adds a second running sum, of P times the mask: the renormalised weights
-are P m / (sum P m + eps sum P) (`span_mask.online_denominator`). The backward pass recomputes P
+are P mask / (sum P mask + eps sum P) (`span_mask.online_denominator`). The backward pass recomputes P
 from the saved m and normaliser, with dP = dO V^T and delta = rowsum(dO * O).
+
+The kernels' vocabulary (pallas_gpu and pallas_tpu both use it; one meaning per name):
+
+  q, k, v; do (do_ref)   queries, keys, values; the output gradient dO
+  logits                 S: a tile's scores (q k^T plus its position scores) times 1 / sqrt(Dh)
+  s_pos (s_pos_ref)      position scores q . pe in key coordinates (G in the docs); ds_pos: dG;
+                         s_pos_band, ds_pos_band: a TPU tile's, in band coordinates (unskewed)
+  m (m_ref), m_new       the running row maximum (saved for the backward pass as the row maximum)
+  l, l_all, l_mask       the running row sums of P (l_mask: of P times the span mask)
+  den                    the saved normaliser (span_mask.online_denominator)
+  p, wts                 P = exp(S - m) (over den in the backward pass); the weights as they
+                         multiply the values (P times the span mask)
+  dp, dp_c, delta        dP = dO v^T; dP - delta; delta = rowsum(dO * O)
+  ds_unscaled, ds        dS before and after the logits' scale
+  z, za; dz, dza         spans per row (za: ahead, where learned apart), their gradients; nothing
+                         else is z
+  w, a                   the window behind (W) and ahead (A)
+  n_rows, n_key_rows     M, the queries of a call (the data block); T = W + M + A key rows
+  bq, bk                 the query and key tiles (span_attention's block and block_k)
+  i0, t0                 a tile's first query row and first key
 
 Row statistics broadcast against a tile as columns: (rows, 1), the TPU kernel's layout
 (`keepdims=True`); the GPU kernel carries them as (rows,) vectors (`keepdims=False`).
@@ -50,14 +70,14 @@ def weights_grad(p, dp, delta, z=None, dist=None, *, renormalised: bool, eps: fl
   The operations run in this order on purpose: ptxas allocates registers along it, and computing
   dz first spilled in the A100 kernel's bwd_q (tests/kernels/test_pallas_gpu.py's PTX test)."""
   delta = _col(delta, keepdims)
-  g = dp - delta
+  dp_c = dp - delta
   if z is None:
-    return (p * g - eps * p * delta if renormalised else p * g), p, None
+    return (p * dp_c - eps * p * delta if renormalised else p * dp_c), p, None
   u = span_mask.ramp(_col(z, keepdims), dist, ramp)
-  a = p * span_mask.clamp01(u)
-  ds = a * g - eps * p * delta
-  dz = jnp.sum(p * g * span_mask.clamp01_slope(u), axis=1, keepdims=keepdims) / ramp
-  return ds, a, dz
+  wts = p * span_mask.clamp01(u)
+  ds = wts * dp_c - eps * p * delta
+  dz = jnp.sum(p * dp_c * span_mask.clamp01_slope(u), axis=1, keepdims=keepdims) / ramp
+  return ds, wts, dz
 
 
 def check_inputs(pers_k, pers_v, dropout_rate: float, dropout_seed, precision: str):
@@ -88,14 +108,14 @@ def per_device(kernel, args, batched, seed_at: int):
   batched: per argument, whether it has the batch as its leading axis (else it is replicated);
   seed_at: the index of the (1,) uint32 seed in args. None arguments stay None."""
   mesh = jax.sharding.get_abstract_mesh()
-  axes = () if mesh.empty else tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
-  if math.prod(mesh.shape[a] for a in axes) == 1:
+  axes = () if mesh.empty else tuple(ax for ax in mesh.axis_names if ax not in mesh.manual_axes)
+  if math.prod(mesh.shape[ax] for ax in axes) == 1:
     return kernel(*args)
 
-  def local(*a):
-    a = list(a)
-    a[seed_at] = hashed_dropout.shard_seed(a[seed_at], axes)
-    return kernel(*a)
+  def local(*xs):
+    xs = list(xs)
+    xs[seed_at] = hashed_dropout.shard_seed(xs[seed_at], axes)
+    return kernel(*xs)
 
   rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
   in_specs = tuple(None if x is None else rows if b else rep for x, b in zip(args, batched))

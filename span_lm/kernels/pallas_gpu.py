@@ -32,11 +32,11 @@ Segment ids (padding, packing; `segmented`): a query attends only keys of its ow
 segment, a query of segment 0 gives zeros (persistent memory included). The ids mask entry by
 entry through G: outside the kernels, a cell of G whose key is of another segment (or padding)
 gets the position score MASKED (-1e30), so its logit is far below any real one and its weight
-exp(l - max) is exactly 0 once the row has seen a key of its own; the kernels' tiles do no
+exp(S - m) is exactly 0 once the row has seen a key of its own; the kernels' tiles do no
 per-entry segment work (in registers the causal kernel's tile). Rows that see no key of their
 own segment (and no persistent vector) end with a row maximum below EMPTY: the forward pass
 writes 0 for them and for queries of segment 0, with a normaliser of 1 and a row maximum no logit
-reaches (-NEG), so the backward pass's weights exp(l - max) / den of their rows are 0 on every key,
+reaches (-NEG), so the backward pass's weights exp(S - m) / den of their rows are 0 on every key,
 persistent ones included: their output and every gradient are exactly 0, never NaN.
 Skipping: outside the kernels each query tile and each key tile gets the [min, max] of its non-zero
 ids; a query tile visits only the key tiles from the first to the last whose range meets its own
@@ -53,8 +53,8 @@ in G's layout: no atomics; the persistent vectors' gradients by atomic adds) and
 Head sizes that are not a power of two (the large paper models' 96) run zero-padded to the next
 one (`padded_head_dim`); the padded columns add nothing to any score and are sliced off.
 
-Normaliser: sum over the visited distances of e^l (m + eps), where the plain path sums eps e^l over
-all distances; the two agree to ~eps relative (1e-8).
+Normaliser: sum over the visited distances of e^S (mask + eps), where the plain path sums
+eps e^S over all distances; the two agree to ~eps relative (1e-8).
 
 Dropout on the attention weights draws its keep mask from a hash of (seed, head, row, key)
 (kernels/hashed_dropout.py, shared with the TPU kernel), so the backward pass regenerates it
@@ -65,9 +65,12 @@ term. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
 What the causal unsegmented kernel traces is unchanged by the two-sided and segment code: every
 addition is behind a static flag (A > 0, spans ahead learned apart, segments), so that kernel has
 no extra inputs, loads or branches.
+
+Names as in kernels/fused.py's vocabulary table (shared with pallas_tpu).
 """
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 from jax import lax
@@ -123,10 +126,10 @@ def _band_pe(pe_DxW, pe_ahead_DxA, dtype):
 def position_scores(q_BxHxMxD, pe_Dx1W, precision: str = "default"):
   """G = q @ pe in the rel-shift layout, flat (B, H, M (W + 1)) in the queries' dtype (f32
   accumulation): element i W + t is query i's position score for key t (module docstring)."""
-  b, h, m, _ = q_BxHxMxD.shape
-  g = jnp.einsum("bhmd,dw->bhmw", q_BxHxMxD, pe_Dx1W, preferred_element_type=jnp.float32,
+  b, h, n_rows, _ = q_BxHxMxD.shape
+  s_pos = jnp.einsum("bhmd,dw->bhmw", q_BxHxMxD, pe_Dx1W, preferred_element_type=jnp.float32,
                  precision=_xla_precision(precision, q_BxHxMxD.dtype))
-  return g.astype(q_BxHxMxD.dtype).reshape(b, h, m * pe_Dx1W.shape[-1])
+  return s_pos.astype(q_BxHxMxD.dtype).reshape(b, h, n_rows * pe_Dx1W.shape[-1])
 
 
 def _view(i0, t0, *, w, bq, bk):
@@ -202,21 +205,21 @@ def _key_blocks(win, i0, *, w, bq, bk):
   return lo, hi
 
 
-def _load_pos(g_ref, i0, t0, *, w, bq, bk):
+def _load_pos(s_pos_ref, i0, t0, *, w, bq, bk):
   """A tile's position scores, read from G's rel-shift view (w: its row stride)."""
-  return g_ref[_view(i0, t0, w=w, bq=bq, bk=bk)]
+  return s_pos_ref[_view(i0, t0, w=w, bq=bq, bk=bk)]
 
 
-def _tile(q, k, pos, t0, i0, rows, *, w, bq, bk, scale, exact):
-  """Scaled logits of one tile (pos: its position scores), its signed distances and which entries
+def _tile(q, k, s_pos, t0, i0, rows, *, w, bq, bk, scale, exact):
+  """Scaled logits of one tile (s_pos: its position scores), its signed distances and which entries
   are visited (rows: a `_Rows`)."""
   cont = _dot(q, k, trans_b=True, exact=exact)  # bq x bk
-  pos = pos.astype(jnp.float32)
+  s_pos = s_pos.astype(jnp.float32)
   r = jnp.arange(bq)[:, None]
   c = jnp.arange(bk)[None, :]
   dist = (w + i0 - t0) + r - c
   visited = rows.visited(dist)
-  logits = jnp.where(visited, (cont + pos) * scale, NEG)
+  logits = jnp.where(visited, (cont + s_pos) * scale, NEG)
   return logits, dist, visited
 
 
@@ -245,17 +248,17 @@ def _weights_grad_two_sided(p, dp, delta, z, za, dist, *, renormalised, eps, ram
   """fused.weights_grad for a two-sided tile: (dS before the scale, the weights A, the span
   gradient per row behind (both sides when za is None) and ahead (None when za is None))."""
   delta = delta[:, None]
-  g = dp - delta
+  dp_c = dp - delta
   if z is None:
-    return (p * g - eps * p * delta if renormalised else p * g), p, None, None
+    return (p * dp_c - eps * p * delta if renormalised else p * dp_c), p, None, None
   u = _two_sided_ramp(z, za, dist, ramp)
-  a = p * span_mask.clamp01(u)
-  ds = a * g - eps * p * delta
-  gs = p * g * span_mask.clamp01_slope(u)
+  wts = p * span_mask.clamp01(u)
+  ds = wts * dp_c - eps * p * delta
+  gs = p * dp_c * span_mask.clamp01_slope(u)
   if za is None:
-    return ds, a, jnp.sum(gs, axis=1) / ramp, None
+    return ds, wts, jnp.sum(gs, axis=1) / ramp, None
   behind = dist >= 1
-  return (ds, a, jnp.sum(jnp.where(behind, gs, 0.0), axis=1) / ramp,
+  return (ds, wts, jnp.sum(jnp.where(behind, gs, 0.0), axis=1) / ramp,
           jnp.sum(jnp.where(behind, 0.0, gs), axis=1) / ramp)
 
 
@@ -272,10 +275,10 @@ def _unpack(refs, n_first, asym, n_seg, n_last):
 
 def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps, rate, n_heads,
                 scale, n_rows, n_pers, exact):
-  (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref), za_ref, seg, outs = _unpack(
+  (q_ref, k_ref, v_ref, s_pos_ref, z_ref, seed_ref, pk_ref, pv_ref), za_ref, seg, outs = _unpack(
       refs, 8, asym, 2 if segmented else 0, 3)
   qseg_ref, range_ref = seg if segmented else (None, None)
-  o_ref, mx_ref, den_ref = outs
+  o_ref, m_ref, den_ref = outs
   n_keys = w + n_rows + a + n_pers  # the dropout hash's keys: the T rows, then persistent ones
   i0 = pl.program_id(2) * bq
   bh = pl.program_id(0) * n_heads + pl.program_id(1)  # for the dropout hash
@@ -288,81 +291,82 @@ def _fwd_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps,
   lo, hi = rows.key_blocks(i0, bq=bq, bk=bk)
   if segmented:  # the key tiles whose segments meet the block's
     lo, hi = jnp.maximum(lo, range_ref[0]), jnp.minimum(hi, range_ref[1])
-  view = functools.partial(_load_pos, g_ref, i0, w=band, bq=bq, bk=bk)
+  view = functools.partial(_load_pos, s_pos_ref, i0, w=band, bq=bq, bk=bk)
 
   def body(kb, carry):
-    acc, mx, z_all, z_mask, pos = carry
+    acc, m, l_all, l_mask, s_pos = carry
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
     v = v_ref[pl.ds(t0, bk), :]
     nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
-    logits, dist, visited = _tile(q, k, pos, t0, i0, rows, w=w, bq=bq, bk=bk, scale=scale,
+    logits, dist, visited = _tile(q, k, s_pos, t0, i0, rows, w=w, bq=bq, bk=bk, scale=scale,
                                   exact=exact)
-    mx_new, corr, p = fused.online_softmax(mx, logits, visited, keepdims=False)
+    m_new, corr, p = fused.online_softmax(m, logits, visited, keepdims=False)
     pm = p * _mask_value(z, dist, ramp, two_sided=bool(a), za=za) if has_mask else p
     kept = pm
     if rate:
       kept = pm * _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows,
                                 n_keys=n_keys, rate=rate)
     acc = acc * corr[:, None] + _dot(kept.astype(v.dtype), v, exact=exact)
-    return (acc, mx_new, z_all * corr + jnp.sum(p, axis=1), z_mask * corr + jnp.sum(pm, axis=1),
+    return (acc, m_new, l_all * corr + jnp.sum(p, axis=1), l_mask * corr + jnp.sum(pm, axis=1),
             nxt)
 
   def pers_body(c, carry):  # persistent keys: no position term, mask 1, in the same softmax
-    acc, mx, z_all, z_mask = carry
+    acc, m, l_all, l_mask = carry
     n0 = c * bk
     logits = _dot(q, pk_ref[:, pl.ds(n0, bk)], exact=exact) * scale
-    mx_new, corr, p = fused.online_softmax(mx, logits, keepdims=False)
+    m_new, corr, p = fused.online_softmax(m, logits, keepdims=False)
     kept = p
     if rate:  # persistent key n is key T + n of the dropout hash
       kept = p * _tile_dropout(seed, bh, w + n_rows + a + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
                                n_keys=n_keys, rate=rate)
     pv = pv_ref[pl.ds(n0, bk), :]
     acc = acc * corr[:, None] + _dot(kept.astype(pv.dtype), pv, exact=exact)
-    s_p = jnp.sum(p, axis=1)
-    return acc, mx_new, z_all * corr + s_p, z_mask * corr + s_p
+    l_tile = jnp.sum(p, axis=1)
+    return acc, m_new, l_all * corr + l_tile, l_mask * corr + l_tile
 
   init = (jnp.zeros((bq, dh), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
           jnp.zeros((bq,), jnp.float32), jnp.zeros((bq,), jnp.float32))
   carry = lax.fori_loop(lo, hi, body, (*init, view(lo * bk)))[:4]
-  acc, mx, z_all, z_mask = lax.fori_loop(0, n_pers // bk, pers_body, carry)
-  den = span_mask.online_denominator(z_mask, z_all, eps) if has_mask else z_all
+  acc, m, l_all, l_mask = lax.fori_loop(0, n_pers // bk, pers_body, carry)
+  den = span_mask.online_denominator(l_mask, l_all, eps) if has_mask else l_all
   if segmented:
     # A query of segment 0, or one that saw no key of its segment (nor a persistent vector),
     # gives 0, with a normaliser of 1 and a maximum no logit reaches: the backward pass's
-    # exp(l - mx) / den is 0 on every key of its row, persistent ones included.
-    live = (qseg_ref[...] != 0) & ~(mx < EMPTY)  # (a NaN row stays NaN)
+    # exp(S - m) / den is 0 on every key of its row, persistent ones included.
+    live = (qseg_ref[...] != 0) & ~(m < EMPTY)  # (a NaN row stays NaN)
     den = jnp.where(live, den, 1.0)
     acc = jnp.where(live[:, None], acc, 0.0)
-    mx = jnp.where(live, mx, -NEG)
+    m = jnp.where(live, m, -NEG)
   o_ref[...] = (acc / den[:, None]).astype(o_ref.dtype)
-  mx_ref[...] = mx
+  m_ref[...] = m
   den_ref[...] = den
 
 
-def _tile_grads(q, do, k, v, pos, t0, i0, rows, z, mx, den, delta, seed, bh, *,
+def _tile_grads(q, do, k, v, s_pos, t0, i0, rows, z, m, den, delta, seed, bh, *,
                 w, a, ramp, has_mask, bq, bk, eps, rate, n_rows, n_keys, scale, exact, za=None):
   """Recomputes one tile and returns (ds: d (q.k + q.pe), the weights as applied to the
   values, the tile's span gradient per row (behind, and ahead when learned apart, else None),
   which entries are visited)."""
-  logits, dist, visited = _tile(q, k, pos, t0, i0, rows, w=w, bq=bq, bk=bk, scale=scale,
+  logits, dist, visited = _tile(q, k, s_pos, t0, i0, rows, w=w, bq=bq, bk=bk, scale=scale,
                                 exact=exact)
-  p = jnp.where(visited, jnp.exp(logits - mx[:, None]), 0.0) / den[:, None]
-  gv = _dot(do, v, trans_b=True, exact=exact)
+  p = jnp.where(visited, jnp.exp(logits - m[:, None]), 0.0) / den[:, None]
+  dp = _dot(do, v, trans_b=True, exact=exact)
   keep = None
   if rate:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (do . v_j)
     keep = _tile_dropout(seed, bh, t0, i0, bq=bq, bk=bk, n_rows=n_rows, n_keys=n_keys,
                          rate=rate)
-    gv = gv * keep
+    dp = dp * keep
   dza = None
   if a:
-    dl, wts, dz, dza = _weights_grad_two_sided(p, gv, delta, z if has_mask else None, za, dist,
-                                               renormalised=has_mask, eps=eps, ramp=ramp)
+    ds_unscaled, wts, dz, dza = _weights_grad_two_sided(
+        p, dp, delta, z if has_mask else None, za, dist, renormalised=has_mask, eps=eps,
+        ramp=ramp)
   else:
-    dl, wts, dz = fused.weights_grad(p, gv, delta, z, dist, renormalised=has_mask, eps=eps,
-                                     ramp=ramp, keepdims=False)
+    ds_unscaled, wts, dz = fused.weights_grad(p, dp, delta, z, dist, renormalised=has_mask,
+                                              eps=eps, ramp=ramp, keepdims=False)
   kept = wts if keep is None else wts * keep
-  return dl * scale, kept, dz, dza, visited
+  return ds_unscaled * scale, kept, dz, dza, visited
 
 
 def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps, rate,
@@ -371,9 +375,9 @@ def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, ep
   gradient of its rows (stored once per visited cell; the buffer comes in zeroed), and
   (atomically) the persistent keys' and values' gradients."""
   ins, za_ref, seg, outs = _unpack(refs, 15, asym, 1 if segmented else 0, 6 if asym else 5)
-  (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, pk_ref, pv_ref, do_ref, mx_ref, den_ref,
-   delta_ref, _, _, _) = ins  # zeros, aliased to dg_ref, dpk_ref, dpv_ref: never read
-  dq_ref, dz_ref, dg_ref, dpk_ref, dpv_ref = outs[:5]
+  (q_ref, k_ref, v_ref, s_pos_ref, z_ref, seed_ref, pk_ref, pv_ref, do_ref, m_ref, den_ref,
+   delta_ref, _, _, _) = ins  # zeros, aliased to ds_pos_ref, dpk_ref, dpv_ref: never read
+  dq_ref, dz_ref, ds_pos_ref, dpk_ref, dpv_ref = outs[:5]
   dza_ref = outs[5] if asym else None
   n_keys = w + n_rows + a + n_pers
   i0 = pl.program_id(2) * bq
@@ -385,26 +389,26 @@ def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, ep
   z = z_ref[...].astype(jnp.float32) if has_mask else None
   za = za_ref[...].astype(jnp.float32) if asym else None
   rows = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
-  mx, den, delta = mx_ref[...], den_ref[...], delta_ref[...]
+  m, den, delta = m_ref[...], den_ref[...], delta_ref[...]
   lo, hi = rows.key_blocks(i0, bq=bq, bk=bk)
   if segmented:  # the key tiles whose segments meet the block's
     lo, hi = jnp.maximum(lo, seg[0][0]), jnp.minimum(hi, seg[0][1])
-  view = functools.partial(_load_pos, g_ref, i0, w=band, bq=bq, bk=bk)
+  view = functools.partial(_load_pos, s_pos_ref, i0, w=band, bq=bq, bk=bk)
 
   def body(kb, carry):
-    dq, dz, dza, pos = carry
+    dq, dz, dza, s_pos = carry
     t0 = kb * bk
     k = k_ref[pl.ds(t0, bk), :]
     nxt = view(jnp.minimum(kb + 1, hi - 1) * bk)  # the next tile's, issued a tile ahead
     ds, _, dz_tile, dza_tile, visited = _tile_grads(
-        q, do, k, v_ref[pl.ds(t0, bk), :], pos, t0, i0, rows, z, mx, den, delta, seed, bh,
+        q, do, k, v_ref[pl.ds(t0, bk), :], s_pos, t0, i0, rows, z, m, den, delta, seed, bh,
         w=w, a=a, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
         n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, za=za)
     if dz_tile is not None:
       dz = dz + dz_tile
     if dza_tile is not None:
       dza = dza + dza_tile
-    plt.store(dg_ref.at[_view(i0, t0, w=band, bq=bq, bk=bk)], ds.astype(dg_ref.dtype),
+    plt.store(ds_pos_ref.at[_view(i0, t0, w=band, bq=bq, bk=bk)], ds.astype(ds_pos_ref.dtype),
               mask=visited)
     return dq + _dot(ds.astype(k.dtype), k, exact=exact), dz, dza, nxt
 
@@ -412,17 +416,17 @@ def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, ep
     n0 = c * bk
     pk = pk_ref[:, pl.ds(n0, bk)]
     pv = pv_ref[pl.ds(n0, bk), :]
-    # (a query of segment 0 has mx = -NEG, from the forward pass: p = 0)
-    p = jnp.exp(_dot(q, pk, exact=exact) * scale - mx[:, None]) / den[:, None]
-    gv = _dot(do, pv, trans_b=True, exact=exact)
+    # (a query of segment 0 has m = -NEG, from the forward pass: p = 0)
+    p = jnp.exp(_dot(q, pk, exact=exact) * scale - m[:, None]) / den[:, None]
+    dp = _dot(do, pv, trans_b=True, exact=exact)
     kept = p
     if rate:
       keep = _tile_dropout(seed, bh, w + n_rows + a + n0, i0, bq=bq, bk=bk, n_rows=n_rows,
                            n_keys=n_keys, rate=rate)
-      gv, kept = gv * keep, p * keep
-    dl, _, _ = fused.weights_grad(p, gv, delta, renormalised=has_mask, eps=eps, ramp=ramp,
+      dp, kept = dp * keep, p * keep
+    ds_unscaled, _, _ = fused.weights_grad(p, dp, delta, renormalised=has_mask, eps=eps, ramp=ramp,
                                   keepdims=False)
-    ds = dl * scale
+    ds = ds_unscaled * scale
     plt.atomic_add(dpk_ref, (slice(None), pl.ds(n0, bk)),
                    _dot(q, ds.astype(q.dtype), trans_a=True, exact=exact))
     plt.atomic_add(dpv_ref, (pl.ds(n0, bk), slice(None)),
@@ -444,7 +448,7 @@ def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, e
   """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
   key and value gradients are deterministic)."""
   ins, za_ref, seg, outs = _unpack(refs, 11, asym, 1 if segmented else 0, 2)
-  (q_ref, k_ref, v_ref, g_ref, z_ref, seed_ref, do_ref, mx_ref, den_ref, delta_ref,
+  (q_ref, k_ref, v_ref, s_pos_ref, z_ref, seed_ref, do_ref, m_ref, den_ref, delta_ref,
    wmax_ref) = ins
   dk_ref, dv_ref = outs
   n_keys = w + n_rows + a + n_pers
@@ -474,9 +478,9 @@ def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, e
     z = z_ref[rows].astype(jnp.float32) if has_mask else None
     za = za_ref[rows].astype(jnp.float32) if asym else None
     seen = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
-    pos = _load_pos(g_ref, i0, t0, w=band, bq=bq, bk=bk)  # pipelined by Triton: a cp.async
+    s_pos = _load_pos(s_pos_ref, i0, t0, w=band, bq=bq, bk=bk)  # pipelined by Triton: a cp.async
     ds, kept, _, _, _ = _tile_grads(
-        q, do, k, v, pos, t0, i0, seen, z, mx_ref[rows], den_ref[rows], delta_ref[rows],
+        q, do, k, v, s_pos, t0, i0, seen, z, m_ref[rows], den_ref[rows], delta_ref[rows],
         seed, bh, w=w, a=a, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
         n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, za=za)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, exact=exact)
@@ -489,13 +493,13 @@ def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, e
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _specs(m, t, dh, w, bq):
+def _specs(n_rows, n_key_rows, dh, w, bq):
   """BlockSpecs over the grid (batch, head, query block): a block of rows, every key, a block's
   row statistics, G's flat view (whole; w: the band's width), the seed."""
   row = pl.BlockSpec((None, None, bq, dh), lambda i, hh, qi: (i, hh, qi, 0))
-  keys = pl.BlockSpec((None, None, t, dh), lambda i, hh, qi: (i, hh, 0, 0))
+  keys = pl.BlockSpec((None, None, n_key_rows, dh), lambda i, hh, qi: (i, hh, 0, 0))
   stat = pl.BlockSpec((None, None, bq), lambda i, hh, qi: (i, hh, qi))
-  view = pl.BlockSpec((None, None, m * (w + 1)), lambda i, hh, qi: (i, hh, 0))
+  view = pl.BlockSpec((None, None, n_rows * (w + 1)), lambda i, hh, qi: (i, hh, 0))
   seed = pl.BlockSpec((1,), lambda i, hh, qi: (0,))
   return row, keys, stat, view, seed
 
@@ -510,16 +514,17 @@ def masked_position_scores(q_BxHxMxD, pe_Dx1W, q_seg_BxM, kv_seg_BxT,
   rows (T = M + the band's width). Without segment ids: position_scores."""
   if q_seg_BxM is None:
     return position_scores(q_BxHxMxD, pe_Dx1W, precision)
-  b, h, m, _ = q_BxHxMxD.shape
+  b, h, n_rows, _ = q_BxHxMxD.shape
   n = pe_Dx1W.shape[-1]  # the band's width + its zero column
-  g = jnp.einsum("bhmd,dw->bhmw", q_BxHxMxD, pe_Dx1W, preferred_element_type=jnp.float32,
+  s_pos = jnp.einsum("bhmd,dw->bhmw", q_BxHxMxD, pe_Dx1W, preferred_element_type=jnp.float32,
                  precision=_xla_precision(precision, q_BxHxMxD.dtype))
-  rows = lax.broadcasted_iota(jnp.int32, (m, n), 0) + lax.broadcasted_iota(jnp.int32, (m, n), 1)
+  rows = (lax.broadcasted_iota(jnp.int32, (n_rows, n), 0)
+          + lax.broadcasted_iota(jnp.int32, (n_rows, n), 1))
   kv_band = jnp.take(kv_seg_BxT, rows, axis=1, mode="clip")  # B M n (the last column: padding)
   same = (kv_band == q_seg_BxM[:, :, None]) & (kv_band != 0)
-  g = jnp.where(same[:, None], g.astype(q_BxHxMxD.dtype),
+  s_pos = jnp.where(same[:, None], s_pos.astype(q_BxHxMxD.dtype),
                 jnp.asarray(MASKED, q_BxHxMxD.dtype))
-  return g.reshape(b, h, m * n)
+  return s_pos.reshape(b, h, n_rows * n)
 
 
 def segment_tile_ranges(q_seg_BxM, kv_seg_BxT, bq: int, bk: int):
@@ -527,8 +532,8 @@ def segment_tile_ranges(q_seg_BxM, kv_seg_BxT, bq: int, bk: int):
   (B, T / bk, 2), [first, last + 1) of the tiles whose range of non-zero segment ids meets the
   tile's own ([0, 0) when none does). Tiles outside the range hold no pair of equal non-zero ids,
   so the kernels skip them; tiles inside it are masked entry by entry."""
-  b, m = q_seg_BxM.shape
-  t = kv_seg_BxT.shape[1]
+  b, n_rows = q_seg_BxM.shape
+  n_key_rows = kv_seg_BxT.shape[1]
   top, bottom = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
 
   def bounds(ids, tile):
@@ -552,13 +557,13 @@ def segment_tile_ranges(q_seg_BxM, kv_seg_BxT, bq: int, bk: int):
 
 
 def _check(q, k, pe, block, block_k, a_rows=0):
-  b, h, m, dh = q.shape
+  b, h, n_rows, dh = q.shape
   w = pe.shape[-1]
-  if k.shape != (b, h, w + m + a_rows, dh):
+  if k.shape != (b, h, w + n_rows + a_rows, dh):
     raise ValueError(f"fused attention: keys {k.shape} for queries {q.shape}, window {w} and "
                      f"{a_rows} rows ahead")
-  if m % block or w % block or m % block_k or w % block_k:
-    raise ValueError(f"fused attention: block {m} and window {w} must be multiples of the "
+  if n_rows % block or w % block or n_rows % block_k or w % block_k:
+    raise ValueError(f"fused attention: block {n_rows} and window {w} must be multiples of the "
                      f"tiles {block} and {block_k}")
   if dh < 16 or dh & (dh - 1):
     raise ValueError(f"fused attention: padded head size {dh} must be a power of two >= 16")
@@ -577,6 +582,21 @@ def _pers_inputs(pk, pv, h, dh, block, dtype):
   return pk, pv, n, specs
 
 
+class _Static(NamedTuple):
+  """A call's static facts: one hashable argument of the custom_vjp (its nondiff argument)."""
+  ramp: int
+  eps: float
+  bq: int  # the query tile (span_attention's block)
+  bk: int  # the key tile (block_k)
+  interpret: bool
+  num_warps: int
+  num_stages: int
+  rate: float  # attention dropout
+  scale: float
+  precision: str
+  a: int  # the window ahead A (0: causal)
+
+
 def _layout(q, pe, pe_a, z, z_a, q_seg, ahead):
   """The static facts a call's kernels are traced with."""
   w = pe.shape[-1]
@@ -586,49 +606,47 @@ def _layout(q, pe, pe_a, z, z_a, q_seg, ahead):
               n_rows=q.shape[2])
 
 
-def _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, *, ramp, eps, block,
-             block_k, interpret, num_warps, num_stages, rate, scale, precision, ahead):
-  lay = _layout(q, pe, pe_a, z, z_a, q_seg, ahead)
+def _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, s: _Static):
+  lay = _layout(q, pe, pe_a, z, z_a, q_seg, s.a)
   band = lay["band"]
-  _check(q, k, pe, block, block_k, band - lay["w"])
-  b, h, m, dh = q.shape
-  t = k.shape[2]
-  z_in = z if lay["has_mask"] else jnp.zeros((b, h, m), jnp.float32)
-  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
-  row, keys, stat, view, seed_spec = _specs(m, t, dh, band, block)
+  _check(q, k, pe, s.bq, s.bk, band - lay["w"])
+  b, h, n_rows, dh = q.shape
+  n_key_rows = k.shape[2]
+  z_in = z if lay["has_mask"] else jnp.zeros((b, h, n_rows), jnp.float32)
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, s.bk, q.dtype)
+  row, keys, stat, view, seed_spec = _specs(n_rows, n_key_rows, dh, band, s.bq)
   extra_specs, extra = [], []
   if lay["asym"]:
     extra_specs.append(stat)
     extra.append(z_a)
   if lay["segmented"]:
-    extra_specs += [pl.BlockSpec((None, block), lambda i, hh, qi: (i, qi)), _RANGE]
-    extra += [q_seg, segment_tile_ranges(q_seg, kv_seg, block, block_k)[0]]
-  kernel = functools.partial(_fwd_kernel, **lay, ramp=ramp, bq=block, bk=block_k, eps=eps,
-                             rate=rate, n_heads=h, n_pers=n_pers, scale=scale,
-                             exact=precision == "highest")
+    extra_specs += [pl.BlockSpec((None, s.bq), lambda i, hh, qi: (i, qi)), _RANGE]
+    extra += [q_seg, segment_tile_ranges(q_seg, kv_seg, s.bq, s.bk)[0]]
+  kernel = functools.partial(_fwd_kernel, **lay, ramp=s.ramp, bq=s.bq, bk=s.bk, eps=s.eps,
+                             rate=s.rate, n_heads=h, n_pers=n_pers, scale=s.scale,
+                             exact=s.precision == "highest")
   call = pl.pallas_call(
-      kernel, grid=(b, h, m // block),
+      kernel, grid=(b, h, n_rows // s.bq),
       in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs, *extra_specs],
       out_specs=[row, stat, stat],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, h, m), jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, m), jnp.float32)],
-      interpret=interpret, name="span_attention_fwd",
-      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages))
-  g = masked_position_scores(q, _band_pe(pe, pe_a, q.dtype), q_seg, kv_seg, precision)
-  out, mx, den = call(q, k, v, g, z_in, seed, pk_in, pv_in, *extra)
-  return out, mx, den
+                 jax.ShapeDtypeStruct((b, h, n_rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, h, n_rows), jnp.float32)],
+      interpret=s.interpret, name="span_attention_fwd",
+      compiler_params=plt.CompilerParams(num_warps=s.num_warps, num_stages=s.num_stages))
+  s_pos = masked_position_scores(q, _band_pe(pe, pe_a, q.dtype), q_seg, kv_seg, s.precision)
+  out, m, den = call(q, k, v, s_pos, z_in, seed, pk_in, pv_in, *extra)
+  return out, m, den
 
 
-def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, den, do, *, ramp,
-              eps, block, block_k, interpret, num_warps, num_stages, rate, scale, precision,
-              ahead):
-  lay = _layout(q, pe, pe_a, z, z_a, q_seg, ahead)
+def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, den, do,
+              s: _Static):
+  lay = _layout(q, pe, pe_a, z, z_a, q_seg, s.a)
   w, band, has_mask, asym, segmented = (lay[f] for f in ("w", "band", "has_mask", "asym",
                                                          "segmented"))
-  b, h, m, dh = q.shape
-  t = k.shape[2]
-  z_in = z if has_mask else jnp.zeros((b, h, m), jnp.float32)
+  b, h, n_rows, dh = q.shape
+  n_key_rows = k.shape[2]
+  z_in = z if has_mask else jnp.zeros((b, h, n_rows), jnp.float32)
   # G is recomputed here, not saved: the barrier ties its inputs and its gradient's zeroed
   # buffer to this layer's cotangent, so XLA neither merges the recomputation with the forward's
   # G (which would keep every layer's G alive until its backward) nor hoists it (or the zeros)
@@ -637,19 +655,20 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, d
     q, pe, do, zero = lax.optimization_barrier((q, pe, do, jnp.zeros((), q.dtype)))
   else:
     q, pe, pe_a, do, zero = lax.optimization_barrier((q, pe, pe_a, do, jnp.zeros((), q.dtype)))
-  zeros_g = jnp.broadcast_to(zero, (b, h, m * (band + 1)))  # after the barrier: not hoisted
+  # after the barrier: not hoisted
+  zeros_ds_pos = jnp.broadcast_to(zero, (b, h, n_rows * (band + 1)))
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   pe1 = _band_pe(pe, pe_a, q.dtype)  # pe may be float32: d pe is returned as such
-  g = masked_position_scores(q, pe1, q_seg, kv_seg, precision)
-  row, keys, stat, view, seed_spec = _specs(m, t, dh, band, block)
-  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, block_k, q.dtype)
-  static = dict(lay, ramp=ramp, bq=block, bk=block_k, eps=eps, rate=rate, n_heads=h,
-                n_pers=n_pers, scale=scale, exact=precision == "highest")
-  params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  s_pos = masked_position_scores(q, pe1, q_seg, kv_seg, s.precision)
+  row, keys, stat, view, seed_spec = _specs(n_rows, n_key_rows, dh, band, s.bq)
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, s.bk, q.dtype)
+  static = dict(lay, ramp=s.ramp, bq=s.bq, bk=s.bk, eps=s.eps, rate=s.rate, n_heads=h,
+                n_pers=n_pers, scale=s.scale, exact=s.precision == "highest")
+  params = plt.CompilerParams(num_warps=s.num_warps, num_stages=s.num_stages)
   zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
   q_ranges = k_ranges = None
   if segmented:
-    q_ranges, k_ranges = segment_tile_ranges(q_seg, kv_seg, block, block_k)
+    q_ranges, k_ranges = segment_tile_ranges(q_seg, kv_seg, s.bq, s.bk)
   extra_specs, extra = [], []
   if asym:
     extra_specs.append(stat)
@@ -657,32 +676,32 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, d
   if segmented:
     extra_specs.append(_RANGE)
     extra.append(q_ranges)
-  stat_shape = jax.ShapeDtypeStruct((b, h, m), jnp.float32)
+  stat_shape = jax.ShapeDtypeStruct((b, h, n_rows), jnp.float32)
   call_q = pl.pallas_call(
-      functools.partial(_bwd_q_kernel, **static), grid=(b, h, m // block),
+      functools.partial(_bwd_q_kernel, **static), grid=(b, h, n_rows // s.bq),
       in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs, row, stat, stat, stat,
                 view, *pers_specs, *extra_specs],
       out_specs=[row, stat, view, *pers_specs] + ([stat] if asym else []),
       out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), stat_shape,
-                 jax.ShapeDtypeStruct(g.shape, g.dtype),
+                 jax.ShapeDtypeStruct(s_pos.shape, s_pos.dtype),
                  jax.ShapeDtypeStruct(zeros_pk.shape, jnp.float32),
                  jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)]
                 + ([stat_shape] if asym else []),
-      input_output_aliases={12: 2, 13: 3, 14: 4}, interpret=interpret,
+      input_output_aliases={12: 2, 13: 3, 14: 4}, interpret=s.interpret,
       name="span_attention_bwd_q", compiler_params=params)
-  dq, dz, dg, dpk, dpv, *dza = call_q(q, k, v, g, z_in, seed, pk_in, pv_in, do, mx, den, delta,
-                                      zeros_g, zeros_pk, zeros_pv, *extra)
+  dq, dz, ds_pos, dpk, dpv, *dza = call_q(q, k, v, s_pos, z_in, seed, pk_in, pv_in, do, m, den,
+                                          delta, zeros_ds_pos, zeros_pk, zeros_pv, *extra)
 
   # Per key block: every row of its (b, h), and the largest row windows there (behind, ahead).
-  all_rows = pl.BlockSpec((None, None, m, dh), lambda i, hh, kb: (i, hh, 0, 0))
-  all_stat = pl.BlockSpec((None, None, m), lambda i, hh, kb: (i, hh, 0))
-  key_blk = pl.BlockSpec((None, None, block_k, dh), lambda i, hh, kb: (i, hh, kb, 0))
+  all_rows = pl.BlockSpec((None, None, n_rows, dh), lambda i, hh, kb: (i, hh, 0, 0))
+  all_stat = pl.BlockSpec((None, None, n_rows), lambda i, hh, kb: (i, hh, 0))
+  key_blk = pl.BlockSpec((None, None, s.bk, dh), lambda i, hh, kb: (i, hh, kb, 0))
   n_win = 2 if lay["a"] else 1
   wmax_spec = pl.BlockSpec((None, None, n_win), lambda i, hh, kb: (i, hh, 0))
-  wmax = _row_windows(jnp.max(z_in, axis=-1, keepdims=True), w=w, ramp=ramp, bq=1)
+  wmax = _row_windows(jnp.max(z_in, axis=-1, keepdims=True), w=w, ramp=s.ramp, bq=1)
   if lay["a"]:
     za_max = jnp.max(z_a if asym else z_in, axis=-1, keepdims=True)
-    wmax = jnp.concatenate([wmax, _row_windows_ahead(za_max, a=lay["a"], ramp=ramp, bq=1)], -1)
+    wmax = jnp.concatenate([wmax, _row_windows_ahead(za_max, a=lay["a"], ramp=s.ramp, bq=1)], -1)
   kv_extra_specs, kv_extra = [], []
   if asym:
     kv_extra_specs.append(all_stat)
@@ -691,21 +710,21 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, d
     kv_extra_specs.append(_RANGE)
     kv_extra.append(k_ranges)
   call_kv = pl.pallas_call(
-      functools.partial(_bwd_kv_kernel, **static), grid=(b, h, t // block_k),
+      functools.partial(_bwd_kv_kernel, **static), grid=(b, h, n_key_rows // s.bk),
       in_specs=[all_rows, key_blk, key_blk, view, all_stat, seed_spec, all_rows, all_stat,
                 all_stat, all_stat, wmax_spec, *kv_extra_specs],
       out_specs=[key_blk, key_blk],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      interpret=interpret, name="span_attention_bwd_kv", compiler_params=params)
-  dk, dv = call_kv(q, k, v, g, z_in, seed, do, mx, den, delta, wmax, *kv_extra)
+      interpret=s.interpret, name="span_attention_bwd_kv", compiler_params=params)
+  dk, dv = call_kv(q, k, v, s_pos, z_in, seed, do, m, den, delta, wmax, *kv_extra)
 
   # The position term's share, two plain matmuls over G's layout (its pad column is zero).
-  prec = _xla_precision(precision, q.dtype)
-  dg = dg.reshape(b, h, m, band + 1)
-  dq = dq + jnp.einsum("bhmw,dw->bhmd", dg, pe1, preferred_element_type=jnp.float32,
+  prec = _xla_precision(s.precision, q.dtype)
+  ds_pos = ds_pos.reshape(b, h, n_rows, band + 1)
+  dq = dq + jnp.einsum("bhmw,dw->bhmd", ds_pos, pe1, preferred_element_type=jnp.float32,
                        precision=prec)
-  dpe_all = jnp.einsum("bhmd,bhmw->dw", q, dg, preferred_element_type=jnp.float32,
+  dpe_all = jnp.einsum("bhmd,bhmw->dw", q, ds_pos, preferred_element_type=jnp.float32,
                        precision=prec)
   dpe = dpe_all[:, :w].astype(pe.dtype)
   # d pe is not needed until the optimizer step: without the barrier XLA computes it late and
@@ -723,28 +742,20 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, d
           (dza[0] if asym else None), None, None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=tuple(range(12, 23)))
-def _span_attention(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, ramp, eps, block,
-                    block_k, interpret, num_warps, num_stages, rate, scale, precision, ahead):
-  return _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, ramp=ramp, eps=eps,
-                  block=block, block_k=block_k, interpret=interpret, num_warps=num_warps,
-                  num_stages=num_stages, rate=rate, scale=scale, precision=precision,
-                  ahead=ahead)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(12,))
+def _span_attention(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, s: _Static):
+  return _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, s)[0]
 
 
-def _span_attention_fwd(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, *static):
-  out, mx, den = _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg,
-                          **dict(zip(_STATIC, static)))
-  return out, (q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, mx, den)
+def _span_attention_fwd(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, s: _Static):
+  out, m, den = _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, s)
+  return out, (q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, den)
 
 
-def _span_attention_bwd(*args):
-  *static, res, g = args
-  return _backward(*res, g, **dict(zip(_STATIC, static)))
+def _span_attention_bwd(s: _Static, res, do):
+  return _backward(*res, do, s)
 
 
-_STATIC = ("ramp", "eps", "block", "block_k", "interpret", "num_warps", "num_stages", "rate",
-           "scale", "precision", "ahead")
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
 
 
@@ -800,11 +811,11 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   if z_BxHxM is None or not a:
     z_a = None  # a fixed span has no spans ahead (the reference ignores them too)
   dh = q_BxHxMxD.shape[-1]
-  b, _, m, _ = q_BxHxMxD.shape
+  b, _, n_rows, _ = q_BxHxMxD.shape
   w = key_pe_DxW.shape[-1]
-  if k_BxHxTxD.shape[2] != w + m + a:
+  if k_BxHxTxD.shape[2] != w + n_rows + a:
     raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} key rows for window {w}, "
-                     f"block {m} and {a} ahead (W + M + A)")
+                     f"block {n_rows} and {a} ahead (W + M + A)")
   k, v, kv_seg = k_BxHxTxD, v_BxHxTxD, kv_segments_BxT
   a_rows = -(-a // block_k) * block_k  # rows ahead in whole key tiles, zero-padded
   if a_rows > a:
@@ -816,17 +827,19 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   q_seg = None
   if kv_seg is not None:
     q_seg, kv_seg = (jnp.asarray(x, jnp.int32) for x in (q_segments_BxM, kv_seg))
-    if q_seg.shape != (b, m) or kv_seg.shape != (b, k.shape[2]):
+    if q_seg.shape != (b, n_rows) or kv_seg.shape != (b, k.shape[2]):
       raise ValueError(f"fused attention: segment ids {q_seg.shape} and "
-                       f"{kv_segments_BxT.shape} for {m} queries and {w + m + a} key rows")
-  static = (ramp, eps, block, block_k, interpret, num_warps, num_stages, float(dropout_rate),
-            1.0 / math.sqrt(dh), precision, a)
+                       f"{kv_segments_BxT.shape} for {n_rows} queries and {w + n_rows + a} key "
+                       f"rows")
+  s = _Static(ramp=ramp, eps=eps, bq=block, bk=block_k, interpret=interpret, num_warps=num_warps,
+              num_stages=num_stages, rate=float(dropout_rate), scale=1.0 / math.sqrt(dh),
+              precision=precision, a=a)
   args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k, v, key_pe_DxW, pers_k_HxDxN,
                        pers_v_HxNxD, pe_a)
   args = (*args[:4], z_BxHxM, fused.seed_array(dropout_seed), *args[4:], z_a, q_seg, kv_seg)
   # q, k, v, z (and the spans ahead, the segment ids) by batch rows; key_pe, the seed and the
   # persistent vectors replicated
-  return fused.per_device(lambda *a: _span_attention(*a, *static), args,
+  return fused.per_device(lambda *xs: _span_attention(*xs, s), args,
                           (True, True, True, False, True, False, False, False, False, True, True,
                            True), seed_at=5)[..., :dh]
 
@@ -840,10 +853,13 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 # tiles too: at 64 x 64 bwd_kv sat at 255 registers and spilled 8+8 B in enwik8_large's step
 # (B=4, H=8, M=512, W=8192, dropout 0.4; 2-4 stages alike; not at the PTX test's B=1, H=2):
 # 64 x 32 compiles at most 203 registers, no spills, wgmma in fwd and bwd_q (bwd_kv's 32-row
-# dk/dv products run as mma.sync). Untimed on a
+# dk/dv products run as mma.sync). Hopper bf16 at head size 64 likewise: at 64 x 64 bwd_q sat at
+# 255 registers and spilled 4+4 B at enwik8_pers' shapes (B=4, H=8, M=512, W=8192, 2,048
+# persistent vectors, dropout 0.4); 64 x 32 (the two-sided kernels' launch) at most 219, no
+# spills at every paper config's shape tried. Untimed on a
 # device: `attention.tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
 TILES = {
-    (9, 64, "bfloat16"): (64, 64, 4, 3), (9, 128, "bfloat16"): (64, 32, 8, 3),
+    (9, 64, "bfloat16"): (64, 32, 4, 3), (9, 128, "bfloat16"): (64, 32, 8, 3),
     (9, 64, "float32"): (64, 32, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),
     (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (64, 32, 8, 2),
     (8, 64, "float32"): (32, 32, 4, 2), (8, 128, "float32"): (32, 16, 8, 2),
@@ -885,10 +901,10 @@ def key_tile(compute_capability: float | None, head_dim: int, dtype, tile: int,
   return min(entry[1], tile) if entry else tile
 
 
-def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: int,
+def schedule_cost(b: int, h: int, n_rows: int, w: int, head_dim: int, dtype, tile: int,
                   span: float | None = None, ramp: int = 32, n_pers: int = 0,
                   key_tile: int | None = None, ahead: int = 0) -> dict:
-  """FLOPs and HBM bytes of one call's kernels (B=b, H=h, a block of m queries, window w behind
+  """FLOPs and HBM bytes of one call's kernels (B=b, H=h, a block of n_rows queries, window w behind
   and `ahead` in front), every row at `span` on both sides (None: a fixed span, every distance of
   both windows visited), as {kernel: {"flops", "bytes", "bytes_min"}}: the three Triton kernels'
   tile schedules, and "position", the XLA matmuls around them (G = q [pe | pe_ahead] forward and
@@ -905,33 +921,35 @@ def schedule_cost(b: int, h: int, m: int, w: int, head_dim: int, dtype, tile: in
   win = w if span is None else max(1, min(w, int(math.floor(span)) + ramp + 1))
   wa = ahead if span is None else max(0, min(ahead, int(math.floor(span)) + ramp))
   tiles = 0  # visited (query block, key block) pairs: the kernels' range per query block
-  for i0 in range(0, m, bq):
+  for i0 in range(0, n_rows, bq):
     lo, hi = (w + i0 - win) // bk, (w + i0 + bq - 2 + wa) // bk + 1
     tiles += hi - lo
   tiles *= b * h
-  progs_q, progs_k = b * h * (m // bq), b * h * ((w + m + a_rows) // bk)
+  progs_q, progs_k = b * h * (n_rows // bq), b * h * ((w + n_rows + a_rows) // bk)
   qk = 2 * bq * bk * dp
-  rows, keys, pos = bq * dp * isz, bk * dp * isz, bq * bk * isz
+  rows, keys, s_pos_tile = bq * dp * isz, bk * dp * isz, bq * bk * isz
   pers_mm, pers_io = 2 * bq * n_pers * dp, 2 * n_pers * dp * isz
-  keys_read = ((w + m - 2 + wa) // bk + 1 - (w - win) // bk) * bk  # the spans' keys, in tiles
-  q_all, kv_all = b * h * m * dp * isz, b * h * keys_read * dp * isz
-  g_all, g_read, stat = b * h * m * (band + 1) * isz, b * h * m * keys_read * isz, b * h * m * 4
-  minimum = {"fwd": 2 * q_all + 2 * kv_all + g_read + 3 * stat + pers_io * h,
-             "bwd_q": 2 * q_all + q_all * 4 // isz + 2 * kv_all + 2 * g_read + 4 * stat
+  keys_read = ((w + n_rows - 2 + wa) // bk + 1 - (w - win) // bk) * bk  # the spans' keys, in tiles
+  q_all, kv_all = b * h * n_rows * dp * isz, b * h * keys_read * dp * isz
+  s_pos_all = b * h * n_rows * (band + 1) * isz
+  s_pos_read, stat = b * h * n_rows * keys_read * isz, b * h * n_rows * 4
+  minimum = {"fwd": 2 * q_all + 2 * kv_all + s_pos_read + 3 * stat + pers_io * h,
+             "bwd_q": 2 * q_all + q_all * 4 // isz + 2 * kv_all + 2 * s_pos_read + 4 * stat
                       + pers_io * h * 3,
-             "bwd_kv": 2 * q_all + 4 * kv_all + g_read + 4 * stat,
-             "position": 4 * q_all + 3 * g_all + (band + 1) * dp * (isz + 4)}
+             "bwd_kv": 2 * q_all + 4 * kv_all + s_pos_read + 4 * stat,
+             "position": 4 * q_all + 3 * s_pos_all + (band + 1) * dp * (isz + 4)}
   cost = {
       "fwd": {"flops": tiles * 2 * qk + progs_q * 2 * pers_mm,
-              "bytes": tiles * (2 * keys + pos) + progs_q * (2 * rows + 3 * bq * 4 + pers_io)},
+              "bytes": tiles * (2 * keys + s_pos_tile)
+                       + progs_q * (2 * rows + 3 * bq * 4 + pers_io)},
       "bwd_q": {"flops": tiles * 3 * qk + progs_q * 5 * pers_mm,
-                "bytes": tiles * (2 * keys + 2 * pos)
+                "bytes": tiles * (2 * keys + 2 * s_pos_tile)
                          + progs_q * (2 * rows + bq * dp * 4 + 4 * bq * 4 + pers_io
                                       + 4 * n_pers * dp * 4)},
       "bwd_kv": {"flops": tiles * 4 * qk,
-                 "bytes": tiles * (2 * rows + 4 * bq * 4 + pos) + progs_k * 4 * keys},
-      "position": {"flops": 4 * 2 * b * h * m * (band + 1) * dp,
-                   "bytes": 4 * q_all + 4 * g_all + (band + 1) * dp * (isz + 4)},
+                 "bytes": tiles * (2 * rows + 4 * bq * 4 + s_pos_tile) + progs_k * 4 * keys},
+      "position": {"flops": 4 * 2 * b * h * n_rows * (band + 1) * dp,
+                   "bytes": 4 * q_all + 4 * s_pos_all + (band + 1) * dp * (isz + 4)},
   }
   return {k: dict(v, bytes_min=minimum[k]) for k, v in cost.items()}
 

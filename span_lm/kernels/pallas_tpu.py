@@ -79,6 +79,8 @@ range). A row with no key of its segment outputs exactly zero (the saved normali
 persistent memory too (its output gradient is dropped in the dq kernel).
 
 `interpret=True` (or a pltpu.InterpretParams) runs the same kernels on CPU for tests.
+
+Names as in kernels/fused.py's vocabulary table (shared with pallas_gpu).
 """
 import functools
 import math
@@ -102,7 +104,7 @@ PRECISIONS = fused.PRECISIONS
 
 
 class _Static(NamedTuple):
-  l: int  # the cache part's positions L, a multiple of bk: the laid-out window
+  n_cached: int  # the cache part's positions L, a multiple of bk: the laid-out window
   w: int  # the window W (<= L): distances beyond it are never visited
   ramp: int
   eps: float
@@ -141,9 +143,9 @@ def _reverse_rows(x):
   return jnp.concatenate([rev8(x[n - 8 * (i + 1):n - 8 * i]) for i in range(n // 8)], axis=0)
 
 
-def _skew(g, bq, bk):
+def _skew(s_pos_band, bq, bk):
   """(bq, bq + bk) G[r, j] -> (bq, bk) pos[r, c] = G[r, bq - r + c]."""
-  return pltpu.roll(g, bk, 1, stride=1, stride_axis=0)[:, :bk]
+  return pltpu.roll(s_pos_band, bk, 1, stride=1, stride_axis=0)[:, :bk]
 
 
 def _unskew(ds, bq, bk):
@@ -189,14 +191,14 @@ def _allowed(qs, ks):
   return (qs == ks) & (ks != 0)
 
 
-def _keep(seed, bh, i0, t0, m, s: _Static):
+def _keep(seed, bh, i0, t0, n_rows, s: _Static):
   """Dropout's keep / (1 - rate) for the tile of rows i0.. and keys t0..: keys numbered as the
   door's rows (window, block, the A ahead: W + M + A), persistent vector n as key W + M + A + n,
   as the GPU kernel draws it (causal: A = 0)."""
   rows = i0 + lax.broadcasted_iota(jnp.int32, (s.bq, 1), 0)
-  keys = t0 - (s.l - s.w) + lax.broadcasted_iota(jnp.int32, (1, s.bk), 1)  # as if unpadded
-  return hashed_dropout.dropout_scale(seed, bh, rows, keys, n_rows=m,
-                                      n_keys=s.w + m + s.a + s.n_pers,
+  keys = t0 - (s.n_cached - s.w) + lax.broadcasted_iota(jnp.int32, (1, s.bk), 1)  # as if unpadded
+  return hashed_dropout.dropout_scale(seed, bh, rows, keys, n_rows=n_rows,
+                                      n_keys=s.w + n_rows + s.a + s.n_pers,
                                       rate=s.rate)
 
 
@@ -209,43 +211,43 @@ def _tile(q, k_t, pe_ref, t0, i0, win, s: _Static, win_a=0, allowed=None):
   cont = _dot(q, k_t, s.precision)  # bq x bk
   start = pl.multiple_of(t0 - i0 + bk, math.gcd(bq, bk))  # padded pe rows: distance d at L - d + P
   pe = pe_ref[pl.ds(start, bq + bk), :].astype(q.dtype)
-  pos = _skew(_dot(q, pe, s.precision, trans_b=True), bq, bk)
+  s_pos = _skew(_dot(q, pe, s.precision, trans_b=True), bq, bk)
   r = lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   c = lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  dist = (s.l + i0 - t0) + r - c
+  dist = (s.n_cached + i0 - t0) + r - c
   visited = ((dist >= 1 - win_a) if s.a else (dist >= 1)) & (dist <= win)
   if allowed is not None:
     visited = visited & allowed
-  logits = jnp.where(visited, (cont + pos) * s.scale, NEG)
+  logits = jnp.where(visited, (cont + s_pos) * s.scale, NEG)
   return logits, dist, visited, pe
 
 
-def _tile_grads(q, g, k_t, v_t, pe_ref, t0, i0, z, za, mx, den, delta, keep, allowed,
+def _tile_grads(q, do, k_t, v_t, pe_ref, t0, i0, z, za, m, den, delta, keep, allowed,
                 s: _Static):
   """Recomputes one tile: (ds = d logits times the scale, the weights as applied to the values
-  (a, times dropout's keep), the span gradients per row (bq, 1), behind (both sides unless the
+  (wts, times dropout's keep), the span gradients per row (bq, 1), behind (both sides unless the
   spans ahead are learned apart) and ahead, or None, the tile's key_pe rows). keep: dropout's
   keep / (1 - rate) for the tile, or None; allowed: the segments' (bq, bk), or None."""
   logits, dist, visited, pe = _tile(q, k_t, pe_ref, t0, i0, _windows(z, s), s,
                                     _windows_ahead(z, za, s), allowed)
-  p = jnp.where(visited, jnp.exp(logits - mx), 0.0) / den
-  gv = _dot(g, v_t, s.precision)
-  if keep is not None:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (g . v_j)
-    gv = gv * keep
+  p = jnp.where(visited, jnp.exp(logits - m), 0.0) / den
+  dp = _dot(do, v_t, s.precision)
+  if keep is not None:  # out = sum_j a_j keep_j v_j: the weights' gradient is keep_j (do . v_j)
+    dp = dp * keep
   dza = None
   if s.asym:  # fused.weights_grad with the span gradient summed per side
-    gd = gv - delta
+    dp_c = dp - delta
     u = span_mask.ramp(_tile_z(z, za, dist, s), _mask_dist(dist, s), s.ramp)
-    a = p * span_mask.clamp01(u)
-    dl = a * gd - s.eps * p * delta
-    t = p * gd * span_mask.clamp01_slope(u)
+    wts = p * span_mask.clamp01(u)
+    ds_unscaled = wts * dp_c - s.eps * p * delta
+    gs = p * dp_c * span_mask.clamp01_slope(u)
     behind = dist >= 1
-    dz = jnp.sum(jnp.where(behind, t, 0.0), axis=1, keepdims=True) / s.ramp
-    dza = jnp.sum(jnp.where(behind, 0.0, t), axis=1, keepdims=True) / s.ramp
+    dz = jnp.sum(jnp.where(behind, gs, 0.0), axis=1, keepdims=True) / s.ramp
+    dza = jnp.sum(jnp.where(behind, 0.0, gs), axis=1, keepdims=True) / s.ramp
   else:
-    dl, a, dz = fused.weights_grad(p, gv, delta, z, _mask_dist(dist, s),
+    ds_unscaled, wts, dz = fused.weights_grad(p, dp, delta, z, _mask_dist(dist, s),
                                    renormalised=z is not None, eps=s.eps, ramp=s.ramp)
-  return dl * s.scale, a if keep is None else a * keep, dz, dza, pe
+  return ds_unscaled * s.scale, wts if keep is None else wts * keep, dz, dza, pe
 
 
 def _pers_logits(q, pk_ref, n0, s: _Static):
@@ -266,7 +268,7 @@ def _rep(x):
 def _kv_tile(kvc_ref, kvb_ref, kb, s: _Static):
   """Key block kb's keys and values, each (Dh, bk): from the cache's part below L / bk, the
   block's above (both blocks are in VMEM; the index maps fetch each only when it changes)."""
-  kv = lax.cond(kb < s.l // s.bk, lambda: kvc_ref[...], lambda: kvb_ref[...])  # one load
+  kv = lax.cond(kb < s.n_cached // s.bk, lambda: kvc_ref[...], lambda: kvb_ref[...])  # one load
   return kv[0], kv[1]
 
 
@@ -297,35 +299,37 @@ def _meets(bnd, n_cells, n_b, n_q, n_kb, b, qi, kb):
 def _fwd_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static, has_mask,
                 n_heads, n_q, n_kb, n_steps):
   z_ref, za_ref, qs_ref, ks_ref, pk_ref, pv_ref, refs = _split_refs(refs, has_mask, s)
-  o_ref, mx_ref, den_ref, acc_ref, m_ref, all_ref, msk_ref = refs
+  o_ref, m_out_ref, den_ref, acc_ref, m_ref, l_all_ref, l_mask_ref = refs
   b, h, qi, j = (pl.program_id(i) for i in range(4))
   n_cells = pl.num_programs(0) * n_heads * n_q
   cell = (b * n_heads + h) * n_q + qi
   kb = bounds_ref[cell] + j
-  seed, bh, m = bounds_ref[2 * n_cells], b * n_heads + h, n_q * s.bq  # dropout's hash
+  seed, bh, n_rows = bounds_ref[2 * n_cells], b * n_heads + h, n_q * s.bq  # dropout's hash
 
   @pl.when(j == 0)
   def _():
     acc = jnp.zeros(acc_ref.shape, jnp.float32)
-    mx = jnp.full((s.bq, 1), NEG, jnp.float32)
-    tot = jnp.zeros((s.bq, 1), jnp.float32)
+    m = jnp.full((s.bq, 1), NEG, jnp.float32)
+    l = jnp.zeros((s.bq, 1), jnp.float32)
     if s.n_pers:  # persistent keys: no position term, mask 1, in the same softmax
       q = q_ref[...]
 
       def pers(c, carry):
-        acc, mx, tot = carry
+        acc, m, l = carry
         logits, rows = _pers_logits(q, pk_ref, c * s.bk, s)
-        mx_new, corr, p = fused.online_softmax(mx, logits)
-        kept = p * _keep(seed, bh, qi * s.bq, s.l + m + s.a + c * s.bk, m, s) if s.rate else p
+        m_new, corr, p = fused.online_softmax(m, logits)
+        kept = p
+        if s.rate:  # persistent key n is key W + M + A + n
+          kept = p * _keep(seed, bh, qi * s.bq, s.n_cached + n_rows + s.a + c * s.bk, n_rows, s)
         acc = acc * corr + _dot(kept.astype(q.dtype), pv_ref[rows, :].astype(q.dtype),
                                 s.precision)
-        return acc, mx_new, tot * corr + jnp.sum(p, axis=1, keepdims=True)
+        return acc, m_new, l * corr + jnp.sum(p, axis=1, keepdims=True)
 
-      acc, mx, tot = lax.fori_loop(0, s.n_pers // s.bk, pers, (acc, mx, tot))
+      acc, m, l = lax.fori_loop(0, s.n_pers // s.bk, pers, (acc, m, l))
     acc_ref[...] = acc
-    m_ref[...] = _rep(mx)
-    all_ref[...] = _rep(tot)
-    msk_ref[...] = _rep(tot)  # the persistent weights' mask is 1
+    m_ref[...] = _rep(m)
+    l_all_ref[...] = _rep(l)
+    l_mask_ref[...] = _rep(l)  # the persistent weights' mask is 1
 
   run = kb < bounds_ref[n_cells + cell]
   if s.segmented:  # and the tiles share a segment
@@ -343,24 +347,24 @@ def _fwd_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static, 
     m_new, corr, p = fused.online_softmax(_col(m_ref), logits, visited)
     pm = p * span_mask.soft_mask(_tile_z(z, za, dist, s), _mask_dist(dist, s),
                                  s.ramp) if has_mask else p
-    kept = pm * _keep(seed, bh, qi * s.bq, kb * s.bk, m, s) if s.rate else pm
+    kept = pm * _keep(seed, bh, qi * s.bq, kb * s.bk, n_rows, s) if s.rate else pm
     acc_ref[...] = acc_ref[...] * corr + _dot(kept.astype(v_t.dtype), v_t, s.precision,
                                               trans_b=True)
     m_ref[...] = _rep(m_new)
-    all_ref[...] = _rep(_col(all_ref) * corr + jnp.sum(p, axis=1, keepdims=True))
+    l_all_ref[...] = _rep(_col(l_all_ref) * corr + jnp.sum(p, axis=1, keepdims=True))
     if has_mask:
-      msk_ref[...] = _rep(_col(msk_ref) * corr + jnp.sum(pm, axis=1, keepdims=True))
+      l_mask_ref[...] = _rep(_col(l_mask_ref) * corr + jnp.sum(pm, axis=1, keepdims=True))
 
   @pl.when(j == n_steps - 1)
   def _():
-    z_all = _col(all_ref)
-    den = span_mask.online_denominator(_col(msk_ref), z_all, s.eps) if has_mask else z_all
+    l_all = _col(l_all_ref)
+    den = span_mask.online_denominator(_col(l_mask_ref), l_all, s.eps) if has_mask else l_all
     if s.segmented:  # a row with no key in its segment: zeros (and 1 saved, never 0 / 0)
       den = jnp.where(den > 0, den, 1.0)
       o_ref[...] = jnp.where(_col(qs_ref) != 0, acc_ref[...] / den, 0.0).astype(o_ref.dtype)
     else:
       o_ref[...] = (acc_ref[...] / den).astype(o_ref.dtype)
-    mx_ref[...] = m_ref[...]
+    m_out_ref[...] = m_ref[...]
     den_ref[...] = _rep(den)
 
 
@@ -369,7 +373,7 @@ def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static
   """Per query block: dq, its rows' span gradients, and d pe (and the persistent vectors'
   gradients) into the batch's (batch and head's) resident blocks."""
   z_ref, za_ref, qs_ref, ks_ref, pk_ref, pv_ref, refs = _split_refs(refs, has_mask, s)
-  g_ref, mx_ref, den_ref, delta_ref, dq_ref, *refs = refs
+  do_ref, m_ref, den_ref, delta_ref, dq_ref, *refs = refs
   dz_ref = refs.pop(0) if has_mask else None
   dza_ref = refs.pop(0) if s.asym else None
   dpe_ref = refs.pop(0)
@@ -382,7 +386,7 @@ def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static
   cell = (b * n_heads + h) * n_q + qi
   kb = bounds_ref[cell] + j
   bq, bk = s.bq, s.bk
-  seed, bh, m = bounds_ref[2 * n_cells], b * n_heads + h, n_q * bq  # dropout's hash
+  seed, bh, n_rows = bounds_ref[2 * n_cells], b * n_heads + h, n_q * bq  # dropout's hash
 
   @pl.when((h == 0) & (qi == 0) & (j == 0))
   def _():
@@ -398,23 +402,23 @@ def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static
   def _():
     dq = jnp.zeros(dq_acc.shape, jnp.float32)
     if s.n_pers:  # the persistent keys: mask 1, so no span gradient
-      q, g = q_ref[...], g_ref[...]
+      q, do = q_ref[...], do_ref[...]
       if s.segmented:  # padding rows (segment 0) output zeros: no gradient reaches them
-        g = jnp.where(_col(qs_ref) != 0, g, jnp.zeros_like(g))
-      mx, den, delta = _col(mx_ref), _col(den_ref), _col(delta_ref)
+        do = jnp.where(_col(qs_ref) != 0, do, jnp.zeros_like(do))
+      m, den, delta = _col(m_ref), _col(den_ref), _col(delta_ref)
 
       def pers(c, dq):
         logits, rows = _pers_logits(q, pk_ref, c * bk, s)
-        p = jnp.exp(logits - mx) / den
-        gv = _dot(g, pv_ref[rows, :].astype(g.dtype), s.precision, trans_b=True)
+        p = jnp.exp(logits - m) / den
+        dp = _dot(do, pv_ref[rows, :].astype(do.dtype), s.precision, trans_b=True)
         kept = p
         if s.rate:
-          keep = _keep(seed, bh, qi * bq, s.l + m + s.a + c * bk, m, s)
-          gv, kept = gv * keep, p * keep
-        ds = fused.weights_grad(p, gv, delta, renormalised=has_mask, eps=s.eps,
+          keep = _keep(seed, bh, qi * bq, s.n_cached + n_rows + s.a + c * bk, n_rows, s)
+          dp, kept = dp * keep, p * keep
+        ds = fused.weights_grad(p, dp, delta, renormalised=has_mask, eps=s.eps,
                                 ramp=s.ramp)[0] * s.scale
         dpk_ref[rows, :] += _dot(ds.astype(q.dtype), q, s.precision, trans_a=True)
-        dpv_ref[rows, :] += _dot(kept.astype(g.dtype), g, s.precision, trans_a=True)
+        dpv_ref[rows, :] += _dot(kept.astype(do.dtype), do, s.precision, trans_a=True)
         return dq + _dot(ds.astype(q.dtype), pk_ref[rows, :].astype(q.dtype), s.precision)
 
       dq = lax.fori_loop(0, s.n_pers // bk, pers, dq)
@@ -430,24 +434,25 @@ def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static
 
   @pl.when(run)
   def _():
-    q, g = q_ref[...], g_ref[...]
+    q, do = q_ref[...], do_ref[...]
     k_t, v_t = _kv_tile(kvc_ref, kvb_ref, kb, s)
     t0, i0 = kb * bk, qi * bq
     z = _col(z_ref) if has_mask else None
     za = _col(za_ref) if s.asym else None
     allowed = _allowed(_col(qs_ref), ks_ref[...]) if s.segmented else None
-    keep = _keep(seed, bh, i0, t0, m, s) if s.rate else None
-    ds, _, dz, dza, pe = _tile_grads(q, g, k_t, v_t, pe_ref, t0, i0, z, za, _col(mx_ref),
+    keep = _keep(seed, bh, i0, t0, n_rows, s) if s.rate else None
+    ds, _, dz, dza, pe = _tile_grads(q, do, k_t, v_t, pe_ref, t0, i0, z, za, _col(m_ref),
                                      _col(den_ref), _col(delta_ref), keep, allowed, s)
     if has_mask:
       dz_acc[...] = _rep(_col(dz_acc) + dz)
     if s.asym:
       dza_acc[...] = _rep(_col(dza_acc) + dza)
-    dg = _unskew(ds, bq, bk)  # bq x (bq + bk), over the tile's distances
+    ds_pos_band = _unskew(ds, bq, bk)  # bq x (bq + bk), over the tile's distances
     start = pl.multiple_of(t0 - i0 + bk, math.gcd(bq, bk))
     dq_acc[...] += (_dot(ds.astype(k_t.dtype), k_t, s.precision, trans_b=True)
-                    + _dot(dg.astype(pe.dtype), pe, s.precision))
-    dpe_ref[pl.ds(start, bq + bk), :] += _dot(dg.astype(q.dtype), q, s.precision, trans_a=True)
+                    + _dot(ds_pos_band.astype(pe.dtype), pe, s.precision))
+    dpe_ref[pl.ds(start, bq + bk), :] += _dot(ds_pos_band.astype(q.dtype), q, s.precision,
+                                              trans_a=True)
 
   @pl.when(j == n_steps - 1)
   def _():
@@ -458,7 +463,7 @@ def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static
       dza_ref[...] = dza_acc[...]
 
 
-def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, g_ref, st_ref, *refs, s: _Static,
+def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, do_ref, st_ref, *refs, s: _Static,
                    has_mask, n_heads, n_q, n_kb, kb0, n_steps):
   """Per key block kb0 + program_id(2) (of n_kb in all): its keys' and values' gradients,
   (2, Dh, bk), summed over the query blocks that see it (deterministic). The query rows'
@@ -470,7 +475,7 @@ def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, g_ref, st_ref, *re
   b, h, kbl, j = (pl.program_id(i) for i in range(4))
   kb = kb0 + kbl
   n_cells, n_kcells = (pl.num_programs(0) * n_heads * n for n in (n_q, n_kb))
-  seed, bh, m = bounds_ref[2 * n_cells], b * n_heads + h, n_q * s.bq  # dropout's hash
+  seed, bh, n_rows = bounds_ref[2 * n_cells], b * n_heads + h, n_q * s.bq  # dropout's hash
   qi = qb_ref[(b * n_heads + h) * n_kb + kb] + j
   cell = (b * n_heads + h) * n_q + qi
   # a query block inside [first, last] of this key block's readers that does not read it skips
@@ -488,7 +493,7 @@ def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, g_ref, st_ref, *re
 
   @pl.when(run)
   def _():
-    q, g = q_ref[...], g_ref[...]
+    q, do = q_ref[...], do_ref[...]
     kv = kv_ref[...]
     st = st_ref[...].T  # (bq, 8): one column per statistic
     z = st[:, 3:4] if has_mask else None
@@ -496,11 +501,11 @@ def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, g_ref, st_ref, *re
     allowed = None
     if s.segmented:  # the rows' ids travel bitcast among the float32 statistics
       allowed = _allowed(lax.bitcast_convert_type(st[:, 5:6], jnp.int32), ks_ref[...])
-    keep = _keep(seed, bh, qi * s.bq, kb * s.bk, m, s) if s.rate else None
-    ds, a, _, _, _ = _tile_grads(q, g, kv[0], kv[1], pe_ref, kb * s.bk, qi * s.bq, z, za,
+    keep = _keep(seed, bh, qi * s.bq, kb * s.bk, n_rows, s) if s.rate else None
+    ds, wts, _, _, _ = _tile_grads(q, do, kv[0], kv[1], pe_ref, kb * s.bk, qi * s.bq, z, za,
                                  st[:, 0:1], st[:, 1:2], st[:, 2:3], keep, allowed, s)
     dk_acc[...] += _dot(q, ds.astype(q.dtype), s.precision, trans_a=True)  # Dh x bk
-    dv_acc[...] += _dot(g, a.astype(g.dtype), s.precision, trans_a=True)
+    dv_acc[...] += _dot(do, wts.astype(do.dtype), s.precision, trans_a=True)
 
   @pl.when(j == n_steps - 1)
   def _():
@@ -508,30 +513,30 @@ def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, g_ref, st_ref, *re
     dkv_ref[1] = dv_acc[...].astype(dkv_ref.dtype)
 
 
-def _key_bounds(z, b, h, m, s: _Static, za=None, meets=None):
+def _key_bounds(z, b, h, n_rows, s: _Static, za=None, meets=None):
   """(2 B H nq,) int32: the first key block visited by some row of each query block, then the
   last + 1: the windows behind and (A > 0) ahead of its rows; with segments (`meets`, (B, nq,
   nkb): the tiles that share a segment id range) narrowed to the first and last key block that
   shares one (none: an empty range, first = last + 1)."""
-  nq = m // s.bq
+  nq = n_rows // s.bq
   if z is None:
-    win = jnp.full((b, h, m), s.w, jnp.int32)
+    win = jnp.full((b, h, n_rows), s.w, jnp.int32)
   else:
     win = jnp.clip(span_mask.visited_distances(lax.stop_gradient(z), s.ramp), 1, s.w)
-  r = (jnp.arange(m, dtype=jnp.int32) % s.bq).reshape(1, 1, m)
+  r = (jnp.arange(n_rows, dtype=jnp.int32) % s.bq).reshape(1, 1, n_rows)
   i0 = (jnp.arange(nq, dtype=jnp.int32) * s.bq).reshape(1, 1, nq)
-  first = s.l + i0 + jnp.min((r - win).reshape(b, h, nq, s.bq), axis=-1)
+  first = s.n_cached + i0 + jnp.min((r - win).reshape(b, h, nq, s.bq), axis=-1)
   lo = first // s.bk
   if s.a:  # the last key: distance 1 behind, or w_a ahead (key L + i + w_a - 1)
     if z is None:
-      win_a = jnp.full((b, h, m), s.a, jnp.int32)
+      win_a = jnp.full((b, h, n_rows), s.a, jnp.int32)
     else:
       za = lax.stop_gradient(za if s.asym else z)
       win_a = jnp.clip(span_mask.visited_distances(za, s.ramp) - 1, 0, s.a)
-    last = s.l + i0 + jnp.max((r - 1 + win_a).reshape(b, h, nq, s.bq), axis=-1)
+    last = s.n_cached + i0 + jnp.max((r - 1 + win_a).reshape(b, h, nq, s.bq), axis=-1)
     hi = last // s.bk + 1
   else:
-    hi = jnp.broadcast_to((s.l + i0 + s.bq - 2) // s.bk + 1, lo.shape)
+    hi = jnp.broadcast_to((s.n_cached + i0 + s.bq - 2) // s.bk + 1, lo.shape)
   if meets is not None:
     nkb = meets.shape[-1]
     kb = jnp.arange(nkb, dtype=jnp.int32).reshape(1, 1, 1, nkb)
@@ -550,8 +555,8 @@ def _segment_ranges(qs, ks, bq, bk):
   block (qs (B, M)), then of each key block (ks (B, L + M + Ap), the laid-out keys'), per batch
   row; lo > hi where a block is all padding. Scalar-prefetched after the bounds and the seed
   (`_meets` reads them)."""
-  def ranges(x, t):
-    x = x.reshape(x.shape[0], -1, t)
+  def ranges(x, tile):
+    x = x.reshape(x.shape[0], -1, tile)
     return (jnp.min(jnp.where(x != 0, x, _NONE[0]), axis=-1).reshape(-1),
             jnp.max(jnp.where(x != 0, x, _NONE[1]), axis=-1).reshape(-1))
   return jnp.concatenate([*ranges(qs, bq), *ranges(ks, bk)]).astype(jnp.int32)
@@ -566,29 +571,29 @@ def _tiles_meet(ranges, b, nq, nkb):
   return (qlo <= qhi) & (klo <= khi) & (klo <= qhi) & (qlo <= khi)
 
 
-def _scalars(z, za, qs, ks, seed, b, h, m, s: _Static):
+def _scalars(z, za, qs, ks, seed, b, h, n_rows, s: _Static):
   """What the kernels scalar-prefetch into SMEM: the key bounds (`_key_bounds`), the dropout
   seed and, with segments, the blocks' id ranges (`_segment_ranges`); also the bounds alone."""
   if not s.segmented:
-    bounds = _key_bounds(z, b, h, m, s, za)
+    bounds = _key_bounds(z, b, h, n_rows, s, za)
     return jnp.concatenate([bounds, seed]), bounds
   nkb = ks.shape[-1] // s.bk
   ranges = _segment_ranges(qs, ks, s.bq, s.bk)
-  bounds = _key_bounds(z, b, h, m, s, za, _tiles_meet(ranges, b, m // s.bq, nkb))
+  bounds = _key_bounds(z, b, h, n_rows, s, za, _tiles_meet(ranges, b, n_rows // s.bq, nkb))
   return jnp.concatenate([bounds, seed, ranges]), bounds
 
 
-def _key_steps(m, s: _Static):
+def _key_steps(n_rows, s: _Static):
   """Grid steps over key blocks: the most a query block can visit (every span = W, and A
   ahead)."""
-  pad = s.l - s.w
-  return max((s.l + i0 + s.bq - 2 + s.a) // s.bk + 1 - (pad + i0) // s.bk
-             for i0 in range(0, m, s.bq))
+  pad = s.n_cached - s.w
+  return max((s.n_cached + i0 + s.bq - 2 + s.a) // s.bk + 1 - (pad + i0) // s.bk
+             for i0 in range(0, n_rows, s.bq))
 
 
-def _query_bounds(bounds, b, h, m, s: _Static):
+def _query_bounds(bounds, b, h, n_rows, s: _Static):
   """(2 B H nkb,) int32: [first..., last + 1...) query block that reads each key block."""
-  nq, nkb = m // s.bq, (s.l + m + s.ap) // s.bk
+  nq, nkb = n_rows // s.bq, (s.n_cached + n_rows + s.ap) // s.bk
   lo, hi = bounds[:b * h * nq].reshape(b, h, nq, 1), bounds[b * h * nq:].reshape(b, h, nq, 1)
   kb = jnp.arange(nkb, dtype=jnp.int32).reshape(1, 1, 1, nkb)
   reads = (lo <= kb) & (kb < hi)  # B H nq nkb
@@ -599,12 +604,12 @@ def _query_bounds(bounds, b, h, m, s: _Static):
   return jnp.concatenate([first.reshape(-1), (last + 1).reshape(-1)]).astype(jnp.int32)
 
 
-def _query_steps(m, s: _Static, key_blocks: range):
+def _query_steps(n_rows, s: _Static, key_blocks: range):
   """Grid steps over query blocks: the most query blocks that read one of `key_blocks`
   (span = W, and A ahead)."""
-  nq = m // s.bq
-  lo = [(s.l - s.w + i0) // s.bk for i0 in range(0, m, s.bq)]
-  hi = [(s.l + i0 + s.bq - 2 + s.a) // s.bk + 1 for i0 in range(0, m, s.bq)]
+  nq = n_rows // s.bq
+  lo = [(s.n_cached - s.w + i0) // s.bk for i0 in range(0, n_rows, s.bq)]
+  hi = [(s.n_cached + i0 + s.bq - 2 + s.a) // s.bk + 1 for i0 in range(0, n_rows, s.bq)]
   return max(1, max(sum(lo[q] <= kb < hi[q] for q in range(nq)) for kb in key_blocks))
 
 
@@ -615,13 +620,13 @@ def _cost(kind: str, q, nkb: int, s: _Static, steps: int, has_mask: bool,
   its matmul FLOPs per visited tile (content, position over the tile's bq + bk distances,
   values; the backward's recompute and gradients), exp per score, and HBM bytes (blocks as the
   index maps fetch them); persistent vectors per query block (forward: logits, values; dq
-  kernel: logits, g.v, dq, their two gradients), fetched once per (batch, head). nkb: the key
+  kernel: logits, dO v^T, dq, their two gradients), fetched once per (batch, head). nkb: the key
   blocks of the dk/dv call."""
   cost = _band_cost(kind, q, nkb, s, steps, has_mask)
   if not s.n_pers or kind == "bwd_kv":
     return cost
-  b, h, m, dp = q.shape
-  cells, mm = b * h * (m // s.bq), 2 * s.bq * s.n_pers * dp
+  b, h, n_rows, dp = q.shape
+  cells, mm = b * h * (n_rows // s.bq), 2 * s.bq * s.n_pers * dp
   pers_bytes = b * h * 2 * s.n_pers * dp * (pers_itemsize + (4 if kind == "bwd_q" else 0))
   return pl.CostEstimate(
       flops=cost.flops + cells * mm * (2 if kind == "fwd" else 5),
@@ -631,43 +636,43 @@ def _cost(kind: str, q, nkb: int, s: _Static, steps: int, has_mask: bool,
 
 def _band_cost(kind: str, q, nkb: int, s: _Static, steps: int, has_mask: bool
                ) -> pl.CostEstimate:
-  b, h, m, dp = q.shape
-  isz, nq = jnp.dtype(q.dtype).itemsize, m // s.bq
-  qk, pos = 2 * s.bq * s.bk * dp, 2 * s.bq * (s.bq + s.bk) * dp
+  b, h, n_rows, dp = q.shape
+  isz, nq = jnp.dtype(q.dtype).itemsize, n_rows // s.bq
+  qk, s_pos_flops = 2 * s.bq * s.bk * dp, 2 * s.bq * (s.bq + s.bk) * dp
   row, key, stat = s.bq * dp * isz, s.bk * dp * isz, s.bq * LANES * 4
-  pe = (s.l + s.a + 2 * (s.bq + s.bk)) * dp * 4
+  pe = (s.n_cached + s.a + 2 * (s.bq + s.bk)) * dp * 4
   # spans ahead: one more statistic in (and its gradient out of the dq kernel); segments: the
   # rows' ids (replicated like a statistic) per query block, the keys' (bk int32) per step
   extra_in = stat * (s.asym + s.segmented)
   key_ids = s.bk * 4 * s.segmented
   if kind == "fwd":  # per tile: content, position, values
-    tiles, flops = b * h * nq * steps, 2 * qk + pos
+    tiles, flops = b * h * nq * steps, 2 * qk + s_pos_flops
     byts = b * h * nq * (2 * row + 2 * stat + stat * has_mask + extra_in
                          + steps * (2 * key + key_ids)) + pe
-  elif kind == "bwd_q":  # recompute, g.v, dq (content and position), d pe
-    tiles, flops = b * h * nq * steps, 3 * qk + 3 * pos
+  elif kind == "bwd_q":  # recompute, dO v^T, dq (content and position), d pe
+    tiles, flops = b * h * nq * steps, 3 * qk + 3 * s_pos_flops
     byts = b * h * nq * (3 * row + 3 * stat + 2 * stat * has_mask + extra_in + stat * s.asym
                          + steps * (2 * key + key_ids)) + 2 * pe * b
-  else:  # bwd_kv, per (key block, query step): recompute, g.v, dk, dv
-    tiles, flops = b * h * nkb * steps, 4 * qk + pos
+  else:  # bwd_kv, per (key block, query step): recompute, dO v^T, dk, dv
+    tiles, flops = b * h * nkb * steps, 4 * qk + s_pos_flops
     byts = b * h * nkb * (4 * key + key_ids + steps * (2 * row + 8 * s.bq * 4)) + pe
   return pl.CostEstimate(flops=int(tiles * flops), transcendentals=int(tiles * s.bq * s.bk),
                          bytes_accessed=int(byts))
 
 
-def _packed_stats(mx, den, delta, z, bq, za=None, qs=None):
+def _packed_stats(m, den, delta, z, bq, za=None, qs=None):
   """(B, H, M / bq, 8, bq) float32: per query block, rows max, denominator, delta, span (zeros
   without), span ahead (spans learned apart), segment id (int32 bitcast; segments), then zeros.
   Read per step by the dk/dv kernel as one (8, bq) block, 32 bytes per query row where
   lane-replicated (bq, 128) blocks take 512 per statistic (docs/kernels.md)."""
-  b, h, m = mx.shape
-  rows = [mx, den, delta, jnp.zeros_like(mx) if z is None else z]
+  b, h, n_rows = m.shape
+  rows = [m, den, delta, jnp.zeros_like(m) if z is None else z]
   if za is not None or qs is not None:
-    ids = jnp.zeros_like(mx) if qs is None else jnp.broadcast_to(
-        lax.bitcast_convert_type(qs.astype(jnp.int32), jnp.float32)[:, None], (b, h, m))
-    rows += [jnp.zeros_like(mx) if za is None else za, ids]
-  packed = jnp.stack(rows + [jnp.zeros_like(mx)] * (8 - len(rows)), axis=2)  # B H 8 M
-  return jnp.swapaxes(packed.reshape(b, h, 8, m // bq, bq), 2, 3)
+    ids = jnp.zeros_like(m) if qs is None else jnp.broadcast_to(
+        lax.bitcast_convert_type(qs.astype(jnp.int32), jnp.float32)[:, None], (b, h, n_rows))
+    rows += [jnp.zeros_like(m) if za is None else za, ids]
+  packed = jnp.stack(rows + [jnp.zeros_like(m)] * (8 - len(rows)), axis=2)  # B H 8 M
+  return jnp.swapaxes(packed.reshape(b, h, 8, n_rows // bq, bq), 2, 3)
 
 
 def _params(s: _Static, semantics):
@@ -686,7 +691,7 @@ def _query_grid_specs(b, h, nq, dp, s: _Static):
   from the cache's part (blocks below L / bk) and the block's part (the rest): each part's index
   stays at its nearest block while the other part is read, so it is fetched once. Then, with
   segments, the rows' ids (lane-replicated, per batch row) and the key block's ids (1, bk)."""
-  n_wb = s.l // s.bk
+  n_wb = s.n_cached // s.bk
 
   def key_block(bi, hi, qi, j, bnd):
     cell = (bi * h + hi) * nq + qi
@@ -695,15 +700,15 @@ def _query_grid_specs(b, h, nq, dp, s: _Static):
 
   here = lambda bi, hi, qi, j, bnd: (bi, hi, qi, 0)
   kv_block = (None, 2, None, dp, s.bk)
-  cache = lambda *a: (a[0], 0, a[1], 0, jnp.minimum(key_block(*a), n_wb - 1))
-  block = lambda *a: (a[0], 0, a[1], 0, jnp.maximum(key_block(*a) - n_wb, 0))
+  cache = lambda *ix: (ix[0], 0, ix[1], 0, jnp.minimum(key_block(*ix), n_wb - 1))
+  block = lambda *ix: (ix[0], 0, ix[1], 0, jnp.maximum(key_block(*ix) - n_wb, 0))
   specs = (pl.BlockSpec((None, None, s.bq, dp), here),
            pl.BlockSpec((None, None, s.bq, LANES), here),
            pl.BlockSpec(kv_block, cache), pl.BlockSpec(kv_block, block))
   if not s.segmented:
     return specs + (None, None)
   return specs + (pl.BlockSpec((None, s.bq, LANES), lambda bi, hi, qi, j, bnd: (bi, qi, 0)),
-                  pl.BlockSpec((None, 1, s.bk), lambda *a: (a[0], 0, key_block(*a))))
+                  pl.BlockSpec((None, 1, s.bk), lambda *ix: (ix[0], 0, key_block(*ix))))
 
 
 def _pers_spec(n, dp):
@@ -725,10 +730,10 @@ def _row_inputs(z, za, qs, ks, stat, seg_q, seg_k, s: _Static):
 
 
 def _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, s: _Static):
-  b, h, m, dp = q.shape
-  nq, steps, nkb = m // s.bq, _key_steps(m, s), (s.l + m + s.ap) // s.bk
+  b, h, n_rows, dp = q.shape
+  nq, steps, nkb = n_rows // s.bq, _key_steps(n_rows, s), (s.n_cached + n_rows + s.ap) // s.bk
   has_mask = z is not None
-  scalars, _ = _scalars(z, za, qs, ks, seed, b, h, m, s)  # int32s in SMEM
+  scalars, _ = _scalars(z, za, qs, ks, seed, b, h, n_rows, s)  # int32s in SMEM
 
   rows, stat, kv_cache, kv_block, seg_q, seg_k = _query_grid_specs(b, h, nq, dp, s)
   whole = pl.BlockSpec(memory_space=pltpu.VMEM)
@@ -738,7 +743,7 @@ def _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, s: _Static):
   args = [q, kvc, kvb, pe_t] + opt_args + ([pk_t, pv] if s.n_pers else [])
   kernel = functools.partial(_fwd_kernel, s=s, has_mask=has_mask, n_heads=h, n_q=nq, n_kb=nkb,
                              n_steps=steps)
-  out, mx, den = pl.pallas_call(
+  out, m, den = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=1, grid=(b, h, nq, steps), in_specs=in_specs,
@@ -746,31 +751,31 @@ def _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, s: _Static):
           scratch_shapes=[pltpu.VMEM((s.bq, dp), jnp.float32)]
           + [pltpu.VMEM((s.bq, LANES), jnp.float32)] * 3),
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((b, h, m, LANES), jnp.float32),
-                 jax.ShapeDtypeStruct((b, h, m, LANES), jnp.float32)],
+                 jax.ShapeDtypeStruct((b, h, n_rows, LANES), jnp.float32),
+                 jax.ShapeDtypeStruct((b, h, n_rows, LANES), jnp.float32)],
       compiler_params=_params(s, ("parallel", "parallel", "parallel", "arbitrary")),
       cost_estimate=_cost("fwd", q, 0, s, steps, has_mask, _itemsize(pk_t)),
       interpret=s.interpret, name="span_attention_fwd")(scalars, *args)
-  return out, mx[..., 0], den[..., 0]
+  return out, m[..., 0], den[..., 0]
 
 
 def _itemsize(x):
   return 4 if x is None else jnp.dtype(x.dtype).itemsize
 
 
-def _backward(s: _Static, res, g):
-  q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, out, mx, den = res
-  b, h, m, dp = q.shape
-  nq, n_wb, nkb = m // s.bq, s.l // s.bk, (s.l + m + s.ap) // s.bk
+def _backward(s: _Static, res, do):
+  q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, out, m, den = res
+  b, h, n_rows, dp = q.shape
+  nq, n_wb, nkb = n_rows // s.bq, s.n_cached // s.bk, (s.n_cached + n_rows + s.ap) // s.bk
   has_mask = z is not None
-  delta = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)
-  scalars, bounds = _scalars(z, za, qs, ks, seed, b, h, m, s)
-  stats = [_replicate(mx), _replicate(den), _replicate(delta)]
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  scalars, bounds = _scalars(z, za, qs, ks, seed, b, h, n_rows, s)
+  stats = [_replicate(m), _replicate(den), _replicate(delta)]
   pers_in = [pk_t, pv] if s.n_pers else []
   whole = pl.BlockSpec(memory_space=pltpu.VMEM)
 
   # dq, dz (dz ahead), d pe (and the persistent vectors' gradients): the forward's grid
-  steps = _key_steps(m, s)
+  steps = _key_steps(n_rows, s)
 
   rows, stat, kv_cache, kv_block, seg_q, seg_k = _query_grid_specs(b, h, nq, dp, s)
   opt_specs, opt_args = _row_inputs(z, za, qs, ks, stat, seg_q, seg_k, s)
@@ -780,7 +785,7 @@ def _backward(s: _Static, res, g):
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   n_dz = has_mask + s.asym
   out_specs = [rows] + [stat] * n_dz + [dpe_spec] + [dpers] * (2 * bool(pers))
-  out_shape = ([jax.ShapeDtypeStruct(q.shape, q.dtype)] + [f32(b, h, m, LANES)] * n_dz
+  out_shape = ([jax.ShapeDtypeStruct(q.shape, q.dtype)] + [f32(b, h, n_rows, LANES)] * n_dz
                + [f32(b, *pe_t.shape)] + [f32(b, h, s.n_pers, dp)] * (2 * bool(pers)))
   scratch = [pltpu.VMEM((s.bq, dp), jnp.float32)]
   scratch += [pltpu.VMEM((s.bq, LANES), jnp.float32)] * n_dz
@@ -798,7 +803,7 @@ def _backward(s: _Static, res, g):
       compiler_params=_params(s, ("parallel", "arbitrary", "arbitrary", "arbitrary")),
       cost_estimate=_cost("bwd_q", q, 0, s, steps, has_mask, _itemsize(pk_t)),
       interpret=s.interpret, name="span_attention_bwd_q")(
-          scalars, q, kvc, kvb, pe_t, *opt_args, *pers_in, g, *stats)
+          scalars, q, kvc, kvb, pe_t, *opt_args, *pers_in, do, *stats)
   outs = list(outs)
   dq = outs.pop(0)
   dz = outs.pop(0)[..., 0] if has_mask else None
@@ -810,12 +815,12 @@ def _backward(s: _Static, res, g):
 
   # dk, dv per key block, over the query blocks that read it: one call for the cache's key
   # blocks, one for the block's (and the keys ahead), each writing its own part's gradient
-  qbounds = _query_bounds(bounds, b, h, m, s)
-  stats_k = _packed_stats(mx, den, delta, z, s.bq, za, qs)
+  qbounds = _query_bounds(bounds, b, h, n_rows, s)
+  stats_k = _packed_stats(m, den, delta, z, s.bq, za, qs)
 
   def dkv(part, kb0):
     n = part.shape[-1] // s.bk
-    qsteps = _query_steps(m, s, range(kb0, kb0 + n))
+    qsteps = _query_steps(n_rows, s, range(kb0, kb0 + n))
 
     def query_block(bi, hi, kbl, j, bnd, qbnd):
       cell = (bi * h + hi) * nkb + kb0 + kbl
@@ -823,9 +828,9 @@ def _backward(s: _Static, res, g):
       return jnp.maximum(jnp.minimum(first + j, qbnd[b * h * nkb + cell] - 1), first)
 
     rows_k = pl.BlockSpec((None, None, s.bq, dp),
-                          lambda bi, hi, *a: (bi, hi, query_block(bi, hi, *a), 0))
+                          lambda bi, hi, *ix: (bi, hi, query_block(bi, hi, *ix), 0))
     stat_k = pl.BlockSpec((None, None, None, 8, s.bq),
-                          lambda bi, hi, *a: (bi, hi, query_block(bi, hi, *a), 0, 0))
+                          lambda bi, hi, *ix: (bi, hi, query_block(bi, hi, *ix), 0, 0))
     kv_k = pl.BlockSpec((None, 2, None, dp, s.bk),
                         lambda bi, hi, kbl, j, bnd, qbnd: (bi, 0, hi, 0, kbl))
     ids_k = [pl.BlockSpec((None, 1, s.bk), lambda bi, hi, kbl, j, bnd, qbnd:
@@ -842,7 +847,8 @@ def _backward(s: _Static, res, g):
         compiler_params=_params(s, ("parallel", "parallel", "parallel", "arbitrary")),
         cost_estimate=_cost("bwd_kv", q, n, s, qsteps, has_mask),
         interpret=s.interpret, name="span_attention_bwd_kv")(
-            scalars, qbounds, q, part, pe_t, g, stats_k, *([ks[:, None, :]] if s.segmented else []))
+            scalars, qbounds, q, part, pe_t, do, stats_k,
+            *([ks[:, None, :]] if s.segmented else []))
 
   zeros_of = lambda x: None if x is None else np.zeros(x.shape, jax.dtypes.float0)
   return (dq, dkv(kvc, 0), dkv(kvb, n_wb), jnp.sum(dpe, axis=0).astype(pe_t.dtype), dz,
@@ -855,8 +861,8 @@ def _attention(q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, s):
 
 
 def _attention_fwd(q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, s):
-  out, mx, den = _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, s)
-  return out, (q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, out, mx, den)
+  out, m, den = _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, s)
+  return out, (q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, out, m, den)
 
 
 _attention.defvjp(_attention_fwd, _backward)
@@ -868,8 +874,8 @@ def layout_window(w: int) -> int:
   return -(-w // LANES) * LANES
 
 
-def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, g: int):
-  """The kernel's keys and values of g heads (w_kv: their [key | value] columns): the last
+def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, n_heads: int):
+  """The kernel's keys and values of n_heads heads (w_kv: their [key | value] columns): the last
   `layout_window(w)` cached states' (B, 2, G, Dh, L) and the block's (B, 2, G, Dh, M),
   positions last. This is the layout XLA:TPU's projection matmul writes (positions on the
   lanes), so no transpose or concatenation pass follows it. A cache shorter than L is padded
@@ -879,16 +885,16 @@ def project_kv(cache_BxLxD, h_BxMxD, w_kv_Dx2Z, w: int, g: int):
   if x.shape[1] < n:
     x = jnp.pad(x, ((0, 0), (n - x.shape[1], 0), (0, 0)))
   d, z2 = w_kv_Dx2Z.shape
-  w_Dx2xGxH = matmul.weight(w_kv_Dx2Z, x.dtype).reshape(d, 2, g, z2 // (2 * g))
+  w_Dx2xGxH = matmul.weight(w_kv_Dx2Z, x.dtype).reshape(d, 2, n_heads, z2 // (2 * n_heads))
   return (matmul.einsum("btd,dzgh->bzght", x, w_Dx2xGxH),
           matmul.einsum("btd,dzgh->bzght", h_BxMxD, w_Dx2xGxH))
 
 
-def split_kv(kv_BxTx2Z, g: int, w: int):
+def split_kv(kv_BxTx2Z, n_heads: int, w: int):
   """[keys | values] rows (B, W + M, 2 G Dh) of a key/value cache -> the kernel's two parts (the
   cache's padded on the left to `layout_window(w)`)."""
-  b, t, z = kv_BxTx2Z.shape
-  kv = kv_BxTx2Z.reshape(b, t, 2, g, z // (2 * g)).transpose(0, 2, 3, 4, 1)
+  b, n_key_rows, z = kv_BxTx2Z.shape
+  kv = kv_BxTx2Z.reshape(b, n_key_rows, 2, n_heads, z // (2 * n_heads)).transpose(0, 2, 3, 4, 1)
   pad = [(0, 0)] * 4 + [(layout_window(w) - w, 0)]
   return jnp.pad(kv[..., :w], pad), kv[..., w:]
 
@@ -901,12 +907,12 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   (with the A rows ahead) on the right."""
   w = key_pe_DxW.shape[-1]
   a = 0 if key_pe_ahead_DxA is None else key_pe_ahead_DxA.shape[-1]
-  m = q_BxHxMxD.shape[2]
+  n_rows = q_BxHxMxD.shape[2]
   if k_BxHxTxD.shape != v_BxHxTxD.shape or k_BxHxTxD.shape[:2] + k_BxHxTxD.shape[3:] != (
-      q_BxHxMxD.shape[:2] + q_BxHxMxD.shape[3:]) or k_BxHxTxD.shape[2] != w + m + a:
+      q_BxHxMxD.shape[:2] + q_BxHxMxD.shape[3:]) or k_BxHxTxD.shape[2] != w + n_rows + a:
     raise ValueError(f"fused attention: keys {k_BxHxTxD.shape}, values {v_BxHxTxD.shape} for "
                      f"queries {q_BxHxMxD.shape}, window {w} and {a} ahead: want W + M + A = "
-                     f"{w + m + a} rows")
+                     f"{w + n_rows + a} rows")
   bk = kwargs.get("block_k") or kwargs.get("block", 128)
   kv = jnp.swapaxes(jnp.stack([k_BxHxTxD, v_BxHxTxD], axis=1), -1, -2)  # B 2 H Dh T
   cache = jnp.pad(kv[..., :w], [(0, 0)] * 4 + [(-w % bk, 0)])
@@ -961,41 +967,41 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
     (B, H, M, Dh) in the dtype of q.
   """
   fused.check_inputs(pers_k_HxDxN, pers_v_HxNxD, dropout_rate, dropout_seed, precision)
-  b, h, m, dh = q_BxHxMxD.shape
+  b, h, n_rows, dh = q_BxHxMxD.shape
   w = key_pe_DxW.shape[-1]
   bq, bk = block, block_k or block
   n_pers = 0 if pers_k_HxDxN is None else pers_k_HxDxN.shape[-1]
   n_cached = kv_cache_Bx2xHxDxL.shape[-1]
   a = 0 if key_pe_ahead_DxA is None else key_pe_ahead_DxA.shape[-1]
-  ap = kv_block_Bx2xHxDxM.shape[-1] - m
+  ap = kv_block_Bx2xHxDxM.shape[-1] - n_rows
   if (kv_cache_Bx2xHxDxL.shape[:4] != (b, 2, h, dh) or n_cached < w
       or kv_block_Bx2xHxDxM.shape[:4] != (b, 2, h, dh) or ap < a or (ap and not a)):
-    want = f"M = {m}" if not a else f"M + Ap, Ap >= A = {a} a multiple of the key tile"
+    want = f"M = {n_rows}" if not a else f"M + Ap, Ap >= A = {a} a multiple of the key tile"
     raise ValueError(f"fused attention: keys and values {kv_cache_Bx2xHxDxL.shape} (cache), "
                      f"{kv_block_Bx2xHxDxM.shape} (block) for queries {q_BxHxMxD.shape} and "
                      f"window {w}: want {(b, 2, h, dh)} + (L >= {w},) and {(b, 2, h, dh)} + "
                      f"({want},)")
-  if m % bq or m % bk or n_cached % bk or n_pers % bk or ap % bk:
-    raise ValueError(f"fused attention: block {m} must be a multiple of {bq} and {bk}, cached "
+  if n_rows % bq or n_rows % bk or n_cached % bk or n_pers % bk or ap % bk:
+    raise ValueError(f"fused attention: block {n_rows} must be a multiple of {bq} and {bk}, cached "
                      f"positions {n_cached}, {ap} positions ahead and {n_pers} persistent "
                      f"vectors of {bk}")
   if a and key_pe_ahead_DxA.shape[0] != key_pe_DxW.shape[0]:
     raise ValueError(f"fused attention: key_pe_ahead {key_pe_ahead_DxA.shape} for key_pe "
                      f"{key_pe_DxW.shape}")
   if z_ahead_BxHxM is not None and (z_BxHxM is None or not a
-                                    or z_ahead_BxHxM.shape != (b, h, m)):
+                                    or z_ahead_BxHxM.shape != (b, h, n_rows)):
     raise ValueError(f"fused attention: spans ahead {z_ahead_BxHxM.shape} need spans and a "
-                     f"window ahead (A = {a}), and the shape {(b, h, m)}")
+                     f"window ahead (A = {a}), and the shape {(b, h, n_rows)}")
   segmented = q_seg_BxM is not None
   if (kv_seg_BxT is None) == segmented or segmented and (
-      q_seg_BxM.shape != (b, m) or kv_seg_BxT.shape != (b, w + m + a)):
+      q_seg_BxM.shape != (b, n_rows) or kv_seg_BxT.shape != (b, w + n_rows + a)):
     raise ValueError(f"fused attention: segment ids {None if q_seg_BxM is None else q_seg_BxM.shape}"
                      f" (queries), {None if kv_seg_BxT is None else kv_seg_BxT.shape} (keys): "
-                     f"both or neither, want {(b, m)} and {(b, w + m + a)}")
+                     f"both or neither, want {(b, n_rows)} and {(b, w + n_rows + a)}")
   if bq % 8 or bk % 8:
     raise ValueError(f"fused attention: tiles {bq}, {bk} must be multiples of 8")
-  if z_BxHxM is not None and z_BxHxM.shape != (b, h, m):
-    raise ValueError(f"fused attention: spans {z_BxHxM.shape}, want {(b, h, m)}")
+  if z_BxHxM is not None and z_BxHxM.shape != (b, h, n_rows):
+    raise ValueError(f"fused attention: spans {z_BxHxM.shape}, want {(b, h, n_rows)}")
   if n_pers and (pers_k_HxDxN.shape != (h, dh, n_pers) or pers_v_HxNxD.shape != (h, n_pers, dh)):
     raise ValueError(f"fused attention: persistent keys {pers_k_HxDxN.shape}, values "
                      f"{pers_v_HxNxD.shape}, want {(h, dh, n_pers)} and {(h, n_pers, dh)}")
@@ -1006,7 +1012,7 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
     vmem_limit_bytes = vmem_bytes(n_cached + a, dp, bq, bk, q_BxHxMxD.dtype, key_pe_DxW.dtype,
                                   n_pers, pers_dtype or jnp.float32,
                                   row_stats=2 * asym + segmented, key_ids=segmented)
-  s = _Static(l=n_cached, ramp=int(ramp), eps=float(eps), bq=bq, bk=bk,
+  s = _Static(n_cached=n_cached, ramp=int(ramp), eps=float(eps), bq=bq, bk=bk,
               scale=1.0 / math.sqrt(dh), precision=precision, interpret=interpret,
               vmem_limit_bytes=vmem_limit_bytes, rate=float(dropout_rate), n_pers=n_pers,
               w=w, a=a, ap=ap, asym=asym, segmented=segmented)
@@ -1044,29 +1050,29 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
                                          True, True, True), seed_at=5)[..., :dh]
 
 
-def tiles(attn_block: int, m: int, w: int, n_pers: int = 0) -> tuple[int, int]:
-  """(query tile bq, key tile bk) for a block of m queries, w cached positions (the layout's:
+def tiles(attn_block: int, n_rows: int, w: int, n_pers: int = 0) -> tuple[int, int]:
+  """(query tile bq, key tile bk) for a block of n_rows queries, w cached positions (the layout's:
   `layout_window`) and n_pers persistent vectors: the widest key tile of 512, 256 that divides
-  w, m and n_pers and is at most a quarter of w (learned spans skip key blocks: a narrow window
+  w, n_rows and n_pers and is at most a quarter of w (learned spans skip key blocks: a narrow window
   keeps them fine), else 128 where it divides them, else attn_block; then half as many query
-  rows, at least 128, where m allows (K/V are re-read once per query block; the position term's
+  rows, at least 128, where n_rows allows (K/V are re-read once per query block; the position term's
   matmul spans bq + bk distances per bk keys, so bq = bk / 2 keeps it at 1.5x the content
   matmul), else bq = bk. Each compiles for v5e, v5p and v6e (tests/kernels/test_pallas_tpu.py);
   docs/kernels.md has the cost model."""
-  fits = lambda t: t >= attn_block and not (w % t or m % t or n_pers % t)
-  bk = next((t for t in (512, 256) if fits(t) and 4 * t <= w), None)
+  fits = lambda tile: tile >= attn_block and not (w % tile or n_rows % tile or n_pers % tile)
+  bk = next((tile for tile in (512, 256) if fits(tile) and 4 * tile <= w), None)
   bk = bk or (LANES if fits(LANES) else attn_block)
   half = max(LANES, bk // 2)
-  bq = half if m % half == 0 and bk % LANES == 0 else bk
+  bq = half if n_rows % half == 0 and bk % LANES == 0 else bk
   return bq, bk
 
 
-def misfit(attn_block: int, m: int, w: int, n_pers: int = 0) -> str:
+def misfit(attn_block: int, n_rows: int, w: int, n_pers: int = 0) -> str:
   """'' when `tiles` gives Mosaic-legal tiles for this layer (window w), else why not (a TPU then
   runs the reference): keys lie positions last, so the key tile is a multiple of 128 lanes."""
-  bq, bk = tiles(attn_block, m, layout_window(w), n_pers)
+  bq, bk = tiles(attn_block, n_rows, layout_window(w), n_pers)
   if bk % LANES or (bq + bk) % LANES:
-    return (f"TPU tiles {bq} x {bk}: the key tile must be a multiple of 128 lanes (block {m}, "
+    return (f"TPU tiles {bq} x {bk}: the key tile must be a multiple of 128 lanes (block {n_rows}, "
             f"{n_pers} persistent vectors, attn_block {attn_block}: multiples of 128 fit)")
   return ""
 

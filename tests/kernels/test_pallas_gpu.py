@@ -604,42 +604,38 @@ def test_ptx_pipelined_tensor_cores_no_read_back_no_spills(tmp_path, target):
   assert all(k["spill_store"] == 0 == k["spill_load"] for k in bf16), bf16
 
 
-# enwik8_large's attention per device in its training step on 8 GPUs (batch 64 / 8 devices /
-# batch_split 2 = 4 sequences, 8 heads, block 512, span 8192, head size 96, dropout 0.4, bf16):
-# the kernels at the tiles the door picks. The PTX test's small shape (B=1, H=2) did not show
-# the spill this one did (bwd_kv at 64 x 64 tiles on the H100: 255 registers, 8+8 B).
-_LARGE_STEP_CHILD = _PTX_PRELUDE + """
-b, h, m, w, dh, dt = 4, 8, 512, 8192, 96, jnp.bfloat16
+# A paper config's attention per device in its training step on 8 GPUs, the kernels at the tiles
+# the door picks: argv[2:] = batch, heads, block, span, persistent vectors, head size, dropout
+# (bf16). The PTX test's small shape (B=1, H=2) did not show the spills these did.
+_STEP_CHILD = _PTX_PRELUDE + """
+b, h, m, w, n, dh = map(int, sys.argv[2:8])
+rate, dt = float(sys.argv[8]), jnp.bfloat16
 tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)
 bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile)
 print("TILES " + json.dumps([tile, bk, warps, stages]), flush=True)
 sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
-def loss(q, k, v, pe, z):
+def loss(q, k, v, pe, z, pk, pv):
   return jnp.sum(pallas_gpu.span_attention(q, k, v, pe, z, ramp=32, block=tile, block_k=bk,
-      num_warps=warps, num_stages=stages, dropout_rate=0.4,
+      num_warps=warps, num_stages=stages, pers_k_HxDxN=pk if n else None,
+      pers_v_HxNxD=pv if n else None, dropout_rate=rate,
       dropout_seed=jnp.uint32(3)).astype(jnp.float32))
-jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)))).lower(
+jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)))).lower(
     sds(b, h, m, dh), sds(b, h, w + m, dh), sds(b, h, w + m, dh), sds(dh, w),
-    sds(b, h, m, d=jnp.float32)).compile(compiler_options=dict(kernels.GPU_COMPILER_OPTIONS))
+    sds(b, h, m, d=jnp.float32), sds(h, dh, max(n, 1), d=jnp.float32),
+    sds(h, max(n, 1), dh, d=jnp.float32)).compile(
+        compiler_options=dict(kernels.GPU_COMPILER_OPTIONS))
 """
 
 
-@pytest.mark.compile
-@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
-@pytest.mark.parametrize("target", ["h100", "a100_80"])
-def test_enwik8_large_step_shapes_no_bf16_spills(tmp_path, target):
-  """At enwik8_large's per-device shapes (head size 96, run as 128) every kernel compiles
-  without spills in bf16, with tensor-core instructions and asynchronous copies and no
-  read-back (the compile mode's `GPU kernels` table of
-  `main.py --config=configs/enwik8_large.py --config.mode=compile --config.compile.targets=h100:8
-  --config.compile.steps=train --config.model.dtype=bfloat16 --config.model.attention.impl=pallas`
-  shows the same kernels)."""
+def _assert_step_kernels_clean(tmp_path, target, shape):
+  """The three kernels compiled at `shape` (_STEP_CHILD's argv) for `target`: no spills, tensor-
+  core instructions, asynchronous copies, no read-back."""
   from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
   env = compile_lib.child_env("gpu")
   env["XLA_FLAGS"] = f"--xla_dump_to={tmp_path}"
-  r = subprocess.run([sys.executable, "-c", _LARGE_STEP_CHILD, target], cwd=REPO, env=env,
-                     capture_output=True, text=True, timeout=900, check=False)
+  r = subprocess.run([sys.executable, "-c", _STEP_CHILD, target, *map(str, shape)], cwd=REPO,
+                     env=env, capture_output=True, text=True, timeout=900, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
   reports = [k for k in compile_lib.parse_ptxas(r.stdout + r.stderr)
              if k["kernel"].startswith("span_attention")]
@@ -651,3 +647,28 @@ def test_enwik8_large_step_shapes_no_bf16_spills(tmp_path, target):
     assert not f["read_back"] and f["unresolved"] == 0, f
     assert f["cp_async"] > 0, f
     assert (f["wgmma"] if target == "h100" else f["mma"]) > 0, f
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+@pytest.mark.parametrize("target", ["h100", "a100_80"])
+def test_enwik8_large_step_shapes_no_bf16_spills(tmp_path, target):
+  """At enwik8_large's per-device shapes (batch 64 / 8 devices / batch_split 2 = 4 sequences,
+  8 heads, block 512, span 8192, head size 96 run as 128, dropout 0.4) every kernel compiles
+  without spills in bf16, with tensor-core instructions and asynchronous copies and no
+  read-back (the compile mode's `GPU kernels` table of
+  `main.py --config=configs/enwik8_large.py --config.mode=compile --config.compile.targets=h100:8
+  --config.compile.steps=train --config.model.dtype=bfloat16 --config.model.attention.impl=pallas`
+  shows the same kernels). It failed on the H100's old 64 x 64 tiles: bwd_kv 8+8 B."""
+  _assert_step_kernels_clean(tmp_path, target, (4, 8, 512, 8192, 0, 96, 0.4))
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+@pytest.mark.parametrize("target", ["h100", "a100_80"])
+def test_enwik8_pers_step_shapes_no_bf16_spills(tmp_path, target):
+  """The same at configs/enwik8_pers.py's per-device shapes (4 sequences, 8 heads, block 512,
+  span 8192, 2,048 persistent vectors, head size 64, dropout 0.4): the persistent loop of bwd_q
+  is what needs the registers. It failed on the H100's old 64 x 64 tiles: bwd_q 255 registers,
+  4+4 B spilled."""
+  _assert_step_kernels_clean(tmp_path, target, (4, 8, 512, 8192, 2048, 64, 0.4))

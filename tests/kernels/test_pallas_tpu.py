@@ -135,7 +135,7 @@ def test_visited_key_blocks_follow_the_spans():
   """The scalar-prefetched bounds the index maps and the skips read: [first, last + 1) key block
   per (batch, head, query block), computed from the spans at run time."""
   static = ft._Static(  # pylint: disable=protected-access
-      l=W, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0, precision="default", interpret=True,
+      n_cached=W, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0, precision="default", interpret=True,
       vmem_limit_bytes=None, w=W)
   n = B * H * (M // BLOCK)
   for span, first in ((2.0, [2, 3]), (100.0, [0, 1])):
@@ -426,7 +426,7 @@ def test_a_window_laid_out_in_whole_key_tiles_visits_only_the_window():
   for f in (lambda q, k, v, pe, z: ft.span_attention(q, k, v, pe, z, **kw), long_cache):
     _check(_value_and_grads(jax.jit(f), q, k, v, pe, z, ct), want, (2e-5, 5e-5), 1e-4, z)
   static = ft._Static(  # pylint: disable=protected-access
-      l=80, w=w, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0, precision="default",
+      n_cached=80, w=w, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0, precision="default",
       interpret=True, vmem_limit_bytes=None)
   bounds = ft._key_bounds(jnp.full((B, H, M), 100.0), B, H, M, static)  # pylint: disable=protected-access
   np.testing.assert_array_equal(bounds[:B * H * 2], np.tile([2, 3], B * H))  # keys 40 + i0 on
@@ -515,7 +515,7 @@ def test_two_sided_segments_dropout_and_persistent_memory_match_the_reference(as
 
 def _static(**kw):
   return ft._Static(  # pylint: disable=protected-access
-      **dict(dict(l=W, w=W, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0,
+      **dict(dict(n_cached=W, w=W, ramp=R, eps=1e-8, bq=BLOCK, bk=BLOCK, scale=1.0,
                   precision="default", interpret=True, vmem_limit_bytes=None), **kw))
 
 
