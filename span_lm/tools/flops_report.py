@@ -96,7 +96,7 @@ def report(config) -> dict:
   from span_lm.tools import restore as restore_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-  config_lib.validate(config)  # the one mode that builds no loop.Run (which validates)
+  config_lib.validate(config)  # the one mode that builds no run.Run (which validates)
   meta = None
   ckpt_dir = os.path.join(config.workdir or "", "checkpoints")
   if config.workdir and os.path.isdir(ckpt_dir):

@@ -1,6 +1,6 @@
 """Host tuning for CPU training, all of it in one place: the host split into one JAX device per
 core, and glibc malloc settings. Neither runs on GPU or TPU (cpu_only); both must act before the
-JAX backend starts (train/loop.py calls them first).
+JAX backend starts (train/run.py calls them first).
 
 Devices: XLA:CPU runs most of one device's operations (everything but large matmuls) on one
 thread, so with one device per core the halves of a batch run side by side (setup_cpu_devices).
