@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from span_lm.data import batching
+from span_lm.model import ARCHS
 from span_lm.model import caches as caches_lib
 from span_lm.train import metrics as metrics_lib
 from span_lm.train import pending as pending_lib
@@ -36,7 +37,7 @@ def evaluate_stream(run, params, plan, split: np.ndarray, batch: int, *, caches=
   """
   cfg, d = run.model_cfg, run.config.data
   if kv_cache is None:
-    kv_cache = caches is None and cfg.arch == "span"
+    kv_cache = caches is None and ARCHS[cfg.arch].cache
   if run.fsdp > 1:  # the eval step takes replicated parameters: gather them once
     params = jax.device_put(params, run.replicated)
   if caches is None:

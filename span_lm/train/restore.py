@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm import run_dir
+from span_lm.model import archs
 from span_lm.model import config as model_config
 from span_lm.model import plan as plan_lib
 from span_lm.train import checkpoint as ckpt_lib
@@ -35,10 +36,7 @@ def check_meta(model_cfg, meta: dict, directory: str) -> None:
   # Checkpoints written before config.model's sections hold its flat fields: upgraded first.
   saved = run_dir.flatten(model_config.upgrade(meta.get("model_cfg", {})))
   mine = run_dir.flatten(json.loads(json.dumps(dataclasses.asdict(model_cfg))))  # lists
-  keys = [k for k in mine if k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff",
-                                    "pers_mem", "arch", "span.mode")
-          or k.startswith(("sparse.", "adapt_io.")) and k != "sparse.impl"]  # impl: how it runs
-  keys.append("sparse.context" if model_cfg.arch == "sparse" else "span.size")
+  keys = [k for k in mine if archs.is_identity(k)] + list(archs.ARCHS[model_cfg.arch].identity)
   diff = [f"{k}: checkpoint {saved.get(k)!r}, config {mine[k]!r}" for k in keys
           if k in saved and saved[k] != mine[k]]
   if diff:
