@@ -27,6 +27,7 @@ few percent above the matmul count on tiny models (4-8% in tests/tools/test_tool
 """
 import dataclasses
 import functools
+import logging
 import math
 import re
 from typing import Any
@@ -400,17 +401,27 @@ def default_optimizer():
        "batch_split": 1})[0]
 
 
-def xla_costs(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
-              tx=None) -> dict[str, Any]:
-  """Compiles the real train step (one device, donated state) and reads XLA's analyses."""
+def compile_train_step(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
+                       tx=None, *, devices=None):
+  """The train step as a run compiles it (train/steps.build: mesh, shardings, donated state, the
+  attention kernel's compiler options), for abstract inputs: a fresh state without loss scaling
+  and a (batch, block) batch. On one device, or over `devices` (e.g. a deviceless TPU chip's)."""
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
   plan = plan or plan_lib.full_plan(cfg)
   tx = tx or default_optimizer()
   state = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, batch, 1, 0))
   tokens = jax.ShapeDtypeStruct((batch, block), jnp.int32)
   batch_spec = {"x": tokens, "y": tokens, "reset": jax.ShapeDtypeStruct((), jnp.bool_)}
-  fn = functools.partial(steps_lib.train_step, cfg=cfg, plan=plan, tx=tx)
-  compiled = jax.jit(fn, donate_argnums=0).lower(state, batch_spec).compile()
+  compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=1,
+                             num_devices=None if devices else 1, devices=devices,
+                             log=logging.getLogger("span_lm").debug)
+  return compiler.train(plan, state, batch_spec)
+
+
+def xla_costs(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
+              tx=None) -> dict[str, Any]:
+  """Compiles the real train step (one device: compile_train_step) and reads XLA's analyses."""
+  compiled = compile_train_step(cfg, plan, batch, block, tx)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per module
   mem = compiled.memory_analysis()
