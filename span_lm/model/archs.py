@@ -120,9 +120,10 @@ def _check_sparse(cfg, bad):
                      f"n_layers={cfg.n_layers} must be a multiple")
 
 
-SPARSE = Arch(name="sparse", context_field="sparse.context", build=_build_sparse, forward_macs=macs.sparse_forward_macs, cache=False,
-              banded=False, pers_mem=False, documents=False, identity=("sparse.context",),
-              settle=_settle_sparse, check=_check_sparse)
+SPARSE = Arch(name="sparse", context_field="sparse.context", build=_build_sparse,
+              forward_macs=macs.sparse_forward_macs, cache=False, banded=False, pers_mem=False,
+              documents=False, identity=("sparse.context",), settle=_settle_sparse,
+              check=_check_sparse)
 
 # ---- the table -----------------------------------------------------------------------------------
 

@@ -13,10 +13,12 @@ paper's idealised H * span * 2 * Dh per token. What it does, per layer and block
   feed-forward 2 * D * F; output D * V (the embedding lookup is a gather).
 
 `forward_macs` itemises this (each architecture's count is its ARCHS record's, model/macs.py);
-`generation_macs` counts what `sample` runs per token instead (the ring decoder over projected key/value caches: no cached state is re-projected). The training step does 3x the forward's matmul work (every matmul
-has two operand gradients) except for the cache rows of the key/value projection: the cache is a
-constant of the step and is projected by its own matmul, so it gets a weight gradient only. Under remat='layer' the count adds one more forward of the
-layers, an upper bound: XLA removes part of that recomputation (tiny test model: 466M of 575M).
+`generation_macs` counts what `sample` runs per token instead (the ring decoder over projected
+key/value caches: no cached state is re-projected). The training step does 3x the forward's
+matmul work (every matmul has two operand gradients) except for the cache rows of the key/value
+projection: the cache is a constant of the step and is projected by its own matmul, so it gets a
+weight gradient only. Under remat='layer' the count adds one more forward of the layers, an
+upper bound: XLA removes part of that recomputation (tiny test model: 466M of 575M).
 
 `xla_costs` compiles the real train step and reads XLA's cost and memory analyses;
 `hlo_dot_flops` sums its matmuls (dot instructions; on TPU the convolutions XLA writes them as),

@@ -106,7 +106,7 @@ def report(config) -> dict:
         meta = ckpt.restore_meta(restore_lib.tools_field(config, "step"))
   vocab, vocab_from = _run_vocab(config, meta)
   cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
-  if not ARCHS[cfg.arch].banded:  # no spans, no plan: the factorized attention against the dense one
+  if not ARCHS[cfg.arch].banded:  # no spans, no plan: factorized attention against the dense one
     plan = gen_plan = plan_lib.full_plan(cfg)
     source = f"{cfg.sparse.combine} heads, stride {cfg.sparse.stride}"
     base_name, base_cfg = f"dense attention n={cfg.sparse.context}", cfg.replace(

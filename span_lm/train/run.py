@@ -55,7 +55,8 @@ class Run:
     config_lib.validate(config)
     n_cpu, why = cpu_host.setup(config)  # before any backend use, as initialize
     dist_lib.initialize(config)  # before any backend use; a no-op for a lone process
-    self.lock = run_lock.take(config.workdir, echo=_echo) if lock else None  # before anything is written
+    # before anything is written
+    self.lock = run_lock.take(config.workdir, echo=_echo) if lock else None
     try:
       self._build(config, need_workdir, num_devices, n_cpu, why)
     except BaseException:
