@@ -4,7 +4,7 @@ The schema is written once, here: `config.model` takes its fields and defaults f
 (span_lm/model/config.py), the other sections are below, and configs/base.py hands it to the run
 files. `validate` rejects every inconsistent or out-of-range value with a ConfigError naming the
 field (`config.data.block=0: must be an integer >= 1`) before anything is traced or compiled; it
-runs once per command, where the run is built (span_lm/train/loop.py `Run`). The accepted names
+runs once per command, where the run is built (span_lm/train/run.py `Run`). The accepted names
 are module-level tuples (MODES, and those of the modules that use them) that later features extend.
 """
 import dataclasses

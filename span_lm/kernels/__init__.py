@@ -396,6 +396,13 @@ def runtime_spans(cfg) -> bool:
   return select(cfg).fused
 
 
+def chunk(cfg, m: int, w: int) -> int:
+  """Queries per chunk of the banded scores for a block of m and a window of w (the reference's
+  choose_chunk: config.model.attention.chunk, else automatic), for model/macs.py's count."""
+  from span_lm.kernels.banded_reference import choose_chunk  # pylint: disable=g-import-not-at-top
+  return choose_chunk(m, w, cfg.attention.chunk)
+
+
 def gpu_tiles(cfg, impl: str, dtype) -> tuple[int, int, int]:
   """The GPU kernel's (tile, warps, stages) for a GPU implementation (impl_gpu.tiles)."""
   return IMPLS[impl].ops.tiles(IMPLS[impl], spec_of(cfg), dtype)

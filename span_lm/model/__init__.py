@@ -1,15 +1,15 @@
-"""Sequence models: `build_model(cfg, plan)` picks the architecture named by config.model.arch."""
+"""Sequence models: `build_model(cfg, plan)` builds the architecture named by config.model.arch.
+
+`ARCHS` (model/archs.py) is the table of architectures: each record holds its model builder, its
+context and cache lengths, its FLOPs count, its checkpoint identity and its config checks.
+"""
+from span_lm.model.archs import ARCHS
 
 
 def build_model(cfg, plan=None, kv_cache: bool = False):
-  """SparseTransformer for arch='sparse', else the SpanTransformer (imports stay lazy).
+  """The Flax module of cfg.arch (its imports stay lazy): the SpanTransformer, or the
+  SparseTransformer for arch='sparse'.
 
   kv_cache: inference with caches of projected keys/values (span arch only).
   """
-  if cfg.arch == "sparse":
-    if kv_cache:
-      raise ValueError("kv_cache applies to the span Transformer only (the sparse one has no cache)")
-    from span_lm.model.sparse_transformer import SparseTransformer  # pylint: disable=g-import-not-at-top
-    return SparseTransformer(cfg, plan)
-  from span_lm.model.transformer import SpanTransformer  # pylint: disable=g-import-not-at-top
-  return SpanTransformer(cfg, plan, kv_cache=kv_cache)
+  return ARCHS[cfg.arch].build(cfg, plan, kv_cache)

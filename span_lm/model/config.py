@@ -21,11 +21,11 @@ from typing import Any
 
 from span_lm import kernels
 from span_lm.kernels.sparse_door import SPARSE_IMPL_NAMES
+from span_lm.model import archs
 
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT = ("none", "layer")
-ARCHS = ("span", "sparse")  # span_lm/model/transformer.py | span_lm/model/sparse_transformer.py
 SPARSE_PATTERNS = ("fixed", "strided", "local", "dense")  # span_lm/model/sparse.py
 SPARSE_COMBINES = ("merged", "interleaved", "split")
 SPARSE_POS = ("attn", "data", "none")
@@ -200,7 +200,7 @@ class ModelConfig(_Section):
   # What a recomputed layer keeps from the forward pass (jax.checkpoint_policies): nothing_saveable
   # (least memory), dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.
   remat_policy: str = "nothing_saveable"
-  arch: str = "span"  # span (span_lm/model/transformer.py) | sparse (sparse_transformer.py)
+  arch: str = archs.DEFAULT  # span (span_lm/model/transformer.py) | sparse: model/archs.py
   # Document boundaries in the token stream (concatenated documents), span model only: the token
   # id that starts a new document (e.g. a separator/BOS id), or -1: off (the default; the model
   # is then the reference's, number for number). When set, a query attends only to keys of its
@@ -235,7 +235,8 @@ class ModelConfig(_Section):
       bad("n_heads", f"must divide d_model={self.d_model}")
     if self.pers_mem < 0:
       bad("pers_mem", "must be >= 0")
-    if (self.pers_mem == 0 or self.arch == "sparse") and self.d_ff < 1:
+    arch = archs.ARCHS.get(self.arch)  # an unknown one is refused below, after these
+    if (self.pers_mem == 0 or arch is not None and not arch.pers_mem) and self.d_ff < 1:
       bad("d_ff", "must be >= 1 unless persistent memory replaces the feed-forward (pers_mem > 0)")
     for f in ("dropout", "emb_dropout"):
       if not 0.0 <= getattr(self, f) < 1.0:
@@ -246,22 +247,17 @@ class ModelConfig(_Section):
       bad("remat", f"choose one of {REMAT}")
     if self.remat_policy not in REMAT_POLICIES:
       bad("remat_policy", f"choose one of {REMAT_POLICIES}")
-    if self.arch not in ARCHS:
-      bad("arch", f"choose one of {ARCHS}")
+    if arch is None:
+      bad("arch", f"choose one of {tuple(archs.ARCHS)}")
     if isinstance(self.doc_boundary, bool) or not isinstance(self.doc_boundary, int) or (
         self.doc_boundary < -1 or self.vocab_size > 1 and self.doc_boundary >= self.vocab_size):
       bad("doc_boundary", f"must be -1 (off) or a token id in [0, vocab_size={self.vocab_size})")
-    if self.doc_boundary >= 0 and self.arch != "span":
+    if self.doc_boundary >= 0 and not arch.documents:
       bad("doc_boundary", "document boundaries are for arch='span' (the sparse model has none)")
-    if self.arch == "sparse":  # no learned spans: what reads model.span sees a fixed span of n
-      object.__setattr__(self, "span", Span(size=self.sparse.context, mode="fixed", loss=0.0,
-                                            ramp=self.span.ramp))
+    for field, value in arch.settle(self).items():  # e.g. the sparse model's fixed span of n
+      object.__setattr__(self, field, value)
     kernels.check(self)  # an explicit fused kernel's tiling of these sizes
-    if self.arch == "sparse":
-      self._check_sparse(bad)
-    elif self.sparse.scan_layers:
-      raise ValueError("config.model.sparse.scan_layers=True: only arch='sparse' scans its layers "
-                       "(the span model's layers differ: each has its own span plan and cache)")
+    arch.check(self, bad)  # its own section against the rest
     if self.adapt_io.enabled:
       cuts = self.adapt_io.cutoffs
       if self.vocab_size > 1 and cuts and cuts[-1] >= self.vocab_size:  # 1: not known yet
@@ -271,25 +267,10 @@ class ModelConfig(_Section):
         raise ValueError(f"config.model.adapt_io.div={self.adapt_io.div!r}: leaves the last "
                          f"cluster of d_model={self.d_model} with no dimension")
 
-  def _check_sparse(self, bad):
-    if self.pers_mem:
-      bad("pers_mem", "arch='sparse' has no persistent memory")
-    if self.adapt_io.enabled:
-      raise ValueError("config.model.adapt_io.enabled=True: arch='sparse' has no adaptive "
-                       "input/softmax")
-    sp = self.sparse
-    if self.d_qk % self.n_heads or self.d_qk < self.n_heads:
-      raise ValueError(f"config.model.sparse.qk_ratio={sp.qk_ratio!r}: d_model * ratio must be "
-                       f"divisible by n_heads={self.n_heads}")
-    if sp.scan_layers and self.n_layers % sp.scan_period:
-      raise ValueError(f"config.model.sparse.scan_layers=True: the blocks repeat every "
-                       f"{sp.scan_period} layers (sparse.combine='interleaved'): "
-                       f"n_layers={self.n_layers} must be a multiple")
-
   @property
   def context(self) -> int:
     """The farthest a query looks back: S for the span model, n for the sparse one."""
-    return self.sparse.context if self.arch == "sparse" else self.span.size
+    return archs.ARCHS[self.arch].context(self)
 
   @property
   def d_qk(self) -> int:
@@ -359,10 +340,10 @@ MOVED = {
 }
 
 
-def moved_to(name: str, arch: str = "span") -> str | None:
+def moved_to(name: str, arch: str = archs.DEFAULT) -> str | None:
   """Where an old flat field of config.model lives now ('span.mode'), or None if it did not move."""
-  if name == "span":
-    return "sparse.context" if arch == "sparse" else "span.size"
+  if name == "span":  # the architecture's context length (an unknown one: the default's)
+    return archs.ARCHS.get(arch, archs.ARCHS[archs.DEFAULT]).context_field
   if name == "adapt_io":
     return "adapt_io.enabled"
   return MOVED.get(name)
@@ -385,7 +366,7 @@ def upgrade(d: dict) -> dict:
   the rest is returned as it was."""
   if not is_flat(d):
     return d
-  arch = d.get("arch", "span")
+  arch = d.get("arch", archs.DEFAULT)
   out = {k: v for k, v in d.items() if not _moved(k, v)}
   for k, v in d.items():
     if _moved(k, v):

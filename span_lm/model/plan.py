@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from span_lm import kernels
+from span_lm.model.archs import ARCHS
 from span_lm.model.config import ModelConfig
 
 
@@ -55,8 +56,7 @@ def full_plan(cfg: ModelConfig) -> SpanPlan:
   arch='sparse' carries no hidden states between blocks: its caches hold one unused state
   (cache_len 1, not 0: Orbax refuses to save zero-size arrays).
   """
-  cache_len = 1 if cfg.arch == "sparse" else cfg.span.size
-  lp = LayerPlan(cache_len=cache_len, groups=((tuple(range(cfg.n_heads)), cfg.span.size),))
+  lp = LayerPlan(cache_len=ARCHS[cfg.arch].cache_len(cfg), groups=((tuple(range(cfg.n_heads)), cfg.span.size),))
   return SpanPlan(layers=(lp,) * cfg.n_layers)
 
 
@@ -143,7 +143,7 @@ def check_plan(cfg: ModelConfig, params, plan: SpanPlan) -> None:
             f"span plan layer {i} head {h}: window {windows[h]} does not cover the span plus ramp "
             f"({int(need[h])} tokens, max {cfg.span.size}); re-derive the plan "
             "(plan.plan_from_params) instead of truncating attention")
-    if lp.cache_len < max(windows) and cfg.arch != "sparse":  # sparse: no cache by design
+    if lp.cache_len < max(windows) and ARCHS[cfg.arch].cache:  # sparse: no cache by design
       raise ValueError(f"span plan layer {i}: cache_len {lp.cache_len} < window {max(windows)}")
 
 

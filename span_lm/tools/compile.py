@@ -390,6 +390,7 @@ def report(config) -> dict:
   """The compile mode: every target in its own child process; JSON and markdown written to
   config.compile.out (default: config.workdir, else ./compile_report)."""
   from span_lm import run_dir  # pylint: disable=g-import-not-at-top
+  from span_lm.model import ARCHS  # pylint: disable=g-import-not-at-top
   targets = parse_targets(config.compile.targets)
   missing = {missing_toolchain(t.chip.platform) for t in targets} - {""}
   if missing:
@@ -435,8 +436,8 @@ def report(config) -> dict:
       print(format_row(row), flush=True)
   result = {"config": config.get("config_name", ""), "rows": rows,
             "model": {"n_layers": config.model.n_layers, "d_model": config.model.d_model,
-                      "span": (config.model.sparse.context if config.model.arch == "sparse"
-                               else config.model.span.size), "dtype": config.model.dtype,
+                      "span": ARCHS[config.model.arch].context(config.model),
+                      "dtype": config.model.dtype,
                       "batch": config.data.batch, "block": config.data.block,
                       "batch_split": config.optim.batch_split, "remat": config.model.remat}}
   with open(os.path.join(out_dir, "compile_report.json"), "w") as f:

@@ -12,21 +12,24 @@ paper's idealised H * span * 2 * Dh per token. What it does, per layer and block
                persistent memory adds 2 N Dh; the dynamic-span predictor D * H.
   feed-forward 2 * D * F; output D * V (the embedding lookup is a gather).
 
-`forward_macs` itemises this; `generation_macs` counts what `sample` runs per token instead (the
-ring decoder over projected key/value caches: no cached state is re-projected). The training step does 3x the forward's matmul work (every matmul
-has two operand gradients) except for the cache rows of the key/value projection: the cache is a
-constant of the step and is projected by its own matmul, so it gets a weight gradient only. Under remat='layer' the count adds one more forward of the
-layers, an upper bound: XLA removes part of that recomputation (tiny test model: 466M of 575M).
+`forward_macs` itemises this (each architecture's count is its ARCHS record's, model/macs.py);
+`generation_macs` counts what `sample` runs per token instead (the ring decoder over projected
+key/value caches: no cached state is re-projected). The training step does 3x the forward's
+matmul work (every matmul has two operand gradients) except for the cache rows of the key/value
+projection: the cache is a constant of the step and is projected by its own matmul, so it gets a
+weight gradient only. Under remat='layer' the count adds one more forward of the layers, an
+upper bound: XLA removes part of that recomputation (tiny test model: 466M of 575M).
 
 `xla_costs` compiles the real train step and reads XLA's cost and memory analyses;
 `hlo_dot_flops` sums its matmuls (dot instructions; on TPU the convolutions XLA writes them as),
 which equal 2 x our matmul count exactly (tested on XLA:CPU, and on XLA:TPU HLO kept in
-tests/fixtures/tpu_hlo). arch='sparse' has its own count (sparse_forward_macs), equally exact.
+tests/fixtures/tpu_hlo). arch='sparse' has its own count (macs.sparse_forward_macs), equally exact.
 XLA's total `flops` also counts elementwise work (softmax, masks, layer norms, the optimizer), a
 few percent above the matmul count on tiny models (4-8% in tests/tools/test_tools.py), less as D grows.
 """
 import dataclasses
 import functools
+import logging
 import math
 import re
 from typing import Any
@@ -37,95 +40,19 @@ import jax.numpy as jnp
 from span_lm import kernels
 from span_lm.kernels import target
 from span_lm.kernels.banded_reference import choose_chunk
+from span_lm.model import ARCHS
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
+from span_lm.model.macs import ATTENTION, COMPONENTS, OTHER, sparse_attention_macs
 from span_lm.model.config import ModelConfig
 from span_lm.model.plan import SpanPlan
 
-ATTENTION = ("attn_content", "attn_position", "attn_value", "attn_persistent")
-OTHER = ("q_proj", "kv_proj", "out_proj", "span_predictor", "ff", "output")
-COMPONENTS = ATTENTION + OTHER
 
 
 def forward_macs(cfg: ModelConfig, plan: SpanPlan | None, block: int, batch: int = 1) -> dict:
-  """Multiply-adds of one forward pass over a (batch, block) input, by component (Python ints)."""
-  if cfg.arch == "sparse":
-    return sparse_forward_macs(cfg, block, batch)
-  plan = plan or plan_lib.full_plan(cfg)
-  d, dh, m = cfg.d_model, cfg.head_dim, block
-  out = dict.fromkeys(COMPONENTS, 0)
-  for lp in plan.layers:
-    out["q_proj"] += m * d * d
-    out["out_proj"] += m * d * d
-    for heads, w in lp.groups:
-      g, c = len(heads), choose_chunk(m, w, cfg.attention.chunk)
-      out["kv_proj"] += (w + m) * d * 2 * g * dh
-      out["attn_content"] += g * m * (w + c) * dh
-      out["attn_position"] += g * m * w * dh
-      out["attn_value"] += g * m * (w + c) * dh
-      out["attn_persistent"] += 2 * g * m * cfg.pers_mem * dh
-    if cfg.span.mode == "dynamic":
-      out["span_predictor"] += m * d * cfg.n_heads
-    if cfg.pers_mem == 0:
-      out["ff"] += 2 * m * d * cfg.d_ff
-  out["output"] = m * d * cfg.vocab_size
-  return {k: v * batch for k, v in out.items()}
-
-
-def sparse_attention_macs(cfg: ModelConfig, layer: int, n: int) -> tuple[int, int]:
-  """(score, value) multiply-adds of one sequence's factorized attention in residual block
-  `layer`, as span_lm/model/sparse.py computes them: heads grouped by pattern, the length padded
-  to a multiple of the stride l (nb = n / l blocks), and per head
-    dense          n x n keys (and every head under sparse.impl='dense', the masked reference);
-    local  (A1)    strided: each block's l queries x the 2l keys of blocks b-1 and b; fixed: l x l;
-    strided (A2)   the (l, nb) transpose: each column's nb queries x nb keys;
-    summary (A2)   fixed: every query x the c summary keys of all nb blocks.
-  Scores are d_qk / H long, values head_dim; masked products are computed (and counted) too.
-  A block-skipping kernel (kernels/sparse_door.py, a row with kernel=True: splash) counts the
-  blocks it computes: non-empty blocks x block area (its module's computed_pairs)."""
-  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import splash_sparse  # pylint: disable=g-import-not-at-top
-  from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
-  h, dk, dv = cfg.n_heads, cfg.d_qk // cfg.n_heads, cfg.head_dim
-  heads = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, layer, cfg.sparse.stride,
-                             cfg.sparse.c, cfg.sparse.distinct)
-  keys = 0  # (query, key) pairs computed, summed over heads
-  impl = sparse_door.select(cfg.sparse.impl, heads, n, dk)
-  if impl.kernel:  # the kernel's own tiles (splash's blocks, the Triton kernel's tiles)
-    pairs = impl.ops.computed_pairs
-    keys = sum(pairs(head, n) if impl.ops is splash_sparse else pairs(head, n, cfg.dtype)
-               for head in heads)
-    return keys * dk, keys * dv
-  for head in heads:
-    if sparse_door.ALIASES.get(cfg.sparse.impl, cfg.sparse.impl) == "dense" or head.kind == "dense":
-      keys += n * n
-      continue
-    l = head.stride
-    nb = -(-n // l)
-    if head.local:
-      keys += nb * l * (2 * l if head.kind == "strided" else l)
-    if head.summary:
-      keys += l * nb * nb if head.kind == "strided" else nb * l * nb * head.c
-  return keys * dk, keys * dv
-
-
-def sparse_forward_macs(cfg: ModelConfig, block: int, batch: int = 1) -> dict:
-  """forward_macs of arch='sparse' (span_lm/model/sparse_transformer.py): per residual block the
-  query/key projections (d_qk wide) and value/output ones (D), the feed-forward, and the
-  factorized attention (sparse_attention_macs); the output layer. No cache, no span predictor;
-  the embeddings are gathers."""
-  m, d = block, cfg.d_model
-  out = dict.fromkeys(COMPONENTS, 0)
-  for layer in range(cfg.n_layers):
-    out["q_proj"] += m * d * cfg.d_qk
-    out["kv_proj"] += m * d * (cfg.d_qk + cfg.n_heads * cfg.head_dim)
-    out["out_proj"] += m * cfg.n_heads * cfg.head_dim * d
-    scores, values = sparse_attention_macs(cfg, layer, m)
-    out["attn_content"] += scores
-    out["attn_value"] += values
-    out["ff"] += 2 * m * d * cfg.d_ff
-  out["output"] = m * d * cfg.vocab_size
-  return {k: v * batch for k, v in out.items()}
+  """Multiply-adds of one forward pass over a (batch, block) input, by component (Python ints):
+  the architecture's own count (model/macs.py), on `plan` (default: the full plan)."""
+  return ARCHS[cfg.arch].forward_macs(cfg, plan or plan_lib.full_plan(cfg), block, batch)
 
 
 def generation_macs(cfg: ModelConfig, plan: SpanPlan | None) -> dict:
@@ -136,8 +63,8 @@ def generation_macs(cfg: ModelConfig, plan: SpanPlan | None) -> dict:
   and value products over the layer's whole ring of L = cache_len slots (slots beyond a head's
   window are masked, not skipped), the position scores against all S relative embeddings, and
   persistent memory's 2 N; the span predictor, feed-forward and output layer as in a block."""
-  if cfg.arch == "sparse":
-    raise ValueError("arch='sparse' has no one-token generation step")
+  if not ARCHS[cfg.arch].cache:
+    raise ValueError(f"arch={cfg.arch!r} has no one-token generation step")
   plan = plan or plan_lib.full_plan(cfg)
   d, dh, h, s = cfg.d_model, cfg.head_dim, cfg.n_heads, cfg.span.size
   out = dict.fromkeys(COMPONENTS, 0)
@@ -192,7 +119,7 @@ def train_step_flops(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   layers = total - f["output"]
   plan = plan or plan_lib.full_plan(cfg)
   d, dh = cfg.d_model, cfg.head_dim
-  cache_kv = 0 if cfg.arch == "sparse" else batch * sum(  # sparse: no cache
+  cache_kv = 0 if not ARCHS[cfg.arch].cache else batch * sum(  # sparse: no cache
       w * d * 2 * len(heads) * dh for lp in plan.layers for heads, w in lp.groups)
   return 2 * (3 * total - cache_kv + (layers if cfg.remat == "layer" else 0))
 
@@ -215,7 +142,7 @@ def activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block:
   is a TPU (kernels.target) that is the score_bands entry.
   arch='sparse': JAX's own list of saved residuals for the model (one kind, 'residuals').
   """
-  if cfg.arch == "sparse":
+  if not ARCHS[cfg.arch].banded:
     return {"residuals": _saved_residual_bytes(cfg, batch, block, train)}
   plan = plan or plan_lib.full_plan(cfg)
   b, m, d = batch, block, cfg.d_model
@@ -301,7 +228,7 @@ def peak_activation_bytes(cfg: ModelConfig, plan: SpanPlan | None, batch: int,
   widest group and its gradient, live together while that group's backward runs (arch='sparse':
   the score block of its widest layer, over all heads).
   """
-  if cfg.arch == "sparse":
+  if not ARCHS[cfg.arch].banded:
     widest = max(sum(sparse_attention_macs(cfg, i, block)) // (cfg.d_qk // cfg.n_heads
                                                                 + cfg.head_dim)
                  for i in range(cfg.n_layers))
@@ -476,17 +403,27 @@ def default_optimizer():
        "batch_split": 1})[0]
 
 
-def xla_costs(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
-              tx=None) -> dict[str, Any]:
-  """Compiles the real train step (one device, donated state) and reads XLA's analyses."""
+def compile_train_step(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
+                       tx=None, *, devices=None):
+  """The train step as a run compiles it (train/steps.build: mesh, shardings, donated state, the
+  attention kernel's compiler options), for abstract inputs: a fresh state without loss scaling
+  and a (batch, block) batch. On one device, or over `devices` (e.g. a deviceless TPU chip's)."""
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
   plan = plan or plan_lib.full_plan(cfg)
   tx = tx or default_optimizer()
   state = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, batch, 1, 0))
   tokens = jax.ShapeDtypeStruct((batch, block), jnp.int32)
   batch_spec = {"x": tokens, "y": tokens, "reset": jax.ShapeDtypeStruct((), jnp.bool_)}
-  fn = functools.partial(steps_lib.train_step, cfg=cfg, plan=plan, tx=tx)
-  compiled = jax.jit(fn, donate_argnums=0).lower(state, batch_spec).compile()
+  compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=1,
+                             num_devices=None if devices else 1, devices=devices,
+                             log=logging.getLogger("span_lm").debug)
+  return compiler.train(plan, state, batch_spec)
+
+
+def xla_costs(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
+              tx=None) -> dict[str, Any]:
+  """Compiles the real train step (one device: compile_train_step) and reads XLA's analyses."""
+  compiled = compile_train_step(cfg, plan, batch, block, tx)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax: one dict per module
   mem = compiled.memory_analysis()
@@ -510,12 +447,13 @@ def account(cfg: ModelConfig, plan: SpanPlan | None, batch: int, block: int,
   default: `plan`."""
   plan = plan or plan_lib.full_plan(cfg)
   gen_plan = generation_plan or plan
+  generates = ARCHS[cfg.arch].cache  # sample's ring decoder runs over the caches
   out = {"plan": plan.describe(), "attention_keys": plan.attention_keys(),
          "per_token_block": dataclasses.asdict(per_token(cfg, plan, block)),
          # arch='sparse' attends within its block, no cache: no one-token generation step
-         "per_token_generation": (None if cfg.arch == "sparse"
-                                  else dataclasses.asdict(per_token_generation(cfg, gen_plan))),
-         "generation_plan": None if cfg.arch == "sparse" else gen_plan.describe(),
+         "per_token_generation": (dataclasses.asdict(per_token_generation(cfg, gen_plan))
+                                  if generates else None),
+         "generation_plan": gen_plan.describe() if generates else None,
          "forward_macs": forward_macs(cfg, plan, block, batch),
          "train_step_flops": train_step_flops(cfg, plan, batch, block),
          "activation_bytes": activation_bytes(cfg, plan, batch, block),

@@ -3,6 +3,7 @@
 import json
 import os
 
+from span_lm.model import ARCHS
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.tools import flops as flops_lib
@@ -96,7 +97,7 @@ def report(config) -> dict:
   from span_lm.tools import restore as restore_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-  config_lib.validate(config)  # the one mode that builds no loop.Run (which validates)
+  config_lib.validate(config)  # the one mode that builds no run.Run (which validates)
   meta = None
   ckpt_dir = os.path.join(config.workdir or "", "checkpoints")
   if config.workdir and os.path.isdir(ckpt_dir):
@@ -105,24 +106,25 @@ def report(config) -> dict:
         meta = ckpt.restore_meta(restore_lib.tools_field(config, "step"))
   vocab, vocab_from = _run_vocab(config, meta)
   cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
-  if cfg.arch == "sparse":  # no spans, no plan: the factorized attention against the dense one
-    plan = plan_lib.full_plan(cfg)
+  if not ARCHS[cfg.arch].banded:  # no spans, no plan: factorized attention against the dense one
+    plan = gen_plan = plan_lib.full_plan(cfg)
     source = f"{cfg.sparse.combine} heads, stride {cfg.sparse.stride}"
     base_name, base_cfg = f"dense attention n={cfg.sparse.context}", cfg.replace(
         sparse=cfg.sparse.replace(pattern="dense"))
-  elif meta is not None:
-    plan, source = plan_lib.plan_from_json(meta["planner"]["plan"]), f"step {meta['step']}"
+    mode = cfg.sparse.pattern
   else:
-    plan, source = plan_lib.initial_plan(cfg), "initial plan, no checkpoint"
-  gen_plan = plan
-  if cfg.arch != "sparse" and meta is not None:  # sample decodes with the tightest exact plan
-    gen_plan = _sample_plan(cfg, ckpt_dir, int(meta["step"]), plan)
-  if cfg.arch != "sparse":
+    if meta is not None:
+      plan, source = plan_lib.plan_from_json(meta["planner"]["plan"]), f"step {meta['step']}"
+      # sample decodes with the tightest exact plan
+      gen_plan = _sample_plan(cfg, ckpt_dir, int(meta["step"]), plan)
+    else:
+      plan, source = plan_lib.initial_plan(cfg), "initial plan, no checkpoint"
+      gen_plan = plan
     base_name, base_cfg = f"fixed span S={cfg.span.size}", cfg.replace(
         span=cfg.span.replace(mode="fixed"))
+    mode = cfg.span.mode
   b, m = config.data.batch, config.data.block
   xla = bool(restore_lib.tools_field(config, "xla", True))
-  mode = cfg.sparse.pattern if cfg.arch == "sparse" else cfg.span.mode
   rows = [(base_name, flops_lib.account(base_cfg, None, b, m, xla)),
           (f"this run ({mode}, {source})", flops_lib.account(cfg, plan, b, m, xla,
                                                              generation_plan=gen_plan))]

@@ -425,7 +425,7 @@ def import_reference(config) -> dict[str, Any]:
   `<workdir>/checkpoints`. Returns a summary dict.
   """
   from span_lm.data import batching  # pylint: disable=g-import-not-at-top
-  from span_lm.train import loop  # pylint: disable=g-import-not-at-top
+  from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
   src, workdir = config.import_from, config.workdir
   ckpt_dir = os.path.join(workdir, "checkpoints")
   if os.path.exists(ckpt_dir) and (not os.path.isdir(ckpt_dir) or os.listdir(ckpt_dir)):
@@ -434,7 +434,7 @@ def import_reference(config) -> dict[str, Any]:
   sd, opt_sd, rest = read(src)
   found = infer_model(sd)
   check_fits(sd, ModelConfig.from_config(config.model, vocab_size=found["vocab_size"]))
-  run = loop.Run(config)  # loads the dataset: its vocabulary must be the checkpoint's
+  run = run_lib.Run(config)  # loads the dataset: its vocabulary must be the checkpoint's
   try:
     cfg = run.model_cfg
     if run.splits.vocab_size != found["vocab_size"] or cfg.vocab_size != found["vocab_size"]:
@@ -486,11 +486,11 @@ def export_reference(config, use_torch: bool | None = None) -> str:
   Writes with torch.save when torch is installed (use_torch=None), else with the torch-free
   writer; both load with torch.load. Never overwrites an existing file.
   """
-  from span_lm.train import loop  # pylint: disable=g-import-not-at-top
+  from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
   dest = config.export_to
   if os.path.exists(dest):
     raise FileExistsError(f"{dest} already exists; choose another config.export_to")
-  run = loop.Run(config)
+  run = run_lib.Run(config)
   try:
     if run.ckpt.latest_step() is None:
       raise FileNotFoundError(f"no checkpoint in {run.ckpt.directory} to export")

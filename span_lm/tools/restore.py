@@ -108,8 +108,8 @@ class Restored:
 
 def restore(config, step: int | None = None) -> Restored:
   """The checkpoint at `step` (latest by default) of the run in config.workdir."""
-  from span_lm.train import loop  # pylint: disable=g-import-not-at-top
-  run = loop.Run(config)
+  from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  run = run_lib.Run(config)
   try:
     if run.ckpt.latest_step() is None:
       raise FileNotFoundError(f"no checkpoint in {run.ckpt.directory}: train the run first "

@@ -1,6 +1,6 @@
 """Host tuning for CPU training, all of it in one place: the host split into one JAX device per
 core, and glibc malloc settings. Neither runs on GPU or TPU (cpu_only); both must act before the
-JAX backend starts (train/loop.py calls them first).
+JAX backend starts (train/run.py calls them first).
 
 Devices: XLA:CPU runs most of one device's operations (everything but large matmuls) on one
 thread, so with one device per core the halves of a batch run side by side (setup_cpu_devices).
@@ -36,6 +36,7 @@ from typing import Mapping
 import jax
 
 from span_lm import config as config_lib
+from span_lm.model import archs
 from span_lm.train import distributed as dist_lib
 
 log = logging.getLogger("span_lm")
@@ -179,8 +180,9 @@ def keeps_one_cpu_device(config) -> bool:
   whose matmuls run multi-threaded on XLA:CPU (kernels/matmul.py), so splitting the host only
   halves each device's threads; one device measured faster for them, float32 slower
   (docs/benchmarks.md)."""
+  arch = archs.ARCHS.get(config.model.get("arch", archs.DEFAULT))
   return (str(config.model.get("dtype", "float32")) == "bfloat16"
-          and config.model.get("arch", "span") == "span")
+          and arch is not None and arch.banded)
 
 
 def choose_cpu_devices(requested: int, cores: int, batches: tuple[int, ...]) -> int:

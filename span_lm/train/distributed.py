@@ -21,9 +21,11 @@ Orbax's `reached_preemption` is the same call), which stops every process at the
 import logging
 import os
 import signal
+import sys
 from typing import Mapping
 
 import jax
+import numpy as np
 from jax.experimental import multihost_utils
 
 log = logging.getLogger("span_lm")
@@ -149,3 +151,57 @@ class PreemptionWatch:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
+
+
+# ---- Ctrl-C --------------------------------------------------------------------------------------
+
+
+class CtrlC:
+  """A first Ctrl-C asks for a checkpoint at the current step and a stop (as SIGTERM does); a
+  second one aborts at once. Lone processes only (several processes stop via the preemption
+  sync point)."""
+
+  def __init__(self, enabled: bool):
+    self.requested = False
+    self._previous = None
+    if enabled:
+      try:
+        self._previous = signal.signal(signal.SIGINT, self._on_signal)
+      except ValueError:  # not the main thread
+        self._previous = None
+
+  def _on_signal(self, signum, frame):
+    del signum, frame
+    if self.requested:
+      raise KeyboardInterrupt
+    self.requested = True
+    sys.stderr.write("\nCtrl-C: checkpointing the current step, then stopping "
+                     "(Ctrl-C again aborts without saving)\n")
+    sys.stderr.flush()
+
+  def close(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+      self._previous = None
+
+
+# ---- work on process 0 ---------------------------------------------------------------------------
+
+
+def on_process_0(fn, failed):
+  """fn() on process 0 (None elsewhere). With several processes all learn whether it worked and
+  stop together when it did not (else the others would wait in the first collective for ever):
+  process 0 raises fn's error, the others `failed()`, an exception naming process 0's."""
+  out, error = None, None
+  if jax.process_index() == 0:
+    try:
+      out = fn()
+    except Exception as e:  # pylint: disable=broad-except  (the others must hear of it too)
+      error = e
+  if jax.process_count() > 1:
+    ok = bool(multihost_utils.broadcast_one_to_all(np.int32(error is None)))
+    if not ok and error is None:
+      error = failed()
+  if error is not None:
+    raise error
+  return out

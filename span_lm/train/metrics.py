@@ -144,3 +144,9 @@ def echo(msg: str) -> None:
     return
   tqdm.write(msg, file=sys.stdout)
   sys.stdout.flush()
+
+
+def say(msg: str) -> None:
+  """`echo`, and the same line to the 'span_lm' logger (a run's log file keeps what it printed)."""
+  echo(msg)
+  logging.getLogger("span_lm").info(msg)

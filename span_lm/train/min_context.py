@@ -20,7 +20,7 @@ import numpy as np
 
 from span_lm import config as config_lib
 from span_lm.model import caches as caches_lib
-from span_lm.train import loop
+from span_lm.train import run as run_lib
 from span_lm.train import steps as steps_lib
 from span_lm.train.metrics import LN2
 
@@ -70,7 +70,7 @@ def score(score_fn: Callable, data: np.ndarray, context: int, min_context: int,
 
 def evaluate_min_context(config, min_contexts, split: str = "test", step: int | None = None):
   """Restores config.workdir's checkpoint and scores `split` at each minimum context."""
-  run = loop.Run(config)
+  run = run_lib.Run(config)
   try:
     params, plan, meta = run.restore_params(step)
     cfg, b = run.model_cfg, config.data.eval_batch

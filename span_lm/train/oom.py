@@ -155,3 +155,12 @@ def message(e: BaseException, where: str, config, *, device=None) -> str:
     fixes.append("a smaller model, block or batch (--config.data.batch), or more devices")
   return (f"out of device memory {where}{sizes}. To fit, try " + " and/or ".join(fixes)
           + f"; check what fits before running: {_compile_command(overrides, target)}")
+
+
+def of(e: BaseException, where: str, config) -> DeviceOutOfMemoryError | None:
+  """A DeviceOutOfMemoryError for XLA's RESOURCE_EXHAUSTED somewhere in `e` (one line: `message`),
+  or None when `e` is not one."""
+  found = find(e)
+  if found is None:
+    return None
+  return DeviceOutOfMemoryError(message(found, where, config))

@@ -31,6 +31,8 @@ import threading
 import time
 from typing import Any
 
+from span_lm.train import distributed as dist_lib
+
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 30.0
 STALE_S = 600.0  # a holder on another host whose heartbeat is older than this is gone
@@ -227,6 +229,17 @@ def acquire(workdir: str, *, stale_s: float = STALE_S) -> RunLock:
     os.close(fd)
     raise
   return RunLock(workdir, fd, holder, note, created)
+
+
+def take(workdir: str, echo=print) -> RunLock | None:
+  """The run directory's lock, taken by process 0 only, for all (the others stop with it when it
+  cannot be taken); a note about the previous holder goes to `echo`."""
+  lock = dist_lib.on_process_0(lambda: acquire(workdir), lambda: RunLockedError(
+      f"process 0 could not take the lock of run directory {workdir} (its output says who "
+      "holds it): not training"))
+  if lock is not None and lock.note:
+    echo(f"run directory lock: {lock.note}")
+  return lock
 
 
 def _refusal(path: str, holder: dict[str, Any] | None, how: str) -> str:

@@ -44,6 +44,14 @@ def peak_flops(device_kind: str, dtype: str) -> tuple[float | None, str]:
   return chip.peak_flops[key], f"{chip.name} {key} peak {chip.peak_flops[key] / 1e12:g} TFLOP/s"
 
 
+def readable_flops(x: float) -> str:
+  """Model FLOP/s (x in TFLOP/s) in a readable unit."""
+  for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9)):
+    if x * 1e12 >= scale:
+      return f"{x * 1e12 / scale:.3g} {unit}"
+  return f"{x * 1e6:.3g} MFLOP/s"
+
+
 class Throughput:
   """Model FLOPs per step (per plan, counted once) and each interval's tokens/s, TFLOP/s, MFU."""
 

@@ -86,6 +86,25 @@ def test_matmul_count_equals_xla(mode, ratios):
   assert 1 / 1.5 < flops.peak_activation_bytes(cfg, plan, b, m) / x["temp_bytes"] < 1.5
 
 
+def test_xla_costs_compile_what_a_run_compiles(monkeypatch):
+  """The flops mode's step comes from train.steps.build (the run's mesh, shardings and compiler
+  options), not a jit of its own: the builder is called, on one device."""
+  from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  built = []
+  real = steps_lib.build
+
+  def spy(*args, **kwargs):
+    built.append(real(*args, **kwargs))
+    return built[-1]
+
+  monkeypatch.setattr(steps_lib, "build", spy)
+  cfg, _, plan = make("fixed", None)
+  x = flops.xla_costs(cfg, plan, 2, 16)
+  assert len(built) == 1 and built[0].layout.num_devices == 1
+  assert [c["kind"] for c in built[0].compilations] == ["train"]
+  assert x["dot_flops"] == flops.train_step_flops(cfg, plan, 2, 16)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, ratios", [("fixed", None), ("adaptive", TRIMMED),
                                           ("dynamic", None)])

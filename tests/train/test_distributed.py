@@ -100,6 +100,7 @@ def test_decide_from_config_and_environment():
 def test_two_processes_equal_one(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from span_lm.data import batching  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import loop  # pylint: disable=g-import-not-at-top
 
@@ -137,9 +138,9 @@ def test_two_processes_equal_one(tmp_path):
   finally:
     run.ckpt.close()
   assert meta["step"] == 6 and int(state["step"]) == 6
-  walk = loop.batching.StreamState()  # 6 blocks of 16 over streams of 80 tokens, seed 42
+  walk = batching.StreamState()  # 6 blocks of 16 over streams of 80 tokens, seed 42
   for _ in range(6):
-    walk, _ = loop.batching.advance(walk, 80, 16, 42)
+    walk, _ = batching.advance(walk, 80, 16, 42)
   assert meta["data"]["train"] == walk.to_dict()
   for a, b in zip(jax.tree.leaves(jax.device_get(state["params"])),
                   jax.tree.leaves(jax.device_get(result["state"]["params"]))):

@@ -23,7 +23,8 @@ from span_lm.data import batching, sources
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
-from span_lm.train import loop, steps
+from span_lm.train import evaluation, loop, steps
+from span_lm.train import run as run_lib
 from span_lm.train.metrics import read_metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -395,8 +396,9 @@ def test_full_evaluation_with_kv_caches_equals_hidden_state_caches(run_a):
     plan = plan_lib.plan_from_json(meta["planner"]["plan"])
     res = {}
     for kv in (True, False):
-      res[kv], caches = loop.evaluate_stream(run, state["params"], plan, run.splits.valid,
-                                             config.data.eval_batch, kv_cache=kv)
+      res[kv], caches = evaluation.evaluate_stream(run, state["params"], plan,
+                                                   run.splits.valid, config.data.eval_batch,
+                                                   kv_cache=kv)
       assert caches[0].shape[-1] == (2 if kv else 1) * run.model_cfg.d_model
     kinds = [c["kind"] for c in run.compiler.compilations]
   finally:
@@ -455,7 +457,7 @@ def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, 
 
   monkeypatch.setattr(kernels, "fit_fallback", fallback)
   for capacity, recompiled in ((1, True), (1 << 40, False)):
-    monkeypatch.setattr(loop, "_device_memory", lambda c=capacity: c)
+    monkeypatch.setattr(run_lib, "_device_memory", lambda c=capacity: c)
     work = tmp_path / str(capacity)
     config = _config(work, {"model.attention.impl": "cpu"})
     run = loop.Run(config)
