@@ -183,7 +183,11 @@ class Checkpointer:
     steps = self._manager.all_steps()
     return max(steps) if steps else None
 
-  def all_steps(self) -> list:
+  def all_steps(self, *, reread: bool = False) -> list:
+    """Committed steps, oldest first; reread lists the directory again (another process may
+    save and delete meanwhile: a training run beside an eval)."""
+    if reread:
+      self._manager.reload()
     return sorted(self._manager.all_steps())
 
   def should_save(self, step: int) -> bool:

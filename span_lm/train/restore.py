@@ -50,14 +50,26 @@ def check_meta(model_cfg, meta: dict, directory: str) -> None:
 def newest_readable(run, read, step, move_aside: bool):
   """read(step) for `step`, or (None) for the newest step that reads: an unreadable one is
   reported by path and skipped (renamed '<step>.unreadable' when move_aside, so the run can
-  save that step again; nothing is deleted). A model mismatch is never skipped."""
+  save that step again; nothing is deleted). A model mismatch is never skipped. A step that
+  vanished while read was deleted by a run saving into the directory (it keeps its newest
+  max_to_keep): not damage; the directory is listed again and its newest step read."""
   if step is not None:
     return read(step)
-  bad = []
-  for s in sorted(run.ckpt.all_steps(), reverse=True):
+  bad, tried, vanished = [], set(), 0
+  while True:
+    untried = [s for s in run.ckpt.all_steps(reread=vanished > 0) if s not in tried]
+    if not untried:
+      break
+    s = untried[-1]
+    tried.add(s)
     try:
       out = read(s)
-    except ckpt_lib.CheckpointReadError as e:
+    except (ckpt_lib.CheckpointReadError, FileNotFoundError) as e:
+      if s not in run.ckpt.all_steps(reread=True) and vanished < _VANISHED_MAX:
+        vanished += 1
+        _echo(f"checkpoint step {s} was deleted while read (a run is saving into "
+              f"{run.ckpt.directory}); reading its newest step")
+        continue
       _echo(f"warning: {e}; trying the previous checkpoint")
       bad.append(s)
       continue
@@ -73,6 +85,9 @@ def newest_readable(run, read, step, move_aside: bool):
         f"none of its {len(bad)} checkpoints can be read; move the directory aside to start "
         "afresh, or restore it from a backup")
   raise FileNotFoundError(f"no checkpoint in {run.ckpt.directory}")
+
+
+_VANISHED_MAX = 20  # steps deleted under a reader before it gives up (a run saving every step)
 
 
 def meta_and_plan(run, step):

@@ -284,3 +284,35 @@ def test_failed_async_writes_are_retrieved_before_orbax_closes_the_loop(tmp_path
   with pytest.raises(ValueError, match="first write"):
     asyncio_utils.run_sync(_failing_save(late))
   assert reports() == []
+
+
+@pytest.mark.parametrize("listed", [False, True])
+def test_a_step_deleted_while_read_is_not_damage(tmp_path, capsys, listed):
+  """An eval beside a training run: while the reader reads the newest step, the run saves two
+  more and its max_to_keep deletes the older ones. The reader lists the directory again and
+  reads the run's newest step; it does not call the vanished steps unreadable (it once ended
+  with 'none of its 2 checkpoints can be read'). listed: the reader saw the new listing first."""
+  import types  # pylint: disable=g-import-not-at-top
+  from span_lm.train import restore  # pylint: disable=g-import-not-at-top
+  directory = str(tmp_path / "ck")
+  with Checkpointer(directory, max_to_keep=2, save_every=1, async_save=False) as trainer:
+    for s in (1, 2):
+      trainer.save(s, {"x": jnp.full(2, float(s))}, {"step": s})
+    with Checkpointer(directory, max_to_keep=2) as reader:
+      read = []
+
+      def read_meta(s):
+        read.append(s)
+        if len(read) == 1:  # the training run moves on meanwhile
+          for t in (3, 4):
+            trainer.save(t, {"x": jnp.full(2, float(t))}, {"step": t})
+          trainer.wait()
+          if listed:
+            assert reader.all_steps(reread=True) == [3, 4]
+        return reader.restore_meta(s)
+
+      run = types.SimpleNamespace(ckpt=reader, process_index=0, process_count=1)
+      assert restore.newest_readable(run, read_meta, None, move_aside=True) == {"step": 4}
+  assert read == [2, 4]
+  assert "checkpoint step 2 was deleted while read" in capsys.readouterr().out
+  assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["3", "4"]  # nothing moved aside
