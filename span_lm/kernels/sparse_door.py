@@ -108,6 +108,16 @@ def _auto(heads, n, head_dim) -> tuple[SparseImpl, str]:
   return SPARSE_IMPLS["jnp"], "" if platform.name == "cpu" else f"backend {platform.name}"
 
 
+def choose(name: str, heads, n: int, head_dim: int) -> tuple[str, str]:
+  """(what `select` picks, why: '' or the reason auto passed over a kernel), unlogged."""
+  name = ALIASES.get(name, name)
+  if name == "auto":
+    impl, why = _auto(heads, n, head_dim)
+    return impl.name, why
+  check(name, heads, n, head_dim)
+  return name, ""
+
+
 def select(name: str, heads, n: int, head_dim: int) -> SparseImpl:
   """The implementation that runs these heads over n positions; an explicit choice that does
   not fit raises (check). Logged once per distinct choice."""

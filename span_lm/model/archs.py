@@ -40,6 +40,9 @@ class Arch:
   settle: Callable[[Any], dict]
   # (cfg, bad) -> None: its section's checks against the rest of config.model; bad(field, why)
   check: Callable[[Any, Callable], None]
+  # (cfg, m, w) -> (name, why): the attention implementation its layers run for m queries and
+  # windows up to w on the current target (logs, the compile report); why: '' or the reason
+  attention: Callable[..., tuple[str, str]]
 
   def context(self, model) -> int:
     """The context length of a ModelConfig (or of a run config's model section)."""
@@ -83,9 +86,15 @@ def _check_span(cfg, bad):
                      "(the span model's layers differ: each has its own span plan and cache)")
 
 
+def _span_attention(cfg, m=None, w=None) -> tuple[str, str]:
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  return kernels.choose(cfg, m, w), kernels.why(cfg, m, w)
+
+
 SPAN = Arch(name="span", context_field="span.size", build=_build_span,
             forward_macs=macs.span_forward_macs, cache=True, banded=True, pers_mem=True,
-            documents=True, identity=("span.size",), settle=lambda cfg: {}, check=_check_span)
+            documents=True, identity=("span.size",), settle=lambda cfg: {}, check=_check_span,
+            attention=_span_attention)
 
 
 # ---- Sparse Transformer --------------------------------------------------------------------------
@@ -120,10 +129,23 @@ def _check_sparse(cfg, bad):
                      f"n_layers={cfg.n_layers} must be a multiple")
 
 
+def _sparse_attention(cfg, m=None, w=None) -> tuple[str, str]:
+  """kernels/sparse_door.py's choice for the first block's head patterns (every block's heads
+  have the same sizes, and the table's misfits depend on sizes only)."""
+  del w
+  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
+  from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
+  sp = cfg.sparse
+  heads = sparse.layer_heads(sp.pattern, sp.combine, cfg.n_heads, 0, sp.stride, sp.c,
+                             sp.distinct)
+  name, why = sparse_door.choose(sp.impl, heads, m or sp.context, cfg.d_qk // cfg.n_heads)
+  return f"sparse {name}", why
+
+
 SPARSE = Arch(name="sparse", context_field="sparse.context", build=_build_sparse,
               forward_macs=macs.sparse_forward_macs, cache=False, banded=False, pers_mem=False,
               documents=False, identity=("sparse.context",), settle=_settle_sparse,
-              check=_check_sparse)
+              check=_check_sparse, attention=_sparse_attention)
 
 # ---- the table -----------------------------------------------------------------------------------
 

@@ -232,6 +232,7 @@ def compile_target(config, tgt: Target) -> dict:
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   from span_lm.kernels import target as target_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import ARCHS  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
@@ -282,8 +283,8 @@ def compile_target(config, tgt: Target) -> dict:
   row["loss_scale"] = loss_scale is not None
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
     impl = kernels.select(cfg, d.block, max(cfg.span.size, d.block))
-    row["attention"] = impl.name
-    row["attention_why"] = kernels.why(cfg, d.block, max(cfg.span.size, d.block))
+    row["attention"], row["attention_why"] = ARCHS[cfg.arch].attention(
+        cfg, d.block, max(cfg.span.size, d.block))
     row["kernels_roofline"] = kernel_roofline(
         chip, cfg, lambda span: impl.schedule_cost(cfg, d.batch // n, d.block, cfg.span.size, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,

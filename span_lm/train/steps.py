@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from span_lm import kernels
 from span_lm.kernels import autotune
 from span_lm.model import build_model
+from span_lm.model.archs import ARCHS
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model import spans as spans_lib
@@ -367,6 +368,11 @@ def peak_bytes(compiled) -> int | None:
   return peak or size("argument") + size("output") - size("alias") + size("temp")
 
 
+def _attention(cfg: ModelConfig) -> str:
+  """The attention the model's layers run (the span door's, or 'sparse <impl>')."""
+  return ARCHS[cfg.arch].attention(cfg)[0]
+
+
 class StepCompiler:
   """Compiles the train/eval steps once per (plan, shapes) and records each compilation.
   Built by `build` (the one constructor the loop, the compile mode and the benchmarks call).
@@ -416,7 +422,7 @@ class StepCompiler:
     alt = kernels.fit_fallback(cfg) if self.capacity else None
     peak = peak_bytes(compiled) if alt is not None else None
     if peak is not None and peak > self.capacity:
-      self._log(f"attention: the {kind} step with {kernels.choose(cfg)} attention needs "
+      self._log(f"attention: the {kind} step with {_attention(cfg)} attention needs "
                 f"{peak / 2**30:.2f} GiB per device of {self.capacity / 2**30:.2f}: compiling it "
                 f"with attention.impl={alt.attention.impl!r} instead")
       cfg = self._fallen_back = alt
@@ -424,10 +430,10 @@ class StepCompiler:
                                      donate)
     secs = time.perf_counter() - t0
     self.compilations.append({"kind": kind, "seconds": secs, "plan": plan.describe(),
-                              "attention": kernels.choose(cfg)})
+                              "attention": _attention(cfg)})
     self._log(f"compiled {kind} step #{len(self.compilations)} in {secs:.1f}s "
               f"(keys per token, all heads and layers: {plan.attention_keys()}; attention "
-              f"{kernels.choose(cfg)})")
+              f"{_attention(cfg)})")
     self._cache[key] = compiled
     return compiled
 

@@ -51,3 +51,24 @@ def test_the_sparse_record_fixes_the_span_and_refuses_what_it_lacks():
     make_cfg(scan_layers=True)
   with pytest.raises(ValueError, match=r"choose one of \('span', 'sparse'\)"):
     ModelConfig.from_config(dict(vocab_size=11, d_model=16, n_heads=4, arch="other"))
+
+
+@pytest.mark.parametrize("platform,cc,kind,want", [
+    ("cpu", None, "", "jnp"), ("tpu", None, "TPU v5p", "splash"), ("gpu", 9.0, "", "pallas"),
+    ("gpu", 7.0, "", "jnp")])
+def test_the_attention_named_is_the_one_each_architecture_runs(platform, cc, kind, want):
+  """The compile report and the step log name what the layers run: the sparse model's choice of
+  kernels/sparse_door.py (they once named the span door's choice, which the sparse model never
+  calls), the span model's kernels.choose."""
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  with target.compiling_for(platform, cc, kind):
+    sparse_cfg = make_cfg(**SPARSE, d_model=32, n_heads=2)  # head size 16: splash's lanes
+    name, why = ARCHS["sparse"].attention(sparse_cfg, 64, 64)
+    assert name == f"sparse {want}"
+    assert bool(why) == (want == "jnp" and platform != "cpu"), why  # a kernel passed over: why
+    if platform == "tpu":  # a head size splash cannot take: the jnp path, saying why
+      assert ARCHS["sparse"].attention(make_cfg(**SPARSE, d_model=36, n_heads=2), 64, 64) == (
+          "sparse jnp", "head size 18: splash needs a multiple of 8")
+    span_cfg = make_cfg()
+    assert ARCHS["span"].attention(span_cfg, 16, 16)[0] == kernels.choose(span_cfg, 16, 16)

@@ -198,7 +198,9 @@ def test_layer_scan_bytes_are_scaled_to_an_upper_bound(tmp_path):
                         "--config.compile.steps=train", f"--config.compile.out={out}"],
                        cwd=REPO, capture_output=True, text=True, timeout=900, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    got[scan] = json.load(open(out / "compile_report.json"))["rows"][0]["train"]
+    row = json.load(open(out / "compile_report.json"))["rows"][0]
+    assert row["attention"] == "sparse splash", row  # what the sparse layers run on the TPU
+    got[scan] = row["train"]
   unrolled, scanned = got[False], got[True]
   assert scanned["xla"]["loop_scale"] == 4 and unrolled["xla"]["loop_scale"] == 1
   assert scanned["xla"]["flops"] < 0.6 * unrolled["xla"]["flops"]  # the body, counted once
