@@ -86,9 +86,6 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
   span_plan = plan_lib.full_plan(cfg) if plan == "full" else plan_lib.initial_plan(cfg)
   chip = _tpu_chip(topology) if topology else None
   where = target.compiling_for("tpu") if chip else contextlib.nullcontext()
-  sharding = jax.sharding.SingleDeviceSharding(chip) if chip else None
-  placed = lambda tree: jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
   piece = max(1, batch // config.optim.batch_split)
   with where:
     state = jax.eval_shape(functools.partial(steps.init_state, cfg, tx, span_plan, batch,
@@ -96,14 +93,12 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
     host_batch = {"x": jax.ShapeDtypeStruct((batch, d.block), jnp.int32),
                   "y": jax.ShapeDtypeStruct((batch, d.block), jnp.int32),
                   "reset": jax.ShapeDtypeStruct((), jnp.bool_)}
-    fn = functools.partial(steps.train_step, cfg=cfg, plan=span_plan, tx=tx,
-                           batch_split=config.optim.batch_split)
     t0 = time.perf_counter()
-    if chip:
-      compiled = jax.jit(fn, donate_argnums=(0,), out_shardings=sharding).lower(
-          placed(state), placed(host_batch)).compile()
-    else:
-      compiled = jax.jit(fn, donate_argnums=(0,)).lower(state, host_batch).compile()
+    # The step as a run compiles it (mesh, shardings, donation, the kernel's compiler options).
+    compiler = steps.build(cfg, tx, batch=batch, eval_batch=eval_batch,
+                           batch_split=config.optim.batch_split,
+                           num_devices=None if chip else 1, devices=[chip] if chip else None)
+    compiled = compiler.train(span_plan, state, host_batch)
     secs = time.perf_counter() - t0
     kept = sum(flops.activation_bytes(cfg, span_plan, piece, d.block).values())
     peak_est = flops.peak_activation_bytes(cfg, span_plan, piece, d.block)
