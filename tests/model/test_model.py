@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 import reference_numpy as ref
-from model_helpers import make_cfg, to_jax, to_np, replace_flat
+from model_helpers import build, make_cfg, replaced, to_jax, to_np
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.train import planner as planner_lib
@@ -66,7 +66,7 @@ def assert_close_tree(actual, expected, rtol, atol, what):
 
 def test_reference_self_consistency_stream():
   """numpy: block-by-block with carried caches equals one pass over the whole stream."""
-  cfg = make_cfg(span_mode="adaptive", span=12)
+  cfg = make_cfg(**{"span.mode": "adaptive", "span.size": 12})
   rng = np.random.default_rng(1)
   params = ref.random_params(cfg, rng)
   tokens = rng.integers(cfg.vocab_size, size=(B, 20))
@@ -84,7 +84,7 @@ def test_reference_self_consistency_stream():
 @pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 0),
                                          ("fixed", 3), ("adaptive", 3), ("dynamic", 3)])
 def test_reference_weights_are_normalised_and_banded(mode, n_pers):
-  cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=10)
+  cfg = make_cfg(**{"span.mode": mode, "span.size": 10}, pers_mem=n_pers)
   rng = np.random.default_rng(2)
   params = ref.random_params(cfg, rng)
   tokens = rng.integers(cfg.vocab_size, size=(B, 6))
@@ -108,12 +108,12 @@ def test_reference_weights_are_normalised_and_banded(mode, n_pers):
 # 0. API basics: parameter tree and caches.
 
 CASES = {
-    "fixed": dict(span_mode="fixed", span=16),
-    "adaptive": dict(span_mode="adaptive", span=24),
-    "dynamic": dict(span_mode="dynamic", span=20),
-    "pers_fixed": dict(span_mode="fixed", span=16, pers_mem=5),
-    "pers_adaptive": dict(span_mode="adaptive", span=24, pers_mem=5),
-    "pers_dynamic": dict(span_mode="dynamic", span=20, pers_mem=3),
+    "fixed": {"span.mode": "fixed", "span.size": 16},
+    "adaptive": {"span.mode": "adaptive", "span.size": 24},
+    "dynamic": {"span.mode": "dynamic", "span.size": 20},
+    "pers_fixed": {"span.mode": "fixed", "span.size": 16, "pers_mem": 5},
+    "pers_adaptive": {"span.mode": "adaptive", "span.size": 24, "pers_mem": 5},
+    "pers_dynamic": {"span.mode": "dynamic", "span.size": 20, "pers_mem": 3},
 }
 
 
@@ -124,7 +124,7 @@ def test_param_tree_matches_spec(case):
 
 
 def test_init_caches_plan_none():
-  cfg = make_cfg(span=16, n_layers=3)
+  cfg = make_cfg(**{"span.size": 16}, n_layers=3)
   caches = caches_lib.init_caches(cfg, None, B)
   assert isinstance(caches, tuple) and len(caches) == 3
   for c in caches:
@@ -138,7 +138,7 @@ def test_bf16_models_carry_bf16_caches_with_the_same_outputs(attn_impl):
   """A bf16 model's caches are bf16: attention reads a cache only through its bf16 key/value
   projections, so float32 caches (as before) and their bf16 rounding give identical outputs,
   and the new caches equal the float32 ones rounded."""
-  cfg = make_cfg(span=16, n_layers=2, dtype="bfloat16", attn_impl=attn_impl)
+  cfg = make_cfg(**{"span.size": 16, "attention.impl": attn_impl}, n_layers=2, dtype="bfloat16")
   assert all(c.dtype == jnp.bfloat16 for c in caches_lib.init_caches(cfg, None, B))
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 8)), jnp.int32)
@@ -175,7 +175,8 @@ def test_matches_numpy_reference(case):
 ])
 def test_matches_numpy_reference_chunked(mode, n_pers, span, m, chunk):
   """Blocks longer than the span, split into query chunks (config attn_chunk)."""
-  cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=span, attn_chunk=chunk)
+  cfg = make_cfg(**{"span.mode": mode, "span.size": span,
+                    "attention.chunk": chunk}, pers_mem=n_pers)
   check_against_reference(cfg, m=m, seed=12)
 
 
@@ -214,7 +215,7 @@ def check_against_reference(cfg, m, seed):
 
 @pytest.mark.slow
 def test_dropout_is_identity_at_eval_and_active_in_training():
-  cfg = make_cfg(span_mode="adaptive", dropout=0.3, span=16, n_layers=1)
+  cfg = make_cfg(**{"span.mode": "adaptive", "span.size": 16}, dropout=0.3, n_layers=1)
   rng = np.random.default_rng(11)
   params = to_jax(ref.random_params(cfg, rng))
   tokens = rng.integers(cfg.vocab_size, size=(B, 8))
@@ -245,7 +246,7 @@ def run_blocks(cfg, params, tokens, m):
 
 
 def test_stream_blocks_equal_numpy_single_pass():
-  cfg = make_cfg(span_mode="fixed", span=16)
+  cfg = make_cfg(**{"span.mode": "fixed", "span.size": 16})
   m, k = 8, 5
   rng = np.random.default_rng(20)
   params = to_jax(ref.random_params(cfg, rng))
@@ -259,7 +260,7 @@ def test_stream_blocks_equal_numpy_single_pass():
 
 def test_stream_blocks_equal_flax_single_block():
   """Also a block longer than the span (T = 40 > S = 16): several query chunks in one call."""
-  cfg = make_cfg(span_mode="fixed", span=16)
+  cfg = make_cfg(**{"span.mode": "fixed", "span.size": 16})
   m, k = 8, 5
   rng = np.random.default_rng(21)
   params = to_jax(ref.random_params(cfg, rng))
@@ -275,7 +276,8 @@ def test_stream_blocks_equal_flax_single_block():
 
 
 def short_span_setup(seed=30):
-  cfg = make_cfg(span_mode="adaptive", span=64, ramp=4, plan_granularity=8, plan_margin=0)
+  cfg = make_cfg(**{"span.mode": "adaptive", "span.size": 64, "span.ramp": 4,
+                    "plan.granularity": 8, "plan.margin": 0})
   rng = np.random.default_rng(seed)
   # z' <= 0.15: z + R <= 13.6 < 16 for every head.
   params = to_jax(ref.random_params(cfg, rng, span_ratio_range=(0.0, 0.15)))
@@ -344,7 +346,7 @@ def test_check_plan_rejects_too_short_window():
 
 def test_check_plan_exact_boundary():
   """z = 5 exactly, R = 4: m(9) = 0.25 > 0 and m(10) = 0, so the head needs a window of 9."""
-  cfg = make_cfg(span_mode="adaptive", span=32, ramp=4, n_layers=1)
+  cfg = make_cfg(**{"span.mode": "adaptive", "span.size": 32, "span.ramp": 4}, n_layers=1)
   rng = np.random.default_rng(31)
   p64 = ref.random_params(cfg, rng)
   p64["layers_0"]["attn"]["span_ratio"] = np.array([0.15625, 0.0625, 0.0625, 0.0625])  # z 5, 2
@@ -369,8 +371,8 @@ def test_check_plan_exact_boundary():
 @pytest.mark.slow
 @pytest.mark.parametrize("m,chunk", [(8, 0), (32, 4)])  # one chunk; 8 chunks of 4 < windows
 def test_head_groups_match_single_group_and_no_plan(m, chunk):
-  cfg = make_cfg(span_mode="adaptive", span=32, ramp=4, plan_granularity=8, plan_margin=0,
-                 attn_chunk=chunk)
+  cfg = make_cfg(**{"span.mode": "adaptive", "span.size": 32, "span.ramp": 4,
+                    "plan.granularity": 8, "plan.margin": 0, "attention.chunk": chunk})
   rng = np.random.default_rng(40)
   params64 = ref.random_params(cfg, rng)
   # z + R per head, layer 0: 5.6, 13.6, 7.2, 23.2; layer 1: 10.4, 4.64, 18.4, 7.2.
@@ -413,7 +415,7 @@ def test_head_groups_match_single_group_and_no_plan(m, chunk):
 @pytest.mark.parametrize("mode,n_pers", [("fixed", 0), ("adaptive", 0), ("dynamic", 3)])
 def test_causality_by_gradient(mode, n_pers):
   m = 12
-  cfg = make_cfg(vocab_size=16, span_mode=mode, pers_mem=n_pers, span=16)
+  cfg = make_cfg(vocab_size=16, **{"span.mode": mode, "span.size": 16}, pers_mem=n_pers)
   rng = np.random.default_rng(50)
   params = to_jax(ref.random_params(cfg, rng))
   tokens = rng.permutation(cfg.vocab_size)[:m]  # one distinct token (embedding row) per position
@@ -443,7 +445,7 @@ def test_causality_by_gradient(mode, n_pers):
 # each update: tests/train/test_optimizer.py).
 
 def test_span_loss_gradient():
-  cfg = make_cfg(span_mode="adaptive", span=16)
+  cfg = make_cfg(**{"span.mode": "adaptive", "span.size": 16})
   rng = np.random.default_rng(60)
   params = to_jax(ref.random_params(cfg, rng))
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 8)), jnp.int32)
@@ -459,7 +461,7 @@ def test_span_loss_gradient():
 
 @pytest.mark.slow
 def test_dynamic_span_loss_gradient_reaches_predictor():
-  cfg = make_cfg(span_mode="dynamic", span=16)
+  cfg = make_cfg(**{"span.mode": "dynamic", "span.size": 16})
   rng = np.random.default_rng(61)
   params = to_jax(ref.random_params(cfg, rng))
   tokens = jnp.asarray(rng.integers(cfg.vocab_size, size=(B, 8)), jnp.int32)
@@ -488,7 +490,7 @@ def test_persistent_memory_weights_sum_to_one(mode):
   pattern (random queries, keys, key_pe, spans), each head outputs (sum of its weights) * (e Wv)_h,
   so a one-layer model must give LN1(e + e Wv Wo) exactly when the weights sum to one.
   """
-  cfg = make_cfg(span_mode=mode, pers_mem=4, span=16, n_layers=1)
+  cfg = make_cfg(**{"span.mode": mode, "span.size": 16}, pers_mem=4, n_layers=1)
   rng = np.random.default_rng(70)
   p64 = ref.random_params(cfg, rng)
   tokens = rng.integers(cfg.vocab_size, size=(B, 8))
@@ -520,9 +522,9 @@ def test_persistent_memory_weights_sum_to_one(mode):
 
 @pytest.mark.slow
 def test_dynamic_span_extremes():
-  cfg_dyn = make_cfg(span_mode="dynamic", span=16)
-  cfg_ad = make_cfg(span_mode="adaptive", span=16)
-  cfg_fix = make_cfg(span_mode="fixed", span=16)
+  cfg_dyn = make_cfg(**{"span.mode": "dynamic", "span.size": 16})
+  cfg_ad = make_cfg(**{"span.mode": "adaptive", "span.size": 16})
+  cfg_fix = make_cfg(**{"span.mode": "fixed", "span.size": 16})
   rng = np.random.default_rng(80)
   p64 = ref.random_params(cfg_dyn, rng)
   tokens = jnp.asarray(rng.integers(cfg_dyn.vocab_size, size=(B, 8)), jnp.int32)
@@ -558,10 +560,10 @@ def test_dynamic_span_extremes():
 
 @pytest.mark.parametrize("kw,field", [
     (dict(d_model=16, n_heads=5), "n_heads"),
-    (dict(ramp=0), "span.ramp"),
-    (dict(span=0), "span.size"),
+    ({"span.ramp": 0}, "span.ramp"),
+    ({"span.size": 0}, "span.size"),
     (dict(dropout=-0.1), "dropout"),
-    (dict(span_mode="sliding"), "span.mode"),
+    ({"span.mode": "sliding"}, "span.mode"),
 ])
 def test_bad_config_raises(kw, field):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):
@@ -594,18 +596,18 @@ def _noisy_growth(cfg, steps, seed=0):
 
 
 def test_planner_always_covers_and_headroom_cuts_changes():
-  base = ModelConfig.from_config(dict(vocab_size=8, d_model=16, n_layers=3, n_heads=4, d_ff=16, span=1024, ramp=16,
-                     plan_shrink_patience=300))
+  base = build({"vocab_size": 8, "d_model": 16, "n_layers": 3, "n_heads": 4, "d_ff": 16,
+                "span.size": 1024, "span.ramp": 16, "plan.shrink_patience": 300})
   z = _noisy_growth(base, 4000)
-  _, tight = _planner_walk(replace_flat(base, plan_growth=1.0), z)
-  _, roomy = _planner_walk(replace_flat(base, plan_growth=1.5), z)
+  _, tight = _planner_walk(replaced(base, **{"plan.growth": 1.0}), z)
+  _, roomy = _planner_walk(replaced(base, **{"plan.growth": 1.5}), z)
   assert len(roomy) < len(tight) / 2, (len(roomy), len(tight))
   assert tight and roomy
 
 
 def test_planner_shrinks_once_per_window_to_recent_need():
-  cfg = ModelConfig.from_config(dict(vocab_size=8, d_model=16, n_layers=1, n_heads=2, d_ff=16, span=1024, ramp=16,
-                    plan_shrink_patience=10, plan_growth=1.5))
+  cfg = build({"vocab_size": 8, "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 16,
+               "span.size": 1024, "span.ramp": 16, "plan.shrink_patience": 10, "plan.growth": 1.5})
   planner = planner_lib.SpanPlanner(cfg)
   big = np.array([[0.5, 0.0]], np.float32)
   assert planner.update(list(big), 1)  # growth is immediate
@@ -618,8 +620,8 @@ def test_planner_shrinks_once_per_window_to_recent_need():
 
 
 def test_planner_state_round_trip_mid_window():
-  cfg = ModelConfig.from_config(dict(vocab_size=8, d_model=16, n_layers=2, n_heads=4, d_ff=16, span=512, ramp=16,
-                    plan_shrink_patience=50))
+  cfg = build({"vocab_size": 8, "d_model": 16, "n_layers": 2, "n_heads": 4, "d_ff": 16,
+               "span.size": 512, "span.ramp": 16, "plan.shrink_patience": 50})
   z = _noisy_growth(cfg, 1200, seed=3)
   a, changes_a = _planner_walk(cfg, z)
   b, changes_b = _planner_walk(cfg, z[:600])
@@ -652,8 +654,8 @@ def _grouped_case(cfg, rng, mode):
 def test_kv_cache_inference_equals_hidden_state_cache(mode, n_pers):
   """Streaming blocks with projected key/value caches gives the hidden-state caches' output
   (head groups with non-contiguous heads included); training refuses kv caches."""
-  cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=32, ramp=4, plan_granularity=8,
-                 plan_margin=0)
+  cfg = make_cfg(**{"span.mode": mode, "span.size": 32, "span.ramp": 4, "plan.granularity": 8,
+                    "plan.margin": 0}, pers_mem=n_pers)
   rng = np.random.default_rng(50)
   params, plan = _grouped_case(cfg, rng, mode)
   plan_lib.check_plan(cfg, params, plan or plan_lib.full_plan(cfg))
@@ -682,8 +684,8 @@ def test_ring_decoding_equals_shifted_kv_caches(mode, n_pers):
   """One token at a time over ring caches (one slot written per token) gives the shifted
   key/value caches' log-probabilities, past a full turn of the ring; and the final rings are
   the shifted caches rolled (head groups with non-contiguous heads included)."""
-  cfg = make_cfg(span_mode=mode, pers_mem=n_pers, span=32, ramp=4, plan_granularity=8,
-                 plan_margin=0)
+  cfg = make_cfg(**{"span.mode": mode, "span.size": 32, "span.ramp": 4, "plan.granularity": 8,
+                    "plan.margin": 0}, pers_mem=n_pers)
   rng = np.random.default_rng(51)
   params, plan = _grouped_case(cfg, rng, mode)
   model = SpanTransformer(cfg, plan, kv_cache=True)
