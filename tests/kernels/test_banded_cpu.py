@@ -25,7 +25,8 @@ def test_banded_attention_weights_match_reference(mode, n_pers, w, m, chunk):
   """banded_cpu.banded_attention's probabilities (the model drops them) against the reference's
   dense weights, mapped into the band layout (column s = distance W - s), and their sums."""
   h_, dh = 3, 4
-  cfg = make_cfg(d_model=h_ * dh, n_heads=h_, span=w, ramp=3, span_mode=mode, pers_mem=n_pers,
+  cfg = make_cfg(d_model=h_ * dh, n_heads=h_, **{"span.size": w, "span.ramp": 3,
+                                                 "span.mode": mode}, pers_mem=n_pers,
                  n_layers=1)
   rng = np.random.default_rng(75)
   x = rng.normal(size=(B, w + m, cfg.d_model))
