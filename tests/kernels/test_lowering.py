@@ -17,13 +17,12 @@ import jax.numpy as jnp
 import pytest
 from jax import export
 
-from model_helpers import replace_flat
+from model_helpers import build, replaced
 from span_lm import kernels
 from span_lm.kernels import target
 from span_lm.model import build_model
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
-from span_lm.model.config import ModelConfig
 
 BLOCK = 64
 # The fused kernels' Triton and Mosaic calls carry no export compatibility guarantee: we only
@@ -60,10 +59,11 @@ def test_training_gradient_lowers_for_every_variant(platform, dtype, head_dim):
   failures, chosen = [], set()
   for mode, pers, drop in itertools.product(("fixed", "adaptive", "dynamic"), (0, 2 * BLOCK),
                                             (0.0, 0.1)):
-    cfg = ModelConfig.from_config(dict(vocab_size=11, d_model=2 * head_dim, n_layers=1, n_heads=2, d_ff=32,
-                      span=2 * BLOCK, ramp=16, span_mode=mode, pers_mem=pers, dropout=drop,
-                      dtype=dtype, attn_block=BLOCK, plan_granularity=BLOCK,
-                      attn_impl="pallas" if platform == "cuda" else "auto"))
+    cfg = build({"vocab_size": 11, "d_model": 2 * head_dim, "n_layers": 1, "n_heads": 2,
+                 "d_ff": 32, "span.size": 2 * BLOCK, "span.ramp": 16, "span.mode": mode,
+                 "pers_mem": pers, "dropout": drop, "dtype": dtype, "attention.block": BLOCK,
+                 "plan.granularity": BLOCK,
+                 "attention.impl": "pallas" if platform == "cuda" else "auto"})
     grad, args = _grad_and_args(cfg)
     with target.compiling_for(platform, PLATFORMS[platform]):
       chosen.add(kernels.choose(cfg, 2 * BLOCK, 2 * BLOCK))
@@ -82,15 +82,15 @@ def test_training_gradient_lowers_for_every_variant(platform, dtype, head_dim):
 
 
 def test_auto_follows_the_target_not_the_host():
-  cfg = ModelConfig.from_config(dict(vocab_size=11, d_model=128, n_heads=2, span=128, attn_block=64,
-                    plan_granularity=64))
+  cfg = build({"vocab_size": 11, "d_model": 128, "n_heads": 2, "span.size": 128,
+               "attention.block": 64, "plan.granularity": 64})
   assert jax.default_backend() == "cpu"
   assert kernels.choose(cfg, 64, 128) == "cpu"
   with target.compiling_for("cuda", 9.0):  # the fused kernel is untimed on a GPU: the XLA path
     assert kernels.choose(cfg, 64, 128) == "reference"
     assert "untimed" in kernels.why(cfg, 64, 128)
     assert kernels.fit_fallback(cfg).attention.impl == "pallas"  # where that does not fit
-    assert kernels.choose(replace_flat(cfg, attn_impl="pallas"), 64, 128) == "pallas"
+    assert kernels.choose(replaced(cfg, **{"attention.impl": "pallas"}), 64, 128) == "pallas"
   with target.compiling_for("gpu", 7.0):  # V100: no Triton backend in Pallas
     assert kernels.choose(cfg, 64, 128) == "reference"
     assert kernels.fit_fallback(cfg) is None  # nothing to fall back to
