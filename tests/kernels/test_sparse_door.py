@@ -56,14 +56,15 @@ def test_explicit_choices_refused_in_one_line():
 
 
 def test_config_takes_the_table_names():
-  from span_lm.model.config import ModelConfig
-  base = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=40,
-              span_mode="fixed", arch="sparse", sparse_stride=8, sparse_c=2)
+  from model_helpers import build  # pylint: disable=g-import-not-at-top
+  base = {"vocab_size": 30, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32,
+          "sparse.context": 40, "span.mode": "fixed", "arch": "sparse", "sparse.stride": 8,
+          "sparse.c": 2}
   for name in ("auto", "jnp", "dense", "splash", "splash_interpret", "pallas",
                "pallas_interpret", "fast"):
-    assert ModelConfig.from_config(dict(base, sparse_impl=name)).sparse.impl == name
+    assert build(base, **{"sparse.impl": name}).sparse.impl == name
   with pytest.raises(ValueError, match="sparse.impl"):
-    ModelConfig.from_config(dict(base, sparse_impl="flash"))
+    build(base, **{"sparse.impl": "flash"})
 
 
 @pytest.mark.parametrize("pattern", ["fixed", "strided"])
@@ -122,18 +123,17 @@ def test_splash_every_pattern_and_combination(pattern, combine, dtype, atol):
 def test_kernels_in_the_model_equal_the_dense_reference(kernel, scan):
   """Also under the layer scan, which traces the kernel inside Flax's scan (a kernel holding
   arrays made in one trace and reused in another leaks tracers there)."""
-  from model_helpers import replace_flat  # pylint: disable=g-import-not-at-top
+  from model_helpers import build, replaced  # pylint: disable=g-import-not-at-top
   from span_lm.model import build_model
   from span_lm.model import caches as caches_lib
   from span_lm.model import plan as plan_lib
-  from span_lm.model.config import ModelConfig
-  cfg = ModelConfig.from_config(dict(vocab_size=30, d_model=32, n_layers=2, n_heads=2, d_ff=32,
-                                     span=130, span_mode="fixed", arch="sparse",
-                                     sparse_stride=16, sparse_c=4, sparse_combine="interleaved"))
+  cfg = build({"vocab_size": 30, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 32,
+               "sparse.context": 130, "span.mode": "fixed", "arch": "sparse", "sparse.stride": 16,
+               "sparse.c": 4, "sparse.combine": "interleaved"})
   tok = jnp.asarray(np.random.default_rng(1).integers(0, 30, (1, 130)), jnp.int32)
   out = {}
   for name in ("dense", kernel):
-    c = replace_flat(cfg, sparse_impl=name, scan_layers=scan)
+    c = replaced(cfg, **{"sparse.impl": name, "sparse.scan_layers": scan})
     model = build_model(c, plan_lib.full_plan(c))
     caches = caches_lib.init_caches(c, None, 1)
     params = jax.jit(model.init)(jax.random.key(0), tok, caches)["params"]
@@ -149,12 +149,12 @@ def test_flops_count_the_blocks_the_chosen_kernel_computes():
   times their area (here the Triton kernel's 64 x 32 bf16 tiles on an H100), which
   block_sparse.computed_fraction relates to the dense causal tiles."""
   from span_lm.kernels import block_sparse  # pylint: disable=g-import-not-at-top
-  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from model_helpers import build  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops  # pylint: disable=g-import-not-at-top
   n = 1024
-  cfg = ModelConfig.from_config(dict(vocab_size=30, d_model=128, n_layers=1, n_heads=2, d_ff=32,
-                                     span=n, span_mode="fixed", arch="sparse", sparse_stride=64,
-                                     sparse_c=16, dtype="bfloat16"))
+  cfg = build({"vocab_size": 30, "d_model": 128, "n_layers": 1, "n_heads": 2, "d_ff": 32,
+               "sparse.context": n, "span.mode": "fixed", "arch": "sparse", "sparse.stride": 64,
+               "sparse.c": 16, "dtype": "bfloat16"})
   heads = _heads("fixed", "merged", 0, 2, 64, 16)
   with target.compiling_for("gpu", 9.0):
     macs_q, _ = flops.sparse_attention_macs(cfg, 0, n)
