@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
-from model_helpers import replace_flat
+from model_helpers import build, replaced
 from span_lm.model import adaptive_io
 from span_lm.model import caches as caches_lib
-from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import reference_checkpoint as rc
 
@@ -24,11 +23,10 @@ V, D = 23, 16
 
 
 def make_cfg(**kw):
-  base = dict(vocab_size=V, d_model=D, n_layers=1, n_heads=2, d_ff=8, span=8, ramp=2,
-              span_mode="fixed", adapt_io=True, adapt_io_cutoffs=(5, 12), adapt_io_div=2,
-              adapt_io_tied=True)
-  base.update(kw)
-  return ModelConfig.from_config(base)
+  base = {"vocab_size": V, "d_model": D, "n_layers": 1, "n_heads": 2, "d_ff": 8, "span.size": 8,
+          "span.ramp": 2, "span.mode": "fixed", "adapt_io.enabled": True, "adapt_io.cutoffs": (5,
+          12), "adapt_io.div": 2, "adapt_io.tied": True}
+  return build(base, **kw)
 
 
 def init(module, *args, seed=0):
@@ -86,7 +84,7 @@ def random_reference_io(cfg, rng):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_log_probs_normalised_over_the_vocabulary(tied):
-  cfg = make_cfg(adapt_io_tied=tied, adapt_io_cutoffs=(4, 9, 15), adapt_io_div=2)
+  cfg = make_cfg(**{"adapt_io.tied": tied, "adapt_io.cutoffs": (4, 9, 15), "adapt_io.div": 2})
   h = jax.random.normal(jax.random.key(1), (2, 3, D))
   tables = None
   if tied:
@@ -99,7 +97,7 @@ def test_log_probs_normalised_over_the_vocabulary(tied):
 
 
 def test_one_cluster_is_a_full_softmax_and_a_plain_embedding():
-  cfg = make_cfg(adapt_io_cutoffs=(), adapt_io_tied=False)
+  cfg = make_cfg(**{"adapt_io.cutoffs": (), "adapt_io.tied": False})
   tokens = jnp.asarray([[0, 7, 22, 3]])
   inp = adaptive_io.AdaptiveInput(cfg)
   p_in = init(inp, tokens)
@@ -123,7 +121,7 @@ def test_tied_weights_are_shared():
   caches = caches_lib.init_caches(cfg, None, 1)
   params = init(model, tokens, caches)
   assert set(params["out_emb"]) == {"bias_0", "bias_1", "bias_2", "cluster_kernel", "cluster_bias"}
-  untied = SpanTransformer(make_cfg(adapt_io_tied=False))
+  untied = SpanTransformer(make_cfg(**{"adapt_io.tied": False}))
   untied = jax.eval_shape(lambda: untied.init(jax.random.key(0), tokens, caches))
   assert {"emb_2", "proj_2"} <= set(untied["params"]["out_emb"])
 
@@ -139,11 +137,11 @@ def test_tied_weights_are_shared():
 @pytest.mark.parametrize("tied", [True, False])
 def test_model_matches_reference_equations_after_import(tied):
   """A reference wiki103-style state_dict imports; the model's log-probs equal numpy's."""
-  cfg = make_cfg(adapt_io_tied=tied)
+  cfg = make_cfg(**{"adapt_io.tied": tied})
   rng = np.random.default_rng(0)
-  body = ref.random_params(replace_flat(cfg, adapt_io=False), rng)
+  body = ref.random_params(replaced(cfg, **{"adapt_io.enabled": False}), rng)
   sd = random_reference_io(cfg, rng)
-  sd.update((k, v) for k, v in rc.to_reference(body, replace_flat(cfg, adapt_io=False),
+  sd.update((k, v) for k, v in rc.to_reference(body, replaced(cfg, **{"adapt_io.enabled": False}),
                                                 prefix="").items()
             if not k.startswith(("in_emb", "out_emb")))
   sd = collections.OrderedDict(
@@ -163,7 +161,8 @@ def test_model_matches_reference_equations_after_import(tied):
   sd64 = {k: np.asarray(v, np.float64) for k, v in sd.items()}
   dense = dict(body, in_emb={"embedding": numpy_embedding_table(sd64, cfg)},
                out_emb={"kernel": np.eye(D, D + 1), "bias": np.zeros(D + 1)})
-  out, _, _ = ref.forward(replace_flat(cfg, adapt_io=False, vocab_size=D + 1), dense, tokens,
+  out, _, _ = ref.forward(replaced(cfg, **{"adapt_io.enabled": False}, vocab_size=D + 1), dense,
+                                           tokens,
                           caches)
   h = out[..., :D] - out[..., D:]
   want = numpy_adaptive_logp(sd64, cfg, h)
@@ -177,7 +176,7 @@ def test_reference_order_is_torchs(tied):
   (and tied as build_adaptive_io ties them): state_dict and parameters() orders are span_lm's."""
   torch = pytest.importorskip("torch")
   nn = torch.nn
-  cfg = make_cfg(adapt_io_tied=tied)
+  cfg = make_cfg(**{"adapt_io.tied": tied})
   edges = [0, *cfg.adapt_io.cutoffs, V]
   dims = [D // cfg.adapt_io.div ** i for i in range(len(edges) - 1)]
 
