@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from model_helpers import replace_flat
+from model_helpers import build, replaced
 from span_lm import kernels
 from span_lm.kernels import pallas_gpu
 from span_lm.kernels import target as target_lib
@@ -104,7 +104,6 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
   equal an independent count of the (query block, key block) tiles with a visited distance, a
   learned span costs less than the full one, and the byte interval is ordered."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   b, h, m, w, dh, t = 2, 4, 256, 1024, 64, 32
   for span, win in ((None, w), (100.0, 100 + 32 + 1)):
     cost = pallas_gpu.schedule_cost(b, h, m, w, dh, "bfloat16", t, span=span, ramp=32)
@@ -116,8 +115,8 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
     assert cost["fwd"]["flops"] == b * h * tiles * 2 * 2 * t * t * dh  # q k^T and p v
     assert cost["position"]["flops"] == 4 * 2 * b * h * m * (w + 1) * dh  # four XLA matmuls
     assert all(c["bytes_min"] <= c["bytes"] for c in cost.values())
-  cfg = ModelConfig.from_config(dict(vocab_size=11, d_model=512, n_heads=8, span=8192, span_mode="adaptive",
-                    dtype="bfloat16"))
+  cfg = build({"vocab_size": 11, "d_model": 512, "n_heads": 8, "span.size": 8192,
+               "span.mode": "adaptive", "dtype": "bfloat16"})
   with target_lib.compiling_for("cuda", 9.0):
     rows = compile_lib.kernel_roofline(
         chips.get("h100"), cfg,
@@ -134,13 +133,12 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
 def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():
   """ptxas' occupancy floor (docs/kernels.md, the 32-register cap) for a GPU step with the fused
   kernel; nothing for the reference path, the CPU or a TPU."""
-  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  cfg = ModelConfig.from_config(dict(vocab_size=11, d_model=128, n_heads=2, span=128, attn_block=64,
-                    plan_granularity=64))
+  cfg = build({"vocab_size": 11, "d_model": 128, "n_heads": 2, "span.size": 128,
+               "attention.block": 64, "plan.granularity": 64})
   with target_lib.compiling_for("cuda", 8.0):
-    assert kernels.compiler_options(replace_flat(cfg, attn_impl="pallas")) == {
+    assert kernels.compiler_options(replaced(cfg, **{"attention.impl": "pallas"})) == {
         "xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
-    assert kernels.compiler_options(replace_flat(cfg, attn_impl="reference")) == {}
+    assert kernels.compiler_options(replaced(cfg, **{"attention.impl": "reference"})) == {}
     assert kernels.compiler_options(cfg) == {}  # auto: the XLA path while the kernel is untimed
   with target_lib.compiling_for("gpu", 7.0):  # V100: the reference path
     assert kernels.compiler_options(cfg) == {}
