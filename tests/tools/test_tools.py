@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_helpers import replace_flat
+from model_helpers import build, replaced
 from span_lm import cli
 from span_lm import config as config_lib
 from span_lm.model import caches as caches_lib
@@ -28,9 +28,9 @@ def _init(cfg):
 
 def make(mode="adaptive", ratios=None, **kw):
   """A tiny model, its parameters (span ratios set when given) and its tightest plan."""
-  base = {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64, "span": 128,
-          "ramp": 16, "span_mode": mode}
-  cfg = ModelConfig.from_config(base | kw)
+  base = {"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64,
+          "span.size": 128, "span.ramp": 16, "span.mode": mode}
+  cfg = build(base, **kw)
   params = jax.tree.map(lambda x: x, _init(cfg)["params"])  # fresh dicts: the cache stays intact
   for i, r in enumerate(ratios or []):
     params[f"layers_{i}"]["attn"]["span_ratio"] = jnp.asarray(r, jnp.float32)
@@ -45,7 +45,8 @@ TRIMMED = [[0.0, 0.0, 0.0, 0.1], [0.1, 0.1, 0.5, 0.9]]
 
 
 def test_forward_macs_equal_a_hand_count():
-  cfg = ModelConfig.from_config(dict(vocab_size=50, d_model=64, n_layers=2, n_heads=4, d_ff=256, span=256))
+  cfg = build({"vocab_size": 50, "d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 256,
+               "span.size": 256})
   plan = plan_lib.plan_from_ratios(
       cfg, [np.asarray(r, np.float32) for r in [[0, 0, 0, 0.1], [0.1, 0.1, 0.3, 0.9]]])
   assert plan.describe() == "L0 cache=128 [0, 1, 2, 3]:64; L1 cache=256 [0, 1]:64 [2]:128 [3]:256"
@@ -133,9 +134,9 @@ def test_reference_activation_bytes_match_jax_residuals(mode, dropout, pers, dty
   one float32 band for a fixed span (was counted as two), three with the adaptive mask (was
   four), dropout's output and a boolean keep mask (was a float32 band)."""
   saved_residuals = pytest.importorskip("jax._src.ad_checkpoint").saved_residuals
-  cfg = ModelConfig.from_config(dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, span=128, ramp=16,
-                    span_mode=mode, dropout=dropout, pers_mem=pers, dtype=dtype,
-                    attn_impl="reference"))
+  cfg = build({"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64,
+               "span.size": 128, "span.ramp": 16, "span.mode": mode, "dropout": dropout,
+               "pers_mem": pers, "dtype": dtype, "attention.impl": "reference"})
   plan, b, m = plan_lib.full_plan(cfg), 2, 32
   model = SpanTransformer(cfg, plan)
   params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32),
@@ -162,28 +163,30 @@ def test_peak_estimate_within_a_factor_of_xla_cpu_temporaries(impl, mode, dtype)
   peak_activation_bytes is within a factor 1.35 of the compiled step's temporaries on XLA:CPU
   (0.78-1.07 measured over impls, modes and dtypes): XLA:CPU keeps what JAX saves. XLA:TPU does
   not (the test below)."""
-  cfg = ModelConfig.from_config(dict(vocab_size=50, d_model=64, n_layers=4, n_heads=4, d_ff=128, span=256, ramp=16,
-                    span_mode=mode, dropout=0.1, attn_impl=impl, dtype=dtype))
+  cfg = build({"vocab_size": 50, "d_model": 64, "n_layers": 4, "n_heads": 4, "d_ff": 128,
+               "span.size": 256, "span.ramp": 16, "span.mode": mode, "dropout": 0.1,
+               "attention.impl": impl, "dtype": dtype})
   x = flops.xla_costs(cfg, None, 2, 64)
   assert 1 / 1.35 < flops.peak_activation_bytes(cfg, None, 2, 64) / x["temp_bytes"] < 1.35
 
 
 def test_trimming_cuts_flops():
-  cfg = ModelConfig.from_config(dict(vocab_size=50, d_model=32, n_layers=2, n_heads=4, d_ff=64, span=512, ramp=16))
+  cfg = build({"vocab_size": 50, "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64,
+               "span.size": 512, "span.ramp": 16})
   plan = plan_lib.plan_from_ratios(cfg, [np.asarray(r, np.float32) for r in TRIMMED])
-  fixed = replace_flat(cfg, span_mode="fixed")
+  fixed = replaced(cfg, **{"span.mode": "fixed"})
   assert flops.per_token(cfg, plan, 64).total < 0.6 * flops.per_token(fixed, None, 64).total
 
 
 # The tiny Sparse Transformer (configs/enwik8_sparse_fixed.py's architecture): context 64, l = 8.
-SPARSE = {"arch": "sparse", "span_mode": "fixed", "span_loss": 0.0, "vocab_size": 50,
-          "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64, "span": 64, "sparse_stride": 8,
-          "sparse_c": 2}
+SPARSE = {"arch": "sparse", "span.mode": "fixed", "span.loss": 0.0, "vocab_size": 50,
+          "d_model": 32, "n_layers": 2, "n_heads": 4, "d_ff": 64, "sparse.context": 64,
+          "sparse.stride": 8, "sparse.c": 2}
 
 
 def test_sparse_forward_macs_equal_a_hand_count():
   """arch='sparse' has its own count: factorized attention, no cache, no span predictor."""
-  cfg = ModelConfig.from_config(dict(**SPARSE, sparse_pattern="fixed", sparse_combine="merged"))
+  cfg = build(SPARSE, **{"sparse.pattern": "fixed", "sparse.combine": "merged"})
   got = flops.forward_macs(cfg, None, block=64)
   # per head: its block (8 blocks of 8 x 8) and every block's c = 2 summary keys (64 x 16)
   keys = 4 * (8 * 8 * 8 + 64 * 8 * 2)
@@ -191,19 +194,19 @@ def test_sparse_forward_macs_equal_a_hand_count():
   assert got["attn_position"] == got["attn_persistent"] == got["span_predictor"] == 0
   assert got["q_proj"] == got["out_proj"] == 2 * 64 * 32 * 32
   assert got["kv_proj"] == 2 * got["q_proj"]
-  dense = flops.forward_macs(replace_flat(cfg, sparse_pattern="dense"), None, 64)
+  dense = flops.forward_macs(replaced(cfg, **{"sparse.pattern": "dense"}), None, 64)
   assert dense["attn_content"] == 2 * 4 * 64 * 64 * 8 > got["attn_content"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kw, block", [
-    ({"sparse_pattern": "fixed", "sparse_combine": "merged"}, 64),
-    ({"sparse_pattern": "strided", "sparse_combine": "split", "sparse_qk_ratio": 0.5}, 60),
-    ({"sparse_pattern": "fixed", "sparse_combine": "interleaved", "sparse_impl": "dense"}, 64)])
+    ({"sparse.pattern": "fixed", "sparse.combine": "merged"}, 64),
+    ({"sparse.pattern": "strided", "sparse.combine": "split", "sparse.qk_ratio": 0.5}, 60),
+    ({"sparse.pattern": "fixed", "sparse.combine": "interleaved", "sparse.impl": "dense"}, 64)])
 def test_sparse_matmul_count_equals_xla(kw, block):
   """As the span model's: our count equals the dots of the compiled sparse train step (block 60:
-  padded to a multiple of the stride; sparse_impl='dense': the masked n x n reference)."""
-  cfg = ModelConfig.from_config({**SPARSE, **kw})
+  padded to a multiple of the stride; sparse.impl='dense': the masked n x n reference)."""
+  cfg = build({**SPARSE, **kw})
   x = flops.xla_costs(cfg, None, 2, block)
   assert flops.train_step_flops(cfg, None, 2, block) == x["dot_flops"]
   assert 0.75 < x["dot_flops"] / x["flops"] <= 1.0
