@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import synthetic_run
-from model_helpers import replace_flat
+from model_helpers import replaced
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
 from span_lm.model import plan as plan_lib
@@ -453,7 +453,7 @@ def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, 
 
   def fallback(cfg):  # on this CPU: cpu -> reference, the same maths
     asked.append(cfg.attention.impl)
-    return replace_flat(cfg, attn_impl="reference") if cfg.attention.impl == "cpu" else None
+    return replaced(cfg, **{"attention.impl": "reference"}) if cfg.attention.impl == "cpu" else None
 
   monkeypatch.setattr(kernels, "fit_fallback", fallback)
   for capacity, recompiled in ((1, True), (1 << 40, False)):
