@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from model_helpers import replace_flat
+from model_helpers import build, replaced
 from span_lm import config as config_lib
 from span_lm.data import cifar
 from span_lm.data import sources
@@ -16,7 +16,6 @@ from span_lm.model import build_model
 from span_lm.model import sparse
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
-from span_lm.model.config import ModelConfig
 from span_lm.model.sparse_transformer import SparseTransformer
 from span_lm.train import loop
 from span_lm.train import min_context
@@ -134,10 +133,10 @@ def test_fast_path_bfloat16_close():
 
 
 def _cfg(**kw):
-  base = dict(vocab_size=30, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=40,
-              span_mode="fixed", arch="sparse", sparse_stride=8, sparse_c=2)
-  base.update(kw)
-  return ModelConfig.from_config(base)
+  base = {"vocab_size": 30, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32,
+          "sparse.context": 40, "span.mode": "fixed", "arch": "sparse", "sparse.stride": 8,
+          "sparse.c": 2}
+  return build(base, **kw)
 
 
 def _init(cfg, m):
@@ -193,7 +192,7 @@ def test_model_interface_and_init(base):
 @pytest.mark.slow
 def test_fast_and_dense_impl_agree_in_the_model(base):
   cfg, _, params, (loss, logp, grads, _) = base
-  loss_d, logp_d, grads_d, _ = _loss_and_grads(replace_flat(cfg, sparse_impl="dense"),
+  loss_d, logp_d, grads_d, _ = _loss_and_grads(replaced(cfg, **{"sparse.impl": "dense"}),
                                                params)
   np.testing.assert_allclose(logp, logp_d, atol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads_d)
@@ -221,7 +220,7 @@ def test_bfloat16_close_to_float32(base):
 @pytest.mark.slow
 def test_pre_and_post_activation_blocks(base):
   cfg, _, params, (loss, _, _, _) = base
-  post = replace_flat(cfg, sparse_prenorm=False, sparse_act="relu")
+  post = replaced(cfg, **{"sparse.prenorm": False, "sparse.act": "relu"})
   assert "norm_out" in params
   post_params = {k: v for k, v in params.items() if k != "norm_out"}  # the same weights
   loss_p, _, grads_p, _ = _loss_and_grads(post, post_params)
@@ -230,7 +229,7 @@ def test_pre_and_post_activation_blocks(base):
 
 
 def test_data_position_embeddings():
-  cfg = _cfg(span=24, sparse_pos="data", sparse_data_shape=(2, 4, 3))
+  cfg = _cfg(**{"sparse.context": 24, "sparse.pos": "data", "sparse.data_shape": (2, 4, 3)})
   params = jax.eval_shape(lambda: _init(cfg, 24))
   assert [params[f"pos_emb_{j}"].shape[0] for j in range(3)] == [2, 4, 3]
 
@@ -238,13 +237,13 @@ def test_data_position_embeddings():
 @pytest.mark.parametrize("kw,field", [
     (dict(arch="sparse2"), "arch"),
     (dict(pers_mem=4), "pers_mem"),
-    (dict(sparse_c=9), "sparse.c"),
-    (dict(sparse_pattern="axial"), "sparse.pattern"),
-    (dict(sparse_qk_ratio=0.3), "sparse.qk_ratio"),
-    (dict(sparse_pos="data"), "sparse.data_shape"),
-    (dict(scan_layers=True, sparse_combine="interleaved", sparse_pattern="fixed", n_layers=3),
-     "sparse.scan_layers"),
-    (dict(scan_layers=True, arch="span", span_mode="adaptive"), "sparse.scan_layers"),
+    ({"sparse.c": 9}, "sparse.c"),
+    ({"sparse.pattern": "axial"}, "sparse.pattern"),
+    ({"sparse.qk_ratio": 0.3}, "sparse.qk_ratio"),
+    ({"sparse.pos": "data"}, "sparse.data_shape"),
+    ({"sparse.scan_layers": True, "sparse.combine": "interleaved", "sparse.pattern": "fixed",
+      "n_layers": 3}, "sparse.scan_layers"),
+    ({"sparse.scan_layers": True, "arch": "span", "span.mode": "adaptive"}, "sparse.scan_layers"),
 ])
 def test_bad_sparse_config_names_the_field(kw, field):
   with pytest.raises(ValueError, match=rf"config\.model\.{field}="):
@@ -287,14 +286,15 @@ def _stack(params, cfg):
 @pytest.mark.parametrize("combine,n_layers,remat", [("split", 3, "none"), ("interleaved", 4, "none"),
                                                     ("interleaved", 4, "layer")])
 def test_layer_scan_is_the_same_function(combine, n_layers, remat):
-  """scan_layers=True with the unrolled model's weights, stacked: the same loss, log-probabilities
+  """sparse.scan_layers with the unrolled model's weights, stacked: the same loss, log-probabilities
   and gradients (interleaved patterns alternate by layer, so the scan steps over pairs)."""
-  cfg = _cfg(n_layers=n_layers, sparse_combine=combine, sparse_pattern="strided", remat=remat)
+  cfg = _cfg(n_layers=n_layers, remat=remat,
+             **{"sparse.combine": combine, "sparse.pattern": "strided"})
   fresh = _init(cfg, 40)
   params = dict(fresh, out_emb={"kernel": 0.1 * jax.random.normal(
       jax.random.key(1), fresh["out_emb"]["kernel"].shape)})
   loss, logp, grads, _ = _loss_and_grads(cfg, params)
-  scan = replace_flat(cfg, scan_layers=True)
+  scan = replaced(cfg, **{"sparse.scan_layers": True})
   assert scan.sparse.scan_period == (2 if combine == "interleaved" else 1)
   assert jax.tree.structure(_init(scan, 40)) == jax.tree.structure(_stack(params, scan))
   loss_s, logp_s, grads_s, _ = _loss_and_grads(scan, _stack(params, scan))
@@ -333,7 +333,7 @@ def test_layer_scan_init_and_training_step():
   """Stacked init: every layer its own draw from the same distribution (split rngs), biases and
   gains left out of weight decay and the layer axis out of the sharding names; a train-mode
   step with dropout runs."""
-  cfg = _cfg(n_layers=4, scan_layers=True, dropout=0.1)
+  cfg = _cfg(n_layers=4, **{"sparse.scan_layers": True}, dropout=0.1)
   params = _init(cfg, 40)
   fc2 = np.asarray(params["layers"]["block_0"]["ff"]["fc2"]["kernel"])
   assert fc2.shape == (4, 32, 16) and not np.allclose(fc2[0], fc2[1])
