@@ -12,7 +12,8 @@ from span_lm.model.sparse_transformer import SparseTransformer
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import flops
 
-SPARSE = dict(arch="sparse", span=64, sparse_stride=8, sparse_c=2, span_loss=0.0)
+SPARSE = {"arch": "sparse", "sparse.context": 64, "sparse.stride": 8, "sparse.c": 2,
+          "span.loss": 0.0}
 # name -> (make_cfg changes, model class, context length)
 CASES = {"span": ({}, SpanTransformer, 16), "sparse": (SPARSE, SparseTransformer, 64)}
 
@@ -39,7 +40,7 @@ def test_a_record_builds_its_model_and_states_its_lengths(name):
 
 
 def test_the_sparse_record_fixes_the_span_and_refuses_what_it_lacks():
-  cfg = make_cfg(**SPARSE, span_mode="adaptive")
+  cfg = make_cfg(**SPARSE, **{"span.mode": "adaptive"})
   assert (cfg.span.size, cfg.span.mode, cfg.span.loss) == (64, "fixed", 0.0)
   with pytest.raises(ValueError, match="kv_cache applies to the span Transformer only"):
     build_model(cfg, None, kv_cache=True)
@@ -48,7 +49,7 @@ def test_the_sparse_record_fixes_the_span_and_refuses_what_it_lacks():
   with pytest.raises(ValueError, match="document boundaries are for arch='span'"):
     make_cfg(**SPARSE, doc_boundary=3)
   with pytest.raises(ValueError, match="only arch='sparse' scans its layers"):
-    make_cfg(scan_layers=True)
+    make_cfg(**{"sparse.scan_layers": True})
   with pytest.raises(ValueError, match=r"choose one of \('span', 'sparse'\)"):
     ModelConfig.from_config(dict(vocab_size=11, d_model=16, n_heads=4, arch="other"))
 
