@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import reference_numpy as ref
+from model_helpers import build
 from span_lm import cli
 from span_lm import config as config_lib
-from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import reference_checkpoint as rc
 from span_lm.tools import torch_format
@@ -33,10 +33,9 @@ except ImportError:
 
 
 def make_cfg(**kw):
-  base = dict(vocab_size=11, d_model=16, n_layers=2, n_heads=4, d_ff=24, span=16,
-              span_mode="adaptive", ramp=4, span_loss=0.0, pers_mem=0)
-  base.update(kw)
-  return ModelConfig.from_config(base)
+  return build({"vocab_size": 11, "d_model": 16, "n_layers": 2, "n_heads": 4, "d_ff": 24,
+                "span.size": 16, "span.mode": "adaptive", "span.ramp": 4, "span.loss": 0.0,
+                "pers_mem": 0}, **kw)
 
 
 def f32(tree):
@@ -103,7 +102,7 @@ def apply(cfg, params, tokens, caches):
 
 @pytest.mark.parametrize("kw, legacy", [
     (dict(), False),
-    (dict(span_mode="fixed"), True),  # the pre-1.6 file format of the published models
+    ({"span.mode": "fixed"}, True),  # the pre-1.6 file format of the published models
     (dict(pers_mem=5, d_ff=0, n_layers=1), False),
 ])
 def test_import_places_every_tensor_and_matches_numpy_forward(tmp_path, kw, legacy):
@@ -169,13 +168,12 @@ def test_refuses_a_checkpoint_that_does_not_fit():
   cfg = make_cfg()
   known = f32(ref.random_params(cfg, np.random.default_rng(3)))
   sd = rc.strip_prefix(reference_state_dict(cfg, known))
-  for field, value in (("d_ff", 32), ("n_heads", 2), ("span", 32), ("n_layers", 3),
+  for field, value in (("d_ff", 32), ("n_heads", 2), ("span.size", 32), ("n_layers", 3),
                        ("pers_mem", 4), ("vocab_size", 12)):
-    name = "span.size" if field == "span" else field
-    with pytest.raises(ValueError, match=rf"config\.model\.{name}={value}"):
+    with pytest.raises(ValueError, match=rf"config\.model\.{field}={value}"):
       rc.check_fits(sd, make_cfg(**{field: value}))
   with pytest.raises(ValueError, match=r"config\.model\.span\.mode='fixed'"):
-    rc.check_fits(sd, make_cfg(span_mode="fixed"))
+    rc.check_fits(sd, make_cfg(**{"span.mode": "fixed"}))
   bad = collections.OrderedDict(sd, **{"layers.0.ff.fc1.bias": np.zeros(23, np.float32)})
   with pytest.raises(ValueError, match=r"layers\.0\.ff\.fc1\.bias: checkpoint \(23,\)"):
     rc.check_fits(bad, cfg)
@@ -399,7 +397,7 @@ def test_real_torch_files_import_and_export_round_trip(tmp_path, case, fmt):
   assert found["pers_mem"] == (4 if case == "pers" else 0) and found["span.mode"] == "adaptive"
   cfg = make_cfg(**{k: v for k, v in found.items() if k in ("vocab_size", "d_model", "n_layers",
                                                           "n_heads", "d_ff", "pers_mem")},
-                 span=found["span.size"], ramp=8)
+                 **{"span.size": found["span.size"], "span.ramp": 8})
   rc.check_fits(sd, cfg)  # includes: the state_dict lists parameters in torch's order
   params = rc.to_span_lm(sd, cfg)
   attn = params["layers_0"]["attn"]
