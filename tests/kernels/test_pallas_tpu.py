@@ -355,9 +355,10 @@ def test_the_model_through_the_tpu_kernel_equals_the_reference(mode="adaptive", 
   from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.transformer import SpanTransformer  # pylint: disable=g-import-not-at-top
   from model_helpers import make_cfg  # pylint: disable=g-import-not-at-top
-  kw = dict(span_mode=mode, span=48, ramp=4, attn_block=16, n_heads=2, pers_mem=n_pers,
-            plan_granularity=16)
-  cfgs = {impl: make_cfg(attn_impl=impl, **kw) for impl in ("pallas_tpu_interpret", "reference")}
+  kw = {"span.mode": mode, "span.size": 48, "span.ramp": 4, "attention.block": 16, "n_heads": 2,
+        "pers_mem": n_pers, "plan.granularity": 16}
+  cfgs = {impl: make_cfg(**kw, **{"attention.impl": impl})
+          for impl in ("pallas_tpu_interpret", "reference")}
   b, m = 2, 16
   tokens = jax.random.randint(jax.random.PRNGKey(3), (b, 2 * m), 0, 11)
   model = SpanTransformer(cfgs["reference"])
