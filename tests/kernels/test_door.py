@@ -14,16 +14,17 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from model_helpers import build
 from span_lm import kernels
-from span_lm.model.config import ModelConfig
 
 B, G, DH, R = 2, 2, 16, 4
 
 
 def cfg_for(impl, **kw):
-  base = dict(vocab_size=11, d_model=G * DH, n_heads=G, d_ff=8, span=32, ramp=R,
-              span_mode="adaptive", attn_impl=impl, attn_block=16, plan_granularity=16)
-  return ModelConfig.from_config(base | kw)
+  base = {"vocab_size": 11, "d_model": G * DH, "n_heads": G, "d_ff": 8, "span.size": 32,
+          "span.ramp": R, "span.mode": "adaptive", "attention.impl": impl, "attention.block": 16,
+          "plan.granularity": 16}
+  return build(base, **kw)
 
 
 def _case(mode, m, w, n_pers, dtype, seed=0):
@@ -232,7 +233,7 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
   assert str(e.value) == ("config.model.pers_mem=24: must be a multiple of attention.block=16 "
                           "with attention.impl='pallas'")
   with pytest.raises(ValueError) as e:
-    cfg_for("auto", attn_precision="exact")
+    cfg_for("auto", **{"attention.precision": "exact"})
   assert str(e.value) == ("config.model.attention.precision='exact': choose one of "
                           "('default', 'highest')")
 
