@@ -19,13 +19,14 @@ from span_lm.model.transformer import SpanTransformer
 
 
 def _cfg(**kw):
-  return make_cfg(**dict(dict(d_model=32, n_layers=1, n_heads=2, span=32, span_mode="adaptive",
-                              plan_granularity=32, plan_margin=0, attn_block=32), **kw))
+  return make_cfg(**dict({"d_model": 32, "n_layers": 1, "n_heads": 2, "span.size": 32,
+                          "span.mode": "adaptive", "plan.granularity": 32, "plan.margin": 0,
+                          "attention.block": 32}, **kw))
 
 
 @pytest.mark.slow
 def test_tune_times_the_candidates_that_fit_and_caches_the_fastest(tmp_path):
-  cfg = _cfg(attn_impl="pallas_interpret")
+  cfg = _cfg(**{"attention.impl": "pallas_interpret"})
   path = str(tmp_path / "tiles.json")
   said = []
   # 64 > attn_block: never tried; the two others compile and are timed
@@ -58,7 +59,7 @@ def test_tune_times_the_candidates_that_fit_and_caches_the_fastest(tmp_path):
 
 def test_resolve_leaves_runs_without_the_gpu_kernel_alone():
   said = []
-  cfg = _cfg(attn_tiles="tune")  # auto on this CPU host: the cpu implementation
+  cfg = _cfg(**{"attention.tiles": "tune"})  # auto on this CPU host: the cpu implementation
   assert autotune.resolve(cfg, batch=1, m=32, echo=said.append) is cfg
   assert "nothing to tune" in said[0]
   assert kernels.gpu_tiles(cfg, "pallas_interpret", jnp.float32) == (32, 4, 2)  # the table's
@@ -67,16 +68,16 @@ def test_resolve_leaves_runs_without_the_gpu_kernel_alone():
 @pytest.mark.parametrize("bad", ["33,8,1", "32,3,1", "32,8,0", "32,8,5", "big", "64,4,1"])
 def test_bad_tiles_are_one_line_naming_the_field(bad):
   with pytest.raises(ValueError, match=r"config\.model\.attention\.tiles="):
-    _cfg(attn_tiles=bad)
+    _cfg(**{"attention.tiles": bad})
 
 
 @pytest.mark.slow
 def test_named_tiles_reach_the_kernel_with_the_same_maths():
   """attn_tiles='16,4,1' with attn_block=32: the kernel runs 16-row tiles (its schedule's
   bytes change), and the model's values and gradients still equal the cpu implementation's."""
-  cpu, fused = _cfg(), _cfg(attn_impl="pallas_interpret", attn_tiles="16,4,1")
+  cpu, fused = _cfg(), _cfg(**{"attention.impl": "pallas_interpret", "attention.tiles": "16,4,1"})
   assert kernels.gpu_tiles(fused, "pallas_interpret", jnp.float32) == (16, 4, 1)
-  whole = _cfg(attn_impl="pallas_interpret", attn_tiles="32,4,1")
+  whole = _cfg(**{"attention.impl": "pallas_interpret", "attention.tiles": "32,4,1"})
   interpret = kernels.IMPLS["pallas_interpret"]
   assert (interpret.schedule_cost(fused, 1, 256, 1024, None) !=
           interpret.schedule_cost(whole, 1, 256, 1024, None))
