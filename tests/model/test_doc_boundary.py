@@ -23,7 +23,7 @@ SEP = 0  # the boundary token of these tests; the other tokens are drawn from 1.
 
 
 def setup(seed=0, **kw):
-  kw = dict(dict(span_mode="adaptive", span=16, ramp=4, doc_boundary=SEP), **kw)
+  kw = dict({"span.mode": "adaptive", "span.size": 16, "span.ramp": 4, "doc_boundary": SEP}, **kw)
   cfg = make_cfg(**kw)
   rng = np.random.default_rng(seed)
   params = to_jax(ref.random_params(cfg, rng, span_ratio_range=(0.3, 0.9)))
@@ -148,7 +148,7 @@ def test_gradients_finite_with_dropout_and_boundary_rows():
 
 
 def test_resize_caches_pads_doc_ids_with_zero_and_plan_stream():
-  cfg, params, rng = setup(6, plan_granularity=8, plan_margin=0)
+  cfg, params, rng = setup(6, **{"plan.granularity": 8, "plan.margin": 0})
   plan = plan_lib.plan_from_params(cfg, params)
   tokens = doc_tokens(rng, 24, [4, 13])
   full, _ = run_blocks(cfg, params, tokens, 8)
@@ -196,9 +196,10 @@ def test_sampling_with_doc_boundary_runs():
 def test_implementations_agree_with_segments(impl):
   """The fused kernels (interpreted) against the CPU path, outputs and gradients, with
   documents crossing a block boundary."""
-  kw = dict(span=32, d_model=32, n_heads=2, attn_block=16)
+  kw = {"span.size": 32, "d_model": 32, "n_heads": 2, "attention.block": 16}
   cfg, params, rng = setup(9, **kw)
-  other = make_cfg(**dict(kw, span_mode="adaptive", ramp=4, doc_boundary=SEP, attn_impl=impl))
+  other = make_cfg(**kw, **{"span.mode": "adaptive", "span.ramp": 4, "attention.impl": impl},
+                   doc_boundary=SEP)
   assert kernels.choose(other, 16, 32) == impl
   tokens = doc_tokens(rng, 32, [3, 20, 21])
   a, ca = run_blocks(cfg, params, tokens, 16)
