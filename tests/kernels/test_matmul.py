@@ -6,10 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from model_helpers import build
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.kernels import matmul
-from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 
 SPECS = [("bgncd,bgnkd->bgnck", (2, 3, 2, 4, 8), (2, 3, 2, 6, 8)),
@@ -91,8 +91,8 @@ def test_dense_dot_general_matches_dense():
 @pytest.mark.slow
 def test_bf16_model_step_has_no_float32_matmul():
   """Every matmul of a bf16 model's forward and backward is bf16 x bf16 (the CPU fast path)."""
-  cfg = ModelConfig.from_config(dict(vocab_size=11, d_model=16, n_layers=2, n_heads=2, d_ff=32, span=16, ramp=4,
-                    span_init=0.5, dtype="bfloat16"))
+  cfg = build({"vocab_size": 11, "d_model": 16, "n_layers": 2, "n_heads": 2, "d_ff": 32,
+               "span.size": 16, "span.ramp": 4, "span.init": 0.5, "dtype": "bfloat16"})
   model = SpanTransformer(cfg, plan_lib.full_plan(cfg))
   x = jnp.zeros((2, 8), jnp.int32)
   caches = caches_lib.init_caches(cfg, None, 2)
@@ -172,12 +172,13 @@ def test_bf16_model_parameter_gradients_are_not_rounded_to_bf16(impl, kind):
   float32 parameter into the matmul, which casts it (nn.Dense(dtype=bf16) and `.astype` before
   the matmul rounded every such gradient to bf16). Both attention implementations; cpu 'fixed'
   takes the positions-last projection and the keyed custom VJP, 'adaptive_short' the banded one."""
-  fields = dict(vocab_size=23, d_model=32, n_layers=1, n_heads=2, d_ff=64, span=32, ramp=4,
-                attn_impl=impl, dtype="bfloat16")
-  fields.update({"fixed": dict(span_mode="fixed"),
-                 "adaptive_short": dict(span_mode="adaptive", span_init=0.1, plan_granularity=8),
-                 "persistent": dict(span_mode="fixed", pers_mem=16)}[kind])
-  cfg = ModelConfig.from_config(fields)
+  fields = {"vocab_size": 23, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
+            "span.size": 32, "span.ramp": 4, "attention.impl": impl, "dtype": "bfloat16"}
+  fields.update({"fixed": {"span.mode": "fixed"},
+                 "adaptive_short": {"span.mode": "adaptive", "span.init": 0.1,
+                                    "plan.granularity": 8},
+                 "persistent": {"span.mode": "fixed", "pers_mem": 16}}[kind])
+  cfg = build(fields)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.integers(0, 23, (4, 16)), jnp.int32)
   full = plan_lib.full_plan(cfg)
@@ -311,20 +312,20 @@ def test_bf16_model_gradients_follow_float32(kind):
   """The whole bf16 model (every matmul through contract's layouts; key windows gathered (W > C)
   or as two strided views (W <= C)) against the same float32 model: each parameter's gradient
   points the same way and has the same size, to bf16 accuracy."""
-  fields = {"vocab_size": 23, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "span": 32,
-            "ramp": 4}
+  fields = {"vocab_size": 23, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64,
+            "span.size": 32, "span.ramp": 4}
   if kind == "fixed":
-    fields.update(span_mode="fixed")
+    fields.update({"span.mode": "fixed"})
   elif kind == "adaptive_short":  # 8-token windows, chunks of 16 queries
-    fields.update(span_mode="adaptive", span_init=0.1, plan_granularity=8)
+    fields.update({"span.mode": "adaptive", "span.init": 0.1, "plan.granularity": 8})
   else:
-    fields.update(span_mode="fixed", pers_mem=16)
+    fields.update({"span.mode": "fixed", "pers_mem": 16})
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.integers(0, 23, (4, 16)), jnp.int32)
   y = jnp.asarray(rng.integers(0, 23, (4, 16)), jnp.int32)
   grads = {}
   for dtype in ("float32", "bfloat16"):
-    cfg = ModelConfig.from_config(dict(fields, dtype=dtype))
+    cfg = build(fields, dtype=dtype)
     full = plan_lib.full_plan(cfg)
     params = SpanTransformer(cfg, full).init(jax.random.key(0), x,
                                              caches_lib.init_caches(cfg, full, 4))["params"]
