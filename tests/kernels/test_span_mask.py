@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 
 import reference_numpy as ref
+from model_helpers import build
 from span_lm import kernels
 from span_lm.kernels import span_mask
-from span_lm.model.config import ModelConfig
 
 B, DH, R = 2, 16, 3
 
@@ -49,9 +49,10 @@ def test_clamp01_derivative_is_one_on_the_closed_interval():
 
 def door_cfg(impl, **kw):
   """A model config for calling the door's attend directly (head size DH)."""
-  base = dict(vocab_size=11, d_model=2 * DH, n_heads=2, d_ff=8, span=16, ramp=R,
-              span_mode="adaptive", attn_impl=impl, attn_block=16, plan_granularity=16)
-  return ModelConfig.from_config(base | kw)
+  base = {"vocab_size": 11, "d_model": 2 * DH, "n_heads": 2, "d_ff": 8, "span.size": 16,
+          "span.ramp": R, "span.mode": "adaptive", "attention.impl": impl, "attention.block": 16,
+          "plan.granularity": 16}
+  return build(base, **kw)
 
 
 @pytest.mark.slow
