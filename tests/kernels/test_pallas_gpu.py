@@ -16,13 +16,13 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from model_helpers import build
 from span_lm import config as config_lib
 from span_lm.kernels import banded_reference
 from span_lm.kernels import hashed_dropout
 from span_lm.kernels import pallas_gpu as fa
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
-from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
 
 B, H, M, D, W, R, BLOCK = 2, 2, 32, 16, 48, 8, 16
@@ -313,11 +313,10 @@ def test_rejects_shapes_the_kernel_cannot_tile():
 
 
 def _cfg(**kw):
-  base = dict(vocab_size=13, d_model=32, n_layers=2, n_heads=2, d_ff=24, span=32,
-              span_mode="adaptive", ramp=4, span_loss=0.1, plan_granularity=16, plan_margin=0,
-              attn_block=16)
-  base.update(kw)
-  return ModelConfig.from_config(base)
+  base = {"vocab_size": 13, "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 24,
+          "span.size": 32, "span.mode": "adaptive", "span.ramp": 4, "span.loss": 0.1,
+          "plan.granularity": 16, "plan.margin": 0, "attention.block": 16}
+  return build(base, **kw)
 
 
 @pytest.mark.slow
@@ -325,8 +324,8 @@ def _cfg(**kw):
                                          ("adaptive", 16)])
 @pytest.mark.parametrize("kv_cache", [False, True])
 def test_model_fused_equals_cpu(mode, n_pers, kv_cache):
-  xla = _cfg(span_mode=mode, pers_mem=n_pers)
-  fused = _cfg(span_mode=mode, pers_mem=n_pers, attn_impl="pallas_interpret")
+  xla = _cfg(**{"span.mode": mode}, pers_mem=n_pers)
+  fused = _cfg(**{"span.mode": mode, "attention.impl": "pallas_interpret"}, pers_mem=n_pers)
   rng = np.random.default_rng(3)
   m = 16
   tokens = jnp.asarray(rng.integers(xla.vocab_size, size=(B, m)), jnp.int32)
@@ -361,7 +360,7 @@ def test_model_fused_equals_cpu(mode, n_pers, kv_cache):
 
 @pytest.mark.slow
 def test_model_fused_dropout_trains_and_is_reproducible():
-  cfg = _cfg(attn_impl="pallas_interpret", dropout=0.5)
+  cfg = _cfg(**{"attention.impl": "pallas_interpret"}, dropout=0.5)
   m = 16
   tokens = jnp.asarray(np.random.default_rng(0).integers(cfg.vocab_size, size=(B, m)), jnp.int32)
   model = SpanTransformer(cfg)
@@ -383,30 +382,31 @@ def test_model_fused_dropout_trains_and_is_reproducible():
 @pytest.mark.slow
 def test_blocks_the_kernel_cannot_tile_take_the_jnp_path():
   """init_state builds parameters from a one-token block: that must work with attn_impl=pallas."""
-  cfg = _cfg(attn_impl="pallas")  # not interpreted: the kernel would fail on CPU if called
+  # not interpreted: the kernel would fail on CPU if called
+  cfg = _cfg(**{"attention.impl": "pallas"})
   one = jnp.zeros((B, 1), jnp.int32)
   params = SpanTransformer(cfg).init(jax.random.key(0), one, caches_lib.init_caches(cfg, None, B))
   logp, _, _ = SpanTransformer(cfg).apply(params, one, caches_lib.init_caches(cfg, None, B))
-  ref_cfg = _cfg(attn_impl="reference")
+  ref_cfg = _cfg(**{"attention.impl": "reference"})
   want, _, _ = SpanTransformer(ref_cfg).apply(params, one, caches_lib.init_caches(cfg, None, B))
   np.testing.assert_array_equal(logp, want)
 
 
 def test_fused_plan_is_one_group_at_the_largest_window():
-  cfg = _cfg(attn_impl="pallas")
+  cfg = _cfg(**{"attention.impl": "pallas"})
   lp = plan_lib.layer_plan_from_windows(cfg, [16, 32])
   assert lp.groups == (((0, 1), 32),)
 
 
 @pytest.mark.parametrize("kw,field", [
     (dict(pers_mem=24), "pers_mem"),  # not a multiple of the tile
-    (dict(attn_block=24), "attention.block"),
-    (dict(plan_granularity=8), "plan.granularity"),
-    (dict(attn_impl="triton"), "attention.impl"),
+    ({"attention.block": 24}, "attention.block"),
+    ({"plan.granularity": 8}, "plan.granularity"),
+    ({"attention.impl": "triton"}, "attention.impl"),
 ])
 def test_bad_fused_configs_raise(kw, field):
   with pytest.raises(ValueError, match=f"config.model.{field}"):
-    _cfg(attn_impl=kw.pop("attn_impl", "pallas"), **kw)
+    _cfg(**{"attention.impl": kw.pop("attention.impl", "pallas")}, **kw)
 
 
 def test_run_config_checks_block_length_against_the_tile():
@@ -431,7 +431,8 @@ def test_sampling_with_the_fused_kernel_equals_cpu():
   """generate() with attn_impl='pallas_interpret': a prompt of one tile runs through the kernel,
   the one-token steps through the ring path; the tokens are those of attn_impl='xla'."""
   from span_lm.tools import sample  # pylint: disable=g-import-not-at-top
-  xla, fused = _cfg(span_mode="fixed"), _cfg(span_mode="fixed", attn_impl="pallas_interpret")
+  xla = _cfg(**{"span.mode": "fixed"})
+  fused = _cfg(**{"span.mode": "fixed", "attention.impl": "pallas_interpret"})
   prompt = np.random.default_rng(4).integers(xla.vocab_size, size=16)
   params = SpanTransformer(xla).init(jax.random.key(1), jnp.zeros((1, 16), jnp.int32),
                                      caches_lib.init_caches(xla, None, 1))["params"]
