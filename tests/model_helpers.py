@@ -19,14 +19,12 @@ BASE = {"vocab_size": 11, "d_model": 16, "n_layers": 2, "n_heads": 4, "d_ff": 24
         "span.mode": "fixed", "span.ramp": 4, "span.loss": 0.1, "pers_mem": 0, "dropout": 0.0}
 
 
-# Off until every test names the sections (issue 46); then make_cfg and `replaced` refuse old names.
-REFUSE_FLAT = False
+_moved = model_config._moved  # pylint: disable=protected-access
+_as_dict = model_config._as_dict  # pylint: disable=protected-access
 
 
 def _refuse_flat(changes):
-  if not REFUSE_FLAT:
-    return
-  old = sorted(k for k, v in changes.items() if model_config._moved(k, v))  # pylint: disable=protected-access
+  old = sorted(k for k, v in changes.items() if _moved(k, v))
   if old:
     raise TypeError(f"old flat config.model names {old}: name the sections "
                     f"({', '.join(f'{k!r} -> {model_config.moved_to(k)!r}' for k in old)}); "
@@ -35,14 +33,17 @@ def _refuse_flat(changes):
 
 def build(base, **kw):
   """A ModelConfig from `base` with `kw` over it, both named as fields, dotted section fields or
-  whole sections (merged field by field); base's "context" is the architecture's context length."""
+  whole sections (merged field by field); base's "context" is the architecture's context length.
+  Neither may use the old flat names."""
+  _refuse_flat(base)
+  _refuse_flat(kw)
   arch = kw.get("arch", base.get("arch", archs.DEFAULT))
   dotted = {}
   for k, v in [*base.items(), *kw.items()]:
     if k == "context":
       k = archs.ARCHS[arch].context_field
-    if k in model_config.SECTIONS and not model_config._moved(k, v):  # pylint: disable=protected-access
-      dotted.update({f"{k}.{f}": x for f, x in model_config._as_dict(v).items()})  # pylint: disable=protected-access
+    if k in model_config.SECTIONS and not _moved(k, v):
+      dotted.update({f"{k}.{f}": x for f, x in _as_dict(v).items()})
     else:
       dotted[k] = v
   nested = {}
@@ -57,7 +58,6 @@ def build(base, **kw):
 
 def make_cfg(**kw):
   """A small span (or, with arch='sparse', sparse) model: BASE with `kw` (no old flat names)."""
-  _refuse_flat(kw)
   return build(BASE, **kw)
 
 

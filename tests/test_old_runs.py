@@ -1,5 +1,9 @@
 """config.model in sections: runs written before them still load, old names are refused in one
-line naming the new place, and the schema stays small (issue: ModelConfig in sections)."""
+line naming the new place, and the schema stays small (issue: ModelConfig in sections).
+
+The upgrade shim's own tests: they keep the old flat names (`span_mode`, `attn_impl`, ...) on
+purpose, as old run directories, checkpoints and command lines hold them; every other test names
+the sections (tests/model_helpers.py refuses the old names)."""
 import dataclasses
 import json
 import os
@@ -10,6 +14,7 @@ import sys
 
 import pytest
 
+from model_helpers import make_cfg, make_flat_cfg, replace_flat, replaced
 from span_lm import config as config_lib
 from span_lm import run_dir
 from span_lm.model import config as model_config
@@ -136,6 +141,25 @@ def test_flat_and_sectioned_configs_are_the_same_model():
                                     "n_layers": 2})
   assert sparse.sparse.context == 48 and sparse.sparse.scan_layers
   assert sparse.span.mode == "fixed" and sparse.span.size == 48  # what span-reading code sees
+
+
+def test_the_test_helpers_take_the_old_names_only_for_the_shim():
+  """make_flat_cfg / replace_flat (this file's) build through the shim what make_cfg / replaced
+  build from the sections; make_cfg and replaced refuse the old names, naming the new ones."""
+  assert make_flat_cfg() == make_cfg()
+  assert make_flat_cfg(span=32, span_mode="adaptive", attn_impl="reference", plan_growth=2.0) == (
+      make_cfg(**{"span.size": 32, "span.mode": "adaptive", "attention.impl": "reference",
+                  "plan.growth": 2.0}))
+  assert make_flat_cfg(arch="sparse", span=64, sparse_stride=8, sparse_c=2, span_loss=0.0) == (
+      make_cfg(arch="sparse", **{"sparse.context": 64, "sparse.stride": 8, "sparse.c": 2,
+                                 "span.loss": 0.0}))
+  cfg = make_cfg()
+  assert replace_flat(cfg, span_mode="dynamic", attn_chunk=8) == (
+      replaced(cfg, **{"span.mode": "dynamic", "attention.chunk": 8}))
+  with pytest.raises(TypeError, match=r"'span_mode' -> 'span\.mode'"):
+    make_cfg(span_mode="fixed")
+  with pytest.raises(TypeError, match=r"'attn_impl' -> 'attention\.impl'"):
+    replaced(cfg, attn_impl="cpu")
 
 
 def test_each_section_names_its_bad_field():
