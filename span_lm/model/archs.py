@@ -2,13 +2,13 @@
 
 Code that depends on the architecture looks its record up, `ARCHS[cfg.arch].cache`, rather than
 comparing names, so a new architecture is one record here (levanter registers a config class per
-model; big_vision picks `models/<name>.py` once). The records import their models lazily: this
-module is imported by model/config.py, before any model module can be.
+model; big_vision picks `models/<name>.py` once). The records name what lives in the model modules
+('module:function', loaded on first use), so this module, which model/config.py imports, imports
+none of them: the table stays below config in the import graph (tests/test_import_graph.py).
 """
 import dataclasses
+import importlib
 from typing import Any, Callable
-
-from span_lm.model import macs
 
 DEFAULT = "span"  # config.model.arch's default (and what a config without the field means)
 
@@ -22,10 +22,10 @@ class Arch:
   # '<section>.<field>': the farthest a query looks back, in the config.model section that holds
   # the architecture's own fields (where config.model's old flat `span` goes)
   context_field: str
-  # (cfg, plan, kv_cache) -> the Flax module (span_lm.model.build_model)
-  build: Callable[..., Any]
-  # (cfg, plan, block, batch) -> multiply-adds of one forward pass by component (model/macs.py)
-  forward_macs: Callable[..., dict]
+  # 'module:function': (cfg, plan, kv_cache) -> the Flax module (span_lm.model.build_model)
+  build_at: str
+  # 'module:function': (cfg, plan, block, batch) -> multiply-adds of one forward pass by component
+  forward_macs_at: str
   # Carries hidden states from block to block: caches of up to the context (else one unused
   # row), key/value caches for evaluation, one-token generation, cache rows in the FLOPs.
   cache: bool
@@ -40,9 +40,21 @@ class Arch:
   settle: Callable[[Any], dict]
   # (cfg, bad) -> None: its section's checks against the rest of config.model; bad(field, why)
   check: Callable[[Any, Callable], None]
-  # (cfg, m, w) -> (name, why): the attention implementation its layers run for m queries and
-  # windows up to w on the current target (logs, the compile report); why: '' or the reason
-  attention: Callable[..., tuple[str, str]]
+  # 'module:function': (cfg, m, w) -> (name, why): the attention implementation its layers run
+  # for m queries and windows up to w on the current target (logs, the compile report)
+  attention_at: str
+
+  @property
+  def build(self) -> Callable[..., Any]:
+    return _load(self.build_at)
+
+  @property
+  def forward_macs(self) -> Callable[..., dict]:
+    return _load(self.forward_macs_at)
+
+  @property
+  def attention(self) -> Callable[..., tuple[str, str]]:
+    return _load(self.attention_at)
 
   def context(self, model) -> int:
     """The context length of a ModelConfig (or of a run config's model section)."""
@@ -74,9 +86,6 @@ def is_identity(key: str) -> bool:
 # ---- span Transformer ----------------------------------------------------------------------------
 
 
-def _build_span(cfg, plan, kv_cache: bool):
-  from span_lm.model.transformer import SpanTransformer  # pylint: disable=g-import-not-at-top
-  return SpanTransformer(cfg, plan, kv_cache=kv_cache)
 
 
 def _check_span(cfg, bad):
@@ -86,25 +95,19 @@ def _check_span(cfg, bad):
                      "(the span model's layers differ: each has its own span plan and cache)")
 
 
-def _span_attention(cfg, m=None, w=None) -> tuple[str, str]:
-  from span_lm import kernels  # pylint: disable=g-import-not-at-top
-  return kernels.choose(cfg, m, w), kernels.why(cfg, m, w)
 
 
-SPAN = Arch(name="span", context_field="span.size", build=_build_span,
-            forward_macs=macs.span_forward_macs, cache=True, banded=True, pers_mem=True,
-            documents=True, identity=("span.size",), settle=lambda cfg: {}, check=_check_span,
-            attention=_span_attention)
+SPAN = Arch(name="span", context_field="span.size",
+            build_at="span_lm.model.transformer:build",
+            forward_macs_at="span_lm.model.macs:span_forward_macs",
+            attention_at="span_lm.model.transformer:attention_choice", cache=True, banded=True,
+            pers_mem=True, documents=True, identity=("span.size",), settle=lambda cfg: {},
+            check=_check_span)
 
 
 # ---- Sparse Transformer --------------------------------------------------------------------------
 
 
-def _build_sparse(cfg, plan, kv_cache: bool):
-  if kv_cache:
-    raise ValueError("kv_cache applies to the span Transformer only (the sparse one has no cache)")
-  from span_lm.model.sparse_transformer import SparseTransformer  # pylint: disable=g-import-not-at-top
-  return SparseTransformer(cfg, plan)
 
 
 def _settle_sparse(cfg) -> dict:
@@ -129,23 +132,19 @@ def _check_sparse(cfg, bad):
                      f"n_layers={cfg.n_layers} must be a multiple")
 
 
-def _sparse_attention(cfg, m=None, w=None) -> tuple[str, str]:
-  """kernels/sparse_door.py's choice for the first block's head patterns (every block's heads
-  have the same sizes, and the table's misfits depend on sizes only)."""
-  del w
-  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
-  from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
-  sp = cfg.sparse
-  heads = sparse.layer_heads(sp.pattern, sp.combine, cfg.n_heads, 0, sp.stride, sp.c,
-                             sp.distinct)
-  name, why = sparse_door.choose(sp.impl, heads, m or sp.context, cfg.d_qk // cfg.n_heads)
-  return f"sparse {name}", why
 
 
-SPARSE = Arch(name="sparse", context_field="sparse.context", build=_build_sparse,
-              forward_macs=macs.sparse_forward_macs, cache=False, banded=False, pers_mem=False,
-              documents=False, identity=("sparse.context",), settle=_settle_sparse,
-              check=_check_sparse, attention=_sparse_attention)
+SPARSE = Arch(name="sparse", context_field="sparse.context",
+              build_at="span_lm.model.sparse_transformer:build",
+              forward_macs_at="span_lm.model.macs:sparse_forward_macs",
+              attention_at="span_lm.model.sparse_transformer:attention_choice", cache=False,
+              banded=False, pers_mem=False, documents=False, identity=("sparse.context",),
+              settle=_settle_sparse, check=_check_sparse)
+
+def _load(path: str):
+  module, name = path.split(":")
+  return getattr(importlib.import_module(module), name)
+
 
 # ---- the table -----------------------------------------------------------------------------------
 

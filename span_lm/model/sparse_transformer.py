@@ -188,3 +188,24 @@ class SparseTransformer(nn.Module):
     context = jnp.full((cfg.n_layers,), m, jnp.float32)
     aux = {"span_loss": jnp.zeros((), jnp.float32), "span_avg": context, "span_max": context}
     return logp, tuple(caches), aux
+
+
+# ---- its record in model/archs.py ----------------------------------------------------------------
+
+
+def build(cfg: ModelConfig, plan, kv_cache: bool) -> SparseTransformer:
+  if kv_cache:
+    raise ValueError("kv_cache applies to the span Transformer only (the sparse one has no cache)")
+  return SparseTransformer(cfg, plan)
+
+
+def attention_choice(cfg, m=None, w=None) -> tuple[str, str]:
+  """kernels/sparse_door.py's choice for the first block's head patterns (every block's heads
+  have the same sizes, and the table's misfits depend on sizes only), named 'sparse <impl>'."""
+  del w
+  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
+  sp = cfg.sparse
+  heads = sparse.layer_heads(sp.pattern, sp.combine, cfg.n_heads, 0, sp.stride, sp.c,
+                             sp.distinct)
+  name, why = sparse_door.choose(sp.impl, heads, m or sp.context, cfg.d_qk // cfg.n_heads)
+  return f"sparse {name}", why

@@ -181,3 +181,16 @@ class SpanTransformer(nn.Module):
     if cfg.span.mode == "dynamic":
       out_aux["dyn_spans"] = tuple(a["dyn_spans"] for a in auxes)
     return logp, tuple(new_caches), out_aux
+
+
+# ---- its record in model/archs.py ----------------------------------------------------------------
+
+
+def build(cfg: ModelConfig, plan: SpanPlan, kv_cache: bool) -> SpanTransformer:
+  return SpanTransformer(cfg, plan, kv_cache=kv_cache)
+
+
+def attention_choice(cfg, m=None, w=None) -> tuple[str, str]:
+  """(what the door runs for m queries and windows up to w, why): kernels.select's choice."""
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  return kernels.choose(cfg, m, w), kernels.why(cfg, m, w)

@@ -244,8 +244,13 @@ class Checkpointer:
     return int(step)
 
   def step_path(self, step: int) -> str:
-    return os.path.join(self.directory, str(self._name_format.find_step(
-        self._manager.directory, step).path.name))
+    """The directory of committed step `step`; FileNotFoundError once it is gone (a run saving
+    into the directory deletes its older steps: restore.newest_readable reads the newest)."""
+    try:
+      found = self._name_format.find_step(self._manager.directory, step)
+    except ValueError as e:
+      raise FileNotFoundError(f"checkpoint step {step} is not in {self.directory}") from e
+    return os.path.join(self.directory, str(found.path.name))
 
   def _reading(self, step: int, fn):
     """Runs a read of `step`; any failure inside Orbax/TensorStore becomes CheckpointReadError."""
