@@ -108,25 +108,25 @@ def _auto(heads, n, head_dim) -> tuple[SparseImpl, str]:
   return SPARSE_IMPLS["jnp"], "" if platform.name == "cpu" else f"backend {platform.name}"
 
 
-def choose(name: str, heads, n: int, head_dim: int) -> tuple[str, str]:
-  """(what `select` picks, why: '' or the reason auto passed over a kernel), unlogged."""
-  name = ALIASES.get(name, name)
+def _pick(name: str, heads, n: int, head_dim: int) -> tuple[SparseImpl, str]:
+  """(the implementation, why: '' or the reason auto passed over a kernel); `name` canonical."""
   if name == "auto":
-    impl, why = _auto(heads, n, head_dim)
-    return impl.name, why
+    return _auto(heads, n, head_dim)
   check(name, heads, n, head_dim)
-  return name, ""
+  return SPARSE_IMPLS[name], ""
+
+
+def choose(name: str, heads, n: int, head_dim: int) -> tuple[str, str]:
+  """(what `select` picks, why), unlogged: for reports."""
+  impl, why = _pick(ALIASES.get(name, name), heads, n, head_dim)
+  return impl.name, why
 
 
 def select(name: str, heads, n: int, head_dim: int) -> SparseImpl:
   """The implementation that runs these heads over n positions; an explicit choice that does
   not fit raises (check). Logged once per distinct choice."""
   name = canonical(name)
-  if name == "auto":
-    impl, why = _auto(heads, n, head_dim)
-  else:
-    check(name, heads, n, head_dim)
-    impl, why = SPARSE_IMPLS[name], ""
+  impl, why = _pick(name, heads, n, head_dim)
   key = (name, impl.name, n, head_dim, why)
   if key not in _logged:
     _logged.add(key)
