@@ -12,6 +12,7 @@ Positions are 0-based; query i may see key j only if j <= i. With stride l and s
   dense:   every j <= i.
 """
 import dataclasses
+import operator
 
 import numpy as np
 
@@ -34,21 +35,22 @@ class HeadPattern:
     return (self.kind, self.local, self.summary, self.stride, self.c)
 
 
-def allowed(head: HeadPattern, i, j):
+def allowed(head: HeadPattern, i, j, div=operator.floordiv, mod=operator.mod):
   """[i, j]: query i attends to key j, on broadcastable integer arrays (numpy, or jnp inside a
-  kernel: only comparisons, +, -, // and % of non-negative integers)."""
+  kernel: only comparisons, +, -, and `div` / `mod` by the stride, which matter only where both
+  operands are non-negative: a kernel passes truncating ones, whose lowering needs no sign)."""
   causal = j <= i
   if head.kind == "dense":
     return causal
   l = head.stride
   out = None
   if head.local:
-    out = (i - j < l) if head.kind == "strided" else (i // l == j // l)
+    out = (i - j < l) if head.kind == "strided" else (div(i, l) == div(j, l))
   if head.summary:
     if head.kind == "strided":
-      a2 = (i - j) % l == 0
+      a2 = mod(i - j, l) == 0
     else:
-      col = j % l
+      col = mod(j, l)
       a2 = (col >= l - head.c - head.offset) & (col < l - head.offset)
     out = a2 if out is None else out | a2
   return causal if out is None else out & causal

@@ -1,7 +1,8 @@
 """The 'splash' rows of kernels/sparse_door.py: jax's splash attention (TPU) with each head's
 Sparse Transformer pattern as a computable mask (kernels/block_sparse.py `allowed` on the
-kernel's index tiles), one per head in a MultiHeadMask. Splash's MaskInfo skips the all-zero
-blocks in the forward and both backward passes and evaluates the mask only in partial blocks.
+kernel's index tiles), one call per run of heads that share a pattern (`runs`). Splash's
+MaskInfo skips the all-zero blocks in the forward and both backward passes and evaluates the
+mask in the kernel, only in partial blocks.
 
 What it cannot do (misfit says so): sequence lengths that are not a multiple of 128 (its
 blocks are multiples of 128 lanes; we pad n up to the block and slice, padded keys lie in every
@@ -46,37 +47,58 @@ def misfit(heads, n, head_dim) -> str:
 
 
 @functools.lru_cache(maxsize=64)
-def _mask(heads: tuple[HeadPattern, ...], n: int):
-  """The heads' patterns as splash's MultiHeadMask: plain objects, cached (equal masks also hit
-  splash's own cache of their block tables)."""
+def _mask(head: HeadPattern, n: int, n_heads: int):
+  """n_heads heads of one pattern as splash's MultiHeadMask: one computable mask (never an
+  (n, n) array), which splash evaluates in the kernel on its index tiles (its mask_function path:
+  every head has the same mask). Cached (equal masks also hit splash's own cache of their
+  block tables)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # pylint: disable=g-import-not-at-top
 
+  def fn(i, j):
+    if isinstance(i, np.ndarray):  # splash's block tables, on the host
+      return allowed(head, i, j)
+    from jax import lax  # pylint: disable=g-import-not-at-top
+    # In the kernel: truncating division (its lowering needs no sign op; i, j >= 0 where it counts)
+    return allowed(head, i, j, div=lambda a, b: lax.div(a, lax.full_like(a, b)),
+                   mod=lambda a, b: lax.rem(a, lax.full_like(a, b)))
+
   class PatternMask(sm._ComputableMask):  # pylint: disable=protected-access
-    """One head's pattern, computed on index tiles (never an (n, n) array)."""
-
-    def __init__(self, head: HeadPattern, n: int):
-      self.head = head
-      super().__init__((n, n), lambda i, j: allowed(head, i, j))
-
     def __eq__(self, other):
-      return (type(other).__name__ == "PatternMask" and self.head == other.head
-              and self.shape == other.shape)
+      return type(other) is type(self) and self.shape == other.shape
 
     def __hash__(self):
-      return hash((self.head, self.shape))
+      return hash((head, self.shape))
 
-  return sm.MultiHeadMask(tuple(PatternMask(h, n) for h in heads))
+  return sm.MultiHeadMask((PatternMask((n, n), fn),) * n_heads)
 
 
-def _kernel(heads: tuple[HeadPattern, ...], n: int, block: int, interpret: bool):
+def _kernel(head: HeadPattern, n_heads: int, n: int, block: int, interpret: bool):
   """Built per call, not cached: the kernel holds its block tables as jax arrays, and one made
   inside a trace (a Flax layer scan) holds that trace's values."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk  # pylint: disable=g-import-not-at-top
   sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                         block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                         block_q_dq=block, block_kv_dq=block)
-  return sk.make_splash_mha(_mask(heads, n), block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                            interpret=interpret)
+  return sk.make_splash_mha(_mask(head, n, n_heads), block_sizes=sizes, head_shards=1,
+                            q_seq_shards=1, interpret=interpret)
+
+
+def runs(heads) -> list[tuple[int, int]]:
+  """[start, stop) of each run of consecutive heads with one pattern: one splash call each.
+
+  Splash evaluates a mask in the kernel only when all of a call's heads share it; heads with
+  different masks in one call make it load each partial block's mask from HBM, an int32
+  block x block array (1 MiB at 512) per block it visits, five times a block's keys and values
+  at head size 64-128, and unseen by XLA's byte count. Runs are sliced, not gathered (a
+  static slice of the head axis). Laying the heads end to end as one sequence instead would
+  make splash's grid (H n / block)^2 steps, most of them empty."""
+  out = []
+  for h, head in enumerate(heads):
+    if out and heads[out[-1][0]] == head:
+      out[-1] = (out[-1][0], h + 1)
+    else:
+      out.append((h, h + 1))
+  return out
 
 
 def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret=False):
@@ -88,12 +110,17 @@ def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret=
   block = block_size(n)
   padded = -(-n // block) * block
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, padded - n), (0, 0)))
-  kernel = _kernel(tuple(heads), padded, block, interpret)
+  q, k, v = pad(q_BxHxNxD), pad(k_BxHxNxD), pad(v_BxHxNxE)
   from span_lm.kernels import fused  # pylint: disable=g-import-not-at-top
-  # A Mosaic call is not partitioned by XLA: each device runs it on its own batch rows.
-  run = lambda q, k, v, seed: jax.vmap(kernel)(q, k, v)
-  o = fused.per_device(run, (pad(q_BxHxNxD), pad(k_BxHxNxD), pad(v_BxHxNxE),
-                             fused.seed_array(None)), (True, True, True, False), seed_at=3)
+  outs = []
+  for start, stop in runs(heads):
+    kernel = _kernel(heads[start], stop - start, padded, block, interpret)
+    # A Mosaic call is not partitioned by XLA: each device runs it on its own batch rows.
+    run = lambda q, k, v, seed, kernel=kernel: jax.vmap(kernel)(q, k, v)
+    part = lambda x, start=start, stop=stop: x[:, start:stop]
+    outs.append(fused.per_device(run, (part(q), part(k), part(v), fused.seed_array(None)),
+                                 (True, True, True, False), seed_at=3))
+  o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
   # Splash's masked score is finite, so a query with no key would average the values: zero them.
   first = np.array([first_query(h) for h in heads])
   if first.any():

@@ -66,6 +66,31 @@ def position_sizes(cfg: ModelConfig) -> list[int]:
   return []
 
 
+class _HeadsDense(nn.Module):
+  """nn.Dense's parameters ('kernel' d_in x H*dh, 'bias') applied as an einsum straight to or
+  from the heads' layout (B, H, M, dh): the head transposes fold into the matmuls instead of
+  copying the activations through HBM."""
+  cfg: ModelConfig
+  heads: int
+  head_dim: int
+  d_model: int
+  to_heads: bool  # True: BxMxD -> BxHxMxdh; False: BxHxMxdh -> BxMxD
+  residual_out: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    cfg, h, dh, d = self.cfg, self.heads, self.head_dim, self.d_model
+    d_in, d_out = (d, h * dh) if self.to_heads else (h * dh, d)
+    kernel = self.param("kernel", _init(cfg, d_in, self.residual_out), (d_in, d_out))
+    bias = self.param("bias", nn.initializers.zeros, (d_out,))
+    dt = jnp.dtype(cfg.dtype)
+    x, kernel, bias = x.astype(dt), kernel.astype(dt), bias.astype(dt)
+    if self.to_heads:
+      y = jnp.einsum("bmd,dhk->bhmk", x, kernel.reshape(d, h, dh))
+      return y + bias.reshape(1, h, 1, dh)
+    return jnp.einsum("bhmk,hkd->bmd", x, kernel.reshape(h, dh, d)) + bias.reshape(1, 1, d)
+
+
 class SparseAttention(nn.Module):
   """attention(X) = W_p attend(X, A) with the layer's factorized head patterns (eqs. 5-8)."""
   cfg: ModelConfig
@@ -74,20 +99,16 @@ class SparseAttention(nn.Module):
   @nn.compact
   def __call__(self, x_BxMxD):
     cfg = self.cfg
-    b, m, d = x_BxMxD.shape
+    d = x_BxMxD.shape[-1]
     h, dk, dv = cfg.n_heads, cfg.d_qk // cfg.n_heads, cfg.head_dim
-
-    def heads(y, dh):
-      return y.reshape(b, m, h, dh).transpose(0, 2, 1, 3)
-
-    q = heads(_dense(cfg, h * dk, d, "query")(x_BxMxD), dk) * (1.0 / math.sqrt(dk))
-    k = heads(_dense(cfg, h * dk, d, "key")(x_BxMxD), dk)
-    v = heads(_dense(cfg, h * dv, d, "value")(x_BxMxD), dv)
+    heads = lambda name, dh: _HeadsDense(cfg, h, dh, d, True, name=name)(x_BxMxD)
+    q_BxHxMxK = heads("query", dk) * (1.0 / math.sqrt(dk))
+    k_BxHxMxK = heads("key", dk)
+    v_BxHxMxE = heads("value", dv)
     pattern = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, self.layer,
                                  cfg.sparse.stride, cfg.sparse.c, cfg.sparse.distinct)
-    o_BxHxMxE = sparse.attention(q, k, v, pattern, cfg.sparse.impl)
-    o = o_BxHxMxE.transpose(0, 2, 1, 3).reshape(b, m, h * dv)
-    return _dense(cfg, d, h * dv, "proj", residual_out=True)(o)
+    o_BxHxMxE = sparse.attention(q_BxHxMxK, k_BxHxMxK, v_BxHxMxE, pattern, cfg.sparse.impl)
+    return _HeadsDense(cfg, h, dv, d, False, residual_out=True, name="proj")(o_BxHxMxE)
 
 
 class FeedForward(nn.Module):

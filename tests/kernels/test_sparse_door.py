@@ -3,6 +3,7 @@ and combination against the dense masked reference, values and gradients, interp
 import warnings
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -107,6 +108,40 @@ def _check(heads, n, d, dtype, atol):
                                                    ("strided", "split", 0)])
 def test_splash_equals_dense_reference(pattern, combine, layer):
   _check(_heads(pattern, combine, layer, 2, 32, 8), 200, 16, jnp.float32, 2e-5)
+
+
+def test_splash_runs_of_heads_in_any_order():
+  """Heads grouped in runs of one pattern (two, one, one): each run one splash call."""
+  local = block_sparse.HeadPattern("strided", local=True, stride=32)
+  strided = block_sparse.HeadPattern("strided", summary=True, stride=32)
+  heads = (local, local, strided, local)
+  assert splash_sparse.runs(heads) == [(0, 2), (2, 3), (3, 4)]
+  _check(heads, 200, 16, jnp.float32, 2e-5)
+
+
+@pytest.mark.parametrize("pattern,combine", [("strided", "split"), ("fixed", "merged")])
+def test_splash_evaluates_the_mask_in_the_kernel(pattern, combine):
+  """No call is handed a mask array (an int32 block x block per partial block, read from HBM
+  each time the kernel visits one): every call's heads share one mask, computed in the kernel."""
+  heads = _heads(pattern, combine, 0, 4, 32, 8)
+  assert len(set(heads)) > 1  # heads of different masks in one layer
+  n, block = 256, splash_sparse.block_size(256)
+  x = jax.ShapeDtypeStruct((1, 4, n, 16), jnp.float32)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: splash_sparse.block_sparse_attention(
+      q, k, v, heads, interpret=True))(x, x, x)
+  calls = []
+
+  def walk(jx):
+    for eqn in jx.eqns:
+      if eqn.primitive.name == "pallas_call":
+        calls.append([v.aval for v in eqn.invars])
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  assert calls
+  for avals in calls:
+    assert not [a for a in avals if a.shape[-2:] == (block, block)], avals
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ hand where the CUDA plugin is installed) it compiles a small config for real, de
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -273,3 +274,30 @@ def test_compile_mode_with_document_boundaries(tmp_path, target, impl):
   row = json.load(open(tmp_path / "compile_report.json"))["rows"][0]
   assert row["attention"] == impl and row["train"]["compiled"], row
   assert row["train"]["memory"]["fits"], row["train"]["memory"]
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+@pytest.mark.parametrize("pattern,combine", [("fixed", "merged"), ("strided", "merged"),
+                                             ("strided", "split")])
+def test_splash_masks_compile_in_the_kernel_for_a_tpu(pattern, combine):
+  """The Sparse Transformer's masks evaluated inside splash's kernel (floor division and
+  remainder by the stride on its index tiles) lower through Mosaic for a deviceless TPU, forward
+  and backward, and no mask array reaches the kernel."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import splash_sparse  # pylint: disable=g-import-not-at-top
+  from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
+  heads = sparse.layer_heads(pattern, combine, 4, 0, 96, 8)
+  topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  f = lambda q, k, v: jnp.sum(splash_sparse.block_sparse_attention(q, k, v, heads)
+                              .astype(jnp.float32) ** 2)
+  x = jax.ShapeDtypeStruct((1, 4, 1024, 64), jnp.bfloat16, sharding=rep)
+  with target_lib.compiling_for("tpu", None, "TPU v5 lite"):
+    compiled = jax.jit(jax.grad(f, (0, 1, 2))).lower(x, x, x).compile()
+  text = compiled.as_text()
+  assert "tpu_custom_call" in text
+  assert not re.search(r"s32\[\d+,512,512\]", text)  # no partial mask blocks (block 512)
