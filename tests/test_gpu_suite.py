@@ -43,7 +43,6 @@ def _family(rows, name):
   return [r for r in rows if r.get("family") == name and r.get("kind") != "family"]
 
 
-@pytest.mark.slow
 def test_every_family_ran_and_every_row_succeeded(dry_run):
   rows, md, _ = dry_run
   assert rows[0]["kind"] == "run" and rows[0]["dry_run"] and rows[-1]["kind"] == "done"

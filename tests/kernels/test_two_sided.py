@@ -141,7 +141,7 @@ def test_a_query_whose_segment_has_keys_only_outside_its_window_gives_zeros(impl
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", [i for i in TWO_SIDED if not i.endswith("_interpret")])
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_two_sided_property(impl, data):
   _property(impl, data)
@@ -149,11 +149,11 @@ def test_two_sided_property(impl, data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", [i for i in TWO_SIDED if i.endswith("_interpret")])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_two_sided_property_interpreted(impl, data):
   """The interpreted kernels draw half as many cases: each runs the Pallas interpreter and the
-  reference (about 40 s a case on CI's cores); their fixed cases above cover the edges."""
+  reference (about 25 s a case on CI's cores); their fixed cases above cover the edges."""
   _property(impl, data)
 
 
