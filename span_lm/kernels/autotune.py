@@ -4,7 +4,7 @@ pallas_gpu.TILES comes from a deviceless ptxas sweep (bench/kernel_sweep.py): it
 spills and shared memory, not time. On a GPU, `tune` times the forward and backward of one layer's
 attention at the run's own shapes (per-device batch, heads, block, the widest window, persistent
 memory, dropout) for each candidate that compiles, keeps the fastest, and caches the answer per
-device kind, jax version and shape, so the next run starts at once. train/loop.py calls `resolve`
+device kind, jax version and shape, so the next run starts at once. train/steps.build calls `resolve`
 before anything compiles and writes the choice into the model config as 'T,W,S'. Pallas loads
 only when the kernel is timed (every run calls `resolve`).
 """

@@ -20,7 +20,7 @@ def _cc(impl):
 
 def tiles(impl, spec, dtype) -> tuple[int, int, int]:
   """The kernel's (tile, warps, stages): the config's own 'T,W,S' (or what 'tune' measured:
-  train/loop.py writes it there), else pallas_gpu's table for the target."""
+  train/steps.build writes it there), else pallas_gpu's table for the target."""
   explicit = kernels.parse_tiles(spec.attention.tiles)
   if explicit is not None:
     return explicit
