@@ -7,7 +7,7 @@ row maximum, P = exp(S - m) and l the running row sum of P. The soft span mask
 are P mask / (sum P mask + eps sum P) (`span_mask.online_denominator`). The backward pass recomputes P
 from the saved m and normaliser, with dP = dO V^T and delta = rowsum(dO * O).
 
-The kernels' vocabulary (pallas_gpu and pallas_tpu both use it; one meaning per name):
+The kernels' vocabulary (pallas_gpu, pallas_tpu and pallas_gpu_sparse; one meaning per name):
 
   q, k, v; do (do_ref)   queries, keys, values; the output gradient dO
   logits                 S: a tile's scores (q k^T plus its position scores) times 1 / sqrt(Dh)
@@ -16,6 +16,7 @@ The kernels' vocabulary (pallas_gpu and pallas_tpu both use it; one meaning per 
   m (m_ref), m_new       the running row maximum (saved for the backward pass as the row maximum)
   l, l_all, l_mask       the running row sums of P (l_mask: of P times the span mask)
   den                    the saved normaliser (span_mask.online_denominator)
+  lse                    m + log l, saved per row instead (pallas_gpu_sparse)
   p, wts                 P = exp(S - m) (over den in the backward pass); the weights as they
                          multiply the values (P times the span mask)
   dp, dp_c, delta        dP = dO v^T; dP - delta; delta = rowsum(dO * O)

@@ -224,10 +224,10 @@ class _Int:
   __hash__ = None
 
 
-def _mask(head, offset, i0, j0, *, n, bq, bk):
-  """(bq, bk) booleans: query i0 + r attends key j0 + c (and the key is a real one)."""
+def _mask(head, offset, i0, t0, *, n, bq, bk):
+  """(bq, bk) booleans: query i0 + r attends key t0 + c (and the key is a real one)."""
   i = i0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
-  j = j0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+  j = t0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
   pat = head
   if head.kind == "fixed" and head.summary:
     pat = dataclasses.replace(head, offset=offset)
@@ -248,29 +248,29 @@ def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, head, n, bq, bk
   q = q_ref[...]
 
   def body(t, carry, masked):
-    acc, mx, den = carry
-    j0 = tab_ref[3 + t] * bk
-    k = k_ref[pl.ds(j0, bk), :]
-    v = v_ref[pl.ds(j0, bk), :]
-    s = _dot(q, k, trans_b=True, exact=exact)
+    acc, m, l = carry
+    t0 = tab_ref[3 + t] * bk
+    k = k_ref[pl.ds(t0, bk), :]
+    v = v_ref[pl.ds(t0, bk), :]
+    logits = _dot(q, k, trans_b=True, exact=exact)
     if masked:
-      mask = _mask(head, offset, i0, j0, n=n, bq=bq, bk=bk)
-      s = jnp.where(mask, s, NEG)
-    mx_new = jnp.maximum(mx, jnp.max(s, axis=1))
-    corr = jnp.exp(mx - mx_new)
-    p = jnp.exp(s - mx_new[:, None])
+      mask = _mask(head, offset, i0, t0, n=n, bq=bq, bk=bk)
+      logits = jnp.where(mask, logits, NEG)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(logits - m_new[:, None])
     if masked:
       p = jnp.where(mask, p, 0.0)
     acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, exact=exact)
-    return acc, mx_new, den * corr + jnp.sum(p, axis=1)
+    return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
   e = o_ref.shape[-1]
-  acc, mx, den = _loops(tab_ref, body, (
+  acc, m, l = _loops(tab_ref, body, (
       jnp.zeros((bq, e), jnp.float32), jnp.full((bq,), NEG, jnp.float32),
       jnp.zeros((bq,), jnp.float32)))
-  live = den > 0
-  o_ref[...] = (acc / jnp.where(live, den, 1.0)[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(live, mx + jnp.log(jnp.where(live, den, 1.0)), BIG)
+  live = l > 0
+  o_ref[...] = (acc / jnp.where(live, l, 1.0)[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(live, m + jnp.log(jnp.where(live, l, 1.0)), BIG)
 
 
 def _bwd_q_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, head, n,
@@ -281,12 +281,12 @@ def _bwd_q_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_r
   lse, delta = lse_ref[...], delta_ref[...]
 
   def body(t, dq, masked):
-    j0 = tab_ref[3 + t] * bk
-    k = k_ref[pl.ds(j0, bk), :]
-    v = v_ref[pl.ds(j0, bk), :]
+    t0 = tab_ref[3 + t] * bk
+    k = k_ref[pl.ds(t0, bk), :]
+    v = v_ref[pl.ds(t0, bk), :]
     p = jnp.exp(_dot(q, k, trans_b=True, exact=exact) - lse[:, None])
     if masked:
-      p = jnp.where(_mask(head, offset, i0, j0, n=n, bq=bq, bk=bk), p, 0.0)
+      p = jnp.where(_mask(head, offset, i0, t0, n=n, bq=bq, bk=bk), p, 0.0)
     dp = _dot(do, v, trans_b=True, exact=exact)
     ds = p * (dp - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k, exact=exact)
@@ -297,7 +297,7 @@ def _bwd_q_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_r
 
 def _bwd_kv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *,
                    head, n, bq, bk, exact):
-  j0 = pl.program_id(2) * bk
+  t0 = pl.program_id(2) * bk
   offset = tab_ref[2]
   k, v = k_ref[...], v_ref[...]
 
@@ -309,7 +309,7 @@ def _bwd_kv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_
     lse, delta = lse_ref[rows], delta_ref[rows]
     p = jnp.exp(_dot(q, k, trans_b=True, exact=exact) - lse[:, None])
     if masked:
-      p = jnp.where(_mask(head, offset, i0, j0, n=n, bq=bq, bk=bk), p, 0.0)
+      p = jnp.where(_mask(head, offset, i0, t0, n=n, bq=bq, bk=bk), p, 0.0)
     dv_t = dv_t + _dot(do, p.astype(do.dtype), trans_a=True, exact=exact)
     dp = _dot(do, v, trans_b=True, exact=exact)
     ds = p * (dp - delta[:, None])
