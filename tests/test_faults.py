@@ -182,7 +182,7 @@ def test_nan_activations_leave_no_nan_in_the_caches():
 
 
 _CRASH = r"""
-import os, sys
+import os, sys, time
 import jax, jax.numpy as jnp
 from span_lm.train import checkpoint as ckpt_lib
 ckpt = ckpt_lib.Checkpointer(sys.argv[1], max_to_keep=None)
@@ -190,6 +190,12 @@ state = {"w": jnp.ones((2048, 2048)), "step": jnp.int32(1)}
 ckpt.save(1, state, {"step": 1}, force=True)
 ckpt.wait()
 ckpt.save(2, dict(state, step=jnp.int32(2)), {"step": 2}, force=True)  # async, in flight
+# Die mid-write: once step 2's temporary directory exists (Orbax may create it from its own
+# thread after save returns), or, should the save win the race, once step 2 is committed.
+deadline = time.time() + 60
+while time.time() < deadline and not any(
+    "tmp" in n or n == "2" for n in os.listdir(sys.argv[1])):
+  time.sleep(0.0005)
 os._exit(3)  # the process dies before the save commits
 """
 
