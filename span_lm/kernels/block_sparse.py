@@ -56,6 +56,16 @@ def allowed(head: HeadPattern, i, j, div=operator.floordiv, mod=operator.mod):
   return causal if out is None else out & causal
 
 
+def allowed_in_kernel(head: HeadPattern, i, j):
+  """`allowed` on int32 index tiles inside a kernel (Triton or Mosaic): truncating division
+  (lax.div, lax.rem), exact where the formula divides non-negative operands (a negative i - j
+  only meets mod where causality masks it); jnp's floor division lowers through a sign op that
+  a deviceless Mosaic compile cannot lower."""
+  from jax import lax  # pylint: disable=g-import-not-at-top
+  return allowed(head, i, j, div=lambda a, b: lax.div(a, lax.full_like(a, b)),
+                 mod=lambda a, b: lax.rem(a, lax.full_like(a, b)))
+
+
 def connectivity(head: HeadPattern, n: int) -> np.ndarray:
   """Boolean (n, n) matrix: [i, j] is True when query i attends to key j."""
   return np.asarray(allowed(head, np.arange(n)[:, None], np.arange(n)[None, :]), bool)

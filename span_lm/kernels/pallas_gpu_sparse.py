@@ -174,56 +174,6 @@ def tables(heads: tuple, n: int, bq: int, bk: int):
 # ----------------------------------------------------------------------------------- the kernels
 
 
-class _Int:
-  """An int32 array for `block_sparse.allowed` inside a kernel: // and % as lax.div and lax.rem
-  (exact for the non-negative operands the formula divides; a negative i - j only meets % in a
-  term that causality masks anyway), comparisons give plain booleans."""
-
-  def __init__(self, x):
-    self.x = x
-
-  @staticmethod
-  def _v(o):
-    return o.x if isinstance(o, _Int) else o
-
-  def __add__(self, o):
-    return _Int(self.x + self._v(o))
-
-  __radd__ = __add__
-
-  def __sub__(self, o):
-    return _Int(self.x - self._v(o))
-
-  def __rsub__(self, o):
-    return _Int(self._v(o) - self.x)
-
-  def __floordiv__(self, o):
-    return _Int(lax.div(self.x, jnp.asarray(self._v(o), jnp.int32)))
-
-  def __mod__(self, o):
-    return _Int(lax.rem(self.x, jnp.asarray(self._v(o), jnp.int32)))
-
-  def __lt__(self, o):
-    return self.x < self._v(o)
-
-  def __le__(self, o):
-    return self.x <= self._v(o)
-
-  def __gt__(self, o):
-    return self.x > self._v(o)
-
-  def __ge__(self, o):
-    return self.x >= self._v(o)
-
-  def __eq__(self, o):
-    return self.x == self._v(o)
-
-  def __ne__(self, o):
-    return self.x != self._v(o)
-
-  __hash__ = None
-
-
 def _mask(head, offset, i0, t0, *, n, bq, bk):
   """(bq, bk) booleans: query i0 + r attends key t0 + c (and the key is a real one)."""
   i = i0 + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
@@ -231,7 +181,7 @@ def _mask(head, offset, i0, t0, *, n, bq, bk):
   pat = head
   if head.kind == "fixed" and head.summary:
     pat = dataclasses.replace(head, offset=offset)
-  return block_sparse.allowed(pat, _Int(i), _Int(j)) & (j < n)
+  return block_sparse.allowed_in_kernel(pat, i, j) & (j < n)
 
 
 def _loops(tab_ref, body, carry):

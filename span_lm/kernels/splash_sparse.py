@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from span_lm.kernels.block_sparse import HeadPattern, allowed, first_query
+from span_lm.kernels.block_sparse import HeadPattern, allowed, allowed_in_kernel, first_query
 
 LANES = 128
 
@@ -54,20 +54,18 @@ def _mask(head: HeadPattern, n: int, n_heads: int):
   block tables)."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm  # pylint: disable=g-import-not-at-top
 
-  def fn(i, j):
-    if isinstance(i, np.ndarray):  # splash's block tables, on the host
-      return allowed(head, i, j)
-    from jax import lax  # pylint: disable=g-import-not-at-top
-    # In the kernel: truncating division (its lowering needs no sign op; i, j >= 0 where it counts)
-    return allowed(head, i, j, div=lambda a, b: lax.div(a, lax.full_like(a, b)),
-                   mod=lambda a, b: lax.rem(a, lax.full_like(a, b)))
+  def fn(i, j):  # numpy on the host (splash's block tables), int32 tiles in the kernel
+    return (allowed if isinstance(i, np.ndarray) else allowed_in_kernel)(head, i, j)
 
   class PatternMask(sm._ComputableMask):  # pylint: disable=protected-access
+    pattern = head
+
     def __eq__(self, other):
-      return type(other) is type(self) and self.shape == other.shape
+      return (getattr(other, "pattern", None) == self.pattern
+              and isinstance(other, sm._ComputableMask) and self.shape == other.shape)  # pylint: disable=protected-access
 
     def __hash__(self):
-      return hash((head, self.shape))
+      return hash((self.pattern, self.shape))
 
   return sm.MultiHeadMask((PatternMask((n, n), fn),) * n_heads)
 
