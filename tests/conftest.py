@@ -1,8 +1,16 @@
 """Test setup: 8 fake CPU devices (real sharding), float64 available, strict rank promotion."""
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA cache for every test process (pytest-xdist workers, the training processes the
+# fault and distributed tests start, later runs): the suite compiles the same small steps in many
+# processes. A key is the program, the jax version and the flags, so a hit is the same executable.
+# Tests of the cache itself (train.compilation_cache) point it at their own directory.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"span_lm_tests_xla_{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 import jax
 import pytest
