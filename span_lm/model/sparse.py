@@ -65,6 +65,15 @@ def layer_heads(pattern: str, combine: str, n_heads: int, layer: int, stride: in
   return tuple(heads)
 
 
+def grouped_order(heads) -> tuple[int, ...]:
+  """A head order with equal patterns adjacent, each group where its first head is (stable):
+  fixed heads with distinct offsets 0, c, 2c, 3c, 0, c, ... become 0, 0, c, c, ..."""
+  first = {}
+  for h, head in enumerate(heads):
+    first.setdefault(head, h)
+  return tuple(sorted(range(len(heads)), key=lambda h: (first[heads[h]], h)))
+
+
 def reachable(layer_masks: list[np.ndarray]) -> np.ndarray:
   """Which keys reach each query through the layers in order (residual path included).
 

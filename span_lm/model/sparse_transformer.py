@@ -76,6 +76,7 @@ class _HeadsDense(nn.Module):
   d_model: int
   to_heads: bool  # True: BxMxD -> BxHxMxdh; False: BxHxMxdh -> BxMxD
   residual_out: bool = False
+  order: tuple[int, ...] | None = None  # the heads' order in the activations (None: as stored)
 
   @nn.compact
   def __call__(self, x):
@@ -85,10 +86,11 @@ class _HeadsDense(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, (d_out,))
     dt = jnp.dtype(cfg.dtype)
     x, kernel, bias = x.astype(dt), kernel.astype(dt), bias.astype(dt)
-    if self.to_heads:
-      y = jnp.einsum("bmd,dhk->bhmk", x, kernel.reshape(d, h, dh))
-      return y + bias.reshape(1, h, 1, dh)
-    return jnp.einsum("bhmk,hkd->bmd", x, kernel.reshape(h, dh, d)) + bias.reshape(1, 1, d)
+    order = np.asarray(self.order if self.order is not None else range(h))
+    if self.to_heads:  # permuting the weights' head axis (d x H x dh) costs nothing per token
+      y = jnp.einsum("bmd,dhk->bhmk", x, kernel.reshape(d, h, dh)[:, order])
+      return y + bias.reshape(h, dh)[order].reshape(1, h, 1, dh)
+    return jnp.einsum("bhmk,hkd->bmd", x, kernel.reshape(h, dh, d)[order]) + bias.reshape(1, 1, d)
 
 
 class SparseAttention(nn.Module):
@@ -101,14 +103,19 @@ class SparseAttention(nn.Module):
     cfg = self.cfg
     d = x_BxMxD.shape[-1]
     h, dk, dv = cfg.n_heads, cfg.d_qk // cfg.n_heads, cfg.head_dim
-    heads = lambda name, dh: _HeadsDense(cfg, h, dh, d, True, name=name)(x_BxMxD)
+    pattern = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, self.layer,
+                                 cfg.sparse.stride, cfg.sparse.c, cfg.sparse.distinct)
+    # Heads computed grouped by pattern (the parameters keep head h where it is): a kernel
+    # makes one call per run of equal heads (kernels/splash_sparse.py `runs`).
+    order = sparse.grouped_order(pattern)
+    pattern = tuple(pattern[i] for i in order)
+    heads = lambda name, dh: _HeadsDense(cfg, h, dh, d, True, order=order, name=name)(x_BxMxD)
     q_BxHxMxK = heads("query", dk) * (1.0 / math.sqrt(dk))
     k_BxHxMxK = heads("key", dk)
     v_BxHxMxE = heads("value", dv)
-    pattern = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, self.layer,
-                                 cfg.sparse.stride, cfg.sparse.c, cfg.sparse.distinct)
     o_BxHxMxE = sparse.attention(q_BxHxMxK, k_BxHxMxK, v_BxHxMxE, pattern, cfg.sparse.impl)
-    return _HeadsDense(cfg, h, dv, d, False, residual_out=True, name="proj")(o_BxHxMxE)
+    return _HeadsDense(cfg, h, dv, d, False, residual_out=True, order=order,
+                       name="proj")(o_BxHxMxE)
 
 
 class FeedForward(nn.Module):

@@ -198,6 +198,35 @@ def test_fast_and_dense_impl_agree_in_the_model(base):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, grads_d)
 
 
+def test_parameters_keep_each_heads_pattern_though_heads_run_grouped():
+  """Fixed heads with offsets 0, c, 0, c run grouped (0, 0, c, c: one kernel call per group), yet
+  head h of the parameters (columns h*dh:(h+1)*dh of query/key/value, rows of proj) attends
+  with layer_heads' pattern h: the layer equals the attention written out from its parameters."""
+  from span_lm.model.sparse_transformer import SparseAttention  # pylint: disable=g-import-not-at-top
+  cfg = _cfg(**{"n_heads": 4, "d_model": 16, "sparse.pattern": "fixed", "sparse.c": 4,
+                "sparse.combine": "merged", "dtype": "float32"})
+  heads = sparse.layer_heads("fixed", "merged", 4, 0, 8, 4)
+  assert [h.offset for h in heads] == [0, 4, 0, 4]
+  assert sparse.grouped_order(heads) == (0, 2, 1, 3)
+  layer = SparseAttention(cfg, 0)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 24, 16)), jnp.float32)
+  params = layer.init(jax.random.key(0), x)["params"]
+  params = jax.tree.map(lambda p: p + 0.1 * jax.random.normal(jax.random.key(1), p.shape), params)
+
+  def written_out(params, x):
+    proj = lambda name: (x @ params[name]["kernel"] + params[name]["bias"][None, None]).reshape(
+        2, 24, 4, 4).transpose(0, 2, 1, 3)
+    o = sparse.reference_attention(proj("query") / 2.0, proj("key"), proj("value"), heads)
+    return o.transpose(0, 2, 1, 3).reshape(2, 24, 16) @ params["proj"]["kernel"] + (
+        params["proj"]["bias"][None, None])
+
+  w = jnp.asarray(np.random.default_rng(1).normal(size=(2, 24, 16)), jnp.float32)
+  grad = lambda f: jax.jit(jax.value_and_grad(lambda p: jnp.sum(w * f(p, x))))(params)
+  (got, g_got), (want, g_want) = grad(lambda p, x: layer.apply({"params": p}, x)), grad(written_out)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), g_got, g_want)
+
+
 @pytest.mark.slow
 def test_remat_changes_nothing(base):
   cfg, _, params, (loss, _, grads, _) = base
