@@ -12,6 +12,7 @@ Positions are 0-based; query i may see key j only if j <= i. With stride l and s
   dense:   every j <= i.
 """
 import dataclasses
+import functools
 import operator
 
 import numpy as np
@@ -71,10 +72,13 @@ def connectivity(head: HeadPattern, n: int) -> np.ndarray:
   return np.asarray(allowed(head, np.arange(n)[:, None], np.arange(n)[None, :]), bool)
 
 
+@functools.lru_cache(maxsize=512)
 def block_map(head: HeadPattern, n: int, block_q: int, block_k: int) -> np.ndarray:
   """int8 (ceil(n / block_q), ceil(n / block_k)): EMPTY, PARTIAL or FULL per block of the
   head's (n, n) connectivity (positions past n count as masked). Built a query block row at a
-  time: O(n * block_q) memory, never the (n, n) matrix."""
+  time: O(n * block_q) memory, never the (n, n) matrix. Cached and read-only: every layer of a
+  model asks for the same few heads (the FLOPs count of a 30-layer step asked 240 times, half a
+  second each at 12,288 positions and 64-wide tiles)."""
   nq, nk = -(-n // block_q), -(-n // block_k)
   out = np.zeros((nq, nk), np.int8)
   j = np.arange(nk * block_k)
@@ -84,6 +88,7 @@ def block_map(head: HeadPattern, n: int, block_q: int, block_k: int) -> np.ndarr
     m = m.reshape(block_q, nk, block_k)
     some, every = m.any(axis=(0, 2)), m.all(axis=(0, 2))
     out[b] = np.where(every, FULL, np.where(some, PARTIAL, EMPTY))
+  out.setflags(write=False)
   return out
 
 
