@@ -86,8 +86,9 @@ class _HeadsDense(nn.Module):
     bias = self.param("bias", nn.initializers.zeros, (d_out,))
     dt = jnp.dtype(cfg.dtype)
     x, kernel, bias = x.astype(dt), kernel.astype(dt), bias.astype(dt)
-    order = np.asarray(self.order if self.order is not None else range(h))
-    if self.to_heads:  # permuting the weights' head axis (d x H x dh) costs nothing per token
+    # Permuting the weights' head axis (d x H x dh) costs nothing per token; none when in order.
+    order = slice(None) if self.order is None else np.asarray(self.order)
+    if self.to_heads:
       y = jnp.einsum("bmd,dhk->bhmk", x, kernel.reshape(d, h, dh)[:, order])
       return y + bias.reshape(h, dh)[order].reshape(1, h, 1, dh)
     return jnp.einsum("bhmk,hkd->bmd", x, kernel.reshape(h, dh, d)[order]) + bias.reshape(1, 1, d)
@@ -109,6 +110,7 @@ class SparseAttention(nn.Module):
     # makes one call per run of equal heads (kernels/splash_sparse.py `runs`).
     order = sparse.grouped_order(pattern)
     pattern = tuple(pattern[i] for i in order)
+    order = None if order == tuple(range(h)) else order  # no gather of the weights
     heads = lambda name, dh: _HeadsDense(cfg, h, dh, d, True, order=order, name=name)(x_BxMxD)
     q_BxHxMxK = heads("query", dk) * (1.0 / math.sqrt(dk))
     k_BxHxMxK = heads("key", dk)
