@@ -6,7 +6,10 @@ dropout 0.25, Adam at 0.00035 (warmup, clip 1.0, weight decay, cosine as the enw
 epochs. Not in the paper, chosen here: stride 96 (one image row of 32 RGB pixels, so A2 is the
 column and channel above), split heads (eq. 8: one local head, one strided head) and 16 images
 per step (48000 / 16 = 3000 steps per epoch). The blocks run as one layer scan (scan_layers),
-so the step compiles one block rather than 128.
+so the step compiles one block rather than 128. The residual stream is bfloat16
+(sparse.stream_dtype='compute': the paper's Sec. 5.6 mixed precision, activations and their
+gradients in half precision, weights float32): at d=256 the blocks' elementwise traffic bounds a
+TPU step, and the float32 stream costs a quarter more HBM bytes (docs/kernels.md).
 
 Data: the python pickle batches (cifar-10-batches-py) in config.data.data_dir, or
 cifar-10-python.tar.gz there (md5-checked, then unpacked next to it); the last 2000
@@ -70,6 +73,7 @@ def get_config(arg=None):
   c.model.sparse.pos = "data"
   c.model.sparse.data_shape = (32, 32, 3)
   c.model.sparse.scan_layers = True  # 128 identical blocks: compile one (Sparse.scan_layers)
+  c.model.sparse.stream_dtype = "compute"  # Sec. 5.6: half-precision activations
   c.model.dropout = 0.25
   c.data.batch = 16
   c.data.eval_batch = 16

@@ -30,6 +30,7 @@ SPARSE_PATTERNS = ("fixed", "strided", "local", "dense")  # span_lm/model/sparse
 SPARSE_COMBINES = ("merged", "interleaved", "split")
 SPARSE_POS = ("attn", "data", "none")
 SPARSE_ACTS = ("gelu", "relu")
+SPARSE_STREAMS = ("float32", "compute")
 # jax.checkpoint_policies usable with remat='layer' (what the backward pass need not recompute).
 REMAT_POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
                   "everything_saveable")
@@ -148,6 +149,12 @@ class Sparse(_Section):
   # n_layers) instead of n_layers traced copies: a 128-layer model compiles one block. False
   # keeps the per-layer 'layers_{i}' parameters (checkpoints restore only into the same kind).
   scan_layers: bool = False
+  # The residual stream's dtype between and inside the blocks (and the layer norms' outputs):
+  # float32, or 'compute': model.dtype, the paper's mixed precision (Sec. 5.6: weights in
+  # float32, activations and their gradients in half precision). Layer-norm statistics, softmax
+  # and the loss stay float32 either way. On a TPU it cuts the blocks' HBM traffic at small
+  # d_model about a quarter (configs/cifar10_sparse.py, docs/kernels.md).
+  stream_dtype: str = "float32"
 
   def __post_init__(self):
     object.__setattr__(self, "data_shape", tuple(self.data_shape))
@@ -155,7 +162,7 @@ class Sparse(_Section):
     if not _positive_int(self.context):
       bad("context", "must be a positive integer")
     choices = {"pattern": SPARSE_PATTERNS, "combine": SPARSE_COMBINES, "impl": SPARSE_IMPL_NAMES,
-               "pos": SPARSE_POS, "act": SPARSE_ACTS}
+               "pos": SPARSE_POS, "act": SPARSE_ACTS, "stream_dtype": SPARSE_STREAMS}
     for f, allowed in choices.items():
       if getattr(self, f) not in allowed:
         bad(f, f"choose one of {allowed}")

@@ -21,8 +21,10 @@ Architecture options (config.model.sparse, see model/config.py Sparse):
                      The same function as the unrolled 'layers_{i}' (tests/model/test_sparse*).
   model.remat='layer' each residual block is recomputed in the backward pass (jax.checkpoint)
                      under remat_policy: nothing_saveable keeps only block inputs (Sec. 5.4).
-  dtype='bfloat16'   matmuls and attention in bf16; params, residual stream, layer norms and
-                     softmax in float32 (V100s have no bf16: dtype=float16 with loss scaling).
+  dtype='bfloat16'   matmuls and attention in bf16; params, layer-norm statistics and softmax in
+                     float32 (V100s have no bf16: dtype=float16 with loss scaling).
+  stream_dtype      the residual stream (and what the layer norms return): float32, or
+                     'compute' = dtype, the paper's half-precision activations (Sec. 5.6).
 Dropout sits only at the end of each residual branch and on the embeddings (Sec. 5.4).
 """
 import math
@@ -48,17 +50,10 @@ def _dense(cfg, features, fan_in, name, residual_out=False):
                   bias_init=nn.initializers.zeros, dtype=jnp.dtype(cfg.dtype), name=name)
 
 
-def position_coords(cfg: ModelConfig, m: int) -> list[np.ndarray]:
-  """Per embedding table, the coordinate of each of the first m positions."""
-  pos = np.arange(m)
-  if cfg.sparse.pos == "attn":
-    return [pos // cfg.sparse.stride, pos % cfg.sparse.stride]
-  if cfg.sparse.pos == "data":
-    return list(np.unravel_index(pos, cfg.sparse.data_shape))
-  return []
-
-
 def position_sizes(cfg: ModelConfig) -> list[int]:
+  """The factorized position embedding's tables: position p has coordinates
+  np.unravel_index(p, sizes), one table per coordinate (attn: row p // l and column p % l of a
+  width-l matrix; data: the data's own axes)."""
   if cfg.sparse.pos == "attn":
     return [-(-cfg.sparse.context // cfg.sparse.stride), cfg.sparse.stride]
   if cfg.sparse.pos == "data":
@@ -131,17 +126,23 @@ class FeedForward(nn.Module):
     return _dense(cfg, cfg.d_model, cfg.d_ff, "fc2", residual_out=True)(y)
 
 
+def stream_dtype(cfg: ModelConfig):
+  """The residual stream's dtype (sparse.stream_dtype)."""
+  return jnp.dtype(cfg.dtype if cfg.sparse.stream_dtype == "compute" else jnp.float32)
+
+
 class ResBlock(nn.Module):
-  """One residual block; the residual stream h_BxMxD stays float32."""
+  """One residual block; the residual stream h_BxMxD is in stream_dtype(cfg) (float32 by
+  default) and so is what the block returns."""
   cfg: ModelConfig
   layer: int
 
   @nn.compact
   def __call__(self, h, train: bool):
     cfg = self.cfg
-    dt = jnp.dtype(cfg.dtype)
-    norm = lambda name: nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32, name=name)
-    drop = lambda y: nn.Dropout(cfg.dropout)(y.astype(jnp.float32), deterministic=not train)
+    dt, st = jnp.dtype(cfg.dtype), stream_dtype(cfg)
+    norm = lambda name: nn.LayerNorm(epsilon=1e-5, dtype=st, name=name)  # statistics in float32
+    drop = lambda y: nn.Dropout(cfg.dropout)(y.astype(st), deterministic=not train)
     attn = SparseAttention(cfg, self.layer, name="attn")
     ff = FeedForward(cfg, name="ff")
     if cfg.sparse.prenorm:
@@ -190,11 +191,15 @@ class SparseTransformer(nn.Module):
     h = nn.Embed(cfg.vocab_size, d, embedding_init=nn.initializers.normal(0.125 / math.sqrt(d)),
                  name="in_emb")(tokens_BxM)
     sizes = position_sizes(cfg)
-    for j, (size, coord) in enumerate(zip(sizes, position_coords(cfg, m))):
+    for j, size in enumerate(sizes):
       table = self.param(f"pos_emb_{j}", nn.initializers.normal(0.125 / math.sqrt(d * len(sizes))),
                          (size, d))
-      h = h + table[jnp.asarray(coord)][None]
-    h = nn.Dropout(cfg.emb_dropout)(h, deterministic=not train)
+      # Row-major coordinates as a broadcast of the table over the other axes, not a gather of
+      # positions: it fuses into the sum, and its gradient is a reduction, not a scatter-add.
+      axis = [size if i == j else 1 for i in range(len(sizes))]
+      table = jnp.broadcast_to(table.reshape(*axis, d), (*sizes, d)).reshape(-1, d)
+      h = h + table[:m][None]
+    h = nn.Dropout(cfg.emb_dropout)(h, deterministic=not train).astype(stream_dtype(cfg))
 
     block_cls = ResBlock
     if cfg.remat == "layer":

@@ -247,6 +247,42 @@ def test_bfloat16_close_to_float32(base):
 
 
 @pytest.mark.slow
+def test_half_precision_residual_stream(base):
+  """sparse.stream_dtype='compute' (the paper's Sec. 5.6): the blocks' residual stream is in
+  model.dtype, unrolled and under the layer scan (whose carry must keep one dtype); float32
+  layer-norm statistics, softmax and parameter gradients; close to the float32 stream. With
+  dtype float32 it is the default model exactly."""
+  from span_lm.model.sparse_transformer import ResBlock  # pylint: disable=g-import-not-at-top
+  cfg, _, params, (loss, logp, grads, _) = base
+  same = _loss_and_grads(replaced(cfg, **{"sparse.stream_dtype": "compute"}), params)
+  np.testing.assert_array_equal(same[0], loss)
+  jax.tree.map(np.testing.assert_array_equal, same[2], grads)
+
+  def block_dtypes(c):
+    tok = jnp.zeros((1, 40), jnp.int32)
+    _, state = build_model(c).apply({"params": params}, tok, caches_lib.init_caches(c, None, 1),
+                                    capture_intermediates=lambda m, _: isinstance(m, ResBlock))
+    return {x.dtype for x in jax.tree.leaves(state)}
+
+  bf16 = dataclasses.replace(cfg, dtype="bfloat16")
+  half = replaced(bf16, **{"sparse.stream_dtype": "compute"})
+  assert block_dtypes(bf16) == {jnp.dtype(jnp.float32)}
+  assert block_dtypes(half) == {jnp.dtype(jnp.bfloat16)}
+  loss_h, logp_h, grads_h, _ = _loss_and_grads(half, params)
+  assert logp_h.dtype == jnp.float32
+  assert all(g.dtype == jnp.float32 and np.all(np.isfinite(g)) for g in jax.tree.leaves(grads_h))
+  np.testing.assert_allclose(loss_h, loss, rtol=2e-2)
+  np.testing.assert_allclose(logp_h, logp, atol=5e-2)
+  cos = lambda a, b: float(np.vdot(a, b) / np.linalg.norm(a) / np.linalg.norm(b))
+  assert cos(grads_h["layers_0"]["attn"]["query"]["kernel"],
+             grads["layers_0"]["attn"]["query"]["kernel"]) > 0.95
+  scan = replaced(half, **{"sparse.scan_layers": True})
+  loss_s, logp_s, _, _ = _loss_and_grads(scan, _stack(params, scan))
+  np.testing.assert_allclose(loss_s, loss_h, rtol=1e-3)
+  np.testing.assert_allclose(logp_s, logp_h, atol=2e-2)
+
+
+@pytest.mark.slow
 def test_pre_and_post_activation_blocks(base):
   cfg, _, params, (loss, _, _, _) = base
   post = replaced(cfg, **{"sparse.prenorm": False, "sparse.act": "relu"})
@@ -269,6 +305,7 @@ def test_data_position_embeddings():
     ({"sparse.c": 9}, "sparse.c"),
     ({"sparse.pattern": "axial"}, "sparse.pattern"),
     ({"sparse.qk_ratio": 0.3}, "sparse.qk_ratio"),
+    ({"sparse.stream_dtype": "float16"}, "sparse.stream_dtype"),
     ({"sparse.pos": "data"}, "sparse.data_shape"),
     ({"sparse.scan_layers": True, "sparse.combine": "interleaved", "sparse.pattern": "fixed",
       "n_layers": 3}, "sparse.scan_layers"),
