@@ -19,7 +19,8 @@ RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its 
 # reports (profiling, the MFU peak, Weights & Biases).
 QUIET_DEFAULTS = ("dist.", "model.sparse.context", "train.profile_", "train.peak_tflops",
                   "train.wandb", "compile.strict",
-                  "model.doc_boundary")  # added with its old behaviour as the default (off)
+                  "model.doc_boundary",
+                  "model.sparse.stream_dtype")  # added with its old behaviour as the default
 
 
 def config_path(workdir: str) -> str:
