@@ -381,6 +381,38 @@ def _tree_files(directory: pathlib.Path) -> set:
   return {str(p.relative_to(directory)) for p in directory.rglob("*")}
 
 
+def _ocdbt_reads(state_dir: pathlib.Path) -> dict:
+  """{file: end of the last byte a restore reads from it} for the OCDBT data files of a saved
+  'state' item (paths relative to state_dir).
+
+  A restore reads the root manifest's latest version: its b-tree nodes and the indirect values
+  they point to. The other files under a 'd/' folder are never read: the per-process databases'
+  b-tree nodes, one full node per write batch (small values are inline in them, so each is
+  about the size of the state), which Orbax's merge into the root database superseded. How
+  many there are and how large depends on how the writes were batched, i.e. on timing.
+  """
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  if not hasattr(getattr(ts, "ocdbt", None), "dump"):
+    pytest.skip("tensorstore without ts.ocdbt.dump")
+  kv = ts.KvStore.open({"driver": "file", "path": f"{state_dir}/"}).result()
+  reads, nodes = {}, [ts.ocdbt.dump(kv).result()["versions"][-1]["root"]["location"]]
+
+  def note(location: str) -> None:  # '<kind>:<base path>:<path>:<offset>:<length>'
+    _, base, path, offset, length = location.rsplit(":", 4)
+    f = base + path
+    reads[f] = max(reads.get(f, 0), int(offset) + int(length))
+  while nodes:
+    node = nodes.pop()
+    note(node)
+    for entry in ts.ocdbt.dump(kv, node).result()["entries"]:
+      for v in entry.values():
+        if isinstance(v, str) and v.startswith("btreenode:"):
+          nodes.append(v)
+        elif isinstance(v, str) and v.startswith("value:"):
+          note(v)
+  return reads
+
+
 @pytest.mark.slow
 def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_path, capsys):
   from span_lm import cli  # pylint: disable=g-import-not-at-top
@@ -389,8 +421,11 @@ def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_pat
   loop.train(sr.config_for(base, common, {"train.steps": 4}))
 
   def truncate(step_dir):
-    data = max((p for p in (step_dir / "state").rglob("*") if p.is_file()),
-               key=lambda p: p.stat().st_size)
+    # The largest file that a restore reads. Not the largest file in state/: that can be a
+    # superseded b-tree node that nothing reads (_ocdbt_reads), and truncating it changes nothing.
+    reads = _ocdbt_reads(step_dir / "state")
+    data = max((step_dir / "state" / f for f in reads), key=lambda p: p.stat().st_size)
+    assert reads[str(data.relative_to(step_dir / "state"))] > 100
     data.write_bytes(data.read_bytes()[:100])
 
   def garbage_meta(step_dir):
@@ -426,6 +461,55 @@ def test_unreadable_latest_checkpoint_is_named_and_the_previous_one_used(tmp_pat
   assert len(err) == 1 and err[0].startswith("error: checkpoint step 4 in ") and \
       "none of its 2 checkpoints can be read" in err[0], err
   assert _tree_files(workdir) == before
+
+
+@pytest.mark.slow
+def test_truncating_any_checkpoint_file_is_named_or_changes_nothing(tmp_path):
+  """Every file of a real checkpoint's 'state' item, truncated in turn: a file that a restore reads
+  (metadata, the OCDBT manifest, b-tree nodes, array chunks) is a CheckpointReadError naming the
+  step; a file it does not read (a superseded per-process b-tree node, the per-process manifest,
+  the commit marker) leaves the restored state bitwise the same. Never a silently different one."""
+  common = {"train.checkpoint_every": 2, "train.eval_every": 100, "train.full_eval_at_end": False}
+  base = tmp_path / "base"
+  config = sr.config_for(base, common, {"train.steps": 2})
+  loop.train(config)
+  state_dir = base / "checkpoints" / "2" / "state"
+  intact = jax.device_get(_restore(config, 2)[0])
+  reads = _ocdbt_reads(state_dir)
+  files = sorted(str(p.relative_to(state_dir)) for p in state_dir.rglob("*") if p.is_file())
+  # Not read: the per-process databases' manifests (the merge wrote the root one) and the commit
+  # marker (its content is not read).
+  unread_names = ("commit_success.txt",)
+  read, unread, wrong = [], [], []
+  for i, f in enumerate(files):
+    size = (state_dir / f).stat().st_size
+    cut = min(100, size // 2)
+    if "/d/" in f"/{f}":
+      is_read = reads.get(f, 0) > cut
+    else:
+      is_read = not (f in unread_names or (f.startswith("ocdbt.process_")
+                                           and f.endswith("/manifest.ocdbt")))
+    (read if is_read else unread).append(f)
+    workdir = tmp_path / f"t{i}"
+    shutil.copytree(base, workdir)
+    path = workdir / "checkpoints" / "2" / "state" / f
+    path.write_bytes(path.read_bytes()[:cut])
+    try:
+      state = jax.device_get(_restore(sr.config_for(workdir, common, {"train.steps": 2}), 2)[0])
+    except ckpt_lib.CheckpointReadError as e:
+      if not is_read or e.path != str(workdir / "checkpoints" / "2"):
+        wrong.append(f"{f} ({size} bytes, read={is_read}): {e}")
+      continue
+    same = jax.tree.all(jax.tree.map(
+        lambda a, b: np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True), intact, state))
+    if is_read or not same:
+      wrong.append(f"{f} ({size} bytes, read={is_read}): restored, "
+                   f"{'the same' if same else 'DIFFERENT'} state")
+  assert not wrong, "\n".join(wrong)
+  # The layout this test knows: the root b-tree node(s) and the array chunks too large to be inline.
+  assert any(f.startswith("d/") for f in read) and any(
+      f.startswith("ocdbt.process_") and "/d/" in f for f in read), (read, unread)
+  assert {"_METADATA", "_sharding", "manifest.ocdbt"} <= set(read), read
 
 
 @pytest.mark.slow
