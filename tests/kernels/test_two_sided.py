@@ -50,6 +50,52 @@ def _door(impl, spec, q, k, v, pe, pe_a, z, z_a, pers, seg):
       pers_k_GxDxN=pers[0], pers_v_GxNxD=pers[1], **extra)
 
 
+def _span_grad_operands(q, k, v, pe, pe_a, z, z_a, pers, seg, ct):
+  """The size of what the spans' gradients sum, per head (1, G, 1), for z and for z_a (None
+  without spans ahead of their own), in float64 from the equations (tests/reference_numpy.py):
+  d loss / dz = sum over batch rows, queries i and keys j on the mask's ramp of
+  p_ij (g_ij - delta_i) / R (p the renormalised weights before the mask, g_ij = dO_i . v_j,
+  delta_i = dO_i . out_i), and this is sum p_ij (|g_ij| + |delta_i|) / R over the same terms:
+  each operand carries its dtype's rounding, so the sum's error is a multiple of that times
+  this, however much the terms cancel."""
+  q, k, v, pe, ct = (np.asarray(x, np.float64) for x in (q, k, v, pe, ct))
+  b, g, m, dh = q.shape
+  w, a = pe.shape[-1], 0 if pe_a is None else pe_a.shape[-1]
+  rel = np.arange(w + m + a)[None, :] - (w + np.arange(m))[:, None]  # key row - query row
+  behind, ahead = (rel <= -1) & (rel >= -w), (rel >= 0) & (rel <= a - 1)
+  allowed = np.broadcast_to(behind | ahead, (b, 1, m, w + m + a))
+  if seg is not None:
+    allowed = allowed & ((seg[0][:, :, None] == seg[1][:, None, :]) & (seg[1][:, None, :] != 0)
+                         )[:, None]
+    ct = np.where((seg[0] != 0)[:, None, :, None], ct, 0.0)
+  pe_k = pe[:, np.where(behind, np.clip(w + rel, 0, w - 1), 0)]  # (Dh, M, T)
+  if a:
+    pe_k = np.where(ahead, np.asarray(pe_a, np.float64)[:, np.clip(rel, 0, a - 1)], pe_k)
+  logits = np.einsum("bgmd,bgtd->bgmt", q, k) + np.einsum("bgmd,dmt->bgmt", q, pe_k)
+  logits = np.where(allowed, logits / np.sqrt(dh), -np.inf)
+  if pers[0] is not None:
+    logits = np.concatenate([logits, np.einsum("bgmd,gdn->bgmn", q, pers[0]) / np.sqrt(dh)], -1)
+  with np.errstate(invalid="ignore"):  # a row with nothing allowed: nan, zeroed
+    e = np.nan_to_num(ref.softmax(logits), nan=0.0)
+  t = w + m + a
+  zz = np.broadcast_to(np.asarray(z, np.float64), (b, g, m))[..., None]
+  if z_a is not None:
+    zz = np.where(ahead, np.broadcast_to(np.asarray(z_a, np.float64), (b, g, m))[..., None], zz)
+  u = (R + zz - np.where(behind, -rel - 1, rel + 1)) / R  # the mask's x
+  wts = e[..., :t] * np.clip(u, 0.0, 1.0) * allowed
+  tot = wts.sum(-1, keepdims=True) + e[..., t:].sum(-1, keepdims=True) + ref.RENORM_EPS
+  out = np.einsum("bgmt,bgtd->bgmd", wts / tot, v)
+  if pers[1] is not None:
+    out = out + np.einsum("bgmn,gnd->bgmd", e[..., t:] / tot, pers[1])
+  gv = np.einsum("bgmd,bgtd->bgmt", ct, v)
+  delta = np.sum(ct * out, axis=-1, keepdims=True)
+  terms = e[..., :t] / tot * (np.abs(gv) + np.abs(delta)) * ref.clamp_slope(u) * allowed / R
+  side = lambda on: np.where(on, terms, 0.0).sum(axis=(0, 2, 3))[None, :, None]
+  if z_a is None:
+    return side(behind | ahead), None
+  return side(behind), side(ahead)
+
+
 def _check(impl, rng, *, b=2, m=32, w=16, a=16, n_pers=0, segs=4, asym=False, pad_rows=False,
            dtype="float32", chunk=0):
   g, dh = 2, 8
@@ -85,12 +131,22 @@ def _check(impl, rng, *, b=2, m=32, w=16, a=16, n_pers=0, segs=4, asym=False, pa
                                atol=2e-4)
   if impl != "reference":
     (_, _), ref_grads = run("reference")
+    operands = dict(zip((5, 6), _span_grad_operands(q, k, v, pe, pe_a, z, z_a, pers, seg, ct))
+                    ) if low else {}
     for i, got, exp in zip(diff, grads, ref_grads):
       scale = max(float(np.abs(np.asarray(exp, np.float32)).max()), 1e-6)
       # The spans' gradients sum every score of a head (cancelling terms) in float32: a head's
       # entry ~1e-5 of the largest carries that sum's rounding, so they get the tolerance of the
       # equation check above (a case hypothesis found: 2.8e-5 against -3.3e-5 of the scale).
       t = dict(rtol=2e-3, atol=2e-4) if i in (5, 6) and not low else tol
+      if i in (5, 6) and low:
+        # In bfloat16 each term of that sum carries ~2^-9 of its size, so a head's gradient is
+        # good to a few such units of the size of what it sums (`_span_grad_operands`), not of
+        # its own largest entry: where the terms cancel to ~1e-3 of their size, every
+        # implementation, the reference too, is off by >5% of that entry (the cases of
+        # test_bf16_span_gradients_whose_terms_cancel). 2^-6 is 8 units; the largest seen in
+        # 256 heads of random draws was 1.2 (pallas_tpu_interpret against the reference).
+        scale, t = np.maximum(operands[i], 1e-6), dict(rtol=0.0, atol=2.0 ** -6)
       np.testing.assert_allclose(np.asarray(got, np.float32) / scale,
                                  np.asarray(exp, np.float32) / scale, err_msg=f"argument {i}",
                                  **t)
@@ -113,6 +169,23 @@ def test_two_sided_equals_the_definition(impl, case):
   if impl.endswith("interpret") and case:
     pytest.skip("interpreted kernels: the slow tier's property test")
   _check(impl, np.random.default_rng(0), **case)
+
+
+@pytest.mark.parametrize("impl", [pytest.param(i, marks=pytest.mark.slow) if
+                                  i.endswith("interpret") else i
+                                  for i in TWO_SIDED if i != "reference"])
+@pytest.mark.parametrize("seed, case", [
+    # z on both sides: head 1's gradient -0.0040, of terms of size 5.4 (the kernels: -0.0072)
+    (51522, dict(segs=0)),
+    # spans ahead of their own: head 0's gradient ahead 0.0032, of size 3.2 (pallas_tpu: 0.0009)
+    (58417, dict(segs=1, asym=True, pad_rows=True))])
+def test_bf16_span_gradients_whose_terms_cancel(impl, seed, case):
+  """Draws of the property test below (m = 16, w = 16, a = 15, bfloat16) where a head's span
+  gradient is ~1e-3 of the size of the terms it sums. In float32 every implementation gives it
+  to ~1e-6 of that size; in bfloat16 each one (the reference included) is off by ~1e-3 of it,
+  >5% of the gradient itself: the check once compared it with 5% of its largest entry and
+  failed at random (the spans' tolerance in `_check`)."""
+  _check(impl, np.random.default_rng(seed), b=1, m=16, w=16, a=15, dtype="bfloat16", **case)
 
 
 @pytest.mark.parametrize("impl", TWO_SIDED)
@@ -139,9 +212,12 @@ def test_a_query_whose_segment_has_keys_only_outside_its_window_gives_zeros(impl
   np.testing.assert_allclose(out, want, rtol=2e-4, atol=2e-5)
 
 
+# derandomize: the same draws on every run (seeded by a hash of the test function), so CI does
+# not turn red or green by chance; a draw that fails is found by running with it off.
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", [i for i in TWO_SIDED if not i.endswith("_interpret")])
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_two_sided_property(impl, data):
   _property(impl, data)
@@ -149,7 +225,8 @@ def test_two_sided_property(impl, data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", [i for i in TWO_SIDED if i.endswith("_interpret")])
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_two_sided_property_interpreted(impl, data):
   """The interpreted kernels draw half as many cases: each runs the Pallas interpreter and the
