@@ -291,6 +291,12 @@ def check(cfg, *, block: int | None = None, backend: str | None = None) -> None:
     raise ValueError(f"config.model.attention.impl={name!r} runs {impl.needs}; this process has "
                      f"{backend} devices: use 'auto' (or {name + '_interpret'!r} to run the "
                      "kernel interpreted)")
+  if impl.ops_module == IMPLS["pallas"].ops_module:
+    missing = target.triton_missing()
+    if missing:
+      raise ValueError(f"config.model.attention.impl={name!r} runs {impl.needs}, built on Pallas's "
+                       f"Triton backend, but {missing}: use 'auto' or 'reference' (the XLA path), "
+                       "or a jax that has it (0.10-0.12)")
 
 
 def _gpu_runs_triton(platform: target.Platform) -> bool:
@@ -335,7 +341,8 @@ def fit_fallback(cfg):
   XLA path saves O(block x window) score bands per layer; None where there is nothing to fall
   back to (an explicit choice, a model the kernel cannot run: the sparse model, sizes it cannot
   tile; a GPU without Triton)."""
-  if cfg.attention.impl != "auto" or not _gpu_runs_triton(target.current()):
+  if (cfg.attention.impl != "auto" or not _gpu_runs_triton(target.current())
+      or target.triton_missing()):
     return None
   if fused_misfit(cfg)[0] or select(cfg).fused:
     return None
@@ -378,6 +385,9 @@ def _select(cfg, m, w) -> tuple[Impl, str]:
   if platform.name == "cpu":
     return IMPLS["cpu"], ""
   if _gpu_runs_triton(platform):
+    why = target.triton_missing()
+    if why:
+      return IMPLS["reference"], why + ": the XLA path"
     why = IMPLS["pallas"].misfit(cfg, m, w)
     if why:
       return IMPLS["reference"], why

@@ -89,6 +89,12 @@ def check(name: str, heads=None, n: int | None = None, head_dim: int | None = No
   if backend is not None and impl.platform not in (None, backend):
     raise ValueError(f"config.model.sparse.impl={name!r} runs {impl.needs}; this process has "
                      f"{backend} devices: use 'auto' (or {name + '_interpret'!r})")
+  if impl.module == SPARSE_IMPLS["pallas"].module:
+    missing = target.triton_missing()
+    if missing:
+      raise ValueError(f"config.model.sparse.impl={name!r} runs {impl.needs}, built on Pallas's "
+                       f"Triton backend, but {missing}: use 'auto' or 'jnp' (the XLA path), or a "
+                       "jax that has it (0.10-0.12)")
   if heads is not None:
     why = impl.misfit(heads, n, head_dim)
     if why:
@@ -102,8 +108,9 @@ def _auto(heads, n, head_dim) -> tuple[SparseImpl, str]:
     return SPARSE_IMPLS["jnp" if why else "splash"], why
   if platform.name == "gpu":  # Pallas' Triton backend: compute capability 8.0 and later
     cc = platform.compute_capability
-    why = (SPARSE_IMPLS["pallas"].misfit(heads, n, head_dim) if cc is not None and cc >= 8.0
-           else f"compute capability {cc} (the Triton kernel needs 8.0 or later)")
+    why = (f"compute capability {cc} (the Triton kernel needs 8.0 or later)"
+           if cc is None or cc < 8.0 else target.triton_missing()
+           or SPARSE_IMPLS["pallas"].misfit(heads, n, head_dim))
     return SPARSE_IMPLS["jnp" if why else "pallas"], why
   return SPARSE_IMPLS["jnp"], "" if platform.name == "cpu" else f"backend {platform.name}"
 

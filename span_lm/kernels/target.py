@@ -55,3 +55,23 @@ def compiling_for(platform: str, compute_capability: float | None = None, kind: 
     yield _state.platform
   finally:
     _state.platform = old
+
+
+def triton_missing() -> str:
+  """'' where this jax has Pallas's Triton backend (the GPU kernels' lowering), else why not.
+
+  jax 0.11 deprecated `jax.experimental.pallas.triton` for removal (Mosaic GPU replaces it, on
+  Hopper and later only): on a jax without it the GPU kernels are unavailable and `auto` takes
+  the XLA path. Asked only where a GPU kernel is in play, so `import span_lm` never loads it.
+  """
+  import importlib  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+  try:
+    with warnings.catch_warnings():  # jax >= 0.11 warns on import: our kernels' choice, not the user's
+      warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+      importlib.import_module("jax.experimental.pallas.triton")
+  except ImportError as e:
+    import jax  # pylint: disable=g-import-not-at-top
+    return (f"this jax ({jax.__version__}) has no Pallas Triton backend "
+            f"(jax.experimental.pallas.triton: {type(e).__name__})")
+  return ""
