@@ -13,6 +13,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from span_lm import kernels
 from span_lm.kernels import span_mask
 from span_lm.kernels import matmul
 
@@ -104,7 +105,8 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, key_pe_ahea
   Args:
     q_BxGxMxD: queries; k, v: keys/values of the T = W + M + A rows (window, block, ahead):
       query i is row W + i; behind it, distance d is row W + i - d; ahead, distance a is row
-      W + i + a - 1.
+      W + i + a - 1. Grouped heads: k, v (B, G_kv, T, Dh), query head h reading key/value head
+      h // (G / G_kv): the queries get a group axis, the keys none (no repeated copy).
     key_pe_DxW: relative position embeddings for distances W..1 (column W - 1 is distance 1);
       key_pe_ahead_DxA: for distances 1..A ahead (column a - 1), None when causal.
     span_z, span_z_ahead: spans in tokens, (1 or B, G, 1 or M), of the soft mask with ramp R
@@ -125,34 +127,40 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, key_pe_ahea
                      f", ahead {a}")
   c = choose_chunk(m, w + a, chunk)
   n = m // c
-  q = q_BxGxMxD.reshape(b, g, n, c, dh)
+  # Grouped heads: queries (B, G_kv, r, ...) against keys (B, G_kv, ...), r = G / G_kv; the
+  # group axis is spelled only where r > 1, so the ungrouped program is what it always was.
+  r = kernels.kv_group(g, k_BxGxTxD.shape[1])
+  R, heads = ("r", (g // r, r)) if r > 1 else ("", (g,))
+  q = q_BxGxMxD.reshape(b, *heads, n, c, dh)
   k_win, v_win = (key_windows(k_BxGxTxD, w, c, a),
                   key_windows(v_BxGxTxD, w, c, a))  # B G n (W+C+A) Dh
 
-  cont = matmul.einsum("bgncd,bgnkd->bgnck", q, k_win, jnp.float32)
+  cont = matmul.einsum(f"bg{R}ncd,bgnkd->bg{R}nck", q, k_win, jnp.float32)
   # float32 parameters (key_pe, persistent vectors) go in as they are: matmul.einsum casts them
   # to q's dtype and keeps their gradients in float32
   pe = key_pe_DxW if not a else jnp.concatenate(
       [key_pe_DxW.astype(jnp.float32), key_pe_ahead_DxA.astype(jnp.float32)], axis=-1)
-  pos = matmul.einsum("bgncd,dw->bgncw", q, matmul.weight(pe, q.dtype), jnp.float32)
+  pos = matmul.einsum(f"bg{R}ncd,dw->bg{R}ncw", q, matmul.weight(pe, q.dtype), jnp.float32)
   logits = (unskew(cont, w + a) + pos) / math.sqrt(dh)  # B G n C (W+A)
+  one = (1,) * len(heads)  # the head axes of a per-row factor
   allowed = None
   if segments is not None:
-    allowed = segment_band(segments, w, a, c)[:, None]  # B 1 n C (W+A)
+    allowed = segment_band(segments, w, a, c)[(slice(None),) + (None,) * len(heads)]
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+  pers_heads = lambda x: x if r == 1 else x.reshape(*heads, *x.shape[1:])
   if pers_k_GxDxN is not None:
-    pers = matmul.einsum("bgncd,gdp->bgncp", q, matmul.weight(pers_k_GxDxN, q.dtype),
-                         jnp.float32)
+    pers = matmul.einsum(f"bg{R}ncd,g{R}dp->bg{R}ncp", q,
+                         matmul.weight(pers_heads(pers_k_GxDxN), q.dtype), jnp.float32)
     logits = jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1)
   probs = jax.nn.softmax(logits, axis=-1)
   mask = None
   if span_z is not None:
-    band = lambda zz: (lambda z: z.reshape(z.shape[0], g, 1, 1, 1) if z.shape[2] == 1 else
-                       z.reshape(z.shape[0], g, n, c, 1))(jnp.asarray(zz, jnp.float32))
-    dist = band_distances(w, a).reshape(1, 1, 1, 1, w + a)
+    band = lambda zz: (lambda z: z.reshape(z.shape[0], *heads, 1, 1, 1) if z.shape[2] == 1 else
+                       z.reshape(z.shape[0], *heads, n, c, 1))(jnp.asarray(zz, jnp.float32))
+    dist = band_distances(w, a).reshape(1, *one, 1, 1, w + a)
     z = band(span_z)  # (1|B, G, n|1, C|1, 1)
     if a and span_z_ahead is not None:  # the columns ahead read their own spans
-      z = jnp.where(jnp.arange(w + a).reshape(1, 1, 1, 1, w + a) < w, z, band(span_z_ahead))
+      z = jnp.where(jnp.arange(w + a).reshape(1, *one, 1, 1, w + a) < w, z, band(span_z_ahead))
     mask = span_mask.soft_mask(z, dist, ramp)
   if allowed is not None:  # a row with no key of its segment: zeros, not a uniform average
     mask = allowed.astype(jnp.float32) if mask is None else mask * allowed
@@ -164,10 +172,11 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, key_pe_ahea
   if dropout is not None:
     probs = dropout(probs)
   probs = probs.astype(v_BxGxTxD.dtype)
-  out = matmul.einsum("bgnck,bgnkd->bgncd", skew(probs[..., :w + a]), v_win, jnp.float32)
+  out = matmul.einsum(f"bg{R}nck,bgnkd->bg{R}ncd", skew(probs[..., :w + a]), v_win,
+                      jnp.float32)
   if pers_v_GxNxD is not None:
-    out = out + matmul.einsum("bgncp,gpd->bgncd", probs[..., w + a:],
-                              matmul.weight(pers_v_GxNxD, probs.dtype), jnp.float32)
+    out = out + matmul.einsum(f"bg{R}ncp,g{R}pd->bg{R}ncd", probs[..., w + a:],
+                              matmul.weight(pers_heads(pers_v_GxNxD), probs.dtype), jnp.float32)
   out = out.reshape(b, g, m, dh)
   if segments is not None:  # padding queries (segment 0): zeros, persistent memory included
     out = jnp.where((segments.q != 0)[:, None, :, None], out, 0.0)

@@ -36,17 +36,19 @@ _logged: set = set()
 
 def layer_spec(num_heads: int, head_dim: int, max_span: int, ramp: int, *, causal: bool = True,
                attn_impl: str = "auto", dtype=jnp.float32, dropout_rate: float = 0.0,
-               segmented: bool = True) -> kernels.Spec:
+               segmented: bool = True, kv_heads: int | None = None) -> kernels.Spec:
   """The door's spec of one layer: window max_span behind, max_span - 1 ahead when
   bidirectional, segment ids (the layer always passes them: the sequence's ends are padding),
-  and the tile (the largest of 64, 32, 16 dividing max_span; the fused kernels need one)."""
+  the tile (the largest of 64, 32, 16 dividing max_span; the fused kernels need one), and the
+  key/value heads (grouped heads; None or num_heads: one per query head)."""
   block = next((b for b in (64, 32, 16) if max_span % b == 0), 64)
   return kernels.Spec(
       heads=num_heads, head_dim=head_dim, window=max_span, ahead=0 if causal else max_span - 1,
       ramp=ramp, mode="adaptive", dtype=jnp.dtype(dtype).name, dropout=dropout_rate,
       segmented=segmented,
       attention=kernels.Attention(impl="auto" if attn_impl == "plain" else attn_impl,
-                                  block=block))
+                                  block=block),
+      kv_heads=None if kv_heads in (None, num_heads) else kv_heads)
 
 
 def _log_once(level, key, text, *args):
@@ -123,12 +125,19 @@ def plain_attention(q_BxHxNxD, k_BxHxKxD, v_BxHxKxD, z_H, pos_back_DxS, pos_ahea
                     dropout: Callable | None = None):
   """Dense span attention, (B, H, N, Dh): scores of every query with every key; keys outside
   the window (distance >= S), after the query (causal) or where `mask` is 0 get weight 0. For
-  the masks the door cannot take, and the definition the door is tested against."""
-  n, kl, dh = q_BxHxNxD.shape[2], k_BxHxKxD.shape[2], q_BxHxNxD.shape[-1]
+  the masks the door cannot take, and the definition the door is tested against. Grouped
+  heads: k, v (B, H_kv, K, Dh), query head h reading key/value head h // (H / H_kv)."""
+  b, h, n, dh = q_BxHxNxD.shape
+  kl, hk = k_BxHxKxD.shape[2], k_BxHxKxD.shape[1]
+  r = kernels.kv_group(h, hk)
   s = pos_back_DxS.shape[-1]
   f32 = dict(preferred_element_type=jnp.float32)
   q = q_BxHxNxD
-  cont = jnp.einsum("bhnd,bhkd->bhnk", q, k_BxHxKxD, **f32)
+  if r == 1:
+    cont = jnp.einsum("bhnd,bhkd->bhnk", q, k_BxHxKxD, **f32)
+  else:  # the group as an axis of the queries only: no repeated keys
+    cont = jnp.einsum("bgrnd,bgkd->bgrnk", q.reshape(b, hk, r, n, dh), k_BxHxKxD,
+                      **f32).reshape(b, h, n, kl)
   pos = _position_logits(q, pos_back_DxS, pos_ahead_DxS, kl)
   ij = (jnp.arange(n)[:, None] - jnp.arange(kl)[None, :])[None, None]  # 1 1 N K
   allowed = (ij >= 0 if causal else True) & (jnp.abs(ij) < s)
@@ -144,7 +153,12 @@ def plain_attention(q_BxHxNxD, k_BxHxKxD, v_BxHxKxD, z_H, pos_back_DxS, pos_ahea
   probs = span_mask.renormalise(probs * jnp.where(allowed, soft, 0.0))
   if dropout is not None:
     probs = dropout(probs)
-  out = jnp.einsum("bhnk,bhkd->bhnd", probs.astype(v_BxHxKxD.dtype), v_BxHxKxD, **f32)
+  probs = probs.astype(v_BxHxKxD.dtype)
+  if r == 1:
+    out = jnp.einsum("bhnk,bhkd->bhnd", probs, v_BxHxKxD, **f32)
+  else:
+    out = jnp.einsum("bgrnk,bgkd->bgrnd", probs.reshape(b, hk, r, n, kl), v_BxHxKxD,
+                     **f32).reshape(b, h, n, dh)
   return out.astype(q_BxHxNxD.dtype)
 
 
@@ -191,8 +205,10 @@ def span_attention(query, key, value, span_ratio, pos_back, pos_ahead=None, *, m
   """Adaptive-span attention in nn.dot_product_attention's layout.
 
   Args:
-    query: (batch..., q_len, heads, head_dim); key, value: (batch..., kv_len, heads, head_dim),
-      positions aligned with the queries'.
+    query: (batch..., q_len, heads, head_dim); key, value: (batch..., kv_len, kv_heads,
+      head_dim), positions aligned with the queries'; kv_heads divides heads (grouped heads,
+      GQA; 1: MQA): query head h reads key/value head h // (heads // kv_heads), the keys and
+      values never repeated.
     span_ratio: (heads,) z' (spans S * z', z' clipped to [0, 1]); span_ratio_ahead: the spans
       ahead when they are learned apart (bidirectional; None: span_ratio on both sides).
     pos_back: (head_dim, max_span) position embeddings, column S - 1 - x for distance x back;
@@ -209,9 +225,15 @@ def span_attention(query, key, value, span_ratio, pos_back, pos_ahead=None, *, m
   """
   *batch, n, h, dh = query.shape
   batch = tuple(batch)
-  kl = key.shape[-3]
+  kl, hk = key.shape[-3], key.shape[-2]
   if attn_impl not in IMPLS:
     raise ValueError(f"attn_impl={attn_impl!r}: choose one of {IMPLS}")
+  if value.shape[-3:] != key.shape[-3:]:
+    raise ValueError(f"span_attention: key {tuple(key.shape)} and value {tuple(value.shape)} "
+                     "differ in (length, kv_heads, head_dim)")
+  if hk < 1 or h % hk:
+    raise ValueError(f"span_attention: {h} query heads are not a multiple of {hk} key/value "
+                     "heads (grouped heads: kv_heads must divide heads)")
   if not causal and pos_ahead is None:
     raise ValueError("span_attention: bidirectional attention needs pos_ahead")
   flat = lambda a: a.reshape((-1,) + a.shape[-3:]).transpose(0, 2, 1, 3)  # B H N D
@@ -252,7 +274,7 @@ def span_attention(query, key, value, span_ratio, pos_back, pos_ahead=None, *, m
       out = jnp.where((seg.reshape(-1, n) != 0)[:, None, :, None], out, 0.0).astype(out.dtype)
   else:
     spec = layer_spec(h, dh, max_span, ramp, causal=causal, attn_impl=attn_impl,
-                      dtype=query.dtype, dropout_rate=rate)
+                      dtype=query.dtype, dropout_rate=rate, kv_heads=hk)
     blk = spec.attention.block
     impl = kernels.select(spec, -(-n // blk) * blk, max_span)
     _log_once(logging.INFO, ("door", attn_impl, impl.name, causal, n, max_span),
