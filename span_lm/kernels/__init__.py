@@ -105,6 +105,9 @@ class Spec:
   pers_mem: int = 0  # persistent key/value vectors per head, in the same softmax
   segmented: bool = False  # segment ids given (padding, packing): `Segments`
   attention: Attention = dataclasses.field(default_factory=Attention)
+  # key/value heads (GQA; 1: MQA): query head h reads key/value head h // (heads // kv_heads),
+  # with no repeated copy in any implementation. None: heads (one key/value head per query head)
+  kv_heads: int | None = None
 
   def __post_init__(self):
     for f in ("heads", "head_dim", "window", "ahead", "ramp", "pers_mem"):
@@ -113,6 +116,16 @@ class Spec:
                                                                else 1):
         raise ValueError(f"attention spec {f}={v!r}: must be an integer >= "
                          f"{0 if f in ('ahead', 'pers_mem') else 1}")
+    kv = self.kv_heads
+    if kv is not None and (isinstance(kv, bool) or not isinstance(kv, int) or kv < 1
+                           or self.heads % kv):
+      raise ValueError(f"attention spec kv_heads={kv!r}: must be a positive integer dividing "
+                       f"heads={self.heads}")
+
+  @property
+  def group(self) -> int:
+    """Query heads per key/value head (1 without grouped heads)."""
+    return 1 if self.kv_heads is None else self.heads // self.kv_heads
 
   def replace(self, **changes) -> "Spec":
     return dataclasses.replace(self, **changes)
@@ -133,9 +146,19 @@ class Segments(NamedTuple):
 
 class KV(NamedTuple):
   """Keys and values of one head group as rows, each (B, G, T, Dh): what every implementation's
-  `attend` takes. Its `project_kv` and `split_kv` may return its own layout instead."""
+  `attend` takes. Its `project_kv` and `split_kv` may return its own layout instead. Grouped
+  heads (GQA): (B, G_kv, T, Dh) for G queries' heads, G_kv dividing G (`kv_group`)."""
   k: Any
   v: Any
+
+
+def kv_group(q_heads: int, kv_heads: int) -> int:
+  """Query heads per key/value head (query head h reads key/value head h // group), or a
+  ValueError naming both counts."""
+  if kv_heads < 1 or q_heads % kv_heads:
+    raise ValueError(f"attention: {q_heads} query heads are not a multiple of {kv_heads} "
+                     "key/value heads")
+  return q_heads // kv_heads
 
 
 @dataclasses.dataclass(frozen=True)
