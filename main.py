@@ -7,8 +7,10 @@ Modes (--config.mode=MODE):
   spans    the learned spans per head and layer (the paper's Fig. 4; Fig. 5 for dynamic spans)
   flops    multiply-adds per token and train-step memory of the run's plan, beside XLA's count
   sample   text from the latest checkpoint (--config.sample.prompt, .temperature, .top_k)
-  import   a reference PyTorch checkpoint (--config.import_from=FILE.pt) into config.workdir
-  export   config.workdir's latest checkpoint as a reference .pt (--config.export_to=FILE)
+  import   a reference PyTorch checkpoint (--config.import_from=FILE.pt), or a directory export
+           wrote (model.safetensors; no --config needed), into config.workdir
+  export   config.workdir's latest checkpoint as a safetensors directory (--config.export_to=DIR:
+           model.safetensors, config.json, README.md) or a reference .pt (export_to=FILE.pt)
   compile  the train and eval steps compiled for chips this host lacks (--config.compile.targets)
 eval, spans, flops and sample read a run and may run while it trains. They use its saved
 config.json: `--config.workdir=DIR --config.mode=eval` needs no --config, and with one the command
@@ -33,6 +35,8 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py[:variant]).",
                                           lock_config=True)
 _RUN_DIR_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "span_lm", "run_dir.py")
+_EXPORT_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "span_lm", "tools",
+                              "safetensors_format.py")
 
 
 def _flag_value(argv, name):
@@ -57,6 +61,10 @@ def _prepare_argv(argv):
                                                           "--helpshort") for a in argv):
     return argv
   workdir = _flag_value(argv, "config.workdir")
+  source = _flag_value(argv, "config.import_from")
+  if _flag_value(argv, "config.mode") == "import" and source and os.path.isfile(
+      os.path.join(source, "model.safetensors")):  # an export: the config it was trained with
+    return argv[:1] + [f"--config={_EXPORT_CONFIG}:{source}"] + argv[1:]
   if workdir is None:
     raise SystemExit("error: pass --config=configs/FILE.py (e.g. configs/tiny.py), or "
                      "--config.workdir=DIR of a run to use its saved config.json")

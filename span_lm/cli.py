@@ -32,9 +32,17 @@ def run(config):
   if config.mode == "eval":
     return loop.evaluate(config)
   if config.mode in ("import", "export"):
+    # A directory holding model.safetensors (import) or export_format / a path not ending in .pt
+    # (export) is the safetensors format; a .pt file the reference's.
     from span_lm.tools import reference_checkpoint  # pylint: disable=g-import-not-at-top
+    from span_lm.tools import safetensors_format  # pylint: disable=g-import-not-at-top
+    config_lib.validate(config)
     if config.mode == "import":
+      if safetensors_format.import_source(config.import_from) == "safetensors":
+        return safetensors_format.import_export(config)
       return reference_checkpoint.import_reference(config)
+    if safetensors_format.export_format(config) == "safetensors":
+      return safetensors_format.export(config)
     return reference_checkpoint.export_reference(config)
   if config.mode == "compile":
     from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top

@@ -44,11 +44,15 @@ def base_config() -> ml_collections.ConfigDict:
   c.workdir = config_dict.placeholder(str)  # run directory; resume is automatic
   c.seed = 42
   c.mode = "train"  # train | eval | import | export
-  # mode=import: a reference (facebookresearch/adaptive-span) .pt checkpoint to convert into an
-  # Orbax checkpoint in workdir; mode=export: where to write workdir's latest checkpoint in the
-  # reference's format (span_lm/tools/reference_checkpoint.py).
+  # mode=import: a reference (facebookresearch/adaptive-span) .pt checkpoint, or a directory
+  # mode=export wrote (model.safetensors + config.json), to make an Orbax checkpoint in workdir;
+  # mode=export: where to write workdir's latest checkpoint (span_lm/tools/reference_checkpoint.py,
+  # span_lm/tools/safetensors_format.py).
   c.import_from = config_dict.placeholder(str)
   c.export_to = config_dict.placeholder(str)
+  # export: 'safetensors' (a directory: model.safetensors, config.json, README.md) | 'pt' (the
+  # reference's torch file); "": 'pt' where export_to ends in .pt, else 'safetensors'
+  c.export_format = ""
 
   c.model = ml_collections.ConfigDict({"vocab_size": 0, **_defaults(ModelConfig)})
 
@@ -163,6 +167,7 @@ def base_config() -> ml_collections.ConfigDict:
   tl.step = config_dict.placeholder(int)  # checkpoint step to inspect; None: the latest
   tl.text = config_dict.placeholder(str)  # spans, dynamic span (Fig. 5): the text; None: valid split
   tl.xla = True  # flops: also compile the train step and report XLA's cost and memory analyses
+  tl.dtype = config_dict.placeholder(str)  # export (safetensors): float32 | bfloat16 | float16
   # --config.mode=compile: the train and eval steps compiled for chips this host does not have
   # (span_lm/tools/compile.py). targets: comma-separated; GPUs as chip[:count] (h100:8, a100_40:8,
   # v100_16:8), TPUs as chip[:topology] (v5e:4x4, v5p:2x2x2, v6e:2x4, v4:2x2x2).
@@ -452,9 +457,9 @@ def _validate(config):
   for field, needed in (("import_from", mode == "import"), ("export_to", mode == "export")):
     value = _get(config, field)
     if needed and (not isinstance(value, str) or not value):
-      _bad(field, value, f"mode={mode} needs a reference checkpoint path (--config.{field}=FILE)")
-  if mode == "import" and not os.path.isfile(_get(config, "import_from")):
-    _bad("import_from", _get(config, "import_from"), "no such file", ConfigPathError)
+      _bad(field, value, f"mode={mode} needs a path (--config.{field}=FILE.pt or DIR)")
+  if mode == "import" and not os.path.exists(_get(config, "import_from")):
+    _bad("import_from", _get(config, "import_from"), "no such file or directory", ConfigPathError)
   seed = _get(config, "seed")
   if isinstance(seed, bool) or not isinstance(seed, int):
     _bad("seed", seed, "must be an integer")

@@ -20,7 +20,8 @@ RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its 
 QUIET_DEFAULTS = ("dist.", "model.sparse.context", "train.profile_", "train.peak_tflops",
                   "train.wandb", "compile.strict",
                   "model.doc_boundary",
-                  "model.sparse.stream_dtype")  # added with its old behaviour as the default
+                  "model.sparse.stream_dtype",  # added with its old behaviour as the default
+                  "export_format", "tools.dtype")  # how an export is written, not the run
 
 
 def config_path(workdir: str) -> str:

@@ -5,6 +5,8 @@
   span_loss              the sown span penalties of a forward pass, summed: add to the loss
   learned_spans          every layer's spans z in tokens (back, and ahead where learned apart)
   clamp_spans            the reference's post-step clamp of every z' to [0, 1]
+  save_safetensors       a parameter tree to a safetensors file (names: layers.3.attn.query.kernel)
+  load_safetensors       and back, checked before it is read (span_lm/layers/safetensors_io.py)
 
 Words: a head's *span* is z = max_span * z' (tokens, what it learned); its *window* is
 ceil(z) + ramp, the distances its soft mask reaches (what the trainer's `spans` mode tabulates).
@@ -17,6 +19,8 @@ import jax.numpy as jnp
 from span_lm.layers.attention import AdaptiveSpanAttention
 from span_lm.layers.core import span_attention
 from span_lm.layers.core import span_tokens
+from span_lm.layers.safetensors_io import load_safetensors
+from span_lm.layers.safetensors_io import save_safetensors
 
 SPAN_PARAM = "span_ratio"
 SPAN_AHEAD_PARAM = "span_ratio_ahead"  # asymmetric layers: the spans ahead, learned apart
@@ -116,4 +120,4 @@ def clamp_spans(params):
 
 
 __all__ = ["AdaptiveSpanAttention", "span_attention", "span_loss", "learned_spans",
-           "clamp_spans", "span_tokens"]
+           "clamp_spans", "span_tokens", "save_safetensors", "load_safetensors"]

@@ -164,7 +164,11 @@ class _Training:
       return start, state
     state = run.init_state(self.planner.plan)
     if self.t.init_from:
-      state = restore_lib.init_from(run, self.planner, state, self.t.init_from)
+      from span_lm.tools import safetensors_format  # pylint: disable=g-import-not-at-top
+      if safetensors_format.export_dir(self.t.init_from):  # a directory mode=export wrote
+        state = safetensors_format.init_from(run, self.planner, self.t.init_from)
+      else:
+        state = restore_lib.init_from(run, self.planner, state, self.t.init_from)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     _echo(f"model: {n_params / 1e6:.2f}M parameters; {cfg.n_layers} layers, span {cfg.span.size} "
           f"({cfg.span.mode}); data {run.splits.name}: {len(run.splits.train):,} train tokens, "
