@@ -75,13 +75,15 @@ from typing import NamedTuple
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 import jax.numpy as jnp
 import numpy as np
 
 from span_lm.kernels import fused
 from span_lm.kernels import hashed_dropout
 from span_lm.kernels import span_mask
+from span_lm.kernels import target
+
+plt = target.pallas_triton()  # jax.experimental.pallas.triton
 
 NEG = -1e30
 MASKED = -1e30  # G's position score for a key of another segment: its logit is ~ -1e30 / sqrt(Dh)

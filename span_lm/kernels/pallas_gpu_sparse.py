@@ -47,14 +47,16 @@ import functools
 import jax
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 import jax.numpy as jnp
 import numpy as np
 
 from span_lm.kernels import block_sparse
 from span_lm.kernels import fused
+from span_lm.kernels import target
 from span_lm.kernels.pallas_gpu import _dot  # the span kernel's f32-accumulating dot
 from span_lm.kernels.block_sparse import HeadPattern
+
+plt = target.pallas_triton()  # jax.experimental.pallas.triton
 
 NEG = -1e30
 BIG = 1e30  # the log-sum-exp of a row with no key: exp(s - BIG) = 0 on every key
@@ -103,7 +105,6 @@ def tiles(compute_capability, dtype) -> tuple[int, int, int, int]:
 
 
 def _target_tiles(dtype):
-  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
   p = target.current()
   return tiles(p.compute_capability if p.name == "gpu" else None, dtype)
 

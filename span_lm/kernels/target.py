@@ -57,6 +57,19 @@ def compiling_for(platform: str, compute_capability: float | None = None, kind: 
     _state.platform = old
 
 
+
+def pallas_triton():
+  """jax.experimental.pallas.triton, the GPU kernels' lowering, imported without jax's
+  DeprecationWarning (jax >= 0.11): the dependency is ours, known and planned for
+  (docs/kernels.md, "After Pallas-Triton"), not something a user of the kernels can act on.
+  ImportError where this jax has removed it (`triton_missing` says so first)."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  import warnings  # pylint: disable=g-import-not-at-top
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
+    return importlib.import_module("jax.experimental.pallas.triton")
+
+
 def triton_missing() -> str:
   """'' where this jax has Pallas's Triton backend (the GPU kernels' lowering), else why not.
 
@@ -64,12 +77,8 @@ def triton_missing() -> str:
   Hopper and later only): on a jax without it the GPU kernels are unavailable and `auto` takes
   the XLA path. Asked only where a GPU kernel is in play, so `import span_lm` never loads it.
   """
-  import importlib  # pylint: disable=g-import-not-at-top
-  import warnings  # pylint: disable=g-import-not-at-top
   try:
-    with warnings.catch_warnings():  # jax >= 0.11 warns on import: our kernels' choice, not the user's
-      warnings.filterwarnings("ignore", message=".*Triton backend is deprecated.*")
-      importlib.import_module("jax.experimental.pallas.triton")
+    pallas_triton()
   except ImportError as e:
     import jax  # pylint: disable=g-import-not-at-top
     return (f"this jax ({jax.__version__}) has no Pallas Triton backend "
