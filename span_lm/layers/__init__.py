@@ -1,10 +1,12 @@
 """Adaptive attention span as a drop-in Flax layer (docs/layer.md).
 
   AdaptiveSpanAttention  the Linen module, where nn.MultiHeadDotProductAttention stands
+  nnx.AdaptiveSpanAttention  the NNX module, where nnx.MultiHeadAttention stands (same weights)
   span_attention         its functional core (nn.dot_product_attention's layout)
   span_loss              the sown span penalties of a forward pass, summed: add to the loss
   learned_spans          every layer's spans z in tokens (back, and ahead where learned apart)
   clamp_spans            the reference's post-step clamp of every z' to [0, 1]
+  decode_window          the cached keys a decoding call must read for learned spans
   save_safetensors       a parameter tree to a safetensors file (names: layers.3.attn.query.kernel)
   load_safetensors       and back, checked before it is read (span_lm/layers/safetensors_io.py)
 
@@ -16,6 +18,10 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
+from flax import nnx as flax_nnx
+
+from span_lm.layers import decode as decode_lib
+from span_lm.layers import nnx
 from span_lm.layers.attention import AdaptiveSpanAttention
 from span_lm.layers.core import span_attention
 from span_lm.layers.core import span_tokens
@@ -41,11 +47,23 @@ def _keys(tree):
 
 def span_loss(intermediates):
   """The sum of every 'span_loss' an AdaptiveSpanAttention sowed (nested, scanned or not):
-  `model.apply(v, x, mutable=['intermediates'])[1]['intermediates']`, or that dict's parent.
+  `model.apply(v, x, mutable=['intermediates'])[1]['intermediates']`, or that dict's parent;
+  NNX: the model (its layers' penalties are summed and removed, so a call in the loss function
+  collects each forward's), or the intermediates `nnx.capture(model, nnx.Intermediate)` gives.
 
   Raises TypeError for anything but a mapping (an array, a loss), ValueError for a mapping with
   no 'span_loss' in it (parameters, or the state of a call without mutable=['intermediates']).
   """
+  if isinstance(intermediates, flax_nnx.Module):
+    total = nnx.span_loss_of(intermediates)
+    if total is None:
+      raise ValueError(
+          "layers.span_loss: no span penalty on this NNX model: call it first (with "
+          "deterministic=False, or None: a deterministic=True call sows none), in the same loss "
+          "function, then layers.span_loss(model)")
+    return total
+  if isinstance(intermediates, flax_nnx.State):
+    intermediates = intermediates.to_pure_dict()
   if not isinstance(intermediates, Mapping):
     raise TypeError(
         f"layers.span_loss takes the 'intermediates' collection a forward pass sowed (a "
@@ -66,7 +84,8 @@ def span_loss(intermediates):
 
 
 def learned_spans(params, max_span: int | None = None) -> dict:
-  """Every AdaptiveSpanAttention's learned spans z in tokens, clipped as applied:
+  """Every AdaptiveSpanAttention's learned spans z in tokens, clipped as applied (Linen
+  parameters, or an NNX model or its state):
   {'path/to/layer': (heads,)} or (layers, heads) when scanned, and for an asymmetric layer
   (causal=False, asymmetric=True) also {'path/to/layer/ahead': the spans ahead}. A symmetric
   bidirectional layer's span serves both sides. Its window is ceil(z) + ramp.
@@ -74,6 +93,10 @@ def learned_spans(params, max_span: int | None = None) -> dict:
   max_span is read from each layer's `pos_emb` (head_dim, max_span); give it only for span
   parameters without one beside them (a `max_span` that disagrees with a layer's is refused).
   """
+  if isinstance(params, flax_nnx.Module):
+    params = flax_nnx.state(params, flax_nnx.Param)
+  if isinstance(params, flax_nnx.State):
+    params = params.to_pure_dict()
   if not isinstance(params, Mapping):
     raise TypeError(f"layers.learned_spans takes the parameters (a mapping, "
                     f"variables['params']), not {type(params).__name__}")
@@ -108,6 +131,18 @@ def learned_spans(params, max_span: int | None = None) -> dict:
                      f"keys {sorted({k[0] for k in _keys(params) if k})}): pass the parameters "
                      f"of a model with AdaptiveSpanAttention layers, variables['params']")
   return out
+
+
+def decode_window(params, ramp: int) -> int:
+  """The cached keys a decoding call must read to see every head's window ceil(z) + ramp, for
+  every layer in `params` (Linen parameters or an NNX model), rounded up to 16: the Linen
+  layer's `decode_window` field (the NNX module works it out in init_cache)."""
+  widest = 1
+  for where, z in learned_spans(params).items():
+    if where.endswith(AHEAD):
+      continue
+    widest = max(widest, int(jnp.max(jnp.ceil(z))) + int(ramp))
+  return -(-widest // decode_lib.BUCKET) * decode_lib.BUCKET
 
 
 def clamp_spans(params):

@@ -8,8 +8,72 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from span_lm.layers import core
+from span_lm.layers import decode as decode_lib
 
 Initializer = Callable[..., Any]
+
+
+def check_fields(layer, name: str):
+  """The fields' rule (both modules), refused with the field's name before anything is traced."""
+
+  def bad(field, why):
+    raise ValueError(f"{name}.{field}={getattr(layer, field)!r}: {why}")
+
+  def integer(field):
+    v = getattr(layer, field)
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+      bad(field, "must be an integer")
+    return int(v)
+
+  if integer("num_heads") < 1:
+    bad("num_heads", "must be >= 1")
+  if layer.num_kv_heads is not None:
+    if integer("num_kv_heads") < 1:
+      bad("num_kv_heads", "must be >= 1 (1: multi-query attention; None: num_heads)")
+    if layer.num_heads % layer.num_kv_heads:
+      raise ValueError(
+          f"{name}.num_heads={layer.num_heads!r} is not a multiple of "
+          f"{name}.num_kv_heads={layer.num_kv_heads!r}: each key/value head serves a group of "
+          f"num_heads / num_kv_heads query heads")
+  if integer("max_span") < 1:
+    bad("max_span", "must be >= 1 (the farthest distance attended is max_span - 1)")
+  if layer.ramp is not None:
+    if integer("ramp") < 1:
+      bad("ramp", "must be >= 1 (or None: min(32, max_span))")
+    if layer.ramp > layer.max_span:
+      raise ValueError(
+          f"{name}.max_span={layer.max_span!r} is below {name}.ramp={layer.ramp!r}: the soft "
+          f"mask's ramp must fit inside the window (1 <= ramp <= max_span), or no span can "
+          f"shorten it. Leave ramp=None (min(32, max_span) = {min(32, layer.max_span)}), "
+          f"set ramp <= {layer.max_span}, or raise max_span to >= {layer.ramp}")
+  if (isinstance(layer.span_init, bool) or not isinstance(layer.span_init, numbers.Real)
+      or not 0.0 <= layer.span_init <= 1.0):
+    bad("span_init", "must be in [0, 1]: z' at init, the span as a fraction of max_span "
+        "(span_init=0.25 starts every span at max_span / 4 tokens)")
+  if not isinstance(layer.span_loss_coef, numbers.Real) or not layer.span_loss_coef >= 0:
+    bad("span_loss_coef", "must be >= 0 (0: no span penalty)")
+  if not isinstance(layer.dropout_rate, numbers.Real) or not 0.0 <= layer.dropout_rate < 1.0:
+    bad("dropout_rate", "must be in [0, 1)")
+  if layer.asymmetric and layer.causal:
+    bad("asymmetric", "spans ahead are learned apart only when bidirectional: set "
+        "causal=False too (a causal layer has no keys ahead)")
+  if layer.decode and not layer.causal:
+    bad("decode", "only a causal layer decodes (a bidirectional one needs keys not yet seen)")
+  if layer.attn_impl not in core.IMPLS:
+    bad("attn_impl", f"choose one of {core.IMPLS}")
+  if layer.qkv_features is not None and layer.qkv_features % layer.num_heads:
+    bad("qkv_features", f"must be divisible by {name}.num_heads={layer.num_heads}")
+
+
+def attend(q, k, v, ratio, pos_back, pos_ahead, ratio_ahead, *, max_span, causal, ramp, mask,
+           segment_ids, rate, dropout_rng, attn_impl):
+  """core.span_attention with keys and values of H_kv <= H heads (query head h reads KV head
+  h // (H // H_kv))."""
+  return core.span_attention(
+      q, k, v, ratio, pos_back, pos_ahead, max_span=max_span, causal=causal, ramp=ramp,
+      mask=mask, segment_ids=segment_ids, span_ratio_ahead=ratio_ahead, dropout_rate=rate,
+      dropout_rng=dropout_rng if rate else None, attn_impl=attn_impl)
+
 
 
 class AdaptiveSpanAttention(nn.Module):
@@ -38,6 +102,15 @@ class AdaptiveSpanAttention(nn.Module):
   (heads,) with causal=False, asymmetric=True (the spans ahead, learned apart; else span_ratio
   serves both sides).
 
+  Grouped key/value heads: num_kv_heads (None: num_heads; 1: multi-query) key and value heads,
+  query head h reading KV head h // (num_heads // num_kv_heads); spans stay per query head.
+
+  Decoding (decode=True, causal only): `init` creates the 'cache' collection, a ring of max_span
+  keys and values per KV head whatever length init saw; `apply(..., mutable=['cache'])` then
+  takes one token or a chunk and attends to the cached keys within each head's window. A call
+  reads decode_window cached keys per KV head (an int, or one per KV head; None: max_span);
+  `layers.decode_window(params)` gives the tightest from learned spans (docs/layer.md).
+
   Causal or bidirectional (keys up to max_span - 1 ahead, with their own position embeddings and,
   with asymmetric=True, their own learned spans per head), padded or packed (`segment_ids`, id 0
   padding, or a key-padding `mask`): the door runs (span_lm.kernels, the model's own attention;
@@ -63,52 +136,13 @@ class AdaptiveSpanAttention(nn.Module):
   bias_init: Initializer = nn.initializers.zeros_init()
   pos_emb_init: Initializer = nn.initializers.normal(1.0)  # the reference's key_pe: N(0, 1)
   attn_impl: str = "auto"
+  num_kv_heads: int | None = None  # key/value heads, each serving num_heads / num_kv_heads
+  decode: bool = False  # one token or a chunk at a time from the 'cache' collection
+  decode_window: int | tuple | None = None  # cached keys a decoding call reads per KV head
 
   def __post_init__(self):
-    self._check()
+    check_fields(self, type(self).__name__)
     super().__post_init__()
-
-  def _check(self):
-    """The fields' rule, refused with the field's name before anything is traced."""
-    name = type(self).__name__
-
-    def bad(field, why):
-      raise ValueError(f"{name}.{field}={getattr(self, field)!r}: {why}")
-
-    def integer(field):
-      v = getattr(self, field)
-      if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        bad(field, "must be an integer")
-      return int(v)
-
-    if integer("num_heads") < 1:
-      bad("num_heads", "must be >= 1")
-    if integer("max_span") < 1:
-      bad("max_span", "must be >= 1 (the farthest distance attended is max_span - 1)")
-    if self.ramp is not None:
-      if integer("ramp") < 1:
-        bad("ramp", "must be >= 1 (or None: min(32, max_span))")
-      if self.ramp > self.max_span:
-        raise ValueError(
-            f"{name}.max_span={self.max_span!r} is below {name}.ramp={self.ramp!r}: the soft "
-            f"mask's ramp must fit inside the window (1 <= ramp <= max_span), or no span can "
-            f"shorten it. Leave ramp=None (min(32, max_span) = {min(32, self.max_span)}), "
-            f"set ramp <= {self.max_span}, or raise max_span to >= {self.ramp}")
-    if (isinstance(self.span_init, bool) or not isinstance(self.span_init, numbers.Real)
-        or not 0.0 <= self.span_init <= 1.0):
-      bad("span_init", "must be in [0, 1]: z' at init, the span as a fraction of max_span "
-          "(span_init=0.25 starts every span at max_span / 4 tokens)")
-    if not isinstance(self.span_loss_coef, numbers.Real) or not self.span_loss_coef >= 0:
-      bad("span_loss_coef", "must be >= 0 (0: no span penalty)")
-    if not isinstance(self.dropout_rate, numbers.Real) or not 0.0 <= self.dropout_rate < 1.0:
-      bad("dropout_rate", "must be in [0, 1)")
-    if self.asymmetric and self.causal:
-      bad("asymmetric", "spans ahead are learned apart only when bidirectional: set "
-          "causal=False too (a causal layer has no keys ahead)")
-    if self.attn_impl not in core.IMPLS:
-      bad("attn_impl", f"choose one of {core.IMPLS}")
-    if self.qkv_features is not None and self.qkv_features % self.num_heads:
-      bad("qkv_features", f"must be divisible by {name}.num_heads={self.num_heads}")
 
   @property
   def ramp_tokens(self) -> int:
@@ -142,12 +176,19 @@ class AdaptiveSpanAttention(nn.Module):
   def _where(self) -> str:
     return "/".join(self.scope.path) if self.scope is not None and self.scope.path else "top"
 
+  @property
+  def kv_heads(self) -> int:
+    return self.num_heads if self.num_kv_heads is None else int(self.num_kv_heads)
+
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
-               segment_ids=None, deterministic: bool | None = None, dropout_rng=None):
+               segment_ids=None, deterministic: bool | None = None, dropout_rng=None,
+               sow_weights: bool = False):
     """inputs_q (batch..., q_len, features) -> (batch..., q_len, out_features); keys and values
     as nn.MultiHeadDotProductAttention takes them, positions aligned with the queries'.
-    segment_ids (batch..., q_len): attend within a segment only; 0 is padding (zeros out)."""
+    segment_ids (batch..., q_len): attend within a segment only; 0 is padding (zeros out).
+    sow_weights: sow the attention weights (after the soft mask), (batch..., heads, q_len,
+    kv_len), as ('intermediates', 'attention_weights'): dense, for small inputs."""
     if inputs_kv is not None:
       inputs_k = inputs_v = inputs_kv
     inputs_k = inputs_q if inputs_k is None else inputs_k
@@ -156,12 +197,19 @@ class AdaptiveSpanAttention(nn.Module):
     if qkv % self.num_heads:
       raise ValueError(f"{type(self).__name__}.num_heads={self.num_heads}: must divide the "
                        f"features ({qkv}: qkv_features, else the inputs' last axis)")
-    self._check_penalty_kept(deterministic)
+    *batch, n = inputs_q.shape[:-1]
+    decoding = self.decode and self.has_variable("cache", "cached_key")
+    if not decoding:
+      decode_lib.check_mask(mask, tuple(batch), self.num_heads, n, inputs_k.shape[-2],
+                            type(self).__name__)
+      self._check_penalty_kept(deterministic)
     head_dim = qkv // self.num_heads
-    dense = lambda name: nn.DenseGeneral(
-        (self.num_heads, head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
+    dense = lambda name, heads: nn.DenseGeneral(
+        (heads, head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias, name=name)
-    q, k, v = dense("query")(inputs_q), dense("key")(inputs_k), dense("value")(inputs_v)
+    q = dense("query", self.num_heads)(inputs_q)
+    k = dense("key", self.kv_heads)(inputs_k)
+    v = dense("value", self.kv_heads)(inputs_v)
 
     ratio = self.param("span_ratio", nn.initializers.constant(self.span_init), (self.num_heads,),
                        jnp.float32)
@@ -173,6 +221,10 @@ class AdaptiveSpanAttention(nn.Module):
     if self.asymmetric and not self.causal:
       ratio_ahead = self.param("span_ratio_ahead", nn.initializers.constant(self.span_init),
                                (self.num_heads,), jnp.float32)
+    if self.decode:
+      out = self._decode(q, k, v, ratio, pos_back, mask, segment_ids, tuple(batch), decoding)
+      if out is not None:
+        return self._out(out, inputs_q)
     both = ratio if ratio_ahead is None else jnp.concatenate([ratio, ratio_ahead])
     self.sow("intermediates", "span_loss",
              core.span_loss(both, self.max_span, self.span_loss_coef))
@@ -182,15 +234,51 @@ class AdaptiveSpanAttention(nn.Module):
       if not nn.merge_param("deterministic", self.deterministic, deterministic):
         rate = self.dropout_rate
         dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
-    out = core.span_attention(
-        q, k, v, ratio, pos_back, pos_ahead, max_span=self.max_span, causal=self.causal,
-        ramp=self.ramp_tokens, mask=mask, segment_ids=segment_ids, span_ratio_ahead=ratio_ahead,
-        dropout_rate=rate, dropout_rng=dropout_rng if rate else None,
-        attn_impl=self.attn_impl)
+    out = attend(q, k, v, ratio, pos_back, pos_ahead, ratio_ahead, max_span=self.max_span,
+                 causal=self.causal, ramp=self.ramp_tokens, mask=mask, segment_ids=segment_ids,
+                 rate=rate, dropout_rng=dropout_rng, attn_impl=self.attn_impl)
+    if sow_weights:
+      self.sow("intermediates", "attention_weights", decode_lib.attention_weights(
+          q, k, ratio, pos_back, pos_ahead, max_span=self.max_span, causal=self.causal,
+          ramp=self.ramp_tokens, mask=mask, segment_ids=segment_ids,
+          span_ratio_ahead=ratio_ahead))
+    return self._out(out, inputs_q)
+
+  def _out(self, out, inputs_q):
     return nn.DenseGeneral(
         self.out_features or inputs_q.shape[-1], axis=(-2, -1), dtype=self.dtype,
         param_dtype=self.param_dtype, kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.bias_init, use_bias=self.use_bias, name="out")(out)
+
+  def _decode(self, q, k, v, ratio, pos_back, mask, segment_ids, batch, decoding):
+    """The 'cache' collection (created by init, max_span slots whatever init's length) and,
+    once it exists, one decoding call; None at init (the full forward runs instead)."""
+    where = f"{type(self).__name__} ({self._where()})"
+    if not decoding and not self.is_initializing():
+      raise ValueError(
+          f"{where} decodes (decode=True) but has no 'cache' collection: pass the variables "
+          f"init made with decode=True (its 'cache' entry) and mutable=['cache'] to apply")
+    if decoding and not self.is_mutable_collection("cache"):
+      raise ValueError(f"{where} decodes (decode=True): pass mutable=['cache'] to apply, "
+                       f"and the cache it returns to the next call")
+    shape = batch + (self.max_span, self.kv_heads, k.shape[-1])
+    ck = self.variable("cache", "cached_key", jnp.zeros, shape, k.dtype)
+    cv = self.variable("cache", "cached_value", jnp.zeros, shape, v.dtype)
+    cseg = self.variable("cache", "cached_segment", jnp.zeros, batch + (self.max_span,),
+                         jnp.int32)
+    ci = self.variable("cache", "cache_index", lambda: jnp.array(0, jnp.int32))
+    if not decoding:
+      return None
+    if mask is not None:
+      raise ValueError(f"{where}: a decoding call takes segment_ids=(batch, tokens), not mask "
+                       f"(causality and the window are built in)")
+    decode_lib.check_cache(ck.value.shape, batch, where)
+    reads = decode_lib.reads_for(self.decode_window, ratio, self.max_span, self.ramp_tokens,
+                                 self.kv_heads)
+    out, (ck.value, cv.value, cseg.value, ci.value) = decode_lib.decode_attention(
+        q, k, v, (ck.value, cv.value, cseg.value, ci.value), segment_ids, ratio, pos_back,
+        max_span=self.max_span, ramp=self.ramp_tokens, reads=reads)
+    return out
 
   def spans(self):
     """The learned spans z in tokens, (heads,): `layer.apply(variables, method='spans')`; the
