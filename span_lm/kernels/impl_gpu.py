@@ -37,9 +37,7 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
            span_z_ahead=None, segments=None, pers_k_GxDxN=None, pers_v_GxNxD=None, dropout=None,
            dropout_seed=None):
   b, g, m, _ = q_BxGxMxD.shape
-  if isinstance(kv, kernels.KV) and kv.k.shape[1] != g:  # grouped heads: TODO in the kernel
-    r = kernels.kv_group(g, kv.k.shape[1])
-    kv = kernels.KV(jnp.repeat(kv.k, r, axis=1), jnp.repeat(kv.v, r, axis=1))
+  kernels.kv_group(g, kv.k.shape[1])  # grouped heads: the kernel's index maps share them
   rows = lambda x: None if x is None else jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, g, m))
   z = rows(span_z)
   z_ahead = rows(span_z_ahead) if z is not None else None  # a fixed span: none ahead either

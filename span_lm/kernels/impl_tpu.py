@@ -33,9 +33,8 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
   kernel lays out itself. Windows ahead, their spans and segment ids go to the kernel as they
   are (segment ids with either layout)."""
   b, g, m, _ = q_BxGxMxD.shape
-  if isinstance(kv, kernels.KV) and kv.k.shape[1] != g:  # grouped heads: TODO in the kernel
-    r = kernels.kv_group(g, kv.k.shape[1])
-    kv = kernels.KV(jnp.repeat(kv.k, r, axis=1), jnp.repeat(kv.v, r, axis=1))
+  # grouped heads: the kernel's index maps share the key/value heads
+  kernels.kv_group(g, (kv.cached.shape[2] if isinstance(kv, TpuKV) else kv.k.shape[1]))
   spans = lambda x: jnp.broadcast_to(jnp.asarray(x, jnp.float32), (b, g, m))
   z = None if span_z is None else spans(span_z)
   seed = None if dropout is None else dropout_seed()

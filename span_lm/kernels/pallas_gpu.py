@@ -446,16 +446,18 @@ def _bwd_q_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, ep
 
 
 def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, eps, rate,
-                   n_heads, n_rows, n_pers, scale, exact):
+                   n_heads, n_rows, n_pers, scale, exact, group=1):
   """Per key block: dk and dv, summed over the query blocks that see it (no atomics, so the
-  key and value gradients are deterministic)."""
+  key and value gradients are deterministic). Grouped heads (group > 1): the program's key/value
+  head serves `group` query heads, whose rows (queries, output gradients, row statistics, G's
+  view) come as one run of group * n_rows rows; dk and dv sum over all of them in registers."""
   ins, za_ref, seg, outs = _unpack(refs, 11, asym, 1 if segmented else 0, 2)
   (q_ref, k_ref, v_ref, s_pos_ref, z_ref, seed_ref, do_ref, m_ref, den_ref, delta_ref,
    wmax_ref) = ins
   dk_ref, dv_ref = outs
   n_keys = w + n_rows + a + n_pers
   t0 = pl.program_id(2) * bk
-  bh = pl.program_id(0) * n_heads + pl.program_id(1)
+  bh = pl.program_id(0) * n_heads + pl.program_id(1) * group
   seed = seed_ref[0]
   k = k_ref[...]
   v = v_ref[...]
@@ -471,35 +473,47 @@ def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, e
   if segmented:  # the query tiles whose segments meet the key tile's
     lo, hi = jnp.maximum(lo, seg[0][0]), jnp.minimum(hi, seg[0][1])
 
-  def body(qb, carry):
+  def body(qb, carry, g=None):
     dk, dv = carry
     i0 = qb * bq
-    rows = pl.ds(i0, bq)
+    # grouped heads: query head g's rows start at g * n_rows, its view of G at g * n_rows * (band
+    # + 1); i0 stays the row within the head (distances, the dropout hash)
+    rows = pl.ds(i0, bq) if g is None else pl.ds(g * n_rows + i0, bq)
     q = q_ref[rows, :]
     do = do_ref[rows, :]
     z = z_ref[rows].astype(jnp.float32) if has_mask else None
     za = za_ref[rows].astype(jnp.float32) if asym else None
     seen = _Rows(z, za, w=w, a=a, ramp=ramp, bq=bq, asym=asym)
-    s_pos = _load_pos(s_pos_ref, i0, t0, w=band, bq=bq, bk=bk)  # pipelined by Triton: a cp.async
+    if g is None:
+      s_pos = _load_pos(s_pos_ref, i0, t0, w=band, bq=bq, bk=bk)  # pipelined by Triton: a cp.async
+    else:
+      s_pos = s_pos_ref[g * (n_rows * (band + 1)) + _view(i0, t0, w=band, bq=bq, bk=bk)]
     ds, kept, _, _, _ = _tile_grads(
         q, do, k, v, s_pos, t0, i0, seen, z, m_ref[rows], den_ref[rows], delta_ref[rows],
-        seed, bh, w=w, a=a, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk, eps=eps, rate=rate,
-        n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, za=za)
+        seed, bh if g is None else bh + g, w=w, a=a, ramp=ramp, has_mask=has_mask, bq=bq, bk=bk,
+        eps=eps, rate=rate, n_rows=n_rows, n_keys=n_keys, scale=scale, exact=exact, za=za)
     dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True, exact=exact)
     dv = dv + _dot(kept.astype(do.dtype), do, trans_a=True, exact=exact)
     return dk, dv
 
-  dk, dv = lax.fori_loop(lo, hi, body, (jnp.zeros((bk, dh), jnp.float32),
-                                        jnp.zeros((bk, dh), jnp.float32)))
+  zeros = (jnp.zeros((bk, dh), jnp.float32), jnp.zeros((bk, dh), jnp.float32))
+  if group == 1:
+    dk, dv = lax.fori_loop(lo, hi, body, zeros)
+  else:  # the query heads of the group in turn, each over the query blocks that see the keys
+    dk, dv = lax.fori_loop(
+        0, group, lambda g, c: lax.fori_loop(lo, hi, functools.partial(body, g=g), c), zeros)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _specs(n_rows, n_key_rows, dh, w, bq):
+def _specs(n_rows, n_key_rows, dh, w, bq, group=1):
   """BlockSpecs over the grid (batch, head, query block): a block of rows, every key, a block's
-  row statistics, G's flat view (whole; w: the band's width), the seed."""
+  row statistics, G's flat view (whole; w: the band's width), the seed. Grouped heads: query
+  head hh reads key/value head hh // group (the index map: no copy)."""
   row = pl.BlockSpec((None, None, bq, dh), lambda i, hh, qi: (i, hh, qi, 0))
-  keys = pl.BlockSpec((None, None, n_key_rows, dh), lambda i, hh, qi: (i, hh, 0, 0))
+  keys = pl.BlockSpec((None, None, n_key_rows, dh), lambda i, hh, qi: (i, hh, 0, 0)) if (
+      group == 1) else pl.BlockSpec((None, None, n_key_rows, dh),
+                                    lambda i, hh, qi: (i, lax.div(hh, group), 0, 0))
   stat = pl.BlockSpec((None, None, bq), lambda i, hh, qi: (i, hh, qi))
   view = pl.BlockSpec((None, None, n_rows * (w + 1)), lambda i, hh, qi: (i, hh, 0))
   seed = pl.BlockSpec((1,), lambda i, hh, qi: (0,))
@@ -561,7 +575,7 @@ def segment_tile_ranges(q_seg_BxM, kv_seg_BxT, bq: int, bk: int):
 def _check(q, k, pe, block, block_k, a_rows=0):
   b, h, n_rows, dh = q.shape
   w = pe.shape[-1]
-  if k.shape != (b, h, w + n_rows + a_rows, dh):
+  if k.shape[1] < 1 or h % k.shape[1] or k.shape != (b, k.shape[1], w + n_rows + a_rows, dh):
     raise ValueError(f"fused attention: keys {k.shape} for queries {q.shape}, window {w} and "
                      f"{a_rows} rows ahead")
   if n_rows % block or w % block or n_rows % block_k or w % block_k:
@@ -616,7 +630,8 @@ def _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, s: _Static)
   n_key_rows = k.shape[2]
   z_in = z if lay["has_mask"] else jnp.zeros((b, h, n_rows), jnp.float32)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, s.bk, q.dtype)
-  row, keys, stat, view, seed_spec = _specs(n_rows, n_key_rows, dh, band, s.bq)
+  row, keys, stat, view, seed_spec = _specs(n_rows, n_key_rows, dh, band, s.bq,
+                                            h // k.shape[1])
   extra_specs, extra = [], []
   if lay["asym"]:
     extra_specs.append(stat)
@@ -662,7 +677,8 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, de
   delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
   pe1 = _band_pe(pe, pe_a, q.dtype)  # pe may be float32: d pe is returned as such
   s_pos = masked_position_scores(q, pe1, q_seg, kv_seg, s.precision)
-  row, keys, stat, view, seed_spec = _specs(n_rows, n_key_rows, dh, band, s.bq)
+  group = h // k.shape[1]
+  row, keys, stat, view, seed_spec = _specs(n_rows, n_key_rows, dh, band, s.bq, group)
   pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, s.bk, q.dtype)
   static = dict(lay, ramp=s.ramp, bq=s.bq, bk=s.bk, eps=s.eps, rate=s.rate, n_heads=h,
                 n_pers=n_pers, scale=s.scale, exact=s.precision == "highest")
@@ -695,31 +711,41 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, de
                                           delta, zeros_ds_pos, zeros_pk, zeros_pv, *extra)
 
   # Per key block: every row of its (b, h), and the largest row windows there (behind, ahead).
-  all_rows = pl.BlockSpec((None, None, n_rows, dh), lambda i, hh, kb: (i, hh, 0, 0))
-  all_stat = pl.BlockSpec((None, None, n_rows), lambda i, hh, kb: (i, hh, 0))
+  # Grouped heads: per key/value head, the rows of its group's query heads as one run (a free
+  # reshape of (B, H, M, ...) to (B, H_kv, group M, ...)), so dk and dv sum over the group in
+  # the kernel, not as group-times larger partials summed by XLA.
+  grouped = (lambda x: x) if group == 1 else (
+      lambda x: x.reshape(b, h // group, group * x.shape[2], *x.shape[3:]))
+  g_rows = group * n_rows
+  all_rows = pl.BlockSpec((None, None, g_rows, dh), lambda i, hh, kb: (i, hh, 0, 0))
+  all_stat = pl.BlockSpec((None, None, g_rows), lambda i, hh, kb: (i, hh, 0))
   key_blk = pl.BlockSpec((None, None, s.bk, dh), lambda i, hh, kb: (i, hh, kb, 0))
   n_win = 2 if lay["a"] else 1
   wmax_spec = pl.BlockSpec((None, None, n_win), lambda i, hh, kb: (i, hh, 0))
-  wmax = _row_windows(jnp.max(z_in, axis=-1, keepdims=True), w=w, ramp=s.ramp, bq=1)
+  wmax = _row_windows(jnp.max(grouped(z_in), axis=-1, keepdims=True), w=w, ramp=s.ramp, bq=1)
   if lay["a"]:
-    za_max = jnp.max(z_a if asym else z_in, axis=-1, keepdims=True)
+    za_max = jnp.max(grouped(z_a if asym else z_in), axis=-1, keepdims=True)
     wmax = jnp.concatenate([wmax, _row_windows_ahead(za_max, a=lay["a"], ramp=s.ramp, bq=1)], -1)
   kv_extra_specs, kv_extra = [], []
   if asym:
     kv_extra_specs.append(all_stat)
-    kv_extra.append(z_a)
+    kv_extra.append(grouped(z_a))
   if segmented:
     kv_extra_specs.append(_RANGE)
     kv_extra.append(k_ranges)
+  kv_static = static if group == 1 else dict(static, group=group)
+  kv_view = view if group == 1 else pl.BlockSpec((None, None, g_rows * (band + 1)),
+                                                 lambda i, hh, kb: (i, hh, 0))
   call_kv = pl.pallas_call(
-      functools.partial(_bwd_kv_kernel, **static), grid=(b, h, n_key_rows // s.bk),
-      in_specs=[all_rows, key_blk, key_blk, view, all_stat, seed_spec, all_rows, all_stat,
+      functools.partial(_bwd_kv_kernel, **kv_static), grid=(b, h // group, n_key_rows // s.bk),
+      in_specs=[all_rows, key_blk, key_blk, kv_view, all_stat, seed_spec, all_rows, all_stat,
                 all_stat, all_stat, wmax_spec, *kv_extra_specs],
       out_specs=[key_blk, key_blk],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype)],
       interpret=s.interpret, name="span_attention_bwd_kv", compiler_params=params)
-  dk, dv = call_kv(q, k, v, s_pos, z_in, seed, do, m, den, delta, wmax, *kv_extra)
+  dk, dv = call_kv(grouped(q), k, v, grouped(s_pos), grouped(z_in), seed, grouped(do),
+                   grouped(m), grouped(den), grouped(delta), wmax, *kv_extra)
 
   # The position term's share, two plain matmuls over G's layout (its pad column is zero).
   prec = _xla_precision(s.precision, q.dtype)
@@ -774,7 +800,9 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   Args:
     q_BxHxMxD: queries. k/v_BxHxTxD: keys/values of the T = W + M + A rows (window, block, rows
       ahead): query i is row W + i, distance d behind is row W + i - d, distance a ahead is row
-      W + i + a - 1.
+      W + i + a - 1. Grouped heads: (B, H_kv, T, Dh), H_kv dividing H; query head h reads
+      key/value head h // (H / H_kv) through the kernels' index maps (no repeated copy), and the
+      dk/dv kernel runs per key/value head, summing its group's query heads in registers.
     key_pe_DxW: relative position embeddings, column W - d for distance d. key_pe_ahead_DxA:
       those ahead, column a - 1 for distance a (None: causal, A = 0). A may be any size: the
       kernels pad it to whole key tiles.

@@ -464,15 +464,20 @@ def _bwd_q_kernel(bounds_ref, q_ref, kvc_ref, kvb_ref, pe_ref, *refs, s: _Static
 
 
 def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, do_ref, st_ref, *refs, s: _Static,
-                   has_mask, n_heads, n_q, n_kb, kb0, n_steps):
+                   has_mask, n_heads, n_q, n_kb, kb0, n_steps, group=1):
   """Per key block kb0 + program_id(2) (of n_kb in all): its keys' and values' gradients,
   (2, Dh, bk), summed over the query blocks that see it (deterministic). The query rows'
   statistics come packed lane-dense, (8, bq) per step (`_packed_stats`), the rows' segment ids
-  among them; the key block's segment ids as (1, bk)."""
+  among them; the key block's segment ids as (1, bk). Grouped heads (group > 1): program_id(1)
+  is the key/value head and the step axis runs over its group's query heads in turn, group *
+  n_steps steps, so dk and dv sum over the group in the VMEM accumulators."""
   refs = list(refs)
   ks_ref = refs.pop(0) if s.segmented else None
   dkv_ref, dk_acc, dv_acc = refs
   b, h, kbl, j = (pl.program_id(i) for i in range(4))
+  step = j
+  if group > 1:  # query head h * group + step // n_steps, its step step % n_steps
+    h, j = h * group + lax.div(step, n_steps), lax.rem(step, n_steps)
   kb = kb0 + kbl
   n_cells, n_kcells = (pl.num_programs(0) * n_heads * n for n in (n_q, n_kb))
   seed, bh, n_rows = bounds_ref[2 * n_cells], b * n_heads + h, n_q * s.bq  # dropout's hash
@@ -486,7 +491,7 @@ def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, do_ref, st_ref, *r
     run = run & _meets(bounds_ref, n_cells, pl.num_programs(0), n_q, n_kb, b,
                        jnp.where(run, qi, 0), kb)
 
-  @pl.when(j == 0)
+  @pl.when(step == 0)
   def _():
     dk_acc[...] = jnp.zeros_like(dk_acc)
     dv_acc[...] = jnp.zeros_like(dv_acc)
@@ -507,7 +512,7 @@ def _bwd_kv_kernel(bounds_ref, qb_ref, q_ref, kv_ref, pe_ref, do_ref, st_ref, *r
     dk_acc[...] += _dot(q, ds.astype(q.dtype), s.precision, trans_a=True)  # Dh x bk
     dv_acc[...] += _dot(do, wts.astype(do.dtype), s.precision, trans_a=True)
 
-  @pl.when(j == n_steps - 1)
+  @pl.when(step == group * n_steps - 1)
   def _():
     dkv_ref[0] = dk_acc[...].astype(dkv_ref.dtype)
     dkv_ref[1] = dv_acc[...].astype(dkv_ref.dtype)
@@ -684,14 +689,20 @@ def _replicate(x_BxHxM):
   return jnp.broadcast_to(x_BxHxM[..., None], (*x_BxHxM.shape, LANES))
 
 
-def _query_grid_specs(b, h, nq, dp, s: _Static):
+def _query_grid_specs(b, h, nq, dp, s: _Static, group: int = 1):
   """BlockSpecs of the (batch, head, query block, key step) grid of the forward and dq kernels:
   query rows, their row statistics, and the keys and values of each step's key block, clamped to
   the block's scalar-prefetched [first, last] (a step past it re-uses the block in VMEM: no DMA),
   from the cache's part (blocks below L / bk) and the block's part (the rest): each part's index
   stays at its nearest block while the other part is read, so it is fetched once. Then, with
-  segments, the rows' ids (lane-replicated, per batch row) and the key block's ids (1, bk)."""
+  segments, the rows' ids (lane-replicated, per batch row) and the key block's ids (1, bk).
+  Grouped heads: query head hi reads key/value head hi // group (the index map: no copy)."""
   n_wb = s.n_cached // s.bk
+  if group > 1:
+    specs = _query_grid_specs(b, h, nq, dp, s)
+    kv_head = lambda spec: pl.BlockSpec(spec.block_shape, lambda bi, hi, *ix: (
+        lambda at: at[:2] + (lax.div(hi, group),) + at[3:])(spec.index_map(bi, hi, *ix)))
+    return specs[:2] + (kv_head(specs[2]), kv_head(specs[3])) + specs[4:]
 
   def key_block(bi, hi, qi, j, bnd):
     cell = (bi * h + hi) * nq + qi
@@ -735,7 +746,8 @@ def _forward(q, kvc, kvb, pe_t, z, seed, pk_t, pv, za, qs, ks, s: _Static):
   has_mask = z is not None
   scalars, _ = _scalars(z, za, qs, ks, seed, b, h, n_rows, s)  # int32s in SMEM
 
-  rows, stat, kv_cache, kv_block, seg_q, seg_k = _query_grid_specs(b, h, nq, dp, s)
+  rows, stat, kv_cache, kv_block, seg_q, seg_k = _query_grid_specs(b, h, nq, dp, s,
+                                                                   h // kvc.shape[2])
   whole = pl.BlockSpec(memory_space=pltpu.VMEM)
   pers = [_pers_spec(s.n_pers, dp)] * 2 if s.n_pers else []
   opt_specs, opt_args = _row_inputs(z, za, qs, ks, stat, seg_q, seg_k, s)
@@ -777,7 +789,8 @@ def _backward(s: _Static, res, do):
   # dq, dz (dz ahead), d pe (and the persistent vectors' gradients): the forward's grid
   steps = _key_steps(n_rows, s)
 
-  rows, stat, kv_cache, kv_block, seg_q, seg_k = _query_grid_specs(b, h, nq, dp, s)
+  group = h // kvc.shape[2]
+  rows, stat, kv_cache, kv_block, seg_q, seg_k = _query_grid_specs(b, h, nq, dp, s, group)
   opt_specs, opt_args = _row_inputs(z, za, qs, ks, stat, seg_q, seg_k, s)
   dpe_spec = pl.BlockSpec((None, *pe_t.shape), lambda bi, hi, qi, j, bnd: (bi, 0, 0))
   pers = [_pers_spec(s.n_pers, dp)] * 2 if s.n_pers else []
@@ -814,7 +827,9 @@ def _backward(s: _Static, res, do):
     dpk, dpv = (jnp.sum(x, axis=0).astype(y.dtype) for x, y in zip(outs, (pk_t, pv)))
 
   # dk, dv per key block, over the query blocks that read it: one call for the cache's key
-  # blocks, one for the block's (and the keys ahead), each writing its own part's gradient
+  # blocks, one for the block's (and the keys ahead), each writing its own part's gradient.
+  # Grouped heads: one program per key/value head and key block, its steps walking the group's
+  # query heads in turn (accumulated in VMEM: no group-times larger partial gradients).
   qbounds = _query_bounds(bounds, b, h, n_rows, s)
   stats_k = _packed_stats(m, den, delta, z, s.bq, za, qs)
 
@@ -827,20 +842,29 @@ def _backward(s: _Static, res, do):
       first = qbnd[cell]
       return jnp.maximum(jnp.minimum(first + j, qbnd[b * h * nkb + cell] - 1), first)
 
-    rows_k = pl.BlockSpec((None, None, s.bq, dp),
-                          lambda bi, hi, *ix: (bi, hi, query_block(bi, hi, *ix), 0))
-    stat_k = pl.BlockSpec((None, None, None, 8, s.bq),
-                          lambda bi, hi, *ix: (bi, hi, query_block(bi, hi, *ix), 0, 0))
+    if group == 1:
+      rows_k = pl.BlockSpec((None, None, s.bq, dp),
+                            lambda bi, hi, *ix: (bi, hi, query_block(bi, hi, *ix), 0))
+      stat_k = pl.BlockSpec((None, None, None, 8, s.bq),
+                            lambda bi, hi, *ix: (bi, hi, query_block(bi, hi, *ix), 0, 0))
+    else:  # (key/value head, step) -> (query head, its step)
+      head_step = lambda hk, kbl, j, bnd, qbnd: (
+          hk * group + lax.div(j, qsteps), (kbl, lax.rem(j, qsteps), bnd, qbnd))
+      rows_k = pl.BlockSpec((None, None, s.bq, dp), lambda bi, hk, *ix: (
+          lambda hi, rest: (bi, hi, query_block(bi, hi, *rest), 0))(*head_step(hk, *ix)))
+      stat_k = pl.BlockSpec((None, None, None, 8, s.bq), lambda bi, hk, *ix: (
+          lambda hi, rest: (bi, hi, query_block(bi, hi, *rest), 0, 0))(*head_step(hk, *ix)))
     kv_k = pl.BlockSpec((None, 2, None, dp, s.bk),
                         lambda bi, hi, kbl, j, bnd, qbnd: (bi, 0, hi, 0, kbl))
     ids_k = [pl.BlockSpec((None, 1, s.bk), lambda bi, hi, kbl, j, bnd, qbnd:
                           (bi, 0, kb0 + kbl))] if s.segmented else []
     kernel = functools.partial(_bwd_kv_kernel, s=s, has_mask=has_mask, n_heads=h, n_q=nq,
-                               n_kb=nkb, kb0=kb0, n_steps=qsteps)
+                               n_kb=nkb, kb0=kb0, n_steps=qsteps,
+                               **({} if group == 1 else {"group": group}))
     return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(b, h, n, qsteps),
+            num_scalar_prefetch=2, grid=(b, h // group, n, group * qsteps),
             in_specs=[rows_k, kv_k, whole, rows_k, stat_k] + ids_k, out_specs=kv_k,
             scratch_shapes=[pltpu.VMEM((dp, s.bk), jnp.float32)] * 2),
         out_shape=jax.ShapeDtypeStruct(part.shape, part.dtype),
@@ -908,8 +932,10 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   w = key_pe_DxW.shape[-1]
   a = 0 if key_pe_ahead_DxA is None else key_pe_ahead_DxA.shape[-1]
   n_rows = q_BxHxMxD.shape[2]
-  if k_BxHxTxD.shape != v_BxHxTxD.shape or k_BxHxTxD.shape[:2] + k_BxHxTxD.shape[3:] != (
-      q_BxHxMxD.shape[:2] + q_BxHxMxD.shape[3:]) or k_BxHxTxD.shape[2] != w + n_rows + a:
+  hk = k_BxHxTxD.shape[1]  # grouped heads: hk divides H
+  if k_BxHxTxD.shape != v_BxHxTxD.shape or k_BxHxTxD.shape[:1] + k_BxHxTxD.shape[3:] != (
+      q_BxHxMxD.shape[:1] + q_BxHxMxD.shape[3:]) or k_BxHxTxD.shape[2] != w + n_rows + a or (
+          hk < 1 or q_BxHxMxD.shape[1] % hk):
     raise ValueError(f"fused attention: keys {k_BxHxTxD.shape}, values {v_BxHxTxD.shape} for "
                      f"queries {q_BxHxMxD.shape}, window {w} and {a} ahead: want W + M + A = "
                      f"{w + n_rows + a} rows")
@@ -931,7 +957,8 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
   at run time (TPU).
 
   Args:
-    q_BxHxMxD: queries.
+    q_BxHxMxD: queries. Grouped heads: the keys and values have H_kv heads, H_kv dividing H;
+      query head h reads key/value head h // (H / H_kv) through the index maps (no copy).
     kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM: [keys; values] of the last L >= W cached positions
       (L a multiple of the key tile; the L - W oldest are never visited, but share tiles with
       visited ones at zero weight, so they must be finite: `project_kv` pads with zero states)
@@ -974,13 +1001,14 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
   n_cached = kv_cache_Bx2xHxDxL.shape[-1]
   a = 0 if key_pe_ahead_DxA is None else key_pe_ahead_DxA.shape[-1]
   ap = kv_block_Bx2xHxDxM.shape[-1] - n_rows
-  if (kv_cache_Bx2xHxDxL.shape[:4] != (b, 2, h, dh) or n_cached < w
-      or kv_block_Bx2xHxDxM.shape[:4] != (b, 2, h, dh) or ap < a or (ap and not a)):
+  hk = kv_cache_Bx2xHxDxL.shape[2]  # key/value heads: H, or a divisor of it (grouped heads)
+  if (kv_cache_Bx2xHxDxL.shape[:4] != (b, 2, hk, dh) or n_cached < w or hk < 1 or h % hk
+      or kv_block_Bx2xHxDxM.shape[:4] != (b, 2, hk, dh) or ap < a or (ap and not a)):
     want = f"M = {n_rows}" if not a else f"M + Ap, Ap >= A = {a} a multiple of the key tile"
     raise ValueError(f"fused attention: keys and values {kv_cache_Bx2xHxDxL.shape} (cache), "
                      f"{kv_block_Bx2xHxDxM.shape} (block) for queries {q_BxHxMxD.shape} and "
                      f"window {w}: want {(b, 2, h, dh)} + (L >= {w},) and {(b, 2, h, dh)} + "
-                     f"({want},)")
+                     f"({want},), or key/value heads dividing {h} in place of {h}")
   if n_rows % bq or n_rows % bk or n_cached % bk or n_pers % bk or ap % bk:
     raise ValueError(f"fused attention: block {n_rows} must be a multiple of {bq} and {bk}, cached "
                      f"positions {n_cached}, {ap} positions ahead and {n_pers} persistent "
