@@ -8,6 +8,7 @@ import sys
 from typing import Any, Iterable
 
 import ml_collections
+from ml_collections import config_dict
 
 from span_lm import config as config_lib
 from span_lm.model import config as model_config
@@ -59,9 +60,26 @@ def load_saved(workdir: str) -> ml_collections.ConfigDict:
   if filled:  # fields that can change results: say which defaults stand in
     print(f"note: {path} predates config field(s) {', '.join(filled)}; their defaults are used "
           "(pass them as --config.FIELD=V if the run used other values)", file=sys.stderr)
+  typed_placeholders(config, config_lib.base_config())
   config.workdir = workdir  # the directory as given now (the run may have moved)
   config.lock()
   return config
+
+
+def typed_placeholders(config: ml_collections.ConfigDict,
+                       defaults: ml_collections.ConfigDict) -> None:
+  """A field saved as null whose default is a typed placeholder (export_to, tools.step) becomes
+  that placeholder again, so --config.FIELD=V overrides it (JSON's null has no type to parse V)."""
+  for key, value in defaults.items():
+    if key not in config:
+      continue
+    if isinstance(value, ml_collections.ConfigDict):
+      if isinstance(config[key], ml_collections.ConfigDict):
+        typed_placeholders(config[key], value)
+    elif config[key] is None and value is None:
+      kind = defaults.get_ref(key).get_type()
+      if kind is not None and kind is not type(None):
+        config[key] = config_dict.placeholder(kind)
 
 
 def _fill_missing(config: ml_collections.ConfigDict, defaults: ml_collections.ConfigDict,

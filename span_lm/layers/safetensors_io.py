@@ -39,12 +39,16 @@ class SafetensorsError(ValueError):
   """A safetensors file that is malformed or is not the model expected (one line)."""
 
 
+class MissingLibraryError(ImportError, ValueError):
+  """safetensors is not installed (a ValueError too: the command line reports it in one line)."""
+
+
 def library():
-  """The safetensors package, or one line naming the pip command."""
+  """The safetensors package, or MissingLibraryError naming the pip command."""
   try:
     import safetensors.numpy  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ImportError(f"safetensors is not installed: {PIP} (or pip install span_lm[safetensors])"
+    raise MissingLibraryError(f"safetensors is not installed: {PIP} (or pip install span_lm[safetensors])"
                       ) from None
   return safetensors
 

@@ -153,7 +153,31 @@ def read_checked(directory) -> tuple[dict, object, dict]:
     raise ValueError(f"{CONFIG_NAME}: dtype {dtype!r} is not a safetensors float dtype")
   expected = expected_tensors(cfg, dtype)
   tensors = sio.read_tensors(os.path.join(directory, sio.FILE_NAME), expected)
+  verify_fingerprints(data, tensors, directory)
   return data, cfg, tensors
+
+
+def verify_fingerprints(data: dict, tensors: dict, directory: str = "") -> int:
+  """Checks the tensors against config.json's fingerprints of the checkpoint they came from,
+  where this span_lm knows the algorithm (span_lm/train/fingerprint.py) and the dtype is the
+  checkpoint's; returns how many were checked. A difference is one line (a damaged file)."""
+  fp = data.get("fingerprints")
+  if not isinstance(fp, dict) or not isinstance(fp.get("tensors"), dict):
+    return 0
+  try:
+    from span_lm.train import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return 0
+  if fp.get("algorithm") != fingerprint_lib.ALGORITHM or data.get("dtype") != data.get(
+      "trained_dtype"):
+    return 0
+  checked = {k: v for k, v in fp["tensors"].items() if k in tensors}
+  bad = sorted(k for k, v in checked.items() if fingerprint_lib.fingerprint_numpy(tensors[k]) != v)
+  if bad:
+    raise ValueError(f"{directory or 'the export'}: tensor(s) {', '.join(bad[:5])} differ from "
+                     f"the fingerprints config.json holds of the checkpoint: the file is damaged "
+                     f"(or was changed after export)")
+  return len(checked)
 
 
 # ---- export --------------------------------------------------------------------------------------
@@ -513,6 +537,7 @@ def get_config(arg: str | None = None):
                      "--config=configs/FILE.py with the model's settings")
   config = ml_collections.ConfigDict(run_dir._tuples(run_config))  # pylint: disable=protected-access
   run_dir._fill_missing(config, config_lib.base_config())  # pylint: disable=protected-access
+  run_dir.typed_placeholders(config, config_lib.base_config())
   config.mode = "import"
   config.import_from = directory
   config.lock()
