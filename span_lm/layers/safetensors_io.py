@@ -214,9 +214,16 @@ def check_file(path, expected=None) -> tuple[dict, dict]:
 
 def read_tensors(path, expected=None) -> dict[str, np.ndarray]:
   """{name: numpy array} of a safetensors file, checked (check_file) before the library reads."""
-  check_file(path, expected)
+  header, _ = check_file(path, expected)
   lib = library()
-  return dict(lib.numpy.load_file(os.fspath(path)))
+  try:
+    return dict(lib.numpy.load_file(os.fspath(path)))
+  except (KeyError, TypeError, ValueError):
+    if not any(t["dtype"] == "BF16" for t in header.values()):
+      raise
+    # safetensors releases whose numpy reader lacks bfloat16: the flax one (jax arrays) reads it
+    import safetensors.flax  # pylint: disable=g-import-not-at-top
+    return {k: np.asarray(v) for k, v in safetensors.flax.load_file(os.fspath(path)).items()}
 
 
 # ---- the layer's parameters ----------------------------------------------------------------------

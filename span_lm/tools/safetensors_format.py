@@ -303,7 +303,8 @@ def export(config) -> str:
       "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "run_config": _run_config(config),
   }
-  write_dir(dest, flat, data)
+  if jax.process_index() == 0:  # one writer; every process restored the same parameters
+    write_dir(dest, flat, data)
   _echo(f"exported {config.workdir} step {restored.step} -> {dest} ({len(flat)} tensors, "
         f"{tensor_dtype}, {data['n_parameters']:,} parameters)")
   return dest
@@ -446,6 +447,7 @@ def import_export(config) -> dict:
   """mode=import of an export directory: a new run in config.workdir whose checkpoint holds its
   parameters (step and span plan as exported; a fresh optimizer state)."""
   import jax  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
   from span_lm.data import batching  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import planner as planner_lib  # pylint: disable=g-import-not-at-top
@@ -489,9 +491,11 @@ def import_export(config) -> dict:
     run.ckpt.save(step, state, meta, force=True)
   finally:
     run.ckpt.close()
-  if jax.process_index() == 0:
+  if jax.process_index() == 0:  # the new run's config: `main.py --config.workdir=RUN` trains it
+    saved = ml_collections.ConfigDict(config.to_dict())
+    saved.mode, saved.import_from = "train", None
     with open(os.path.join(config.workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+      f.write(saved.to_json_best_effort(indent=2))
   _echo(f"imported {directory} -> {ckpt_dir} step {step} ({len(tensors)} tensors, "
         f"{data['dtype']}; the optimizer starts fresh); span plan {planner.plan.describe()}")
   return {"step": step, "directory": ckpt_dir, "plan": planner.plan, "format": "safetensors"}

@@ -301,6 +301,22 @@ def test_without_the_library_the_mode_is_refused_naming_pip(tmp_path, monkeypatc
   assert len(err) == 1 and "pip install 'safetensors" in err[0], err
 
 
+def test_a_saved_null_field_takes_a_value_from_the_command_line(tmp_path):
+  """A run's config.json holds export_to: null; main.py's --config.export_to=DIR on it (no
+  --config) needs the field's type back to parse DIR."""
+  from span_lm import run_dir  # pylint: disable=g-import-not-at-top
+  work = tmp_path / "run"
+  work.mkdir()
+  (work / "config.json").write_text(synthetic_run.config_for(work).to_json_best_effort())
+  config = run_dir.load_saved(str(work))
+  assert config.export_to is None and config.tools.step is None
+  assert config.get_ref("export_to").get_type() is str
+  assert config.tools.get_ref("step").get_type() is int
+  config.export_to, config.tools.step = "out", 3  # what the flag parser does, type-checked
+  with pytest.raises(TypeError):
+    config.tools.step = "three"
+
+
 def test_formats_are_chosen_by_suffix_and_refused_in_one_line(tmp_path):
   pick = lambda **kw: sf.export_format(synthetic_run.config_for(tmp_path, kw))
   assert pick(export_to="m.pt") == "pt"
@@ -427,6 +443,8 @@ def test_main_import_without_config_bfloat16_export_and_init_from(tmp_path):
            f"--config.import_from={exp}")  # no --config: the export's own
   assert p.returncode == 0, p.stderr[-2000:]
   jax.tree.map(np.testing.assert_array_equal, _params_of(tmp_path / "new"), _params_of(run))
+  saved = json.loads((tmp_path / "new" / "config.json").read_text())
+  assert (saved["mode"], saved["import_from"]) == ("train", None)  # `--config.workdir=new` trains
 
   half = tmp_path / "half"
   cli.run(synthetic_run.config_for(run, {"mode": "export", "export_to": str(half),
