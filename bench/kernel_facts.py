@@ -11,6 +11,9 @@ pallas_gpu.TILES causal, TILES_TWO_SIDED with windows ahead), value_and_grad of 
   two_sided         A=255 ahead (not a whole key tile), one span both sides, segment ids,
                     persistent memory, dropout: what the layer runs bidirectional
   two_sided_apart   the same with the spans ahead learned apart (asymmetric=True)
+  causal_gqa        causal_segmented with grouped key/value heads: 8 query heads, 2 key/value
+                    heads (the dk/dv kernel loops over the group's query heads)
+  two_sided_gqa     two_sided with 8 query heads, 2 key/value heads
   encoder_step      jit(grad) of an encoder built from the drop-in layer (4 heads, max_span 64,
                     bidirectional, segment ids, dropout 0.1, 2 x 256 tokens), attn_impl='pallas'
   sparse_enwik8     the block-sparse kernel (kernels/pallas_gpu_sparse.py), value_and_grad at
@@ -43,8 +46,8 @@ from bench import harness
 from span_lm.tools import compile as compile_lib
 from span_lm.tools import ptx
 
-CASES = ("causal", "causal_segmented", "two_sided", "two_sided_apart", "encoder_step",
-         "sparse_enwik8", "sparse_split")
+CASES = ("causal", "causal_segmented", "two_sided", "two_sided_apart", "causal_gqa",
+         "two_sided_gqa", "encoder_step", "sparse_enwik8", "sparse_split")
 _SMEM = re.compile(r"\b((?:span|block_sparse)_attention_\w+) grid: \[([^\]]*)\] "
                    r"threads: \[([^\]]*)\]\s+shared_memory: (\d+) bytes")
 
@@ -65,6 +68,9 @@ opts = dict(kernels.GPU_COMPILER_OPTIONS)
 
 _KERNEL = _PRELUDE + """
 b, h, m, w, n = 1, 2, 128, 256, 64
+hk = h
+if case.endswith("_gqa"):  # grouped key/value heads: 4 query heads per key/value head
+  h, hk = 8, 2
 a = 255 if case.startswith("two_sided") else 0
 seg, apart = case != "causal", case == "two_sided_apart"
 tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64, two_sided=a > 0)
@@ -81,7 +87,7 @@ def loss(q, k, v, pe, pe_a, z, z_a, pk, pv, qs, ks):
       ).astype(jnp.float32))
 t = w + m + a
 jax.jit(jax.value_and_grad(loss, argnums=tuple(range(9)))).lower(
-    sds(b, h, m, dh), sds(b, h, t, dh), sds(b, h, t, dh), sds(dh, w), sds(dh, max(a, 1)),
+    sds(b, h, m, dh), sds(b, hk, t, dh), sds(b, hk, t, dh), sds(dh, w), sds(dh, max(a, 1)),
     sds(b, h, m, d=f32), sds(b, h, m, d=f32), sds(h, dh, n, d=f32), sds(h, n, dh, d=f32),
     sds(b, m, d=i32), sds(b, t, d=i32)).compile(compiler_options=opts)
 """

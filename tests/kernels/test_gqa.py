@@ -128,7 +128,9 @@ def test_no_implementation_repeats_the_keys(impl, a):
 
 def test_kv_heads_that_do_not_divide_are_refused():
   args, seg = _case(3, 0)
-  with pytest.raises(ValueError, match="4 query heads are not a multiple of 3 key/value heads"):
-    _attend("reference", 0, seg, False, 3)(**args)
+  for impl in kernels.IMPLS:  # before any kernel is traced
+    with pytest.raises(ValueError, match="4 query heads are not a multiple of 3 key/value heads"):
+      kernels.IMPLS[impl].attend(_spec(impl, 0), args["q"], kernels.KV(args["k"], args["v"]),
+                                 args["pe"], span_z=args["z"], segments=seg)
   with pytest.raises(ValueError, match="kv_heads=3: must be a positive integer dividing heads=4"):
     _spec("reference", 0, 3)
