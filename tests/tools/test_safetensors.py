@@ -79,6 +79,25 @@ def test_names_are_the_paths_and_read_back():
       sio.flat_name(bad)
 
 
+@pytest.mark.parametrize("kw", [
+    {"span.mode": "adaptive"}, {"span.mode": "dynamic", "pers_mem": 2},
+    {"adapt_io.enabled": True, "adapt_io.cutoffs": (4, 8), "adapt_io.div": 2},
+    {"adapt_io.enabled": True, "adapt_io.cutoffs": (4, 8), "adapt_io.tied": True},
+    {"arch": "sparse", "sparse.stride": 4, "sparse.c": 2},
+    {"arch": "sparse", "sparse.stride": 4, "sparse.c": 2, "sparse.scan_layers": True}])
+def test_the_name_table_names_every_tensor(kw):
+  """Every part of every tensor name appears in safetensors_format's table (its docstring): a
+  parameter added or renamed in the model without the table fails here."""
+  import re  # pylint: disable=g-import-not-at-top
+  words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", sf.__doc__))
+  cfg = make_cfg(**kw)
+  names = sf.expected_tensors(cfg, "float32")
+  assert names
+  for name in names:
+    unnamed = [p for p in name.split(".") if not p.isdigit() and p not in words]
+    assert not unnamed, f"{name}: {unnamed} not in the table of span_lm/tools/safetensors_format.py"
+
+
 def test_fingerprints_are_copied_by_tensor_name():
   meta = {"fingerprints": {"algorithm": "sha256", "leaves": {
       "params/layers_0/attn/span_ratio": "ab", "opt_state/0/sum": "cd", "step": "ef"}}}
