@@ -375,6 +375,25 @@ def test_the_example_computes_span_lms_log_probabilities(tmp_path, kw):
   np.testing.assert_allclose(logp, np.asarray(want[0], np.float64), rtol=0, atol=1e-5)
 
 
+def test_the_example_runs_without_span_lm_or_jax(tmp_path):
+  cfg = make_cfg(vocab_size=9, **{"span.mode": "adaptive", "pers_mem": 2})
+  vocab = [f"w{i}" for i in range(8)] + ["<eos>"]
+  directory = write_export(tmp_path / "exp", cfg, f32(ref.random_params(
+      cfg, np.random.default_rng(2))), vocab)
+  text = "w1 w2 w3 w0 w7 w5"
+  probe = ("import runpy, sys\n"
+           "for m in ('span_lm', 'jax', 'flax', 'torch'): sys.modules[m] = None  # unimportable\n"
+           f"sys.argv = ['read_safetensors.py', {directory!r}, {text!r}]\n"
+           f"runpy.run_path({str(REPO / 'examples' / 'read_safetensors.py')!r}, "
+           "run_name='__main__')\n")
+  p = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
+                     text=True, timeout=300)
+  assert p.returncode == 0, p.stderr[-2000:]
+  ids, logp = _example().log_probs(directory, text)
+  bits = -logp[np.arange(len(ids) - 1), ids[1:]].mean() / np.log(2)
+  assert p.stdout.strip().splitlines()[-1] == f"bits per token over 5 tokens: {bits:.4f}"
+
+
 def test_the_example_refuses_what_it_cannot_run(tmp_path):
   cfg = make_cfg(**{"span.mode": "dynamic"})
   directory = write_export(tmp_path / "exp", cfg, f32(ref.random_params(
