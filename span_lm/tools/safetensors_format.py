@@ -416,11 +416,16 @@ def _check_fits(run_cfg, data: dict, directory: str) -> None:
   """The run's model must be the export's (identity fields, and what changes its outputs)."""
   from span_lm import run_dir  # pylint: disable=g-import-not-at-top
   from span_lm.train import restore as train_restore  # pylint: disable=g-import-not-at-top
-  train_restore.check_meta(run_cfg, {"model_cfg": data["model"]}, directory)
+  try:
+    train_restore.check_meta(run_cfg, {"model_cfg": data["model"]}, directory)
+    diff = []
+  except ValueError as e:  # its fields, one per line after the first
+    diff = [l.strip().replace(": checkpoint ", ": export ") for l in str(e).splitlines()[1:]]
   mine = run_dir.flatten(_plain(dataclasses.asdict(run_cfg)))
   theirs = run_dir.flatten(data["model"])
-  diff = [f"{k}: export {theirs.get(k)!r}, config {mine[k]!r}"
-          for k in ("span.size", "span.ramp", "doc_boundary") if theirs.get(k) != mine[k]]
+  diff += [f"{k}: export {theirs.get(k)!r}, config {mine[k]!r}"
+           for k in ("span.size", "span.ramp", "doc_boundary")
+           if theirs.get(k) != mine[k] and not any(d.startswith(f"{k}:") for d in diff)]
   if diff:
     raise ValueError(f"the model in {directory} differs from the config's: {'; '.join(diff)} "
                      f"(leave --config out to use the export's own config)")

@@ -304,6 +304,30 @@ def test_main_refuses_a_hostile_import_in_one_line_before_building_the_run(tmp_p
   assert len(err) == 1 and "'key_pe'" in err[0] and "out of range" in err[0], err
 
 
+def test_import_refuses_another_model_or_vocabulary_in_one_line(tmp_path, monkeypatch):
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  config = synthetic_run.config_for(tmp_path / "run")
+  cfg = ModelConfig.from_config(config.model, vocab_size=16)
+  params = sio.unflatten({k: np.zeros(shape, np.float32)  # the run's model, in zeros
+                          for k, (shape, _) in sf.expected_tensors(cfg, "float32").items()})
+  other = make_cfg(vocab_size=16)
+  small = write_export(tmp_path / "small", other, f32(ref.random_params(
+      other, np.random.default_rng(0))))
+  real_run = run_lib.Run
+  monkeypatch.setattr(run_lib, "Run", lambda *a, **k: pytest.fail("a run was built"))
+  with pytest.raises(ValueError, match=r"differs from the config's: d_model: export 16, config "
+                     r"32; n_heads: export 4, config 2;.* span.size: export 16, config 64") as e:
+    cli.run(synthetic_run.config_for(tmp_path / "a", {"mode": "import", "import_from": small}))
+  assert "\n" not in str(e.value)
+  monkeypatch.setattr(run_lib, "Run", real_run)
+  words = write_export(tmp_path / "words", cfg, params, [f"w{i}" for i in range(16)])
+  with pytest.raises(ValueError, match="is not the one .* was trained on") as e:
+    cli.run(synthetic_run.config_for(tmp_path / "b", {"mode": "import", "import_from": words}))
+  assert "\n" not in str(e.value)
+  assert not os.listdir(tmp_path / "b" / "checkpoints")
+
+
 def test_without_the_library_the_mode_is_refused_naming_pip(tmp_path, monkeypatch, capsys):
   monkeypatch.setitem(sys.modules, "safetensors", None)
   monkeypatch.setitem(sys.modules, "safetensors.numpy", None)
