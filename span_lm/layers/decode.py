@@ -142,12 +142,16 @@ def attention_weights(q, k, span_ratio, pos_back, pos_ahead=None, *, max_span: i
   ij = (jnp.arange(n)[:, None] - jnp.arange(kl)[None, :])[None, None]
   allowed = (ij >= 0 if causal else True) & (jnp.abs(ij) < max_span)
   allowed = jnp.broadcast_to(allowed, (b, h, n, kl))
+  seg = None if segment_ids is None else jnp.broadcast_to(
+      jnp.asarray(segment_ids, jnp.int32), batch + (n,))
+  pad = None if mask is None else core.key_padding(mask, batch, n, kl)
+  if pad is not None:  # as the call applies it: segment ids (padded queries give zeros)
+    seg, mask = jnp.where(pad, 1 if seg is None else seg, 0), None
   if mask is not None:
     allowed = allowed & (jnp.broadcast_to(jnp.asarray(mask), batch + (h, n, kl))
                          .reshape(b, h, n, kl) != 0)
-  seg = None
-  if segment_ids is not None:
-    seg = jnp.broadcast_to(jnp.asarray(segment_ids, jnp.int32), batch + (n,)).reshape(b, n)
+  if seg is not None:
+    seg = seg.reshape(b, n)
     allowed = allowed & ((seg[:, None, :, None] == seg[:, None, None, :])
                          & (seg[:, None, None, :] != 0))
   logits = jnp.where(allowed, (cont + pos) / math.sqrt(dh), jnp.finfo(jnp.float32).min)
