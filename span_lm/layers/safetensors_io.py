@@ -48,7 +48,8 @@ def library():
   try:
     import safetensors.numpy  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise MissingLibraryError(f"safetensors is not installed: {PIP} (or pip install span_lm[safetensors])"
+    raise MissingLibraryError(f"safetensors is not installed: {PIP} (or pip install "
+                              "span_lm[safetensors])"
                       ) from None
   return safetensors
 
@@ -70,7 +71,8 @@ def flat_name(path) -> str:
 
 
 def tree_path(name: str) -> tuple[str, ...]:
-  """flat_name's inverse: 'layers.3.attn.query.kernel' -> ('layers_3', 'attn', 'query', 'kernel')."""
+  """flat_name's inverse: 'layers.3.attn.query.kernel' -> ('layers_3', 'attn', 'query',
+  'kernel')."""
   out = []
   for part in name.split("."):
     if part.isdigit() and out:
@@ -131,8 +133,15 @@ def read_header(path) -> tuple[dict, dict]:
       raise SafetensorsError(f"{path}: claims a header of {n:,} bytes; the file has {size:,} "
                              f"(limit {MAX_HEADER:,}): not a (complete) safetensors file")
     raw = f.read(n)
+  def no_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    twice = sorted(k for k in set(keys) if keys.count(k) > 1)
+    if twice:
+      raise SafetensorsError(f"{path}: its header names {twice[:3]} more than once")
+    return dict(pairs)
+
   try:
-    header = json.loads(raw.decode("utf-8"))
+    header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise SafetensorsError(f"{path}: its header is not JSON ({e})") from None
   if not isinstance(header, dict):
@@ -235,7 +244,8 @@ def save_safetensors(params, path, metadata: Mapping[str, str] | None = None) ->
   flat_name's names. metadata: strings stored in the header's __metadata__."""
   lib = library()
   import jax  # pylint: disable=g-import-not-at-top
-  flat = {k: np.ascontiguousarray(np.asarray(jax.device_get(v))) for k, v in flatten(params).items()}
+  flat = {k: np.ascontiguousarray(np.asarray(jax.device_get(v)))
+          for k, v in flatten(params).items()}
   lib.numpy.save_file(flat, os.fspath(path), metadata=dict(metadata) if metadata else None)
   return os.fspath(path)
 

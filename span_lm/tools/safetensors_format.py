@@ -399,7 +399,8 @@ def model_card(data: dict, flat: dict) -> str:
             "## Loading", "",
             "With span_lm (a new run directory holding this model as its checkpoint; then "
             "evaluate, sample or fine-tune it):", "", "```",
-            "python main.py --config.workdir=RUN --config.mode=import --config.import_from=THIS_DIR",
+            "python main.py --config.workdir=RUN --config.mode=import "
+            "--config.import_from=THIS_DIR",
             "python main.py --config.workdir=RUN --config.mode=eval", "```", "",
             "Without span_lm (numpy and safetensors only; no code runs when the file is read):",
             "", "```python", "from safetensors.numpy import load_file",
@@ -544,7 +545,8 @@ def get_config(arg: str | None = None):
   if not isinstance(run_config, dict) or "model" not in run_config:
     raise ValueError(f"{os.path.join(directory, CONFIG_NAME)} holds no run_config; pass "
                      "--config=configs/FILE.py with the model's settings")
-  config = ml_collections.ConfigDict(run_dir._tuples(run_config))  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  config = ml_collections.ConfigDict(run_dir._tuples(run_config))
   run_dir._fill_missing(config, config_lib.base_config())  # pylint: disable=protected-access
   run_dir.typed_placeholders(config, config_lib.base_config())
   config.mode = "import"

@@ -131,7 +131,8 @@ def test_layer_parameters_save_and_load_bit_exact(tmp_path):
   assert "AdaptiveSpanAttention.1.query.kernel" in header
   back = layers.load_safetensors(path, like=jax.eval_shape(lambda: params))
   jax.tree.map(np.testing.assert_array_equal, back, jax.device_get(params))
-  np.testing.assert_array_equal(model.apply({"params": back}, x), model.apply({"params": params}, x))
+  np.testing.assert_array_equal(model.apply({"params": back}, x),
+                                model.apply({"params": params}, x))
   assert jax.tree.structure(layers.load_safetensors(path)) == jax.tree.structure(
       jax.tree.map(np.asarray, dict(params)))
   other = _Block().init(jax.random.key(1), jnp.zeros((1, 6, 8)))["params"]
@@ -172,7 +173,8 @@ HOSTILE = {
     "2^40-byte tensor": (_with(lambda h: h["b"].update(shape=[2 ** 38],
                                                        data_offsets=[24, 24 + 2 ** 40])),
                          "run past"),
-    "2^40-byte header": (_raw(*_good(), header_len=2 ** 40), "claims a header of 1,099,511,627,776"),
+    "2^40-byte header": (_raw(*_good(), header_len=2 ** 40),
+                         "claims a header of 1,099,511,627,776"),
     "bytes that are not shape x dtype": (_with(lambda h: h["b"].update(shape=[5])),
                                          "needs 20 bytes"),
     "a hole between tensors": (_with(lambda h: h["b"].update(data_offsets=[28, 44], shape=[4])),
@@ -182,6 +184,10 @@ HOSTILE = {
     "header not JSON": (struct.pack("<Q", 4) + b"{{{{" + bytes(40), "not JSON"),
     "header a list": (_raw([], b""), "not an object"),
     "truncated": (b"\x10\x00\x00", "too short"),
+    "a name twice": (struct.pack("<Q", 122) + (
+        b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+        b'"a":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}}').ljust(122) + bytes(16),
+                     "more than once"),
     "entry with an extra field": (_with(lambda h: h["a"].update(code="x")), "exactly dtype"),
 }
 
@@ -378,7 +384,7 @@ def test_formats_are_chosen_by_suffix_and_refused_in_one_line(tmp_path):
   assert sf.import_source(tmp_path / "m.pt") == "pt"
 
 
-# ------------------------------------------------------------------ the example: numpy + safetensors
+# ----------------------------------------------------------------- the example: numpy + safetensors
 
 
 @pytest.mark.parametrize("kw", [{"span.mode": "adaptive"}, {"span.mode": "fixed"},
@@ -485,7 +491,8 @@ def test_export_import_is_bit_exact_and_evaluates_the_same(tmp_path, arch):
     ids, logp = _example().log_probs(str(exp), text)
     cfg = sf.model_config(data)
     want, _, _ = SpanTransformer(cfg).apply(
-        {"params": exported}, jnp.asarray(ids[None], jnp.int32), caches_lib.init_caches(cfg, None, 1))
+        {"params": exported}, jnp.asarray(ids[None], jnp.int32),
+        caches_lib.init_caches(cfg, None, 1))
     np.testing.assert_allclose(logp, np.asarray(want[0], np.float64), rtol=0, atol=1e-5)
 
 
