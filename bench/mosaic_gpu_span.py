@@ -42,6 +42,7 @@ interpreter (jax 0.10.2 has it). tests/kernels/test_mosaic_gpu_span.py runs both
 """
 import argparse
 import functools
+import inspect
 import json
 import math
 import pathlib
@@ -117,7 +118,11 @@ def span_forward(q, k, v, pe, z, *, ramp: int = 32, stages: int = 2, fold: bool 
   interp = interpret is not False
 
   def load(ref, layout):
-    return ref[...] if interp else plgpu.load(ref, (), layout=layout)
+    if interp:
+      return ref[...]
+    if "idx" in inspect.signature(plgpu.load).parameters:  # jax 0.10: load(ref, idx, layout=)
+      return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)  # jax 0.12: load(ref, layout=)
 
   def cast(x, layout):
     return x if interp else plgpu.layout_cast(x, layout)
