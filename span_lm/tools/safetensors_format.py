@@ -367,6 +367,16 @@ def model_card(data: dict, flat: dict) -> str:
             f"(trained in {data['trained_dtype']}); vocabulary: {data['vocabulary']['size']} "
             f"tokens ({data['vocabulary']['kind']}). Trained with span_lm "
             f"{data['span_lm_version']}.", ""]
+  rc = data.get("run_config") or {}
+  if rc.get("data") and rc.get("optim"):
+    d, o = rc["data"], rc["optim"]
+    lines += ["## Training", "",
+              f"{data['dataset']}: {data['step']} steps of {d.get('batch')} streams x "
+              f"{d.get('block')} tokens; optimizer {o.get('name')} (lr {o.get('lr')}, warmup "
+              f"{o.get('warmup')}, grad_clip {o.get('grad_clip')}); seed {rc.get('seed')}; "
+              f"span penalty {m['span']['loss'] if arch == 'span' else 'n/a'}, dropout "
+              f"{m['dropout']}. The whole configuration is config.json's run_config (import "
+              f"uses it).", ""]
   lines += ["## Evaluation", ""]
   if ev:
     unit = "bpc" if data["vocabulary"]["kind"] in ("bytes", "chars") else "bits per token"

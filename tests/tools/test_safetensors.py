@@ -211,6 +211,28 @@ def test_a_hostile_file_is_refused_in_one_line_before_the_library_reads(tmp_path
   assert peak < 1 << 20  # nothing of a claimed size was allocated
 
 
+def test_the_model_card_says_what_a_reader_needs(tmp_path):
+  cfg = make_cfg(**{"span.mode": "adaptive"})
+  params = f32(ref.random_params(cfg, np.random.default_rng(3)))
+  directory = write_export(tmp_path / "exp", cfg, params)
+  data = json.loads(pathlib.Path(directory, "config.json").read_text())
+  data.update(
+      evaluation={"step": 3, "source": "metrics.jsonl full_valid/full_test", "valid_bpc": 1.23456,
+                  "test_bpc": 1.5, "valid_tokens": 100, "test_tokens": 90},
+      spans={"windows": [[5, 9, 12, 4], [16, 4, 4, 7]]},
+      run_config={"seed": 7, "data": {"batch": 8, "block": 64},
+                  "optim": {"name": "adagrad", "lr": 0.07, "warmup": 200, "grad_clip": 0.03},
+                  "train": {}})
+  card = sf.model_card(data, sio.flatten(params))
+  assert "adaptive attention span" in card and "2 layers, d_model 16, 4 heads" in card
+  assert "| valid | 1.2346 | 100 |" in card and "| test | 1.5000 | 90 |" in card
+  assert "| 1 | 16 | 4 | 4 | 7 |" in card  # layer 1's windows
+  assert "3 steps of 8 streams x 64 tokens; optimizer adagrad (lr 0.07" in card
+  assert "--config.mode=import --config.import_from=THIS_DIR" in card
+  data["evaluation"] = None
+  assert "No full evaluation was recorded" in sf.model_card(data, sio.flatten(params))
+
+
 def test_the_well_formed_file_reads(tmp_path):
   path = tmp_path / "model.safetensors"
   path.write_bytes(_raw(*_good()))
