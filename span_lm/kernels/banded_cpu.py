@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm import kernels
 from span_lm.kernels import cpu_matmul
 from span_lm.kernels import matmul
 from span_lm.kernels import span_mask
@@ -179,6 +180,10 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   Args:
     q_BxGxMxD: queries. k, v: keys/values of the T = W + M + A rows (window, block, ahead),
       (B, G, T, Dh), or (B, G, Dh, T) with positions_last (see `prefer_positions_last`).
+      Grouped heads: G_kv key/value heads, G_kv dividing G; query head h reads key/value head
+      h // (G / G_kv). The queries then get a group axis after the chunk axis, (B, G_kv, n, r,
+      C, Dh), which every matmul reads as r C rows against the shared keys: no repeated keys,
+      and dk, dv sum the group inside their matmul.
     key_pe_DxW: relative position embeddings for distances W..1 (column W-1 is distance 1);
       key_pe_ahead_DxA: for distances 1..A ahead (None: causal). Band column s is then key row
       r + s of query r: W + A columns, behind for s < W, ahead for s >= W (banded_reference).
@@ -208,7 +213,13 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   n = m // c
   if positions_last and n > 1:  # windows are cut along T
     k, v, positions_last = k.swapaxes(2, 3), v.swapaxes(2, 3), False
-  q = q_BxGxMxD.reshape(b, g, n, c, dh)
+  # Grouped heads: R names the queries' group axis in the einsums (none when ungrouped, so the
+  # ungrouped program is what it always was); `grouped` moves a per-head array to that layout.
+  r = kernels.kv_group(g, k.shape[1])
+  R = "r" if r > 1 else ""
+  grouped = (lambda x: x) if r == 1 else (
+      lambda x: jnp.moveaxis(x.reshape(x.shape[0], g // r, r, *x.shape[2:]), 2, 3))
+  q = grouped(q_BxGxMxD.reshape(b, g, n, c, dh))
   if positions_last:  # one chunk: its window is every key
     k_win, v_win, kd = k[:, :, None], v[:, :, None], "dk"  # B G 1 Dh T
   else:
@@ -219,11 +230,11 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   # the scores, the weights and both their gradients (two gathers fewer per layer, for 1 + C/W
   # times the row-wise work). Short bands (W + C up to 2W) take band coordinates.
   keyed = long_band(c, w) and not a
-  cont = matmul.einsum(f"bgncd,bgn{kd}->bgnck", q, k_win, jnp.float32)
+  cont = matmul.einsum(f"bgn{R}cd,bgn{kd}->bgn{R}ck", q, k_win, jnp.float32)
   # float32 parameters (key_pe, persistent vectors) go in as they are: matmul.einsum (and
   # _keyed_attention) cast them to q's dtype and keep their gradients in float32
   pe = matmul.weight(key_pe_DxW, q.dtype)
-  pos = matmul.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
+  pos = matmul.einsum(f"bgn{R}cd,dw->bgn{R}cw", q, pe, jnp.float32)
   scores = cont + skew(pos) if keyed else unskew(cont, w) + pos
   kw = scores.shape[-1]  # W + C keyed, W in bands
   per_key = False  # the mask already 5-D in key coordinates (see _key_mask)
@@ -233,7 +244,7 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     z = jnp.asarray(span_z, jnp.float32)
     per_key = keyed and z.shape[2] == 1 and g > 1 and span_z_ahead is None
     if per_key:
-      mask = _key_mask(z.reshape(z.shape[0], g, 1, 1, 1), ramp, c, w, a)
+      mask = _key_mask(grouped(z.reshape(z.shape[0], g, 1, 1, 1)), ramp, c, w, a)
     else:
       dist_W = _band_distances(w, a)  # column s -> its distance as the mask reads it
       z = z[..., None]
@@ -242,10 +253,10 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
       mask = span_mask.soft_mask(z, dist_W[None, None, None, :], ramp)
   if mask is not None and not per_key:  # (1 or B, G, 1 or M, W) -> 5-D, broadcast unmaterialised
     mb = mask.shape[0]
-    mask = (mask.reshape(mb, g, 1, 1, w) if mask.shape[2] == 1
-            else jnp.broadcast_to(mask, (mb, g, m, w)).reshape(mb, g, n, c, w))
+    mask = grouped(mask.reshape(mb, g, 1, 1, w) if mask.shape[2] == 1
+                   else jnp.broadcast_to(mask, (mb, g, m, w)).reshape(mb, g, n, c, w))
     if keyed:  # zero off the band
-      mask = skew(jnp.broadcast_to(mask, mask.shape[:3] + (c, w)))
+      mask = skew(jnp.broadcast_to(mask, mask.shape[:-2] + (c, w)))
   logits = scores / math.sqrt(dh)
   allowed = None
   if segments is not None:  # same nonzero segment: in key coordinates, or as bands
@@ -253,6 +264,8 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     # its own, and no NaN where it has none (those rows are zeroed below). The span mask stays
     # small (per head), not multiplied out to (B, G, n, C, W + C).
     allowed = _segment_allowed(segments, w, a, c, keyed)  # B 1 n C (W+C | W)
+    if r > 1:
+      allowed = allowed[:, :, :, None]  # B 1 n 1 C (W+C | W)
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
     row_ok = (segments.q != 0)[:, None, :, None]  # with persistent memory every row has keys
     if pers_k_GxDxN is None:  # `allowed` holds on-band keys only (_segment_allowed)
@@ -262,12 +275,14 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
 
   if pers_k_GxDxN is not None:
     n_pers = pers_k_GxDxN.shape[-1]
-    pers = matmul.einsum("bgncd,gdp->bgncp", q, matmul.weight(pers_k_GxDxN, q.dtype),
-                         jnp.float32)
+    pers_heads = (lambda x: x) if r == 1 else (lambda x: x.reshape(g // r, r, *x.shape[1:]))
+    pers = matmul.einsum(f"bgn{R}cd,g{R}dp->bgn{R}cp", q,
+                         matmul.weight(pers_heads(pers_k_GxDxN), q.dtype), jnp.float32)
     probs = jax.nn.softmax(jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1), axis=-1)
     if mask is not None:
-      ones = jnp.ones((b, g, n, c, n_pers), probs.dtype)
-      probs = probs * jnp.concatenate([jnp.broadcast_to(mask, (b, g, n, c, kw)), ones], axis=-1)
+      ones = jnp.ones(logits.shape[:-1] + (n_pers,), probs.dtype)
+      probs = probs * jnp.concatenate([jnp.broadcast_to(mask, logits.shape[:-1] + (kw,)), ones],
+                                      axis=-1)
       probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
   else:
     # Row-wise work on a 2-D (rows, W) view: XLA:CPU reduces a 5-D array with unit dims (one
@@ -275,24 +290,27 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
     rows = b * g * n * c
     probs = jax.nn.softmax(logits.reshape(rows, kw), axis=-1)
     if mask is not None:
-      probs = (probs.reshape(b, g, n, c, kw) * mask).reshape(rows, kw)
+      probs = (probs.reshape(logits.shape[:-1] + (kw,)) * mask).reshape(rows, kw)
       probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
-    probs = probs.reshape(b, g, n, c, kw)
+    probs = probs.reshape(logits.shape[:-1] + (kw,))
 
   if pers_k_GxDxN is None:  # one custom VJP (the scores above are for `probs` only)
     keep = None if dropout is None else dropout(jnp.ones(probs.shape, jnp.float32))
     out = (_keyed_attention if keyed else _band_attention)(q, k_win, v_win, pe, mask, keep,
-                                                           allowed, kd, eps)
+                                                           allowed, kd, eps, R)
   else:
     dropped = dropout(probs) if dropout is not None else probs
     dropped = dropped.astype(v.dtype)
     p_band = dropped[..., :kw] if keyed else skew(dropped[..., :kw])
-    out = matmul.einsum(f"bgnck,bgn{kd}->bgncd", p_band, v_win, jnp.float32)
+    out = matmul.einsum(f"bgn{R}ck,bgn{kd}->bgn{R}cd", p_band, v_win, jnp.float32)
   if pers_k_GxDxN is not None:
-    out = out + matmul.einsum("bgncp,gpd->bgncd", dropped[..., kw:],
-                                 matmul.weight(pers_v_GxNxD, dropped.dtype), jnp.float32)
+    out = out + matmul.einsum(f"bgn{R}cp,g{R}pd->bgn{R}cd", dropped[..., kw:],
+                              matmul.weight(pers_heads(pers_v_GxNxD), dropped.dtype),
+                              jnp.float32)
   if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
     probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
+  if r > 1:  # back to (B, G, n, C, ...): query head h = its key/value head's h_kv r + j
+    out, probs = (jnp.moveaxis(x, 3, 2).reshape(b, g, n, c, x.shape[-1]) for x in (out, probs))
   out = out.reshape(b, g, m, dh)
   if segments is not None:  # segment 0's queries, and rows with no key of their segment: zeros
     out = jnp.where(row_ok, out, 0.0)
@@ -326,7 +344,8 @@ def _key_ramp(z, ramp: int, c: int, w: int, a: int = 0):
   (t - r), ahead (t - r) - (W - A) + 2 as the mask reads it)."""
   col = _band_column(c, w)
   dist = np.where(col < w - a, w - a - col, col - (w - a) + 2)
-  return span_mask.ramp(z, jnp.asarray(dist, jnp.float32)[None, None, None], ramp)
+  lead = (None,) * (z.ndim - 2)  # z (B, G, 1, 1, 1); grouped heads (B, G_kv, 1, r, 1, 1)
+  return span_mask.ramp(z, jnp.asarray(dist, jnp.float32)[lead], ramp)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
@@ -347,15 +366,15 @@ def _key_mask_fwd(z, ramp, c, w, a=0):
 def _key_mask_bwd(ramp, c, w, a, z, g):
   x = _key_ramp(z, ramp, c, w, a)
   slope = span_mask.clamp01_slope(x)  # as autodiff of the band mask gives it
-  on = jnp.asarray(_on_band(c, w))[None, None, None]
-  return (jnp.sum(jnp.where(on, g * slope, 0.0), axis=(3, 4), keepdims=True) / ramp,)
+  on = jnp.asarray(_on_band(c, w))[(None,) * (z.ndim - 2)]
+  return (jnp.sum(jnp.where(on, g * slope, 0.0), axis=(-2, -1), keepdims=True) / ramp,)
 
 
 _key_mask.defvjp(_key_mask_fwd, _key_mask_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _keyed_attention(q, k_win, v_win, pe, mask, keep, allowed, kd: str, eps: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _keyed_attention(q, k_win, v_win, pe, mask, keep, allowed, kd: str, eps: float, qr: str):
   """Attention of one chunk per (b, g, n) in key coordinates, (B, G, N, C, Dh) in float32:
   logits = (q k^T + skew(q pe)) / sqrt(Dh), -inf off the band; p = softmax(logits), masked and
   renormalised (p m / (sum p m + eps)) when mask is given, times keep (the dropout's scaled keep
@@ -368,8 +387,10 @@ def _keyed_attention(q, k_win, v_win, pe, mask, keep, allowed, kd: str, eps: flo
   W + C. (2) The scores' gradient is written once, scaled and in the operands' dtype, for both
   its matmuls and the position term's unskew. (3) bf16/f16 without dropout keep the weights
   once, as the value matmul reads them (docs/benchmarks.md, "CPU attention: why each piece").
-  allowed: None, or where the keys may be attended (segments; the mask is zero elsewhere)."""
-  return _keyed_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps)[0]
+  allowed: None, or where the keys may be attended (segments; the mask is zero elsewhere).
+  qr: 'r' where q has a group axis after the chunk axis (grouped heads: (B, G_kv, N, r, C, Dh)
+  against the shared keys), else ''."""
+  return _keyed_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps, qr)[0]
 
 
 def _mm(spec, a, b):
@@ -382,7 +403,7 @@ def _mm(spec, a, b):
   return out.reshape(lead + out.shape[1:])
 
 
-def _weights_fwd(logits, mask, keep, v_win, kd, eps, to_keys=None):
+def _weights_fwd(logits, mask, keep, v_win, kd, eps, to_keys=None, qr=""):
   """softmax, mask, dropout, p @ v; returns out and the residuals of _weights_bwd. to_keys: the
   weights' skew to key coordinates when logits are bands (None: logits are in key coordinates)."""
   shape = logits.shape
@@ -394,13 +415,13 @@ def _weights_fwd(logits, mask, keep, v_win, kd, eps, to_keys=None):
     p = u / den
   p_v = p if keep is None else p * keep
   p_v = (p_v if to_keys is None else to_keys(p_v)).astype(v_win.dtype)
-  out = _mm(f"bgnck,bgn{kd}->bgncd", p_v, v_win)
+  out = _mm(f"bgn{qr}ck,bgn{kd}->bgn{qr}cd", p_v, v_win)
   if keep is None and p_v.dtype != p.dtype and to_keys is None:  # bf16/f16: kept once, as cast
     p = None
   return out, (p, e if mask is not None else None, den, mask, keep, p_v, v_win, out)
 
 
-def _weights_bwd(kd, eps, res, d_out, scale: float = 1.0, from_keys=None):
+def _weights_bwd(kd, eps, res, d_out, scale: float = 1.0, from_keys=None, qr=""):
   """Gradients of _weights_fwd: d_logits (times scale), d_mask, None for keep, dv. from_keys:
   the unskew back to bands (the transpose of _weights_fwd's to_keys)."""
   p, e, den, mask, keep, p_v, v_win, out = res
@@ -408,12 +429,13 @@ def _weights_bwd(kd, eps, res, d_out, scale: float = 1.0, from_keys=None):
     p = p_v.astype(jnp.float32)
   from_keys = from_keys or (lambda x: x)
   d_v = d_out.astype(v_win.dtype)
-  dv = _mm(f"bgnck,bgncd->bgn{kd}", p_v, d_v).astype(v_win.dtype)
+  dv = _mm(f"bgn{qr}ck,bgn{qr}cd->bgn{kd}", p_v, d_v).astype(v_win.dtype)
   if mask is None and keep is None:  # d_logits * scale, the scale folded into dO (small)
-    dp = from_keys(_mm(f"bgncd,bgn{kd}->bgnck", (d_out * scale).astype(v_win.dtype), v_win))
+    dp = from_keys(_mm(f"bgn{qr}cd,bgn{kd}->bgn{qr}ck", (d_out * scale).astype(v_win.dtype),
+                       v_win))
     rowdot = jnp.sum(d_out * out, axis=-1, keepdims=True) * scale
     return p * (dp - rowdot), None, None, dv
-  dp = from_keys(_mm(f"bgncd,bgn{kd}->bgnck", d_v, v_win))  # of the weights as multiplied
+  dp = from_keys(_mm(f"bgn{qr}cd,bgn{kd}->bgn{qr}ck", d_v, v_win))  # of the weights as multiplied
   if keep is not None:
     dp = dp * keep
   rowdot = jnp.sum(d_out * out, axis=-1, keepdims=True)  # = sum(dp * p) over the row
@@ -441,27 +463,27 @@ def _sum_leading(x):
   return total
 
 
-def _keyed_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps):
-  c, dh, w = q.shape[3], q.shape[4], pe.shape[1]
-  cont = _mm(f"bgncd,bgn{kd}->bgnck", q, k_win)
-  pos = matmul.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
+def _keyed_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps, qr):
+  c, dh, w = q.shape[-2], q.shape[-1], pe.shape[1]
+  cont = _mm(f"bgn{qr}cd,bgn{kd}->bgn{qr}ck", q, k_win)
+  pos = matmul.einsum(f"bgn{qr}cd,dw->bgn{qr}cw", q, pe, jnp.float32)
   logits = (cont + _skew_take(pos)) / math.sqrt(dh)
   if allowed is not None:  # finite: a row with no key of its segment gives zeros, not NaN
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
   logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
-  out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps)
+  out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps, qr=qr)
   return out, (res, q, k_win, pe)
 
 
-def _keyed_bwd(kd, eps, res, d_out):
+def _keyed_bwd(kd, eps, qr, res, d_out):
   res, q, k_win, pe = res
-  dh, w = q.shape[4], pe.shape[1]
-  d_logits, d_mask, _, dv = _weights_bwd(kd, eps, res, d_out, 1 / math.sqrt(dh))
+  dh, w = q.shape[-1], pe.shape[1]
+  d_logits, d_mask, _, dv = _weights_bwd(kd, eps, res, d_out, 1 / math.sqrt(dh), qr=qr)
   ds = d_logits.astype(q.dtype)  # zero off the band, where the weights are (no select)
   d_pos = _unskew_pad(ds, w)
-  dq = (_mm(f"bgnck,bgn{kd}->bgncd", ds, k_win)
-        + matmul.einsum("bgncw,dw->bgncd", d_pos, pe, jnp.float32))
-  dk = _mm(f"bgncd,bgnck->bgn{kd}", q, ds)
+  dq = (_mm(f"bgn{qr}ck,bgn{kd}->bgn{qr}cd", ds, k_win)
+        + matmul.einsum(f"bgn{qr}cw,dw->bgn{qr}cd", d_pos, pe, jnp.float32))
+  dk = _mm(f"bgn{qr}cd,bgn{qr}ck->bgn{kd}", q, ds)
   return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, _pe_grad(q, d_pos).astype(pe.dtype),
           d_mask, None, None)
 
@@ -479,37 +501,37 @@ def _pe_grad(q, d_pos):
                        d_pos.reshape(rows, d_pos.shape[-1]), jnp.float32)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _band_attention(q, k_win, v_win, pe, mask, keep, allowed, kd: str, eps: float):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _band_attention(q, k_win, v_win, pe, mask, keep, allowed, kd: str, eps: float, qr: str):
   """`_keyed_attention` for short bands (W < 2C), whose logits, weights and their gradients stay
   in band coordinates (C, W): the scores q k^T are unskewed once, the weights skewed once for
   p @ v, and the backward mirrors that (dp unskewed, d_logits skewed for dq and dk). Autodiff of
   the same expressions broadcast the mask's and the softmax's row factors to full (C, W) arrays,
   and transposed the (rows, W) position gradient (docs/benchmarks.md, "The drop-in layer")."""
-  return _band_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps)[0]
+  return _band_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps, qr)[0]
 
 
-def _band_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps):
-  dh, w = q.shape[4], pe.shape[1]
-  cont = _mm(f"bgncd,bgn{kd}->bgnck", q, k_win)
-  pos = matmul.einsum("bgncd,dw->bgncw", q, pe, jnp.float32)
+def _band_fwd(q, k_win, v_win, pe, mask, keep, allowed, kd, eps, qr):
+  dh, w = q.shape[-1], pe.shape[1]
+  cont = _mm(f"bgn{qr}cd,bgn{kd}->bgn{qr}ck", q, k_win)
+  pos = matmul.einsum(f"bgn{qr}cd,dw->bgn{qr}cw", q, pe, jnp.float32)
   logits = (_unskew_pad(cont, w) + pos) / math.sqrt(dh)
   if allowed is not None:  # finite: a row with no key of its segment gives zeros, not NaN
     logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
-  out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps, to_keys=_skew_pad)
+  out, res = _weights_fwd(logits, mask, keep, v_win, kd, eps, to_keys=_skew_pad, qr=qr)
   return out, (res, q, k_win, pe)
 
 
-def _band_bwd(kd, eps, res, d_out):
+def _band_bwd(kd, eps, qr, res, d_out):
   res, q, k_win, pe = res
-  dh, w = q.shape[4], pe.shape[1]
+  dh, w = q.shape[-1], pe.shape[1]
   d_logits, d_mask, _, dv = _weights_bwd(kd, eps, res, d_out, 1 / math.sqrt(dh),
-                                         from_keys=lambda x: _unskew_pad(x, w))
+                                         from_keys=lambda x: _unskew_pad(x, w), qr=qr)
   d_pos = d_logits.astype(q.dtype)
   ds = _skew_pad(d_pos)  # zero off the band
-  dq = (_mm(f"bgnck,bgn{kd}->bgncd", ds, k_win)
-        + matmul.einsum("bgncw,dw->bgncd", d_pos, pe, jnp.float32))
-  dk = _mm(f"bgncd,bgnck->bgn{kd}", q, ds)
+  dq = (_mm(f"bgn{qr}ck,bgn{kd}->bgn{qr}cd", ds, k_win)
+        + matmul.einsum(f"bgn{qr}cw,dw->bgn{qr}cd", d_pos, pe, jnp.float32))
+  dk = _mm(f"bgn{qr}cd,bgn{qr}ck->bgn{kd}", q, ds)
   return (dq.astype(q.dtype), dk.astype(k_win.dtype), dv, _pe_grad(q, d_pos).astype(pe.dtype),
           d_mask, None, None)
 

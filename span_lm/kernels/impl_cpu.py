@@ -3,7 +3,6 @@ out for XLA:CPU. Its own key/value layout, `CpuKV`, may lie positions last."""
 from typing import Any, NamedTuple
 
 from span_lm.kernels import banded_cpu
-from span_lm.kernels import banded_reference
 from span_lm.kernels import impl_reference
 
 
@@ -34,13 +33,6 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, span_z=None, pers_k_GxDxN=N
            span_z_ahead=None, segments=None):
   """kv: a CpuKV, or the door's KV (rows)."""
   del impl, dropout_seed  # dropout draws its own mask
-  last = isinstance(kv, CpuKV) and kv.positions_last
-  if kv.k.shape[1] != q_BxGxMxD.shape[1]:  # grouped heads: the reference's group axis
-    k, v = (x.swapaxes(2, 3) for x in (kv.k, kv.v)) if last else (kv.k, kv.v)
-    return banded_reference.banded_attention(
-        q_BxGxMxD, k, v, key_pe_DxW, key_pe_ahead_DxA=key_pe_ahead_DxA, span_z=span_z,
-        span_z_ahead=span_z_ahead, segments=segments, ramp=spec.ramp, pers_k_GxDxN=pers_k_GxDxN,
-        pers_v_GxNxD=pers_v_GxNxD, chunk=spec.attention.chunk, dropout=dropout)
   return banded_cpu.banded_attention(
       q_BxGxMxD, kv.k, kv.v, key_pe_DxW, span_z=span_z, ramp=spec.ramp,
       pers_k_GxDxN=pers_k_GxDxN, pers_v_GxNxD=pers_v_GxNxD, chunk=spec.attention.chunk,

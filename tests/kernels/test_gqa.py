@@ -4,6 +4,13 @@ repeated to H heads (query head h reads key/value head h // (H / H_kv)), in valu
 gradient (queries, keys, values, position embeddings behind and ahead, spans), causal and
 bidirectional, with segment ids; and no implementation makes the H copies (the jaxpr holds no
 array as large as the repeated keys). The interpreted kernels are slow: `slow`."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 
@@ -16,33 +23,33 @@ B, H, M, W, DH, R = 1, 4, 16, 16, 8, 4
 SEG_Q = [1] * 10 + [2] * 6  # two documents in the block
 
 
-def _case(kv_heads, a, seed=0):
+def _case(kv_heads, a, seed=0, dh=DH):
   """Door inputs: queries (B, H, M, Dh), keys/values of the W + M + A rows with kv_heads heads,
   position embeddings, per-head spans, segment ids (two documents; padding before the block)."""
   rng = np.random.default_rng(seed)
   arr = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
   t = W + M + a
-  args = dict(q=arr(B, H, M, DH), k=arr(B, kv_heads, t, DH), v=arr(B, kv_heads, t, DH),
-              pe=arr(DH, W), z=jnp.asarray(rng.uniform(2, W - R, (1, H, 1)), jnp.float32))
+  args = dict(q=arr(B, H, M, dh), k=arr(B, kv_heads, t, dh), v=arr(B, kv_heads, t, dh),
+              pe=arr(dh, W), z=jnp.asarray(rng.uniform(2, W - R, (1, H, 1)), jnp.float32))
   if a:
-    args["pe_a"] = arr(DH, a)
+    args["pe_a"] = arr(dh, a)
   seg = kernels.Segments(jnp.asarray([SEG_Q] * B, jnp.int32),
                          jnp.asarray([[0] * 4 + [1] * (W - 4 + 10) + [2] * (6 + a)] * B,
                                      jnp.int32))
   return args, seg
 
 
-def _spec(impl, a, kv_heads=None):
-  return kernels.Spec(heads=H, head_dim=DH, window=W, ahead=a, ramp=R, segmented=True,
+def _spec(impl, a, kv_heads=None, dh=DH):
+  return kernels.Spec(heads=H, head_dim=dh, window=W, ahead=a, ramp=R, segmented=True,
                       attention=kernels.Attention(impl=impl, block=16), kv_heads=kv_heads)
 
 
-def _attend(impl, a, seg, repeat: bool, kv_heads: int):
+def _attend(impl, a, seg, repeat: bool, kv_heads: int, dh=DH):
   """The door's attend, with keys and values as given (grouped) or repeated to H heads."""
   def f(q, k, v, pe, z, pe_a=None):
     if repeat:
       k, v = (jnp.repeat(x, H // kv_heads, axis=1) for x in (k, v))
-    spec = _spec(impl, a, None if repeat else kv_heads)
+    spec = _spec(impl, a, None if repeat else kv_heads, dh)
     extra = {"key_pe_ahead_DxA": pe_a} if a else {}
     return kernels.IMPLS[impl].attend(spec, q, kernels.KV(k, v), pe, span_z=z, segments=seg,
                                       **extra)
@@ -92,6 +99,44 @@ def test_fused_kernels_grouped_heads_equal_repeated_heads(impl, kv_heads, a):
   _check_against_repeated(impl, kv_heads, a)
 
 
+@pytest.mark.parametrize("m,w,chunk,last,n_pers,per_row", [
+    (16, 64, 16, False, 0, False),  # a long band: key coordinates, the per-key span mask
+    (16, 64, 16, False, 16, True),  # the same with persistent memory, spans per row
+    (32, 16, 0, True, 0, False),  # one chunk, keys positions last
+    (32, 16, 8, False, 16, False)])  # short bands, four chunks, persistent memory
+def test_cpu_layouts_grouped_equal_repeated(m, w, chunk, last, n_pers, per_row):
+  """banded_cpu's own paths (key coordinates, bands, positions last, persistent memory) with
+  2 key/value heads for 4 query heads equal them with the keys and values repeated."""
+  from span_lm.kernels import banded_cpu  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(2)
+  arr = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  hk, t = 2, w + m
+  xs = dict(q=arr(B, H, m, DH), k=arr(B, hk, DH, t) if last else arr(B, hk, t, DH),
+            v=arr(B, hk, DH, t) if last else arr(B, hk, t, DH), pe=arr(DH, w),
+            z=jnp.asarray(rng.uniform(2, w - R, (B, H, m) if per_row else (1, H, 1)),
+                          jnp.float32))
+  if n_pers:
+    xs.update(pk=arr(H, DH, n_pers), pv=arr(H, n_pers, DH))
+  ct = arr(B, H, m, DH)
+
+  def run(repeat):
+    def f(q, k, v, pe, z, pk=None, pv=None):
+      if repeat:
+        k, v = (jnp.repeat(x, H // hk, axis=1) for x in (k, v))
+      return banded_cpu.banded_attention(q, k, v, pe, span_z=z, ramp=R, chunk=chunk,
+                                         positions_last=last, pers_k_GxDxN=pk,
+                                         pers_v_GxNxD=pv)[0]
+    out, vjp = jax.vjp(f, *xs.values())
+    return out, vjp(ct)
+
+  (out, grads), (want, want_grads) = jax.jit(lambda: run(False))(), jax.jit(lambda: run(True))()
+  np.testing.assert_allclose(out, want, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+  for name, g, wg in zip(xs, grads, want_grads):
+    scale = float(jnp.max(jnp.abs(wg)))
+    assert scale > 0, name
+    np.testing.assert_allclose(g, wg, rtol=0, atol=2e-5 * scale, err_msg=f"d{name}")
+
+
 def _arrays(jaxpr):
   """Every array an equation of the jaxpr (and of the jaxprs inside it) produces."""
   for eqn in jaxpr.eqns:
@@ -109,17 +154,18 @@ def _arrays(jaxpr):
 def test_no_implementation_repeats_the_keys(impl, a):
   """Forward and backward of the grouped call (one key/value head) hold no array of the keys'
   head size with H times the key rows' elements or more: the H copies a repeat would make
-  (their gradient included). The repeated call's jaxpr does hold one: the check sees them."""
-  args, seg = _case(1, a)
+  (their gradient included). The repeated call's jaxpr does hold one: the check sees them.
+  Head size 64, unlike any other size here (chunks, windows), so a size-64 axis is a head's."""
+  dh = 64
+  args, seg = _case(1, a, dh=dh)
   t = W + M + a
-  copies = B * H * t * DH
+  copies = B * H * t * dh
 
   def largest(repeat):
-    f = _attend(impl, a, seg, repeat, 1)
+    f = _attend(impl, a, seg, repeat, 1, dh)
     loss = lambda *xs: jnp.sum(f(*xs) ** 2)
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(len(args)))))(*args.values())
-    return max((np.prod(x.shape) for x in _arrays(jaxpr.jaxpr)
-                if len(x.shape) >= 2 and x.shape[-1] == DH or x.shape[-2:-1] == (DH,)),
+    return max((np.prod(x.shape) for x in _arrays(jaxpr.jaxpr) if dh in x.shape[-2:]),
                default=0)
 
   assert largest(repeat=True) >= copies
@@ -134,3 +180,76 @@ def test_kv_heads_that_do_not_divide_are_refused():
                                  args["pe"], span_z=args["z"], segments=seg)
   with pytest.raises(ValueError, match="kv_heads=3: must be a positive integer dividing heads=4"):
     _spec("reference", 0, 3)
+
+
+HAS_TPU = importlib.util.find_spec("libtpu") is not None
+HAS_CUDA = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
+def test_gqa_kernels_compile_for_h100_without_spills(tmp_path):
+  """The GPU kernels at 8 query heads, 2 key/value heads (bench/kernel_facts' causal_gqa and
+  two_sided_gqa: segment ids, persistent memory, dropout; bf16, head size 64, the door's tiles),
+  compiled by ptxas for an H100, no GPU: every kernel compiles, none spills, none reads back
+  what it wrote, and the dk/dv kernel's loop over the group still pipelines its loads."""
+  out = tmp_path / "facts.json"
+  r = subprocess.run([sys.executable, "-m", "bench.kernel_facts", "--targets", "h100", "--cases",
+                      "causal_gqa", "two_sided_gqa", "--dtypes", "bfloat16", "--head_dims", "64",
+                      "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                     timeout=1800, check=False)
+  assert r.returncode == 0, r.stderr[-2000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert not [x for x in rows if "error" in x], [x.get("error") for x in rows]
+  print("\n" + r.stdout)
+  for case in ("causal_gqa", "two_sided_gqa"):
+    got = {x["kernel"]: x for x in rows if x["case"] == case}
+    assert set(got) == {"fwd", "bwd_q", "bwd_kv"}, case
+    for k, x in got.items():
+      assert x["spill_store"] == 0 and x["spill_load"] == 0, (case, k, x)
+      assert not x["read_back"] and x["cp_async"] > 0, (case, k, x)
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not HAS_TPU, reason="needs libtpu: pip install -e .[tpu-compile]")
+@pytest.mark.parametrize("a", [0, 255])
+def test_gqa_kernels_compile_for_v5p(a):
+  """Forward and backward of one layer with 8 query heads and 2 key/value heads (B=2, M=512,
+  W=8192, Dh=64, bf16, segment ids; causal, and 255 rows ahead), at the door's tiles, compiled
+  by Mosaic for one v5p chip, no TPU: the three kernels compile, and the grouped step holds
+  less memory than the same step on repeated key/value heads."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import pallas_tpu as ft  # pylint: disable=g-import-not-at-top
+  topo = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu")
+  mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  b, h, hk, m, w, d = 2, 8, 2, 512, 8192, 64
+  sd = lambda shape, dt="bfloat16": jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=rep)
+  bq, bk = ft.tiles(64, m, ft.layout_window(w), 0)
+  t = w + m + a
+  facts = {}
+  for kv in (hk, h):
+    args = [sd((b, h, m, d)), sd((b, kv, t, d)), sd((b, kv, t, d)), sd((d, w), "float32"),
+            sd((b, h, m), "float32"), sd((b, m), "int32"), sd((b, t), "int32")]
+    if a:
+      args.append(sd((d, a), "float32"))
+
+    def loss(q, k, v, pe, z, qs, ks, pe_a=None):
+      out = ft.span_attention(q, k, v, pe, z, ramp=32, block=bq, block_k=bk,
+                              key_pe_ahead_DxA=pe_a, q_seg_BxM=qs, kv_seg_BxT=ks)
+      return jnp.sum(out.astype(jnp.float32))
+
+    argnums = (0, 1, 2, 3, 4) + ((7,) if a else ())
+    start = time.time()
+    compiled = jax.jit(jax.grad(loss, argnums=argnums)).lower(*args).compile()
+    assert compiled.as_text().count("tpu_custom_call") >= 3, "forward, dq and dk/dv kernels"
+    mem = compiled.memory_analysis()
+    facts[kv] = (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                 + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+    print(f"v5p GQA compile: H={h} H_kv={kv} B={b} M={m} W={w} A={a} Dh={d} bf16 tiles "
+          f"{bq}x{bk}: arguments {mem.argument_size_in_bytes / 2**20:.1f} MiB, outputs "
+          f"{mem.output_size_in_bytes / 2**20:.1f} MiB, temporaries "
+          f"{mem.temp_size_in_bytes / 2**20:.1f} MiB; {time.time() - start:.0f} s")
+  assert facts[hk] < facts[h]
