@@ -49,5 +49,6 @@ misfit = impl_reference.misfit
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del impl
-  return banded_cpu.residual_bytes(spec.mode, spec.pers_mem, spec.dtype, batch, m, heads, w,
-                                   spec.head_dim, spec.attention.chunk, train and spec.dropout > 0)
+  return impl_reference.grouped_kv_bytes(spec, banded_cpu.residual_bytes(
+      spec.mode, spec.pers_mem, spec.dtype, batch, m, heads, w, spec.head_dim,
+      spec.attention.chunk, train and spec.dropout > 0))

@@ -57,9 +57,9 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del train
-  return kernels.fused_residual_bytes(batch, m, heads, cached_rows(impl, w) + spec.ahead,
-                                      pallas_gpu.padded_head_dim(spec.head_dim),
-                                      jnp.dtype(spec.dtype).itemsize)
+  return impl_reference.grouped_kv_bytes(spec, kernels.fused_residual_bytes(
+      batch, m, heads, cached_rows(impl, w) + spec.ahead,
+      pallas_gpu.padded_head_dim(spec.head_dim), jnp.dtype(spec.dtype).itemsize))
 
 
 def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> dict:

@@ -33,9 +33,18 @@ def cached_rows(impl, w: int) -> int:
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del impl
-  return banded_reference.residual_bytes(spec.mode, spec.pers_mem, spec.dtype, batch, m, heads,
-                                         w, spec.head_dim, spec.attention.chunk,
-                                         train and spec.dropout > 0)
+  out = banded_reference.residual_bytes(spec.mode, spec.pers_mem, spec.dtype, batch, m, heads,
+                                        w, spec.head_dim, spec.attention.chunk,
+                                        train and spec.dropout > 0)
+  return grouped_kv_bytes(spec, out)
+
+
+def grouped_kv_bytes(spec, out: dict) -> dict:
+  """A residual_bytes count for grouped heads: the keys and values saved are the spec's
+  kv_heads heads', 1 / group of the query heads' (no implementation repeats them)."""
+  if spec.group > 1:
+    out = dict(out, keys_values=out["keys_values"] // spec.group)
+  return out
 
 
 def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> None:

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from span_lm import kernels
+from span_lm.kernels import impl_reference
 from span_lm.kernels import pallas_tpu
 
 
@@ -73,9 +74,9 @@ def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bo
   if spec.ahead:
     bk = pallas_tpu.tiles(spec.attention.block, m, rows, spec.pers_mem)[1]
     rows += -(-spec.ahead // bk) * bk
-  return kernels.fused_residual_bytes(batch, m, heads, rows,
-                                      pallas_tpu.padded_head_dim(spec.head_dim),
-                                      jnp.dtype(spec.dtype).itemsize)
+  return impl_reference.grouped_kv_bytes(spec, kernels.fused_residual_bytes(
+      batch, m, heads, rows, pallas_tpu.padded_head_dim(spec.head_dim),
+      jnp.dtype(spec.dtype).itemsize))
 
 
 def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> None:

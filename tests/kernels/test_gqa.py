@@ -253,3 +253,14 @@ def test_gqa_kernels_compile_for_v5p(a):
           f"{mem.output_size_in_bytes / 2**20:.1f} MiB, temporaries "
           f"{mem.temp_size_in_bytes / 2**20:.1f} MiB; {time.time() - start:.0f} s")
   assert facts[hk] < facts[h]
+
+
+@pytest.mark.parametrize("impl", list(kernels.IMPLS))
+def test_residual_bytes_count_the_key_value_heads(impl):
+  """tools/flops' count of what the backward pass keeps: the keys and values of H_kv heads."""
+  spec = _spec(impl, 0)
+  mha = kernels.IMPLS[impl].residual_bytes(spec, B, 64, H, 64, True)
+  gqa = kernels.IMPLS[impl].residual_bytes(spec.replace(kv_heads=1), B, 64, H, 64, True)
+  assert gqa["keys_values"] * H == mha["keys_values"] > 0
+  assert {k: v for k, v in gqa.items() if k != "keys_values"} == {
+      k: v for k, v in mha.items() if k != "keys_values"}
