@@ -62,6 +62,12 @@ instead of storing it; key t is row t of the T rows, persistent vector n is key 
 memory (all-attention layers) joins the softmax as extra key blocks with mask 1 and no position
 term. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
 
+Grouped key/value heads (GQA, MQA: H_kv dividing H): the forward's and dq kernel's key/value
+index maps read head h // (H / H_kv), no copy; the dk/dv kernel runs per key/value head, its
+group's query rows as one run (a free reshape), and sums the group in its accumulators rather
+than writing group-times larger partials for XLA to reduce (docs/kernels.md, "Grouped key/value
+heads").
+
 What the causal unsegmented kernel traces is unchanged by the two-sided and segment code: every
 addition is behind a static flag (A > 0, spans ahead learned apart, segments), so that kernel has
 no extra inputs, loads or branches.

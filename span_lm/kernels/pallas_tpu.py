@@ -78,6 +78,11 @@ range). A row with no key of its segment outputs exactly zero (the saved normali
 0 / 0 forward or backward), or persistent memory alone; a row of segment 0 outputs zeros with
 persistent memory too (its output gradient is dropped in the dq kernel).
 
+Grouped key/value heads (GQA, MQA: H_kv dividing H): the key/value index maps of the forward
+and dq kernels read head hi // (H / H_kv), no copy; the dk/dv kernel's grid runs per key/value
+head, its sequential step axis walking the group's query heads in turn, so dk and dv sum the
+group in the VMEM accumulators (docs/kernels.md, "Grouped key/value heads").
+
 `interpret=True` (or a pltpu.InterpretParams) runs the same kernels on CPU for tests.
 
 Names as in kernels/fused.py's vocabulary table (shared with pallas_gpu).
