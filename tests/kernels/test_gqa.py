@@ -99,25 +99,29 @@ def test_fused_kernels_grouped_heads_equal_repeated_heads(impl, kv_heads, a):
   _check_against_repeated(impl, kv_heads, a)
 
 
-@pytest.mark.parametrize("m,w,chunk,last,n_pers,per_row", [
-    (16, 64, 16, False, 0, False),  # a long band: key coordinates, the per-key span mask
-    (16, 64, 16, False, 16, True),  # the same with persistent memory, spans per row
-    (32, 16, 0, True, 0, False),  # one chunk, keys positions last
-    (32, 16, 8, False, 16, False)])  # short bands, four chunks, persistent memory
-def test_cpu_layouts_grouped_equal_repeated(m, w, chunk, last, n_pers, per_row):
+@pytest.mark.parametrize("m,w,chunk,last,n_pers,per_row,dtype", [
+    (16, 64, 16, False, 0, False, "float32"),  # a long band: key coordinates, per-key span mask
+    (16, 64, 16, False, 16, True, "float32"),  # the same with persistent memory, spans per row
+    (32, 16, 0, True, 0, False, "float32"),  # one chunk, keys positions last
+    (32, 16, 8, False, 16, False, "float32"),  # short bands, four chunks, persistent memory
+    (16, 64, 16, False, 0, False, "bfloat16"),  # bf16: cpu_matmul's layouts of the group axis
+    (32, 16, 8, False, 0, True, "bfloat16")])
+def test_cpu_layouts_grouped_equal_repeated(m, w, chunk, last, n_pers, per_row, dtype):
   """banded_cpu's own paths (key coordinates, bands, positions last, persistent memory) with
-  2 key/value heads for 4 query heads equal them with the keys and values repeated."""
+  2 key/value heads for 4 query heads equal them with the keys and values repeated (bf16: to
+  its rounding, the sums being ordered differently)."""
   from span_lm.kernels import banded_cpu  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(2)
-  arr = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+  arr = lambda *s, dt=dtype: jnp.asarray(rng.normal(size=s), dt)
   hk, t = 2, w + m
   xs = dict(q=arr(B, H, m, DH), k=arr(B, hk, DH, t) if last else arr(B, hk, t, DH),
-            v=arr(B, hk, DH, t) if last else arr(B, hk, t, DH), pe=arr(DH, w),
+            v=arr(B, hk, DH, t) if last else arr(B, hk, t, DH), pe=arr(DH, w, dt="float32"),
             z=jnp.asarray(rng.uniform(2, w - R, (B, H, m) if per_row else (1, H, 1)),
                           jnp.float32))
   if n_pers:
-    xs.update(pk=arr(H, DH, n_pers), pv=arr(H, n_pers, DH))
+    xs.update(pk=arr(H, DH, n_pers, dt="float32"), pv=arr(H, n_pers, DH, dt="float32"))
   ct = arr(B, H, m, DH)
+  tol = 2e-5 if dtype == "float32" else 2e-2
 
   def run(repeat):
     def f(q, k, v, pe, z, pk=None, pv=None):
@@ -127,14 +131,17 @@ def test_cpu_layouts_grouped_equal_repeated(m, w, chunk, last, n_pers, per_row):
                                          positions_last=last, pers_k_GxDxN=pk,
                                          pers_v_GxNxD=pv)[0]
     out, vjp = jax.vjp(f, *xs.values())
-    return out, vjp(ct)
+    return out, vjp(ct.astype(out.dtype))  # out: float32 (impl_cpu casts it)
 
   (out, grads), (want, want_grads) = jax.jit(lambda: run(False))(), jax.jit(lambda: run(True))()
-  np.testing.assert_allclose(out, want, rtol=0, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+  f32 = lambda x: np.asarray(x, np.float32)
+  np.testing.assert_allclose(f32(out), f32(want), rtol=0,
+                             atol=tol * float(jnp.max(jnp.abs(f32(want)))))
   for name, g, wg in zip(xs, grads, want_grads):
-    scale = float(jnp.max(jnp.abs(wg)))
+    assert g.dtype == wg.dtype == xs[name].dtype, name
+    scale = float(jnp.max(jnp.abs(f32(wg))))
     assert scale > 0, name
-    np.testing.assert_allclose(g, wg, rtol=0, atol=2e-5 * scale, err_msg=f"d{name}")
+    np.testing.assert_allclose(f32(g), f32(wg), rtol=0, atol=tol * scale, err_msg=f"d{name}")
 
 
 def _arrays(jaxpr):
