@@ -80,37 +80,48 @@ def decode_rows(args):
 
 
 def layer_rows(args):
+  """The variants timed interleaved (one call of each per round, the median over rounds), so a
+  shared machine's load drifts over all of them alike."""
   d, s, r = args.d_model, args.max_span, args.ramp
   rows = []
-  print(f"forward / forward + backward: batch {args.batch}, D {d}, max_span {s}, ramp {r}")
-
-  def bench(name, n, f, params, x):
-    fwd = jax.jit(f)
-    grad = jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
-    t_f = harness.median_s(lambda: fwd(params, x), args.reps)
-    t_b = harness.median_s(lambda: grad(params, x), args.reps)
-    rows.append(dict(case=name, length=n, fwd_s=t_f, fwd_bwd_s=t_b))
-    print(f"  {name:40s} N={n:6d} fwd {t_f * 1e3:9.1f} ms  fwd+bwd {t_b * 1e3:9.1f} ms",
-          flush=True)
-    return t_b
-
+  print(f"forward / forward + backward: batch {args.batch}, D {d}, max_span {s}, ramp {r}, "
+        f"medians of {args.reps} interleaved rounds")
   for n in args.lengths:
     x = jax.random.normal(jax.random.key(0), (args.batch, n, d))
-    times = {}
+    cases = {}
     for kv in (8, 2):
       layer = layers.AdaptiveSpanAttention(num_heads=8, num_kv_heads=kv, max_span=s, ramp=r)
       params = layer.init(jax.random.key(1), x[:, :8])["params"]
       params["span_ratio"] = jnp.asarray(np.linspace(64 - r, s - r, 8) / s, jnp.float32)
       f = lambda p, x, layer=layer: layer.apply({"params": p}, x, deterministic=True)
-      times[kv] = bench(f"Linen, 8 query heads, {kv} KV heads", n, f, params, x)
+      cases[f"Linen, 8 query heads, {kv} KV heads"] = (f, params)
       if kv == 8:  # the same layer and weights as NNX
         model = layers.nnx.AdaptiveSpanAttention.from_linen(layer, params)
         graph, _ = nnx.split(model)
-        g = lambda p, x: nnx.merge(graph, nnx.State(p))(x, deterministic=True)
-        state = nnx.state(model, nnx.Param)
-        times["nnx"] = bench("NNX, 8 query heads, 8 KV heads", n, g, state, x)
-    print(f"  N={n}: GQA / MHA fwd+bwd {times[2] / times[8]:.2f}x; NNX / Linen "
-          f"{times['nnx'] / times[8]:.3f}x")
+        g = lambda p, x, graph=graph: nnx.merge(graph, nnx.State(p))(x, deterministic=True)
+        cases["NNX, 8 query heads, 8 KV heads"] = (g, nnx.state(model, nnx.Param))
+    calls = {}
+    for name, (f, p) in cases.items():
+      fwd = jax.jit(f)
+      grad = jax.jit(jax.value_and_grad(lambda p, x, f=f: jnp.sum(f(p, x) ** 2), argnums=(0, 1)))
+      calls[(name, "fwd")] = lambda fwd=fwd, p=p: fwd(p, x)
+      calls[(name, "fwd_bwd")] = lambda grad=grad, p=p: grad(p, x)
+    for c in calls.values():  # compile and warm
+      jax.block_until_ready(c())
+    times = {k: [] for k in calls}
+    for _ in range(args.reps):
+      for k, c in calls.items():
+        times[k] += harness.time_calls(c, 1, warmup=0)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    for name in cases:
+      rows.append(dict(case=name, length=n, fwd_s=med[(name, "fwd")],
+                       fwd_bwd_s=med[(name, "fwd_bwd")]))
+      print(f"  {name:40s} N={n:6d} fwd {med[(name, 'fwd')] * 1e3:9.1f} ms  fwd+bwd "
+            f"{med[(name, 'fwd_bwd')] * 1e3:9.1f} ms", flush=True)
+    mha, nnx_, gqa = list(cases)  # Linen MHA, NNX MHA, Linen GQA
+    for kind in ("fwd", "fwd_bwd"):
+      print(f"  N={n} {kind}: GQA / MHA {med[(gqa, kind)] / med[(mha, kind)]:.2f}x; NNX / Linen "
+            f"{med[(nnx_, kind)] / med[(mha, kind)]:.3f}x")
   return rows
 
 
