@@ -463,7 +463,7 @@ def _bwd_kv_kernel(*refs, w, a, band, ramp, has_mask, asym, segmented, bq, bk, e
   dk_ref, dv_ref = outs
   n_keys = w + n_rows + a + n_pers
   t0 = pl.program_id(2) * bk
-  bh = pl.program_id(0) * n_heads + pl.program_id(1) * group
+  bh = pl.program_id(0) * n_heads + (pl.program_id(1) if group == 1 else pl.program_id(1) * group)
   seed = seed_ref[0]
   k = k_ref[...]
   v = v_ref[...]

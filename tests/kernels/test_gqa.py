@@ -39,30 +39,34 @@ def _case(kv_heads, a, seed=0, dh=DH):
   return args, seg
 
 
-def _spec(impl, a, kv_heads=None, dh=DH):
+def _spec(impl, a, kv_heads=None, dh=DH, dropout=0.0):
   return kernels.Spec(heads=H, head_dim=dh, window=W, ahead=a, ramp=R, segmented=True,
+                      dropout=dropout,
                       attention=kernels.Attention(impl=impl, block=16), kv_heads=kv_heads)
 
 
-def _attend(impl, a, seg, repeat: bool, kv_heads: int, dh=DH):
-  """The door's attend, with keys and values as given (grouped) or repeated to H heads."""
+def _attend(impl, a, seg, repeat: bool, kv_heads: int, dh=DH, dropout=0.0):
+  """The door's attend, with keys and values as given (grouped) or repeated to H heads; with
+  dropout, the fused kernels' hashed keep mask from a fixed seed (per query head, row, key)."""
   def f(q, k, v, pe, z, pe_a=None):
     if repeat:
       k, v = (jnp.repeat(x, H // kv_heads, axis=1) for x in (k, v))
-    spec = _spec(impl, a, None if repeat else kv_heads, dh)
+    spec = _spec(impl, a, None if repeat else kv_heads, dh, dropout)
     extra = {"key_pe_ahead_DxA": pe_a} if a else {}
+    if dropout:
+      extra.update(dropout=lambda p: p, dropout_seed=lambda: jnp.uint32(7))
     return kernels.IMPLS[impl].attend(spec, q, kernels.KV(k, v), pe, span_z=z, segments=seg,
                                       **extra)
   return f
 
 
-def _check_against_repeated(impl, kv_heads, a, rtol=2e-5):
+def _check_against_repeated(impl, kv_heads, a, rtol=2e-5, dropout=0.0):
   args, seg = _case(kv_heads, a)
   ct = jnp.asarray(np.random.default_rng(1).normal(size=(B, H, M, DH)), jnp.float32)
   names = list(args)
   results = []
   for repeat in (False, True):
-    f = _attend(impl, a, seg, repeat, kv_heads)
+    f = _attend(impl, a, seg, repeat, kv_heads, dropout=dropout)
 
     @jax.jit
     def value_and_grads(*xs, f=f):
@@ -97,6 +101,14 @@ def test_fused_kernels_grouped_heads_equal_repeated_heads(impl, kv_heads, a):
   """The kernels read key/value head h // group through their index maps; dk and dv sum the
   group's query heads inside the dk/dv kernel."""
   _check_against_repeated(impl, kv_heads, a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["pallas_interpret", "pallas_tpu_interpret"])
+def test_fused_kernels_grouped_heads_with_dropout(impl):
+  """Attention dropout: the keep mask hashes the query head, so the dk/dv kernel's loop over the
+  group regenerates each query head's mask as the forward drew it."""
+  _check_against_repeated(impl, 2, 0, dropout=0.3)
 
 
 @pytest.mark.parametrize("m,w,chunk,last,n_pers,per_row,dtype", [
