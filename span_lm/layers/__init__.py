@@ -63,7 +63,7 @@ def span_loss(intermediates):
           "function, then layers.span_loss(model)")
     return total
   if isinstance(intermediates, flax_nnx.State):
-    intermediates = intermediates.to_pure_dict()
+    intermediates = nnx.pure_dict(intermediates)
   if not isinstance(intermediates, Mapping):
     raise TypeError(
         f"layers.span_loss takes the 'intermediates' collection a forward pass sowed (a "
@@ -96,7 +96,7 @@ def learned_spans(params, max_span: int | None = None) -> dict:
   if isinstance(params, flax_nnx.Module):
     params = flax_nnx.state(params, flax_nnx.Param)
   if isinstance(params, flax_nnx.State):
-    params = params.to_pure_dict()
+    params = nnx.pure_dict(params)
   if not isinstance(params, Mapping):
     raise TypeError(f"layers.learned_spans takes the parameters (a mapping, "
                     f"variables['params']), not {type(params).__name__}")

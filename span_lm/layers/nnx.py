@@ -37,6 +37,12 @@ FIELDS = ("num_heads", "max_span", "causal", "asymmetric", "ramp", "span_init", 
           "pos_emb_init", "attn_impl", "num_kv_heads", "decode_window")
 
 
+def pure_dict(state) -> dict:
+  """An nnx.State as a plain nested dict of arrays (nnx.to_pure_dict where flax has it)."""
+  to_pure = getattr(nnx, "to_pure_dict", None)
+  return to_pure(state) if to_pure is not None else state.to_pure_dict()
+
+
 class SpanLoss(nnx.Intermediate):
   """The span penalty of the calls since it was last collected (`layers.span_loss(model)`)."""
 
@@ -148,13 +154,13 @@ class AdaptiveSpanAttention(nnx.Module):
 
   def linen_params(self) -> dict:
     """The parameters as the Linen layer names them (a plain nested dict of arrays)."""
-    return nnx.state(self, nnx.Param).to_pure_dict()
+    return pure_dict(nnx.state(self, nnx.Param))
 
   def load_linen_params(self, params):
     """Sets the parameters from the Linen layer's (`variables['params']`); one line for a tree
     of other names or shapes."""
     state = nnx.state(self, nnx.Param)
-    have = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype).name), state.to_pure_dict())
+    have = jax.tree.map(lambda a: (tuple(a.shape), jnp.dtype(a.dtype).name), pure_dict(state))
     got = jax.tree.map(lambda a: (tuple(jnp.shape(a)), jnp.dtype(a.dtype).name), dict(params))
     if jax.tree.structure(have) != jax.tree.structure(got) or have != got:
       raise ValueError(f"{type(self).__name__}.load_linen_params: the parameters given do not "

@@ -262,3 +262,14 @@ def test_sown_weights_are_the_weights_the_call_applied(fields, call):
   for h in range(H):
     beyond = dist >= np.ceil(z[h]) + R
     assert float(jnp.abs(w_lin[:, h][:, beyond]).max()) == 0.0
+
+
+def test_under_nnx_capture_the_penalty_and_weights_are_sown_there():
+  model = NNX(2, 8, max_span=8, span_init=0.5, span_loss_coef=1e-2, rngs=nnx.Rngs(0))
+  x = jnp.ones((1, 5, 8))
+  y, inter = nnx.capture(model, nnx.Intermediate)(x, deterministic=False, sow_weights=True)
+  np.testing.assert_allclose(layers.span_loss(inter), 1e-2 * 8 * 0.5, rtol=1e-6)
+  assert not jax.tree.leaves(nnx.state(model, nnx.Intermediate))  # nothing left on the model
+  (w,) = nnx.to_pure_dict(inter)["attention_weights"]
+  assert w.shape == (1, 2, 5, 5)
+  np.testing.assert_allclose(y, model(x, deterministic=True), rtol=1e-6)
