@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 from span_lm.kernels import target
+from span_lm.kernels.heads import kv_group  # pylint: disable=unused-import  (the door's name for it)
 
 ATTN_PRECISIONS = ("default", "highest")  # float32 dots of the fused kernels
 ALIASES = {"xla": "cpu"}  # old names, read as the new (with a warning)
@@ -150,15 +151,6 @@ class KV(NamedTuple):
   heads (GQA): (B, G_kv, T, Dh) for G queries' heads, G_kv dividing G (`kv_group`)."""
   k: Any
   v: Any
-
-
-def kv_group(q_heads: int, kv_heads: int) -> int:
-  """Query heads per key/value head (query head h reads key/value head h // group), or a
-  ValueError naming both counts."""
-  if kv_heads < 1 or q_heads % kv_heads:
-    raise ValueError(f"attention: {q_heads} query heads are not a multiple of {kv_heads} "
-                     "key/value heads")
-  return q_heads // kv_heads
 
 
 @dataclasses.dataclass(frozen=True)

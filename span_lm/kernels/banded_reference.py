@@ -13,9 +13,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from span_lm import kernels
-from span_lm.kernels import span_mask
 from span_lm.kernels import matmul
+from span_lm.kernels import span_mask
+from span_lm.kernels.heads import kv_group
 
 
 def choose_chunk(m: int, w: int, requested: int = 0) -> int:
@@ -129,7 +129,7 @@ def banded_attention(q_BxGxMxD, k_BxGxTxD, v_BxGxTxD, key_pe_DxW, *, key_pe_ahea
   n = m // c
   # Grouped heads: queries (B, G_kv, r, ...) against keys (B, G_kv, ...), r = G / G_kv; the
   # group axis is spelled only where r > 1, so the ungrouped program is what it always was.
-  r = kernels.kv_group(g, k_BxGxTxD.shape[1])
+  r = kv_group(g, k_BxGxTxD.shape[1])
   R, heads = ("r", (g // r, r)) if r > 1 else ("", (g,))
   q = q_BxGxMxD.reshape(b, *heads, n, c, dh)
   k_win, v_win = (key_windows(k_BxGxTxD, w, c, a),
