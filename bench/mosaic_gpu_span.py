@@ -57,6 +57,12 @@ import numpy as np
 
 EPS = 1e-8
 NEG = -1e30
+# The position tiles' shared memory: jax 0.10.2 needs it tiled and swizzled to load it in the
+# accumulator's layout ("Failed to synthesize a transfer pattern that avoids bank conflicts"
+# without); jax 0.12's layout inference rejects those transforms for a TMA box at a row offset
+# not a multiple of 8 ("Failed to infer a possible set of layouts") and picks its own. 0.11: not
+# tried.
+_G_SWIZZLED = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
 
 
 def key_tile_ranges(z_BxHxM, *, w: int, ramp: int, bq: int, bk: int):
@@ -222,7 +228,7 @@ def span_forward(q, k, v, pe, z, *, ramp: int = 32, stages: int = 2, fold: bool 
     smem = (plgpu.SMEM((bq, dh), dtype, transforms=swz),
             plgpu.SMEM((stages, bk, dh) if fold else (stages, dh, bk), dtype, transforms=swz),
             plgpu.SMEM((stages, bk, dh), dtype, transforms=swz),
-            plgpu.SMEM((stages, bq, bk), dtype, transforms=swz),
+            plgpu.SMEM((stages, bq, bk), dtype, transforms=swz if _G_SWIZZLED else ()),
             plgpu.SMEM((bq,), jnp.float32),
             None if fold else plgpu.SMEM((bq, bk), dtype, transforms=swz))
     bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -270,8 +276,10 @@ def _check(args):
   return 0
 
 
+# Mosaic prints the kernel's PTX, and ptxas' report (jax 0.12 assembles in process: only
+# MOSAIC_GPU_DUMP_PTXAS shows it; jax 0.10.2 runs ptxas, whose report XLA's log also carries)
 _CHILD_ENV = {"JAX_PLATFORMS": "cpu", "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1",
-              "MOSAIC_GPU_DUMP_PTX": "1"}  # Mosaic prints the kernel's PTX; XLA's log, ptxas -v
+              "MOSAIC_GPU_DUMP_PTX": "1", "MOSAIC_GPU_DUMP_PTXAS": "1"}
 
 
 def _lower_and_compile(args):
@@ -283,7 +291,10 @@ def _lower_and_compile(args):
   from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   launches = []
-  lower = lowering.lower_pipelined_jaxpr_to_module
+  # the entry the pallas_call lowering calls (renamed between jax 0.10 and 0.12)
+  name = next(n for n in ("lower_pipelined_jaxpr_to_module", "lower_unpipelined_jaxpr_to_module")
+              if hasattr(lowering, n))
+  lower = getattr(lowering, name)
 
   def spy(*a, **kw):  # the Mosaic module's launch: threads and dynamic shared memory
     res = lower(*a, **kw)
@@ -292,7 +303,7 @@ def _lower_and_compile(args):
                   text)
     launches.append({"threads": int(m.group(1)), "dynamic_smem": int(m.group(2))} if m else {})
     return res
-  lowering.lower_pipelined_jaxpr_to_module = spy
+  setattr(lowering, name, spy)
   chip = chips.get(args.compile)
   topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                       target_config=chips.gpu_target_config(chip))
@@ -324,8 +335,10 @@ def compile_facts(chip: str, *, fold: bool = True, m: int = 128, w: int = 256,
   r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=1200,
                      check=False)
   log = r.stdout + "\n" + r.stderr
-  if r.returncode:
-    return {"error": "\n".join(log.strip().splitlines()[-12:])}
+  if r.returncode:  # the compiler's own error lines first, then the end of the log
+    lines = log.strip().splitlines()
+    said = [l for l in lines if re.search(r"error:|LLVM ERROR|Error: ", l)][:4]
+    return {"error": "\n".join(said + lines[-12:])}
   import jax as jax_  # pylint: disable=g-import-not-at-top
   facts = {"jax": jax_.__version__, "chip": chip, "fold": fold, "m": m, "w": w, "stages": stages}
   reports = [k for k in compile_lib.parse_ptxas(log) if k["kernel"].startswith("entry_mosaic")]
@@ -344,7 +357,7 @@ def compile_facts(chip: str, *, fold: bool = True, m: int = 128, w: int = 256,
     count = lambda pattern: len(re.findall(pattern, text))
     facts["ptx"].update(
         ptx_version=re.search(r"^\.version\s+(\S+)", text, re.M).group(1),
-        tma_loads=count(r"cp\.async\.bulk\.tensor\.\w+\.shared::cluster\.global"),
+        tma_loads=count(r"cp\.async\.bulk\.tensor\.\w+\.shared::\w+\.global"),
         tma_stores=count(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared"),
         mbarrier_waits=count(r"mbarrier\.try_wait"), plain_global_loads=count(r"\bld\.global"),
         plain_global_stores=count(r"\bst\.global"))
