@@ -108,7 +108,8 @@ class AdaptiveSpanAttention(nn.Module):
   Decoding (decode=True, causal only): `init` creates the 'cache' collection, a ring of max_span
   keys and values per KV head whatever length init saw; `apply(..., mutable=['cache'])` then
   takes one token or a chunk and attends to the cached keys within each head's window. A call
-  reads decode_window cached keys per KV head (an int, or one per KV head; None: max_span);
+  reads decode_window cached keys per KV head (an int, or one per KV head; None: from the spans
+  when they are concrete, else max_span);
   `layers.decode_window(params, ramp)` gives the tightest from learned spans (docs/layer.md).
 
   Causal or bidirectional (keys up to max_span - 1 ahead, with their own position embeddings and,
