@@ -61,7 +61,7 @@ def compiling_for(platform: str, compute_capability: float | None = None, kind: 
 def pallas_triton():
   """jax.experimental.pallas.triton, the GPU kernels' lowering, imported without jax's
   DeprecationWarning (jax >= 0.11): the dependency is ours, known and planned for
-  (docs/kernels.md, "After Pallas-Triton"), not something a user of the kernels can act on.
+  (docs/kernels.md, "The way forward for the GPU kernels"), not something a user of the kernels can act on.
   ImportError where this jax has removed it (`triton_missing` says so first)."""
   import importlib  # pylint: disable=g-import-not-at-top
   import warnings  # pylint: disable=g-import-not-at-top
