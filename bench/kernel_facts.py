@@ -63,6 +63,8 @@ case, dt, dh = sys.argv[2], jnp.dtype(sys.argv[3]), int(sys.argv[4])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))
 sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+# jax >= 0.11: Pallas-Triton lowers for the default device's GPU (target.compiling_for)
+jax.config.update("jax_default_device", topo.devices[0])
 opts = dict(kernels.GPU_COMPILER_OPTIONS)
 """
 
@@ -156,7 +158,7 @@ def shared_memory(dump_dir) -> dict:
 def run_one(target, case, dtype, dh):
   with tempfile.TemporaryDirectory() as tmp:
     env = compile_lib.child_env("gpu")
-    env["XLA_FLAGS"] = f"--xla_dump_to={tmp}"
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={tmp}"
     t0 = time.time()
     child = (_ENCODER if case == "encoder_step" else _SPARSE if case.startswith("sparse")
              else _KERNEL)

@@ -38,6 +38,8 @@ def child(target, dtype, dh, tile, warps, stages, precision, key_tile=0):
   topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                       target_config=chips.gpu_target_config(chip))
   sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+  # jax >= 0.11: Pallas-Triton lowers for the default device's GPU (target.compiling_for)
+  jax.config.update("jax_default_device", topo.devices[0])
   b, h, m, w = 2, 8, 512, 1024
   dt = jnp.dtype(dtype)
   if tile == 0:  # what the door runs on this target (pallas_gpu.TILES) for attn_block=64
@@ -91,7 +93,7 @@ def run(args):
     t0 = time.perf_counter()
     env = compile_lib.child_env("gpu")
     dump = tempfile.mkdtemp(prefix="kernel_sweep_")
-    env["XLA_FLAGS"] = f"--xla_dump_to={dump}"
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, cwd=harness.REPO)
     text = p.stdout + p.stderr
     row = next((json.loads(l[4:]) for l in text.splitlines() if l.startswith("ROW ")), None)

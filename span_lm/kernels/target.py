@@ -44,15 +44,26 @@ def name() -> str:
 
 
 @contextlib.contextmanager
-def compiling_for(platform: str, compute_capability: float | None = None, kind: str = ""):
-  """Trace for `platform` ('cpu', 'gpu', 'tpu'; 'cuda' is read as 'gpu') whatever this host has."""
+def compiling_for(platform: str, compute_capability: float | None = None, kind: str = "",
+                  device=None):
+  """Trace for `platform` ('cpu', 'gpu', 'tpu'; 'cuda' is read as 'gpu') whatever this host has.
+
+  device: a device of the target's deviceless topology (jax.experimental.topologies), made the
+  default device meanwhile: from jax 0.11 Pallas's Triton lowering reads the GPU generation it
+  lowers for there (without it, a CPU host's kernels fail with 'No supported GPU devices found').
+  """
   platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
   if platform not in ("cpu", "gpu", "tpu"):
     raise ValueError(f"unknown platform {platform!r}: cpu, gpu or tpu")
   old = getattr(_state, "platform", None)
   _state.platform = Platform(platform, compute_capability, kind)
   try:
-    yield _state.platform
+    if device is None:
+      yield _state.platform
+    else:
+      import jax  # pylint: disable=g-import-not-at-top
+      with jax.default_device(device):
+        yield _state.platform
   finally:
     _state.platform = old
 

@@ -97,6 +97,9 @@ def child_env(platform: str) -> dict:
     env["TF_CPP_MIN_LOG_LEVEL"] = "0"
     env["TF_CPP_VMODULE"] = "subprocess_compilation=2"
   env.pop("XLA_FLAGS", None)  # e.g. a host device count meant for CPU runs
+  if platform == "gpu":  # ptxas as a process, whose report XLA logs (jax >= 0.11's default, the
+    # nvJitLink/nvPTXCompiler libraries, compile the same PTX but log no report)
+    env["XLA_FLAGS"] = "--xla_gpu_enable_libnvptxcompiler=false --xla_gpu_enable_libnvjitlink=false"
   env["PYTHONPATH"] = os.pathsep.join(
       [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))] +
       [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
@@ -281,7 +284,8 @@ def compile_target(config, tgt: Target) -> dict:
   loss_scale = (float(config.train.loss_scale_init) if loss_scale_lib.enabled(
       config.train.loss_scale, cfg.dtype) else None)
   row["loss_scale"] = loss_scale is not None
-  with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind):
+  with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind,
+                               device=devices[0] if chip.platform == "gpu" else None):
     impl = kernels.select(cfg, d.block, max(cfg.span.size, d.block))
     row["attention"], row["attention_why"] = ARCHS[cfg.arch].attention(
         cfg, d.block, max(cfg.span.size, d.block))
@@ -409,7 +413,7 @@ def report(config) -> dict:
       env = child_env(tgt.chip.platform)
       dump = os.path.join(tmp, "dump")
       if tgt.chip.platform == "gpu":  # the PTX, for what our kernels do (tools/ptx.py)
-        env["XLA_FLAGS"] = f"--xla_dump_to={dump}"
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
       with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, "-m", "span_lm.tools.compile", tmp, tgt.spec,
                                out_json], env=env, stdout=log,

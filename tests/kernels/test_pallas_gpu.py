@@ -501,6 +501,8 @@ chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))
 sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+# jax >= 0.11: Pallas-Triton lowers for the default device's GPU (target.compiling_for)
+jax.config.update("jax_default_device", topo.devices[0])
 """
 
 _PTX_CHILD = _PTX_PRELUDE + """
@@ -542,7 +544,7 @@ def test_precision_highest_reaches_every_kernel(tmp_path):
   from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
   env = compile_lib.child_env("gpu")
-  env["XLA_FLAGS"] = f"--xla_dump_to={tmp_path}"
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={tmp_path}"
   r = subprocess.run([sys.executable, "-c", _PTX_EXACT_CHILD, "h100"], cwd=REPO, env=env,
                      capture_output=True, text=True, timeout=900, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -575,7 +577,7 @@ def test_ptx_pipelined_tensor_cores_no_read_back_no_spills(tmp_path, target):
   from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
   env = compile_lib.child_env("gpu")
-  env["XLA_FLAGS"] = f"--xla_dump_to={tmp_path}"
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={tmp_path}"
   r = subprocess.run([sys.executable, "-c", _PTX_CHILD, target], cwd=REPO, env=env,
                      capture_output=True, text=True, timeout=1500, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
@@ -634,7 +636,7 @@ def _assert_step_kernels_clean(tmp_path, target, shape):
   from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
   env = compile_lib.child_env("gpu")
-  env["XLA_FLAGS"] = f"--xla_dump_to={tmp_path}"
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={tmp_path}"
   r = subprocess.run([sys.executable, "-c", _STEP_CHILD, target, *map(str, shape)], cwd=REPO,
                      env=env, capture_output=True, text=True, timeout=900, check=False)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -298,6 +298,8 @@ chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))
 sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+# jax >= 0.11: Pallas-Triton lowers for the default device's GPU (target.compiling_for)
+jax.config.update("jax_default_device", topo.devices[0])
 # A small Sparse Transformer-like step: 3 layers whose heads cover the combinations: fixed
 # merged (distinct offsets), fixed interleaved at an odd layer (A2 alone, distinct offsets),
 # strided split (two groups: two calls).
@@ -334,7 +336,7 @@ def compile_step(dump_dir, target: str, child: str = STEP_CHILD):
   from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
   env = compile_lib.child_env("gpu")
-  env["XLA_FLAGS"] = f"--xla_dump_to={dump_dir}"
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir}"
   r = subprocess.run([sys.executable, "-c", child, target], cwd=REPO, env=env,
                      capture_output=True, text=True, timeout=1500, check=False)
   assert r.returncode == 0, r.stderr[-3000:]

@@ -270,6 +270,8 @@ chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))
 sh = NamedSharding(Mesh(np.asarray(topo.devices), ("x",)), P())
+# jax >= 0.11: Pallas-Triton lowers for the default device's GPU (target.compiling_for)
+jax.config.update("jax_default_device", topo.devices[0])
 """
 
 # The kernels alone at the door's tiles: two-sided (A = 255: not a whole key tile), segment ids,
@@ -349,7 +351,7 @@ def _compile(tmp_path, child, target):
   from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
   env = compile_lib.child_env("gpu")
-  env["XLA_FLAGS"] = f"--xla_dump_to={tmp_path}"
+  env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={tmp_path}"
   r = subprocess.run([sys.executable, "-c", child, target], cwd=REPO, env=env,
                      capture_output=True, text=True, timeout=1500, check=False)
   assert r.returncode == 0, r.stderr[-3000:]
