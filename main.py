@@ -12,7 +12,10 @@ Modes (--config.mode=MODE):
   export   config.workdir's latest checkpoint as a safetensors directory (--config.export_to=DIR:
            model.safetensors, config.json, README.md) or a reference .pt (export_to=FILE.pt)
   compile  the train and eval steps compiled for chips this host lacks (--config.compile.targets)
-eval, spans, flops and sample read a run and may run while it trains. They use its saved
+  verify   every checkpoint in config.workdir read back and checked against the fingerprints
+           saved with it: a table (step, saved when, verified / damaged leaves / saved before
+           fingerprints); exit status 1 when one is damaged or unreadable
+eval, spans, flops, sample and verify read a run and may run while it trains. They use its saved
 config.json: `--config.workdir=DIR --config.mode=eval` needs no --config, and with one the command
 line's own overrides apply on top.
 Training options to watch a run: --config.train.profile_start=STEP --config.train.profile_steps=K

@@ -44,6 +44,9 @@ def run(config):
     if safetensors_format.export_format(config) == "safetensors":
       return safetensors_format.export(config)
     return reference_checkpoint.export_reference(config)
+  if config.mode == "verify":
+    from span_lm.tools import verify  # pylint: disable=g-import-not-at-top
+    return verify.report(config)
   if config.mode == "compile":
     from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
     config_lib.validate(config)
@@ -231,6 +234,8 @@ def main(config) -> int:
       raise
     print(f"error: {msg}", file=sys.stderr)
     return EXIT_ERROR
+  if isinstance(out, dict) and out.get("exit_status"):  # verify: a damaged checkpoint
+    return int(out["exit_status"])
   stopped = out.get("stopped") if isinstance(out, dict) else None
   if stopped == "preempted":
     return EXIT_PREEMPTED

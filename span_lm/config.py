@@ -27,6 +27,7 @@ from span_lm.model.config import ModelConfig
 MODES = ("train", "eval", "import", "export")
 TOOL_MODES = ("spans", "flops", "sample")  # inspection of a run (span_lm/tools)
 MODES += TOOL_MODES + ("compile",)  # compile: for named chips, no device (span_lm/tools/compile.py)
+MODES += ("verify",)  # every checkpoint checked against its fingerprints (span_lm/tools/verify.py)
 COMPILE_PLANS = ("full", "initial")
 COMPILE_STEPS = ("train", "eval")
 DIST_MODES = ("auto", "on", "off")  # span_lm/train/distributed.py
@@ -451,6 +452,9 @@ def _validate(config):
   if mode == "train" and workdir is None:
     raise ConfigError("config.workdir is not set: training needs a run directory; "
                       "pass --config.workdir=DIR")
+  if mode == "verify" and workdir is None:
+    raise ConfigError("config.workdir is not set: mode=verify checks the checkpoints of a run "
+                      "directory; pass --config.workdir=DIR")
   if mode in ("import", "export") and workdir is None:
     raise ConfigError(f"config.workdir is not set: mode={mode} needs the run directory that "
                       "holds (or will hold) the checkpoint; pass --config.workdir=DIR")

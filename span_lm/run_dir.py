@@ -14,7 +14,7 @@ from span_lm import config as config_lib
 from span_lm.model import config as model_config
 
 CONFIG_NAME = "config.json"
-RUN_MODES = ("eval", "spans", "flops", "sample")  # read a run; never write its checkpoints
+RUN_MODES = ("eval", "spans", "flops", "sample", "verify")  # read a run, never write its checkpoints
 # Defaults that change no result: host and launch settings; the sparse model's context, which an
 # older span run's flat config.model lacked (a sparse run's old `span` becomes it); what a run
 # reports (profiling, the MFU peak, Weights & Biases).

@@ -7,6 +7,7 @@ script); the rest train in this process on 8 fake CPU devices.
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -510,6 +511,187 @@ def test_truncating_any_checkpoint_file_is_named_or_changes_nothing(tmp_path):
   assert any(f.startswith("d/") for f in read) and any(
       f.startswith("ocdbt.process_") and "/d/" in f for f in read), (read, unread)
   assert {"_METADATA", "_sharding", "manifest.ocdbt"} <= set(read), read
+
+
+# ------------------------------------------------------- damaged checkpoints (fingerprints)
+
+
+def _identical(a, b) -> bool:
+  return jax.tree.structure(a) == jax.tree.structure(b) and all(
+      np.asarray(x).dtype == np.asarray(y).dtype and np.asarray(x).tobytes() == np.asarray(
+          y).tobytes() for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+@pytest.mark.slow
+def test_a_flipped_bit_in_any_file_a_restore_reads_is_named_or_changes_nothing(tmp_path):
+  """Issue 54: one bit flipped in turn at offsets spread over every file of a real checkpoint
+  step (the state's OCDBT data files above all: over the part a restore reads, and the rest),
+  restored with its meta: each flip is a CheckpointReadError (CheckpointDamagedError where the
+  bytes still decoded, to other values) naming the step, in one line, or the restored state and
+  meta are bitwise those saved (the flip hit something a restore does not read or use). Before
+  fingerprints, flips in the array data restored silently as other values."""
+  from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from checkpoint_damage import flip_bit  # pylint: disable=g-import-not-at-top
+  common = {"train.checkpoint_every": 2, "train.eval_every": 100, "train.full_eval_at_end": False}
+  base = tmp_path / "base"
+  config = sr.config_for(base, common, {"train.steps": 2})
+  loop.train(config)
+  run = loop.Run(config)
+  try:
+    meta = run.ckpt.restore_meta(2)
+    _, abstract, shardings = run.abstract_state(plan_lib.plan_from_json(meta["planner"]["plan"]))
+    target = sharding_lib.with_shardings(abstract, shardings)
+    intact = jax.device_get(run.ckpt.restore(target, 2))
+  finally:
+    run.ckpt.close()
+  step_dir = base / "checkpoints" / "2"
+  reads = _ocdbt_reads(step_dir / "state")
+  files = sorted(str(p.relative_to(step_dir)) for p in step_dir.rglob("*") if p.is_file())
+  outcome, wrong, n = {"damaged": 0, "unreadable": 0, "same": 0}, [], 0
+  for f in files:
+    size = (step_dir / f).stat().st_size
+    inner = f[len("state/"):] if f.startswith("state/") else ""
+    read_end = reads.get(inner, 0) if "/d/" in f"/{inner}" else size
+    offsets = {round(i * (size - 1) / 5) for i in range(6)}  # over the whole file
+    if 0 < read_end < size:  # and over the part a restore reads
+      offsets |= {round(i * (read_end - 1) / 5) for i in range(6)}
+    for offset in sorted(offsets):
+      n += 1
+      directory = tmp_path / f"flip{n}"  # a new path each time: no cache can answer for it
+      shutil.copytree(base / "checkpoints", directory)
+      flip_bit(directory / "2" / f, offset, bit=n % 8)
+      where = f"{f} byte {offset} of {size} (read up to {read_end})"
+      try:
+        with ckpt_lib.Checkpointer(directory, max_to_keep=None) as ckpt:
+          got = jax.device_get(ckpt.restore(target, 2))
+      except ckpt_lib.CheckpointReadError as e:
+        kind = "damaged" if isinstance(e, ckpt_lib.CheckpointDamagedError) else "unreadable"
+        outcome[kind] += 1
+        if e.path != str(directory / "2") or "\n" in str(e) or not str(e).startswith(
+            f"checkpoint step 2 in {directory / '2'} "):
+          wrong.append(f"{where}: {e!r}")
+        continue
+      finally:
+        shutil.rmtree(directory)
+      if not _identical(got, intact):
+        wrong.append(f"{where}: restored SILENTLY DIFFERENT")
+      outcome["same"] += 1
+  print(f"{n} flips over {len(files)} files: {outcome}")
+  assert not wrong, "\n".join(wrong)
+  # Both kinds of detection happened: flips the decoders refuse and flips that decode to other
+  # values (these restored silently before fingerprints).
+  assert outcome["damaged"] >= 5 and outcome["unreadable"] >= 5, outcome
+
+
+def _damaged_base(tmp_path, steps=4):
+  """A run checkpointed at steps 2 and 4 (or 2 only)."""
+  common = {"train.checkpoint_every": 2, "train.eval_every": 100, "train.full_eval_at_end": False}
+  base = tmp_path / "base"
+  loop.train(sr.config_for(base, common, {"train.steps": steps}))
+  return base, common
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_step_is_named_resume_and_eval_use_the_previous_one(tmp_path, capsys):
+  from span_lm import cli  # pylint: disable=g-import-not-at-top
+  from checkpoint_damage import damage_leaf, largest_param  # pylint: disable=g-import-not-at-top
+  base, common = _damaged_base(tmp_path)
+  leaf = largest_param(base / "checkpoints" / "4")
+
+  def damaged_copy(name, steps=(4,)):
+    workdir = tmp_path / name
+    shutil.copytree(base, workdir)
+    for s in steps:
+      damage_leaf(workdir / "checkpoints" / str(s), leaf, element=3, bit=20)
+    return workdir
+  named = lambda workdir, s: (f"warning: checkpoint step {s} in {workdir / 'checkpoints' / str(s)}"
+                              f" is damaged: {leaf} differs from its saved fingerprint; trying "
+                              "the previous checkpoint")
+
+  # verify: the table names the leaf; exit status 1.
+  workdir = damaged_copy("verify")
+  capsys.readouterr()
+  assert cli.main(sr.config_for(workdir, common, {"mode": "verify"})) == 1
+  out = capsys.readouterr().out
+  rows = {int(l.split()[0]): l for l in out.splitlines()
+          if re.match(r"\s*\d+  \d{4}-\d\d-\d\d ", l)}  # step, saved when, status
+  assert sorted(rows) == [2, 4], out
+  assert "verified (" in rows[2] and f"DAMAGED: {leaf}" in rows[4], out
+  assert "2 checkpoints: 1 verified, 1 DAMAGED" in out
+
+  # eval: says which step is damaged and which it evaluates.
+  capsys.readouterr()
+  assert cli.main(sr.config_for(workdir, common, {"mode": "eval"})) == 0
+  out = capsys.readouterr().out
+  assert named(workdir, 4) in out and f"using checkpoint step 2 in {workdir / 'checkpoints'}" in out
+
+  # resume: from step 2; step 4 moved aside whole as '4.damaged', never deleted.
+  workdir = damaged_copy("resume")
+  files = _tree_files(workdir / "checkpoints" / "4")
+  capsys.readouterr()
+  assert cli.main(sr.config_for(workdir, common, {"train.steps": 6})) == 0
+  out = capsys.readouterr().out
+  assert named(workdir, 4) in out
+  assert (f"warning: damaged checkpoint step 4 moved aside to "
+          f"{workdir / 'checkpoints' / '4.damaged'}") in out
+  assert f"resumed from {workdir / 'checkpoints'} at step 2" in out
+  assert _tree_files(workdir / "checkpoints" / "4.damaged") == files
+  with ckpt_lib.Checkpointer(workdir / "checkpoints") as ckpt:
+    assert ckpt.all_steps() == [2, 4, 6]
+    assert all(ckpt.verify(s).status == "verified" for s in (2, 4, 6))
+  capsys.readouterr()
+  assert cli.main(sr.config_for(workdir, common, {"mode": "verify"})) == 0
+  assert "moved aside earlier (not checked): 4.damaged" in capsys.readouterr().out
+
+  # Every step damaged: one line, nothing moved.
+  workdir = damaged_copy("all", steps=(2, 4))
+  before = _tree_files(workdir)
+  for mode in ("train", "eval"):
+    capsys.readouterr()
+    assert cli.main(sr.config_for(workdir, common, {"train.steps": 6, "mode": mode})) == 1
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: checkpoint step 4 in ") and (
+        "none of its 2 checkpoints can be read (2 damaged" in err[0]), err
+    assert named(workdir, 4) in captured.out and named(workdir, 2) in captured.out
+  assert _tree_files(workdir) == before
+
+
+@pytest.mark.slow
+def test_every_reader_refuses_a_damaged_checkpoint(tmp_path, capsys):
+  """eval, spans, sample, flops, the reference .pt export, init_from and resume each verify what
+  they read: a run whose only checkpoint is damaged stops each in one line."""
+  from span_lm import cli  # pylint: disable=g-import-not-at-top
+  from checkpoint_damage import damage_leaf, largest_param  # pylint: disable=g-import-not-at-top
+  base, common = _damaged_base(tmp_path, steps=2)
+  leaf = largest_param(base / "checkpoints" / "2")
+  damage_leaf(base / "checkpoints" / "2", leaf, element=0, bit=31)  # a sign
+  damage = f"checkpoint step 2 in {base / 'checkpoints' / '2'} is damaged: {leaf} differs"
+  cases = {
+      "eval": {"mode": "eval"},
+      "spans": {"mode": "spans"},
+      "sample": {"mode": "sample", "sample.prompt": "3 4 5", "sample.length": 3},
+      "flops": {"mode": "flops", "tools.xla": False},
+      "export": {"mode": "export", "export_to": str(tmp_path / "ref.pt")},
+      "resume": {"train.steps": 4},
+  }
+  before = _tree_files(base)
+  for name, overrides in cases.items():
+    capsys.readouterr()
+    assert cli.main(sr.config_for(base, common, overrides)) == 1, name
+    captured = capsys.readouterr()
+    err = _error_lines(captured.err)
+    assert len(err) == 1 and err[0].startswith("error: checkpoint step 2 in "), (name, err)
+    assert damage in err[0] or (damage in captured.out and "none of its 1 checkpoints can be "
+                                "read (1 damaged" in err[0]), (name, err, captured.out[-2000:])
+  assert not (tmp_path / "ref.pt").exists()
+  assert _tree_files(base) == before  # nothing moved aside by the readers
+  capsys.readouterr()
+  other = tmp_path / "phase2"
+  assert cli.main(sr.config_for(other, common, {"train.init_from": str(base)})) == 1
+  err = _error_lines(capsys.readouterr().err)
+  assert len(err) == 1 and err[0].startswith(f"error: {damage}"), err
 
 
 @pytest.mark.slow

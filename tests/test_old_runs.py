@@ -65,6 +65,15 @@ def test_an_old_run_resumes_to_the_numbers_the_old_code_gave(tmp_path):
   # lost in the upgrade is caught (span.ramp 32 instead of the run's 16 moves it by 1e-3).
   assert got[(3, "train")] == pytest.approx(want["step3_train_loss"], rel=1e-4, abs=0)
   assert got[(3, "valid")] == pytest.approx(want["step3_valid_loss"], rel=1e-4, abs=0)
+  # Step 2 predates fingerprints: restored unverified, said once; step 3, saved now, has them.
+  assert proc.stdout.count("has no fingerprints") == 1 and (
+      f"checkpoint step 2 in {work / 'checkpoints'} has no fingerprints: saved before they "
+      "existed; it is not verified") in proc.stdout, proc.stdout[-3000:]
+  meta3 = json.loads((work / "checkpoints" / "3" / "meta" / "metadata").read_text())
+  assert meta3["fingerprints"]["algorithm"] == "wsum32x2-fmix32"
+  assert "params/in_emb/embedding" in meta3["fingerprints"]["leaves"]
+  assert "fingerprints" not in json.loads(
+      (work / "checkpoints" / "2" / "meta" / "metadata").read_text())  # never rewritten
 
 
 def test_an_old_run_directory_is_read_in_sections(tmp_path, capsys):
@@ -81,6 +90,18 @@ def test_an_old_run_is_inspected_with_its_saved_config(tmp_path):
                "--config.sample.length=4", "--config.sample.temperature=0")
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert "checkpoint step 2" in proc.stdout
+  assert proc.stdout.count("has no fingerprints: saved before they existed; it is not "
+                           "verified") == 1, proc.stdout
+
+
+def test_an_old_run_is_verified_as_saved_before_fingerprints(tmp_path):
+  """verify reads every array of a checkpoint without fingerprints, says it cannot check it,
+  and exits 0: nothing is known to be damaged."""
+  proc = _main(f"--config.workdir={_old_run(tmp_path)}", "--config.mode=verify")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  row = [l for l in proc.stdout.splitlines() if l.split()[:1] == ["2"]]
+  assert len(row) == 1 and "saved before fingerprints: not verified (" in row[0], proc.stdout
+  assert "1 checkpoints: 1 saved before fingerprints" in proc.stdout
 
 
 def test_a_checkpoint_of_another_model_is_refused_by_its_new_names(tmp_path):

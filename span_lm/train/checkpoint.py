@@ -8,18 +8,31 @@ M devices, and are checked against the stored metadata first so that a mismatch 
 naming the paths rather than a deep Orbax/TensorStore error. A step whose files cannot be read
 (truncated, corrupted, deleted by hand) is a CheckpointReadError naming its directory, so callers
 can fall back to an older step.
+
+Fingerprints (train/fingerprint.py): every save stores, in its meta, a fingerprint of each leaf of
+the state computed on the devices, the leaves' dtypes and shapes, and a digest of the rest of the
+meta (meta['fingerprints'], below). Every read checks them before returning anything: the meta
+against its digest, the state's array metadata against the described leaves, each restored leaf
+against its fingerprint. A difference is a CheckpointDamagedError (a CheckpointReadError) naming
+the step's directory and the leaves, so the fallback to an older step applies to it too. A step
+saved before fingerprints existed restores unverified, with one note per Checkpointer.
 """
 import asyncio
+import datetime
+import hashlib
 import json
 import logging
 import os
+import re
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from span_lm.train import fingerprint as fingerprint_lib
+from span_lm.train import metrics as metrics_lib
 from span_lm.train.sharding import path_str
 
 log = logging.getLogger(__name__)
@@ -134,6 +147,55 @@ class CheckpointReadError(OSError):
     super().__init__(f"checkpoint step {step} in {path} cannot be read ({reason})")
 
 
+class CheckpointDamagedError(CheckpointReadError):
+  """A committed step whose contents differ from the fingerprints saved with it (a damaged file:
+  its bytes still decode, to other values). `leaves`: the leaf paths found damaged (or the part
+  of the step: 'meta', 'state/_METADATA'); the message is one line naming the step's directory
+  (in the run directory), the step and the leaves."""
+
+  def __init__(self, step: int, path: str, leaves, why: Optional[str] = None):
+    self.leaves = list(leaves)
+    shown = ", ".join(self.leaves[:_MAX_NAMED])
+    more = len(self.leaves) - _MAX_NAMED
+    what = shown + (f" and {more} more" if more > 0 else "")
+    if why is None:
+      why = ("differs from its saved fingerprint" if len(self.leaves) == 1 else
+             f"({len(self.leaves)} leaves) differ from their saved fingerprints")
+    super().__init__(step, path, f"damaged: {what} {why}")
+    self.args = (f"checkpoint step {step} in {path} is damaged: {what} {why}",)
+
+  def __str__(self) -> str:
+    return self.args[0]
+
+
+_MAX_NAMED = 5  # damaged leaves named in one line
+
+# meta['fingerprints'] = {'algorithm': fingerprint.ALGORITHM, 'leaves': {path: hex},
+#                         'arrays': {path: 'float32[512,2048]'}, 'meta': digest of the rest}
+FINGERPRINTS = "fingerprints"
+
+
+def meta_digest(meta: dict) -> str:
+  """sha256 (16 hex digits) of the meta's canonical JSON, without its 'fingerprints' entry."""
+  rest = {k: v for k, v in meta.items() if k != FINGERPRINTS}
+  text = json.dumps(rest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+  return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
+
+
+def _array_text(x) -> str:
+  return f"{np.dtype(x.dtype).name}[{','.join(str(int(d)) for d in x.shape)}]"
+
+
+def _mangled_key(meta: dict) -> Optional[str]:
+  """A top-level key one byte away from 'fingerprints' (a flipped bit in its name would make a
+  fingerprinted step look like one saved before fingerprints)."""
+  for k in meta:
+    if k != FINGERPRINTS and len(k) == len(FINGERPRINTS) and sum(
+        a != b for a, b in zip(k, FINGERPRINTS)) == 1:
+      return k
+  return None
+
+
 def _reason(e: BaseException) -> str:
   """One line about why a read failed: the innermost exception's first line, shortened."""
   while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
@@ -148,6 +210,57 @@ def _castable_cache(path: str, stored, expected) -> bool:
   model/caches.py) restore cast: attention reads them in the model's dtype either way."""
   floats = all(jax.dtypes.issubdtype(np.dtype(x.dtype), np.floating) for x in (stored, expected))
   return floats and path.split("/", 1)[0] in ("caches", "eval_caches")
+
+
+def describe(state: Any, meta: dict) -> dict:
+  """meta['fingerprints'] for `state` saved with `meta` (its other entries): the fingerprints,
+  computed on the devices (fingerprint.fingerprints), the leaves' dtypes and shapes, the digest."""
+  leaves = _leaves_by_path(state)
+  return {"algorithm": fingerprint_lib.ALGORITHM, "leaves": fingerprint_lib.fingerprints(state),
+          "arrays": {p: _array_text(x) for p, x in leaves.items()}, "meta": meta_digest(meta)}
+
+
+def _malformed(fps: Any) -> Optional[str]:
+  """Why meta['fingerprints'] cannot be used (damage, or a newer span_lm's algorithm), or None."""
+  if not isinstance(fps, dict) or not all(
+      isinstance(fps.get(k), d) for k, d in (("leaves", dict), ("arrays", dict), ("meta", str))):
+    return "(its fingerprints entry is incomplete)"
+  if fps.get("algorithm") != fingerprint_lib.ALGORITHM:
+    return (f"(its fingerprints use the algorithm {fps.get('algorithm')!r}, this span_lm knows "
+            f"{fingerprint_lib.ALGORITHM!r})")
+  return None
+
+
+def stored_fingerprints(directory: str, step: Optional[int] = None) -> Optional[dict]:
+  """meta['fingerprints'] of checkpoint `step` (latest by default) in a checkpoints directory
+  (Checkpointer.stored_fingerprints); None for a step saved before fingerprints existed."""
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"no checkpoint directory {directory}")
+  with Checkpointer(directory, max_to_keep=None) as ckpt:
+    return ckpt.stored_fingerprints(step)
+
+
+class Verdict(NamedTuple):
+  """Checkpointer.verify's answer for one step. status: 'verified', 'damaged' (leaves: which),
+  'unreadable' (reason: why), 'unverified' (saved before fingerprints; every leaf read)."""
+  step: int
+  saved_at: Optional[datetime.datetime]
+  status: str
+  leaves: list
+  reason: str
+  arrays: int  # leaves read
+
+
+def _spread(m, mesh) -> jax.ShapeDtypeStruct:
+  """A restore target for stored array metadata `m`: split along its largest dimension that the
+  devices divide, else replicated (the verify mode reads a state as saved, on any host)."""
+  shape, n = tuple(m.shape), mesh.devices.size
+  dims = [d for d in range(len(shape)) if shape[d] % n == 0 and shape[d] >= n]
+  spec = [None] * len(shape)
+  if dims and n > 1:
+    spec[max(dims, key=lambda d: shape[d])] = "x"
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+  return jax.ShapeDtypeStruct(shape, m.dtype, sharding=sharding)
 
 
 class Checkpointer:
@@ -172,6 +285,7 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory, options=options, item_names=("state", "meta"),
         item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+    self._noted_unverified = False  # the note about steps without fingerprints: once
 
   # --- queries -----------------------------------------------------------------------------------
 
@@ -219,7 +333,9 @@ class Checkpointer:
     if typed_keys:
       raise ValueError(f"typed PRNG keys at {typed_keys}: store jax.random.key_data(key) instead")
     meta = _jsonable(dict(meta or {}))
+    meta.pop(FINGERPRINTS, None)
     json.dumps(meta)  # fail here, synchronously, rather than in the async writer
+    meta[FINGERPRINTS] = describe(state, meta)
     # force=True: the interval decision above is ours, not Orbax's save_interval_steps.
     return self._manager.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -231,6 +347,61 @@ class Checkpointer:
     self._manager.wait_until_finished()
 
   # --- restore -----------------------------------------------------------------------------------
+
+  def _note_unverified(self, step: int) -> None:
+    if not self._noted_unverified:
+      self._noted_unverified = True
+      metrics_lib.say(f"note: checkpoint step {step} in {self.directory} has no fingerprints: "
+                      "saved before they existed; it is not verified")
+
+  def _read_meta(self, step: int) -> tuple:
+    """(meta, meta['fingerprints'] or None): the meta checked against its digest; a step saved
+    before fingerprints is noted (once) and gives None."""
+    meta = self._reading(step, lambda: self._manager.restore(
+        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    if not isinstance(meta, dict):
+      raise CheckpointReadError(step, self.step_path(step), "its 'meta' item is not a JSON object")
+    fps = meta.get(FINGERPRINTS)
+    if fps is None:
+      mangled = _mangled_key(meta)
+      if mangled is not None:
+        raise CheckpointDamagedError(step, self.step_path(step), ["meta"],
+                                     f"(its key {mangled!r} should read {FINGERPRINTS!r})")
+      self._note_unverified(step)
+      return meta, None
+    problem = _malformed(fps)
+    if problem is None and fps["meta"] != meta_digest(meta):
+      problem = "differs from the digest saved with it"
+    if problem is not None:
+      raise CheckpointDamagedError(step, self.step_path(step), ["meta"], problem)
+    return meta, fps
+
+  def _check_described(self, step: int, stored: dict, fps: Optional[dict]) -> None:
+    """The state's array metadata (state/_METADATA) against the leaves the meta describes."""
+    if fps is None:
+      return
+    arrays = fps["arrays"]
+    bad = [p for p in stored if arrays.get(p) != _array_text(stored[p])]
+    bad += [p for p in arrays if p not in stored]
+    if bad or set(fps["leaves"]) != set(arrays):
+      raise CheckpointDamagedError(
+          step, self.step_path(step), ["state/_METADATA"] + bad,
+          "(the state's array metadata names other leaves, dtypes or shapes than the meta "
+          "saved with it)")
+
+  def _verify(self, step: int, tree: Any, fps: Optional[dict]) -> None:
+    """Each leaf of `tree` (named as in the saved state) against its saved fingerprint."""
+    if fps is None:
+      return
+    bad = fingerprint_lib.mismatches(fps["leaves"], fingerprint_lib.fingerprints(tree))
+    if bad:
+      raise CheckpointDamagedError(step, self.step_path(step), bad)
+
+  def stored_fingerprints(self, step: Optional[int] = None) -> Optional[dict]:
+    """meta['fingerprints'] of `step` (latest by default), after checking the meta's digest:
+    {'algorithm': name, 'leaves': {leaf path: hex}, 'arrays': {leaf path: 'dtype[shape]'},
+    'meta': digest}; None for a step saved before fingerprints existed."""
+    return self._read_meta(self._resolve_step(step))[1]
 
   def _resolve_step(self, step: Optional[int]) -> int:
     self.wait()
@@ -306,29 +477,37 @@ class Checkpointer:
     return jax.tree_util.tree_map_with_path(one, abstract)
 
   def restore(self, abstract_state: Any, step: Optional[int] = None) -> tuple:
-    """Returns (state, meta) for `step` (latest by default), laid out as `abstract_state` says."""
+    """Returns (state, meta) for `step` (latest by default), laid out as `abstract_state` says;
+    every leaf verified against its fingerprint (CheckpointDamagedError) before it is returned.
+    A cache stored in another float dtype (_castable_cache) is read as stored, verified, then
+    cast."""
     step = self._resolve_step(step)
     abstract_state = self._require_shardings(abstract_state)
-    self._check_compatible(step, _leaves_by_path(abstract_state), self._stored_leaves(step))
-    out = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())))
-    return out.state, out.meta
+    meta, fps = self._read_meta(step)
+    stored = self._stored_leaves(step)
+    self._check_described(step, stored, fps)
+    self._check_compatible(step, _leaves_by_path(abstract_state), stored)
+
+    def as_stored(path, x):
+      s = stored[path_str(path)]
+      return x if np.dtype(s.dtype) == np.dtype(x.dtype) else jax.ShapeDtypeStruct(
+          x.shape, s.dtype, sharding=x.sharding)
+    read_target = jax.tree_util.tree_map_with_path(as_stored, abstract_state)
+    state = self._reading(step, lambda: self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(read_target))).state)
+    self._verify(step, state, fps)
+    cast = jax.tree.map(lambda x, want: x if x.dtype == want.dtype else jax.jit(
+        lambda a, dt=want.dtype: a.astype(dt), out_shardings=want.sharding)(x),
+                        state, abstract_state)
+    return cast, meta
 
   def restore_meta(self, step: Optional[int] = None) -> dict:
-    step = self._resolve_step(step)
-    meta = self._reading(step, lambda: self._manager.restore(
-        step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
-    if not isinstance(meta, dict):
-      raise CheckpointReadError(step, self.step_path(step), "its 'meta' item is not a JSON object")
-    return meta
+    """The meta saved with `step` (latest by default), checked against its digest, with the
+    'fingerprints' entry save added (stored_fingerprints reads it alone)."""
+    return self._read_meta(self._resolve_step(step))[0]
 
-  def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> Any:
-    """Restores only state['params'] (for evaluation: no optimizer state or caches read)."""
-    step = self._resolve_step(step)
-    target = {"params": self._require_shardings(abstract_params)}
-    stored = {p: x for p, x in self._stored_leaves(step).items()
-              if p == "params" or p.startswith("params/")}
-    self._check_compatible(step, _leaves_by_path(target), stored)
+  def _restore_part(self, step: int, target: dict) -> dict:
+    """The top-level entries of the saved state that `target` names (partial_restore)."""
     # StandardRestore has no partial mode and the manager's 'state' handler only accepts
     # Standard args, so read the item directory with a PyTree checkpointer (partial_restore).
     path = os.path.join(self.step_path(step), "state")
@@ -338,19 +517,86 @@ class Checkpointer:
         return ckptr.restore(path, args=ocp.args.PyTreeRestore(
             item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
             partial_restore=True))
-    return self._reading(step, read)["params"]
+    return self._reading(step, read)
 
-  def move_aside(self, step: int) -> str:
-    """Renames an unreadable step to '<step>.unreadable' (never deletes it) so that later saves
-    of that step and beyond proceed; returns the new path."""
+  def restore_params(self, abstract_params: Any, step: Optional[int] = None) -> Any:
+    """Restores only state['params'] (for evaluation: no optimizer state or caches read),
+    verified against their fingerprints."""
+    step = self._resolve_step(step)
+    target = {"params": self._require_shardings(abstract_params)}
+    _, fps = self._read_meta(step)
+    stored_all = self._stored_leaves(step)
+    self._check_described(step, stored_all, fps)
+    stored = {p: x for p, x in stored_all.items() if p == "params" or p.startswith("params/")}
+    self._check_compatible(step, _leaves_by_path(target), stored)
+    out = self._restore_part(step, target)
+    self._verify(step, {"params": out["params"]}, fps)
+    return out["params"]
+
+  # --- verification (the verify mode) -----------------------------------------------------------
+
+  def saved_at(self, step: int) -> Optional[datetime.datetime]:
+    """When `step` was committed (Orbax's step metadata; the directory's mtime without it)."""
+    try:
+      ns = self._manager.metadata(step).commit_timestamp_nsecs
+      if ns:
+        return datetime.datetime.fromtimestamp(ns / 1e9)
+    except Exception:  # pylint: disable=broad-except
+      pass
+    try:
+      return datetime.datetime.fromtimestamp(os.path.getmtime(self.step_path(step)))
+    except OSError:
+      return None
+
+  def verify(self, step: int) -> "Verdict":
+    """Reads every leaf of `step` as it was saved (spread over this host's devices, one
+    top-level entry of the state at a time) and checks it: a Verdict, never an exception for a
+    damaged or unreadable step."""
+    status, leaves, reason, n = "verified", [], "", 0
+    try:
+      _, fps = self._read_meta(step)
+      item = self._reading(step, lambda: self._manager.item_metadata(step).state)
+      tree = getattr(item, "tree", item)
+      self._check_described(step, _leaves_by_path(tree), fps)
+      mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("x",))
+      for key in sorted(tree):
+        target = {key: jax.tree.map(lambda m: _spread(m, mesh), tree[key])}
+        part = self._restore_part(step, target)
+        n += len(jax.tree.leaves(part))
+        if fps is not None:
+          leaves += fingerprint_lib.mismatches(
+              fps["leaves"], fingerprint_lib.fingerprints({key: part[key]}))
+        del part
+      if fps is None:
+        status = "unverified"
+      elif leaves:
+        status = "damaged"
+    except CheckpointDamagedError as e:
+      status, leaves, reason = "damaged", e.leaves, str(e)
+    except (CheckpointReadError, FileNotFoundError, ValueError) as e:
+      status, reason = "unreadable", str(e)
+    return Verdict(step, self.saved_at(step), status, leaves, reason, n)
+
+  def move_aside(self, step: int, why: str = "unreadable") -> str:
+    """Renames an unreadable (or damaged: why='damaged') step to '<step>.<why>' (never deletes
+    it) so that later saves of that step and beyond proceed; returns the new path."""
     src = self.step_path(step)
-    dst, n = src + ".unreadable", 1
+    dst, n = f"{src}.{why}", 1
     while os.path.exists(dst):
       n += 1
-      dst = f"{src}.unreadable{n}"
+      dst = f"{src}.{why}{n}"
     os.rename(src, dst)
     self._manager.reload()
     return dst
+
+  def moved_aside(self) -> list:
+    """Names of the steps moved aside in this directory ('4.damaged', '7.unreadable2'), sorted."""
+    pattern = re.compile(r"^(\d+)\.(damaged|unreadable)\d*$")
+    try:
+      names = [n for n in os.listdir(self.directory) if pattern.match(n)]
+    except OSError:
+      return []
+    return sorted(names, key=lambda n: (int(pattern.match(n).group(1)), n))
 
   # --- lifetime ----------------------------------------------------------------------------------
 

@@ -50,12 +50,14 @@ def check_meta(model_cfg, meta: dict, directory: str) -> None:
 def newest_readable(run, read, step, move_aside: bool):
   """read(step) for `step`, or (None) for the newest step that reads: an unreadable one is
   reported by path and skipped (renamed '<step>.unreadable' when move_aside, so the run can
-  save that step again; nothing is deleted). A model mismatch is never skipped. A step that
+  save that step again; nothing is deleted), and so is a damaged one, whose contents differ from
+  the fingerprints saved with it (checkpoint.CheckpointDamagedError: '<step>.damaged'). A model
+  mismatch is never skipped. A step that
   vanished while read was deleted by a run saving into the directory (it keeps its newest
   max_to_keep): not damage; the directory is listed again and its newest step read."""
   if step is not None:
     return read(step)
-  bad, tried, vanished = [], set(), 0
+  bad, damaged, tried, vanished = [], set(), set(), 0
   while True:
     untried = [s for s in run.ckpt.all_steps(reread=vanished > 0) if s not in tried]
     if not untried:
@@ -72,18 +74,24 @@ def newest_readable(run, read, step, move_aside: bool):
         continue
       _echo(f"warning: {e}; trying the previous checkpoint")
       bad.append(s)
+      if isinstance(e, ckpt_lib.CheckpointDamagedError):
+        damaged.add(s)
       continue
     if bad and move_aside and run.process_index == 0 and run.process_count == 1:
       for b in bad:
-        _echo(f"warning: unreadable checkpoint step {b} moved aside to {run.ckpt.move_aside(b)}")
+        why = "damaged" if b in damaged else "unreadable"
+        _echo(f"warning: {why} checkpoint step {b} moved aside to "
+              f"{run.ckpt.move_aside(b, why)}")
     if bad:
       _echo(f"using checkpoint step {s} in {run.ckpt.directory}")
     return out
   if bad:
     raise ckpt_lib.CheckpointReadError(
         bad[0], run.ckpt.directory,
-        f"none of its {len(bad)} checkpoints can be read; move the directory aside to start "
-        "afresh, or restore it from a backup")
+        f"none of its {len(bad)} checkpoints can be read"
+        + (f" ({len(damaged)} damaged: their contents differ from their saved fingerprints)"
+           if damaged else "")
+        + "; move the directory aside to start afresh, or restore it from a backup")
   raise FileNotFoundError(f"no checkpoint in {run.ckpt.directory}")
 
 

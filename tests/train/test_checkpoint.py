@@ -61,6 +61,11 @@ def _assert_bit_identical(a, b):
     assert x.tobytes() == y.tobytes()
 
 
+def _as_saved(meta: dict) -> dict:
+  """A restored meta without the fingerprints entry save adds to it."""
+  return {k: v for k, v in meta.items() if k != "fingerprints"}
+
+
 META = {"config": {"model": {"d_model": 3, "span_mode": "adaptive"}, "tags": ["a", "b"]},
         "data": {"position": 4096, "split": "train"}, "metrics": [{"loss": 1.5}, {"loss": 1.25}],
         "note": "hello"}
@@ -95,18 +100,19 @@ def test_restore_onto_fewer_devices_is_bit_identical(saved_8dev, num_devices):
   assert state["caches"][0].sharding.spec == jax.sharding.PartitionSpec("data", None, None)
   assert state["rng"].dtype == jnp.uint32
   jax.random.wrap_key_data(state["rng"])  # still usable as key data
-  assert meta == META
+  assert _as_saved(meta) == META and set(meta["fingerprints"]["leaves"]) == set(
+      sharding.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(host_state)[0])
 
 
 def test_meta_round_trip_and_numpy_values(tmp_path, saved_8dev):
   directory, _ = saved_8dev
   with Checkpointer(directory) as ckpt:
-    assert ckpt.restore_meta() == META
-    assert ckpt.restore_meta(step=10) == META
+    assert _as_saved(ckpt.restore_meta()) == META
+    assert _as_saved(ckpt.restore_meta(step=10)) == META
   with Checkpointer(tmp_path, save_every=1, async_save=False) as ckpt:
     ckpt.save(1, {"x": jnp.zeros(2)}, {"loss": np.float32(0.5), "shape": (2, 3),
                                        "arr": np.arange(3)})
-    assert ckpt.restore_meta() == {"loss": 0.5, "shape": [2, 3], "arr": [0, 1, 2]}
+    assert _as_saved(ckpt.restore_meta()) == {"loss": 0.5, "shape": [2, 3], "arr": [0, 1, 2]}
 
 
 def test_restore_params_only(saved_8dev):
@@ -179,7 +185,7 @@ def test_save_interval_force_and_existing_step(tmp_path, caplog):
       assert not ckpt.save(5, {"x": jnp.ones(4)}, {"v": 3}, force=True)
       assert not ckpt.save(6, state, force=True)  # below the latest step (7)
     assert "already exists" in caplog.text and "later step 7" in caplog.text
-    assert ckpt.restore_meta(5) == {"v": 1}  # not overwritten
+    assert _as_saved(ckpt.restore_meta(5)) == {"v": 1}  # not overwritten
     assert ckpt.all_steps() == [5, 7] and ckpt.latest_step() == 7
     with pytest.raises(ValueError, match="key_data"):
       ckpt.save(10, {"rng": jax.random.key(0)})
@@ -195,7 +201,7 @@ def test_max_to_keep_rotation(tmp_path):
   with Checkpointer(tmp_path, max_to_keep=2) as ckpt:
     assert ckpt.latest_step() == 4
     assert ckpt.all_steps() == [3, 4]
-    assert ckpt.restore_meta() == {"step": 4}
+    assert _as_saved(ckpt.restore_meta()) == {"step": 4}
   assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3", "4"]
 
 
@@ -214,7 +220,7 @@ def test_empty_directory_and_uncommitted_tmp_step(tmp_path):
   with Checkpointer(tmp_path) as ckpt:
     assert ckpt.latest_step() == 10
     assert ckpt.all_steps() == [10]
-    assert ckpt.restore_meta() == {"step": 10}
+    assert _as_saved(ckpt.restore_meta()) == {"step": 10}
   # A directory holding only an uncommitted step has no checkpoint at all.
   only_tmp = tmp_path / "other"
   only_tmp.mkdir()
@@ -310,10 +316,149 @@ def test_a_step_deleted_while_read_is_not_damage(tmp_path, capsys, listed):
           if listed:
             assert reader.all_steps(reread=True) == [3, 4]
         reader.step_path(s)  # as reading the state does (it once raised Orbax's ValueError)
-        return reader.restore_meta(s)
+        return _as_saved(reader.restore_meta(s))
 
       run = types.SimpleNamespace(ckpt=reader, process_index=0, process_count=1)
       assert restore.newest_readable(run, read_meta, None, move_aside=True) == {"step": 4}
   assert read == [2, 4]
   assert "checkpoint step 2 was deleted while read" in capsys.readouterr().out
   assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["3", "4"]  # nothing moved aside
+
+
+# ------------------------------------------------------------------------------- fingerprints
+
+
+def _copy(saved_8dev, tmp_path):
+  directory, host_state = saved_8dev
+  shutil.copytree(directory, tmp_path / "ck")
+  return tmp_path / "ck", host_state
+
+
+def test_every_save_stores_the_leaves_fingerprints(saved_8dev):
+  """meta['fingerprints'] (the contract with the export code): the algorithm and, for every
+  leaf by its path, the fingerprint of its global contents: here the numpy reference's of the
+  state gathered on the host, though the save ran on 8 devices."""
+  import json  # pylint: disable=g-import-not-at-top
+  from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import fingerprint  # pylint: disable=g-import-not-at-top
+  directory, host_state = saved_8dev
+  on_disk = json.loads((directory / "10" / "meta" / "metadata").read_text())["fingerprints"]
+  want = {sharding.path_str(p): fingerprint.fingerprint_numpy(x)
+          for p, x in jax.tree_util.tree_flatten_with_path(host_state)[0]}
+  assert on_disk["algorithm"] == fingerprint.ALGORITHM == "wsum32x2-fmix32"
+  assert on_disk["leaves"] == want and len(want) == 15
+  assert on_disk["arrays"]["params/layers/0/w"] == "float32[3,3]"
+  assert ckpt_lib.stored_fingerprints(str(directory), 10) == on_disk
+  with Checkpointer(directory) as ckpt:
+    assert ckpt.stored_fingerprints() == on_disk
+    assert ckpt.restore_meta(10)["fingerprints"] == on_disk  # verified, returned with the meta
+    verdict = ckpt.verify(10)
+  assert verdict.status == "verified" and verdict.arrays == 15 and verdict.saved_at is not None
+
+
+def test_a_damaged_leaf_saved_on_8_devices_is_named_restored_on_2_or_1(saved_8dev, tmp_path):
+  from checkpoint_damage import damage_leaf  # pylint: disable=g-import-not-at-top
+  from span_lm.train.checkpoint import CheckpointDamagedError  # pylint: disable=g-import-not-at-top
+  directory, host_state = _copy(saved_8dev, tmp_path)
+  damage_leaf(directory / "10", "params/layers/0/w", element=4, bit=3)
+  mesh2, mesh1 = sharding.make_mesh(2), sharding.make_mesh(1)
+  with Checkpointer(directory) as ckpt:
+    with pytest.raises(CheckpointDamagedError) as e:
+      ckpt.restore(_target(host_state, mesh2))
+    assert str(e.value) == (f"checkpoint step 10 in {directory / '10'} is damaged: "
+                            "params/layers/0/w differs from its saved fingerprint")
+    assert e.value.step == 10 and e.value.leaves == ["params/layers/0/w"]
+    params_target = sharding.with_shardings(
+        _abstract(host_state["params"]),
+        jax.tree.map(lambda _: sharding.replicated(mesh1), host_state["params"]))
+    with pytest.raises(CheckpointDamagedError, match=r"params/layers/0/w differs"):
+      ckpt.restore_params(params_target)
+    verdict = ckpt.verify(10)
+  assert verdict.status == "damaged" and verdict.leaves == ["params/layers/0/w"]
+
+
+def test_a_damaged_float32_cache_is_named_before_the_cast_to_bf16(saved_8dev, tmp_path):
+  from checkpoint_damage import damage_leaf  # pylint: disable=g-import-not-at-top
+  from span_lm.train.checkpoint import CheckpointDamagedError  # pylint: disable=g-import-not-at-top
+  directory, host_state = _copy(saved_8dev, tmp_path)
+  damage_leaf(directory / "10", "caches/1", element=17, bit=0)  # the lowest mantissa bit
+  bf16 = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)
+  newer = dict(host_state, caches=bf16(host_state["caches"]),
+               eval_caches=bf16(host_state["eval_caches"]))
+  with Checkpointer(directory) as ckpt:
+    with pytest.raises(CheckpointDamagedError, match=r"is damaged: caches/1 differs"):
+      ckpt.restore(_target(newer, sharding.make_mesh(2)))
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda m: m["data"].update(position=4097), "meta differs from the digest saved with it"),
+    (lambda m: m.update(fingerprintz=m.pop("fingerprints")), "meta (its key 'fingerprintz'"),
+    (lambda m: m["fingerprints"]["leaves"].update({"params/emb": "0" * 16}),
+     "params/emb differs from its saved fingerprint"),
+    (lambda m: m["fingerprints"]["arrays"].update({"step": "int32[1]"}),
+     "state/_METADATA, step (the state's array metadata names other"),
+    (lambda m: m["fingerprints"].update(algorithm="crc32c"), "meta (its fingerprints use the "
+     "algorithm 'crc32c'"),
+])
+def test_a_changed_meta_is_damage(saved_8dev, tmp_path, change, named):
+  """The meta (data position, span plan, config) is checked against its digest, and the
+  fingerprints entry itself against the state: a flipped bit in a name that made the step look
+  older than fingerprints is damage too."""
+  from checkpoint_damage import edit_meta  # pylint: disable=g-import-not-at-top
+  from span_lm.train.checkpoint import CheckpointDamagedError  # pylint: disable=g-import-not-at-top
+  directory, host_state = _copy(saved_8dev, tmp_path)
+  edit_meta(directory / "10", change)
+  with Checkpointer(directory) as ckpt:
+    with pytest.raises(CheckpointDamagedError) as e:
+      ckpt.restore(_target(host_state, sharding.make_mesh(2)))
+    assert named in str(e.value) and "\n" not in str(e.value)
+    if "digest" in named or "key" in named or "algorithm" in named:
+      with pytest.raises(CheckpointDamagedError):
+        ckpt.restore_meta(10)
+    assert ckpt.verify(10).status == "damaged"
+
+
+def test_a_checkpoint_saved_before_fingerprints_restores_with_one_note(saved_8dev, tmp_path,
+                                                                      capsys):
+  from checkpoint_damage import edit_meta  # pylint: disable=g-import-not-at-top
+  directory, host_state = _copy(saved_8dev, tmp_path)
+  edit_meta(directory / "10", lambda m: m.pop("fingerprints"))
+  with Checkpointer(directory, save_every=1) as ckpt:
+    capsys.readouterr()
+    for _ in range(2):
+      state, meta = ckpt.restore(_target(host_state, sharding.make_mesh(2)))
+      assert meta == META
+    _assert_bit_identical(state, host_state)
+    out = capsys.readouterr().out
+    assert out.count("has no fingerprints") == 1, out
+    assert (f"checkpoint step 10 in {directory} has no fingerprints: saved before they existed; "
+            "it is not verified") in out
+    assert ckpt.verify(10).status == "unverified"
+    assert ckpt.stored_fingerprints(10) is None
+    ckpt.save(11, state, meta)  # a resumed run's next save has them
+    ckpt.wait()
+    assert ckpt.stored_fingerprints(11)["leaves"]["params/emb"]
+
+
+def test_verify_mode_beside_a_training_run_that_deletes_a_step(tmp_path, capsys, monkeypatch):
+  """A step that a run saving into the directory deletes (max_to_keep) while verify reads it is
+  not damage: the table says so and the exit status is 0."""
+  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.tools import verify  # pylint: disable=g-import-not-at-top
+  directory = tmp_path / "checkpoints"
+  with Checkpointer(directory, save_every=1, async_save=False) as ckpt:
+    for s in (1, 2):
+      ckpt.save(s, {"x": jnp.full(3, float(s))}, {"step": s})
+  real = Checkpointer.verify
+
+  def verify_after_a_deletion(self, step):
+    if step == 1:
+      shutil.rmtree(directory / "1")
+    return real(self, step)
+  monkeypatch.setattr(Checkpointer, "verify", verify_after_a_deletion)
+  config = config_lib.base_config()
+  config.workdir, config.mode = str(tmp_path), "verify"
+  out = verify.report(config)
+  printed = capsys.readouterr().out
+  assert [v.status for v in out["verdicts"]] == ["deleted", "verified"], printed
+  assert out["exit_status"] == 0 and "deleted while read" in printed

@@ -286,3 +286,59 @@ def test_a_pair_takes_the_run_directorys_lock_once_and_is_refused_together(tmp_p
   assert logs[0].count("run directory lock: took over the lock of") == 1
   assert "took over" not in logs[1]
   assert (workdir / "run.lock").read_text() == ""
+
+
+@pytest.mark.slow
+def test_a_pairs_checkpoint_has_global_fingerprints_and_a_pair_verifies_what_it_restores(
+    tmp_path):
+  """Two processes save fingerprints of the global arrays (the numpy reference's of the state
+  gathered here); two processes resuming verify before training, and both refuse a damaged
+  step in agreement."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from checkpoint_damage import damage_leaf, largest_param  # pylint: disable=g-import-not-at-top
+  from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import fingerprint  # pylint: disable=g-import-not-at-top
+  from span_lm.train import loop  # pylint: disable=g-import-not-at-top
+  short = {"train.steps": 3, "train.full_eval_at_end": False}
+
+  def pair(workdir, extra, ok=True):
+    procs = _start_pair(tmp_path, workdir, extra)
+    try:
+      for p, _ in procs:
+        p.wait(timeout=240)
+    finally:
+      _stop_pair(procs)
+    if ok:
+      return _pair_logs(tmp_path, procs)
+    return [p.returncode for p, _ in procs], [
+        (tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+
+  two = tmp_path / "two"
+  pair(two, short)
+  stored = ckpt_lib.stored_fingerprints(str(two / "checkpoints"), 3)
+  run = loop.Run(config_for(two, short))
+  try:
+    state, _ = run.restore()  # 8 devices here, verified
+  finally:
+    run.ckpt.close()
+  host = jax.device_get(state)
+  assert stored["leaves"] == {p: fingerprint.fingerprint_numpy(x) for p, x in zip(
+      fingerprint.leaf_paths(host), jax.tree.leaves(host))}
+
+  damaged = tmp_path / "damaged"
+  shutil.copytree(two, damaged)
+  leaf = largest_param(damaged / "checkpoints" / "3")
+  damage_leaf(damaged / "checkpoints" / "3", leaf, element=1, bit=7)
+
+  logs = pair(two, {"train.steps": 6, "train.full_eval_at_end": False})  # resumes, verified
+  assert f"resumed from {two / 'checkpoints'} at step 3" in logs[0]
+  assert "damaged" not in logs[0] + logs[1] and "no fingerprints" not in logs[0]
+  assert ckpt_lib.stored_fingerprints(str(two / "checkpoints"), 6)["leaves"]
+
+  codes, logs = pair(damaged, {"train.steps": 6, "train.full_eval_at_end": False}, ok=False)
+  assert all(c != 0 for c in codes), logs
+  assert f"checkpoint step 3 in {damaged / 'checkpoints' / '3'} is damaged: {leaf}" in logs[0]
+  for text in logs:  # both processes found it, neither trained on
+    assert "none of its 1 checkpoints can be read (1 damaged" in text, text[-3000:]
+    assert "| loss" not in text

@@ -295,6 +295,8 @@ def _instance(cls):
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   if cls is ckpt_lib.CheckpointReadError:
     return cls(4, "/runs/x/checkpoints/4", "its meta has no valid 'step' entry")
+  if cls is ckpt_lib.CheckpointDamagedError:
+    return cls(4, "/runs/x/checkpoints/4", ["params/layers_3/attn/proj_query/kernel"])
   from span_lm import safe_pickle  # pylint: disable=g-import-not-at-top
   if cls is safe_pickle.ForbiddenGlobalError:
     return cls("/data/evil.pt", "os.system")
@@ -324,16 +326,17 @@ def test_every_user_error_the_package_raises_is_one_line(tmp_path, capsys, monke
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], (name, err)
     assert "the cause" not in err[0]
     assert ("can fix: first detail; second detail" in err[0] or "cannot be read" in err[0]
-            or "refused to load" in err[0]), err
+            or "refused to load" in err[0] or "is damaged: params/" in err[0]), err
 
 
 def test_an_unknown_mode_lists_the_modes(capsys):
   assert cli.main({"mode": "spanz", "workdir": None}) == cli.EXIT_ERROR
   err = capsys.readouterr().err.strip()
   assert err == ("error: config.mode='spanz': unknown mode; choose one of train, eval, import, "
-                 "export, spans, flops, sample, compile (python main.py --help describes each)")
+                 "export, spans, flops, sample, compile, verify (python main.py --help describes "
+                 "each)")
   assert set(config_lib.MODES) == {"train", "eval", "import", "export", "spans", "flops",
-                                   "sample", "compile"}
+                                   "sample", "compile", "verify"}
 
 
 def test_help_lists_every_mode():
