@@ -98,8 +98,10 @@ def child_env(platform: str) -> dict:
     env["TF_CPP_VMODULE"] = "subprocess_compilation=2"
   env.pop("XLA_FLAGS", None)  # e.g. a host device count meant for CPU runs
   if platform == "gpu":  # ptxas as a process, whose report XLA logs (jax >= 0.11's default, the
-    # nvJitLink/nvPTXCompiler libraries, compile the same PTX but log no report)
-    env["XLA_FLAGS"] = "--xla_gpu_enable_libnvptxcompiler=false --xla_gpu_enable_libnvjitlink=false"
+    # nvJitLink/nvPTXCompiler libraries, compile the same PTX but log no report); with a
+    # --xla_dump_to added, the kernels' PTX dumped (jax >= 0.11 dumps it per emitter only)
+    env["XLA_FLAGS"] = ("--xla_gpu_enable_libnvptxcompiler=false --xla_gpu_enable_libnvjitlink=false"
+                        " --xla_dump_emitter_re=.*")
   env["PYTHONPATH"] = os.pathsep.join(
       [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))] +
       [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
