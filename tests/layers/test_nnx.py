@@ -120,7 +120,8 @@ def test_the_converter_goes_both_ways_and_refuses_other_weights():
     model.load_linen_params(bad)
 
 
-@pytest.mark.parametrize("impl", ["auto", pytest.param("plain", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast tier checks grouped heads through the door: tests/kernels/test_gqa.py
+@pytest.mark.parametrize("impl", ["auto", "plain"])
 def test_grouped_heads_equal_the_repeated_heads_definition(impl):
   """A layer of 4 query heads over 2 KV heads is the 4-head layer whose key and value weights
   are the 2 heads' repeated per group; its KV gradients are the group's gradients summed."""
