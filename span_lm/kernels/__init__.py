@@ -307,11 +307,7 @@ def check(cfg, *, block: int | None = None, backend: str | None = None) -> None:
                      f"{backend} devices: use 'auto' (or {name + '_interpret'!r} to run the "
                      "kernel interpreted)")
   if impl.ops_module == IMPLS["pallas"].ops_module:
-    missing = target.triton_missing()
-    if missing:
-      raise ValueError(f"config.model.attention.impl={name!r} runs {impl.needs}, built on Pallas's "
-                       f"Triton backend, but {missing}: use 'auto' or 'reference' (the XLA path), "
-                       "or a jax that has it (0.10-0.12)")
+    target.refuse_without_triton("attention.impl", name, impl.needs, "reference")
 
 
 def _gpu_runs_triton(platform: target.Platform) -> bool:

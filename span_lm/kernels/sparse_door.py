@@ -90,11 +90,7 @@ def check(name: str, heads=None, n: int | None = None, head_dim: int | None = No
     raise ValueError(f"config.model.sparse.impl={name!r} runs {impl.needs}; this process has "
                      f"{backend} devices: use 'auto' (or {name + '_interpret'!r})")
   if impl.module == SPARSE_IMPLS["pallas"].module:
-    missing = target.triton_missing()
-    if missing:
-      raise ValueError(f"config.model.sparse.impl={name!r} runs {impl.needs}, built on Pallas's "
-                       f"Triton backend, but {missing}: use 'auto' or 'jnp' (the XLA path), or a "
-                       "jax that has it (0.10-0.12)")
+    target.refuse_without_triton("sparse.impl", name, impl.needs, "jnp")
   if heads is not None:
     why = impl.misfit(heads, n, head_dim)
     if why:

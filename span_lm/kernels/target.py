@@ -95,3 +95,13 @@ def triton_missing() -> str:
     return (f"this jax ({jax.__version__}) has no Pallas Triton backend "
             f"(jax.experimental.pallas.triton: {type(e).__name__})")
   return ""
+
+
+def refuse_without_triton(field: str, name: str, needs: str, xla: str) -> None:
+  """The one-line refusal of an explicit Pallas-Triton kernel (`field`={name}) on a jax without
+  that backend; xla: the implementation that runs instead. Nothing where the backend is there."""
+  missing = triton_missing()
+  if missing:
+    raise ValueError(f"config.model.{field}={name!r} runs {needs}, built on Pallas's Triton "
+                     f"backend, but {missing}: use 'auto' or {xla!r} (the XLA path), or a jax "
+                     "that has it (0.10-0.12)")
