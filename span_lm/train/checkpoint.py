@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import time
 import weakref
 from typing import Any, NamedTuple, Optional
 
@@ -263,6 +264,21 @@ def _spread(m, mesh) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, m.dtype, sharding=sharding)
 
 
+def _listing(list_steps, attempts: int = 20):
+  """list_steps() (Orbax listing the step directories), again while a step vanishes under it.
+  Orbax lists the directory, then stats each step's directory and metadata; a run saving into
+  it deletes its oldest step meanwhile (max_to_keep), which Orbax raises as FileNotFoundError or
+  ValueError ('No step path found'). A reader beside a training run (eval, spans, sample, verify)
+  lists again: the deleted step is simply gone from the new listing."""
+  for attempt in range(attempts):
+    try:
+      return list_steps()
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+      if attempt == attempts - 1:
+        raise
+      time.sleep(0.05)
+
+
 class Checkpointer:
   """Saves every `save_every` steps (or when forced), keeps the newest `max_to_keep`."""
 
@@ -282,9 +298,10 @@ class Checkpointer:
         create=True,
     )
     # Handlers registered up front: without them a fresh manager cannot read item metadata.
-    self._manager = ocp.CheckpointManager(
+    self._manager = _listing(lambda: ocp.CheckpointManager(
         self.directory, options=options, item_names=("state", "meta"),
-        item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()}))
     self._noted_unverified = False  # the note about steps without fingerprints: once
 
   # --- queries -----------------------------------------------------------------------------------
@@ -301,7 +318,7 @@ class Checkpointer:
     """Committed steps, oldest first; reread lists the directory again (another process may
     save and delete meanwhile: a training run beside an eval)."""
     if reread:
-      self._manager.reload()
+      _listing(self._manager.reload)
     return sorted(self._manager.all_steps())
 
   def should_save(self, step: int) -> bool:

@@ -325,6 +325,52 @@ def test_a_step_deleted_while_read_is_not_damage(tmp_path, capsys, listed):
   assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["3", "4"]  # nothing moved aside
 
 
+_WRITER = """
+import sys, time
+import jax.numpy as jnp
+from span_lm.train.checkpoint import Checkpointer
+with Checkpointer(sys.argv[1], max_to_keep=2, save_every=1, async_save=True) as ck:
+  t0 = time.time()
+  step = 0
+  while time.time() - t0 < float(sys.argv[2]):
+    step += 1
+    ck.save(step, {"x": jnp.full(64, float(step))}, {"step": step})
+    time.sleep(0.01)
+print("saved", step)
+"""
+
+
+@pytest.mark.slow
+def test_listing_a_directory_a_run_is_saving_into_never_fails(tmp_path):
+  """A real training-like process saves a step every ~10 ms and deletes its oldest (max_to_keep
+  2) while this process opens the directory and lists it again and again, as an eval beside a
+  run does. Orbax lists the step directories, then stats each: a step deleted in between once
+  surfaced as 'No such file or directory: <run>/checkpoints/104' and ended the eval."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  directory = tmp_path / "ck"
+  writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(directory), "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  try:
+    while not directory.exists() and writer.poll() is None:
+      time.sleep(0.05)
+    listings, seen = 0, set()
+    while writer.poll() is None:
+      with Checkpointer(str(directory), max_to_keep=2) as reader:  # lists as it opens
+        for _ in range(5):
+          steps = reader.all_steps(reread=True)
+          assert len(steps) <= 3 and steps == sorted(steps)
+          seen.update(steps)
+          listings += 1
+    out, _ = writer.communicate(timeout=60)
+  finally:
+    if writer.poll() is None:
+      writer.kill()
+  assert writer.returncode == 0, out[-2000:]
+  assert listings > 50 and len(seen) > 20, (listings, len(seen), out)
+
+
 # ------------------------------------------------------------------------------- fingerprints
 
 

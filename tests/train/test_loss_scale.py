@@ -244,10 +244,14 @@ def test_init_from_a_float32_run_into_float16_and_back(tmp_path):
 @pytest.mark.slow
 def test_float16_tracks_float32_within_the_seed_spread(enwik8_head, tmp_path):
   """configs/tiny.py:smoke on the enwik8 head, 300 steps: float32 with seeds 0, 1, 2 gives the
-  seed-to-seed spread (max - min of the final training-window bpc and of the validation bpc);
-  float16 with loss scaling, seed 0, must end within that spread of float32 seed 0. Its caches
-  stay finite and far inside float16's range. The seeds share one compilation (the persistent
-  cache: a seed changes values, not programs)."""
+  seed-to-seed spread (R = max - min of the final training-window bpc and of the validation bpc);
+  float16 with loss scaling, seed 0, must end no further from float32 seed 0 than another seed
+  would: within 1.64 R. (Were float16 one more draw of the seeds' distribution, of deviation s,
+  the gap would have deviation sqrt(2) s and a 95% bound of 2.77 s; the range of three draws
+  is 1.69 s on average, so the bound is 1.64 R. A bound of R alone fails one time in three.)
+  The final values depend on the CPU's matmul kernels, so they differ between machines. Its
+  caches stay finite and far inside float16's range. The seeds share one compilation (the
+  persistent cache: a seed changes values, not programs)."""
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
 
   def run(dtype, seed):
@@ -276,4 +280,4 @@ def test_float16_tracks_float32_within_the_seed_spread(enwik8_head, tmp_path):
   assert fp32[0]["valid_bpc"] < 4.0  # it learned (uniform over the vocabulary: 7.6 bpc)
   for key, (runs, half) in report.items():
     spread = max(runs) - min(runs)
-    assert abs(half - runs[0]) <= spread, (key, half, runs, spread)
+    assert abs(half - runs[0]) <= 1.64 * spread, (key, half, runs, spread)
