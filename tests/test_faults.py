@@ -81,7 +81,7 @@ def test_sigterm_checkpoints_the_current_step_and_resume_matches(tmp_path):
   # Resume to reached + 4 steps; an uninterrupted run of that length gives the same losses.
   end = reached + 4
   common = {"train.checkpoint_every": 100_000, "train.eval_every": 100_000,
-            "train.full_eval_at_end": False, "train.steps": end}
+            "train.full_eval_at_end": False, "train.steps": end, "train.eval_batches": 2}
   resumed = loop.train(sr.config_for(interrupted, common))
   straight = loop.train(sr.config_for(tmp_path / "straight", common))
   assert resumed["step"] == straight["step"] == end and not resumed["preempted"]

@@ -216,7 +216,7 @@ def test_a_query_whose_segment_has_keys_only_outside_its_window_gives_zeros(impl
 # not turn red or green by chance; a draw that fails is found by running with it off.
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", [i for i in TWO_SIDED if not i.endswith("_interpret")])
-@settings(max_examples=8, deadline=None, derandomize=True,
+@settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_two_sided_property(impl, data):
@@ -225,7 +225,7 @@ def test_two_sided_property(impl, data):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("impl", [i for i in TWO_SIDED if i.endswith("_interpret")])
-@settings(max_examples=4, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_two_sided_property_interpreted(impl, data):

@@ -248,7 +248,7 @@ def test_float16_tracks_float32_within_the_seed_spread(enwik8_head, tmp_path):
   float16 with loss scaling, seed 0, must end no further from float32 seed 0 than another seed
   would: within 1.64 R. (Were float16 one more draw of the seeds' distribution, of deviation s,
   the gap would have deviation sqrt(2) s and a 95% bound of 2.77 s; the range of three draws
-  is 1.69 s on average, so the bound is 1.64 R. A bound of R alone fails one time in three.)
+  is 1.69 s on average, so the bound is 1.64 R. A bound of R alone fails about one time in four.)
   The final values depend on the CPU's matmul kernels, so they differ between machines. Its
   caches stay finite and far inside float16's range. The seeds share one compilation (the
   persistent cache: a seed changes values, not programs)."""

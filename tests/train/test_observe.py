@@ -418,7 +418,8 @@ def test_two_trainings_on_one_directory_eval_meanwhile_and_kill9_takeover(tmp_pa
   C takes the lock over, says so, resumes and finishes."""
   workdir = tmp_path / "run"
   long = {"train.steps": 100_000, "train.log_every": 2, "train.checkpoint_every": 4,
-          "train.eval_every": 100_000, "train.full_eval_at_end": False}
+          "train.eval_every": 100_000, "train.full_eval_at_end": False,
+          "train.eval_batches": 2}
   a = _main(_config_file(tmp_path, workdir, long))
   try:
     _wait(lambda: len([p for p in (workdir / "checkpoints").glob("[0-9]*")
