@@ -86,12 +86,6 @@ def missing_toolchain(platform: str) -> str:
           f"(or: pip install -e .[tpu-compile])")
 
 
-def _jax_at_least(*version) -> bool:
-  """jax's release, from its version string, at least `version` (the XLA flags differ)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  return tuple(int(x) for x in jax.__version__.split(".")[:len(version)]) >= version
-
-
 def child_env(platform: str) -> dict:
   env = dict(os.environ)
   env["JAX_PLATFORMS"] = "cpu"  # the host runs nothing; the target is compiled for only
@@ -103,15 +97,16 @@ def child_env(platform: str) -> dict:
     env["TF_CPP_MIN_LOG_LEVEL"] = "0"
     env["TF_CPP_VMODULE"] = "subprocess_compilation=2"
   env.pop("XLA_FLAGS", None)  # e.g. a host device count meant for CPU runs
-  # The GPU compiler's emitter dumps and logs carry C++ stack traces; LLVM symbolizes each one by
-  # running llvm-symbolizer over the CUDA plugin (seconds apiece, the stage's most time where it
-  # is installed). Raw addresses are enough in a compile log.
+  # The GPU compiler's logs carry C++ stack traces; LLVM symbolizes each one by running
+  # llvm-symbolizer over the CUDA plugin (seen four at a time in the compile tests' children
+  # where llvm-symbolizer is installed). Raw addresses are enough in a compile log.
   env["LLVM_DISABLE_SYMBOLIZATION"] = "1"
   if platform == "gpu":  # ptxas as a process, whose report XLA logs (jax >= 0.11's default, the
     # nvJitLink/nvPTXCompiler libraries, compile the same PTX but log no report); with a
     # --xla_dump_to added, the kernels' PTX dumped (jax >= 0.11 dumps it per emitter only)
+    import jax  # pylint: disable=g-import-not-at-top
     env["XLA_FLAGS"] = ("--xla_gpu_enable_libnvptxcompiler=false --xla_gpu_enable_libnvjitlink=false"
-                        + (" --xla_dump_emitter_re=.*" if _jax_at_least(0, 11) else ""))
+                        + (" --xla_dump_emitter_re=.*" if jax.__version_info__ >= (0, 11) else ""))
   env["PYTHONPATH"] = os.pathsep.join(
       [os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))] +
       [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
