@@ -1,11 +1,12 @@
 """Speed of the batched bf16 matmuls of banded attention on this device, by their shape.
 
 The fixed-span step's score-sized products are 64 (= B x G) independent matmuls per layer. On
-the AMX CPU (session 9) XLA:CPU's YNNPACK runs them at ~300 GFLOP/s when each has 128 or 64 rows
-(q k^T, dO v^T, the key/value gradients, as span_lm lays them out) and at ~700 with 1152 rows
-(the same FLOPs with the key axis as rows), and the 128-row form is no faster on two cores than
-on one. This prints the table behind that (docs/benchmarks.md, "Session 9"), alternating the
-shapes so that drift hits all of them alike.
+the 2-core AMX Xeon (2026-11-24, commit 38f4928) XLA:CPU's YNNPACK runs them at ~300 GFLOP/s
+when each has 128 or 64 rows (q k^T, dO v^T, the key/value gradients, as span_lm lays them out)
+and at ~700 with 1152 rows (the same FLOPs with the key axis as rows), and the 128-row form is
+no faster on two cores than on one. This prints the table behind that (docs/benchmarks.md,
+"Why the last 5 % of the fixed span did not come"), alternating the shapes so that drift hits
+all of them alike.
 
   python -m bench.batched_matmul
   taskset -c 0 python -m bench.batched_matmul   # one core

@@ -7,8 +7,9 @@ the most expensive single operations; also the page faults and system/user CPU t
 (kernel time spent faulting in fresh buffers: span_lm/train/cpu_host.py).
 On two cores concurrent operations overlap (their times add up to more than the step). On one
 core (`taskset -c 0 python -m bench.profile_step ...`) they do not overlap, but YNNPACK
-operations read up to 2x their clocked time (docs/benchmarks.md, "Session 9"). Use the per-op
-times to find where to look, and whole-step times of alternating variants to decide.
+operations read up to 2x their clocked time (docs/benchmarks.md, "Why the last 5 % of the fixed
+span did not come"; 2-core AMX Xeon, 2026-11-24). Use the per-op times to find where to look,
+and whole-step times of alternating variants to decide.
 
   python -m bench.profile_step --case short --dtype bfloat16
 """

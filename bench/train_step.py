@@ -39,8 +39,8 @@ import time
 from bench import harness
 
 # The quoted reference times, for its CPU (AVX512-BF16, ~200 GFLOP/s float32); on other
-# machines time the reference itself (--reference_dir): on the AMX CPU of session 8 it took
-# 0.20-0.22 and 0.65-0.68 s (docs/benchmarks.md).
+# machines time the reference itself (--reference_dir): on the 2-core AMX Xeon on 2026-11-24
+# (commit bc06a85) it took 0.20-0.22 and 0.65-0.68 s (docs/benchmarks.md).
 REFERENCE_S = {"short": 0.37, "fixed": 1.24}
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

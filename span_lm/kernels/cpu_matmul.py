@@ -1,7 +1,7 @@
 """Two-operand contractions laid out for XLA:CPU's fast matmul kernels (YNNPACK).
 
 CPU-only tuning behind `matmul.contract`'s backend choice: GPU and TPU never run this file.
-Why each copy pays for itself: docs/benchmarks.md ("Session 4: every bf16 matmul in YNNPACK").
+Why each copy pays for itself: docs/benchmarks.md ("Every bf16 matmul in YNNPACK", 2026-11-21).
 """
 import math
 
