@@ -10,7 +10,8 @@ import pathlib
 import re
 
 _ENTRY = re.compile(r"\.entry\s+(\w+)")
-_PARAM_LOAD = re.compile(r"ld\.param\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]")
+# `ld.param.u64` in jax 0.10.2's PTX, `ld.param::entry.b64` in jax 0.12's (a newer NVPTX backend)
+_PARAM_LOAD = re.compile(r"ld\.param(?:::\w+)?\.\w+\s+(%\w+),\s*\[\w+_param_(\d+)\]")
 _DEF = re.compile(r"[a-z][\w.]*\s+(%rd\w+),\s*(.*);")
 
 

@@ -51,6 +51,46 @@ def test_parse_ptxas_reads_every_kernel():
   assert ks[2]["smem"] == 4096
 
 
+# One kernel's PTX as jax 0.12 writes it (`ld.param::entry.b64`; jax 0.10.2 writes
+# `ld.param.u64`): parameter 0 read by a plain load and by an asynchronous copy, parameter 1
+# written, parameter 2 read and written (a read-back).
+_PTX_SNIPPET = """
+.visible .entry span_attention_fwd(
+	.param .u64 .ptr .align 32 span_attention_fwd_param_0,
+	.param .u64 .ptr .align 32 span_attention_fwd_param_1,
+	.param .u64 .ptr .align 32 span_attention_fwd_param_2
+)
+{
+	ld.param{kind} 	%rd41, [span_attention_fwd_param_0];
+	ld.param{kind} 	%rd43, [span_attention_fwd_param_1];
+	ld.param{kind} 	%rd44, [span_attention_fwd_param_2];
+	cvta.to.global.u64 	%rd42, %rd41;
+	mul.wide.s32 	%rd54, %r95, 2;
+	add.s64 	%rd24, %rd42, %rd54;
+	ld.global.v4.b32 { %r46, %r47, %r48, %r49 }, [ %rd24 + 0 ];
+	cp.async.cg.shared.global [ %r73 + 0 ], [ %rd24 + 0 ], 0x10, %p1;
+	cvta.to.global.u64 	%rd60, %rd43;
+	@%p2 st.global.b32 [ %rd60 + 0 ], { %r46 };
+	cvta.to.global.u64 	%rd61, %rd44;
+	ld.global.b32 { %r50 }, [ %rd61 + 0 ];
+	st.global.b32 [ %rd61 + 0 ], { %r50 };
+	ret;
+}
+"""
+
+
+@pytest.mark.parametrize("kind", [".u64", "::entry.b64"])
+def test_ptx_reader_follows_addresses_to_parameters_on_both_jax_lines(kind):
+  """tools/ptx.py (the compile mode's GPU-kernel facts, the PTX tests' read-back check) traces
+  every global address to the kernel parameter it derives from, in either line's PTX dialect:
+  jax 0.12's `ld.param::entry` left all 42 of the forward kernel's addresses unresolved."""
+  from span_lm.tools import ptx  # pylint: disable=g-import-not-at-top
+  f = ptx.kernel_facts(_PTX_SNIPPET.replace("{kind}", kind))
+  assert (f["kernel"], f["unresolved"]) == ("span_attention_fwd", 0), f
+  assert (f["reads"], f["reads_async"], f["writes"]) == ([0, 2], [0], [1, 2]), f
+  assert f["read_back"] == [2] and f["cp_async"] == 1, f
+
+
 def test_targets_parse_and_bad_names_are_one_line():
   t = compile_lib.parse_target("h100")
   assert (t.chip.name, t.topology, t.chips) == ("h100", "1x1x8", 8)
