@@ -329,7 +329,8 @@ with target.compiling_for("gpu", chip.cc, chip.device_kind):
       model = Encoder(heads=4, head_dim=dh, dtype=dt)
       sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=sh)
       tokens, seg = sds((b, n), jnp.int32), sds((b, n), jnp.int32)
-      rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=sh)
+      # traced, not run: on jax >= 0.11 the default device is the topology's, which runs nothing
+      rng = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype, sharding=sh)
       params = jax.eval_shape(lambda t, s, r: model.init(jax.random.key(0), t, s, r),
                               tokens, seg, rng)
       params = jax.tree.map(lambda p: sds(p.shape, p.dtype), params)
