@@ -89,7 +89,7 @@ def child(config_path: str, target: str, plan_name: str) -> dict:
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import chips  # pylint: disable=g-import-not-at-top
   from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import fingerprint  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top

@@ -15,13 +15,13 @@ from bench import gpu_layer_check
 from bench import harness
 from span_lm import config as config_lib
 from span_lm import kernels
+from span_lm.kernels import chips
 from span_lm.model import caches as caches_lib
 from span_lm.model import config as model_config
+from span_lm.model import costs as costs_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig, Span
 from span_lm.model.transformer import SpanTransformer
-from span_lm.tools import chips
-from span_lm.tools import flops as flops_lib
 from span_lm.tools import sample
 from span_lm.train import optimizer as optimizer_lib
 from span_lm.train import steps as steps_lib
@@ -218,7 +218,7 @@ def _time_step(jax, np, cfg, tx, init, batch, block, split, plan_name, spec):
   out["seconds"] = float(np.median(times))
   out["min_seconds"] = float(min(times))
   out["loss"] = float(metrics["loss"])
-  out["flops"] = int(flops_lib.train_step_flops(cfg, plan, batch, block))
+  out["flops"] = int(costs_lib.train_step_flops(cfg, plan, batch, block))
   stats = jax.devices()[0].memory_stats() or {}
   out["peak_bytes"] = stats.get("peak_bytes_in_use")
   return out

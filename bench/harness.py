@@ -127,7 +127,7 @@ def compiled_bytes(compiled) -> int | None:
 def roofline(flops: float, seconds: float, dtype: str, peaks: dict | None,
              measured_tflops: float | None = None) -> dict:
   """Model TFLOP/s of a step and its fraction of the chip's dense peak for `dtype`
-  (span_lm/tools/chips.py; float32 also against TF32), and of a matmul measured on this device
+  (span_lm/kernels/chips.py; float32 also against TF32), and of a matmul measured on this device
   where there is one (the CPU has no data-sheet peak)."""
   tflops = flops / seconds / 1e12
   peak = (peaks or {}).get(dtype)
@@ -206,7 +206,7 @@ def commit(repo: str = REPO) -> str | None:
 def env_row() -> dict:
   """The device and versions a GPU child ran on (its first row)."""
   import jax  # pylint: disable=g-import-not-at-top
-  from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import chips  # pylint: disable=g-import-not-at-top
   dev = jax.devices()[0]
   cc = getattr(dev, "compute_capability", None)
   row = {"kind": "env", "device": dev.device_kind, "backend": jax.default_backend(),

@@ -56,8 +56,8 @@ import json, sys, jax, jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
+from span_lm.kernels import chips
 from span_lm.kernels import pallas_gpu
-from span_lm.tools import chips
 chip = chips.get(sys.argv[1])
 case, dt, dh = sys.argv[2], jnp.dtype(sys.argv[3]), int(sys.argv[4])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",

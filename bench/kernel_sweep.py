@@ -22,7 +22,7 @@ import time
 
 from bench import harness
 from span_lm import kernels
-from span_lm.tools import chips
+from span_lm.kernels import chips
 from span_lm.tools import compile as compile_lib
 from span_lm.tools import ptx
 

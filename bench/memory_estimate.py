@@ -16,7 +16,7 @@ XLA:GPU fuses and schedules differently).
 
 --topology compiles for one TPU chip without one (jax[tpu]'s libtpu; the compile mode,
 span_lm/tools/compile.py, does the same for whole topologies and GPUs). Each row also gives
-tools/flops.py's analytic estimate for one batch piece beside XLA's temporaries, for the target
+model/costs.py's analytic estimate for one batch piece beside XLA's temporaries, for the target
 compiled for: the residuals JAX saves (what XLA:CPU keeps; peak within 1.35x at small sizes), or
 on a TPU the two score bands XLA:TPU keeps of the reference attention (0.78-1.09x of the
 compiled temporaries measured; tests/tools/test_tools.py, docs/benchmarks.md).
@@ -39,10 +39,10 @@ import jax.numpy as jnp
 from bench import harness
 from span_lm import config as config_lib
 from span_lm.model import caches as caches_lib
+from span_lm.model import costs
 from span_lm.model import plan as plan_lib
 from span_lm.kernels import target
 from span_lm.model.config import ModelConfig
-from span_lm.tools import flops
 from span_lm.train import optimizer as optimizer_lib
 from span_lm.train import steps
 
@@ -69,7 +69,7 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
              remat_policy: str | None = None, plan: str = "full", topology: str = "") -> dict:
   """Compiles one device's train step: on this host's backend, or with `topology` (e.g.
   'v5p:2x2x1') for one chip of that TPU topology, deviceless (jax[tpu] installed). Beside XLA's
-  figures: the analytic estimate of tools/flops.py for one batch piece (activation_bytes, the
+  figures: the analytic estimate of model/costs.py for one batch piece (activation_bytes, the
   residuals JAX saves; peak_activation_bytes adds the widest group's score block and gradient)."""
   overrides = {}
   if dtype:
@@ -100,8 +100,8 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
                            num_devices=None if chip else 1, devices=[chip] if chip else None)
     compiled = compiler.train(span_plan, state, host_batch)
     secs = time.perf_counter() - t0
-    kept = sum(flops.activation_bytes(cfg, span_plan, piece, d.block).values())
-    peak_est = flops.peak_activation_bytes(cfg, span_plan, piece, d.block)
+    kept = sum(costs.activation_bytes(cfg, span_plan, piece, d.block).values())
+    peak_est = costs.peak_activation_bytes(cfg, span_plan, piece, d.block)
   mem = harness.memory(compiled)
   n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
   arg, out, alias, temp = mem["argument"], mem["output"], mem["alias"], mem["temp"]

@@ -288,7 +288,7 @@ def _lower_and_compile(args):
   from jax._src.pallas.mosaic_gpu import lowering  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import chips  # pylint: disable=g-import-not-at-top
   import re  # pylint: disable=g-import-not-at-top
   launches = []
   # the entry the pallas_call lowering calls (renamed between jax 0.10 and 0.12)

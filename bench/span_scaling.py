@@ -7,7 +7,7 @@ warm-up step and times --reps more. Each case runs in a fresh subprocess so that
 peak_bytes_in_use (GPU/TPU) is that case's own; on CPU, where devices report no memory statistics,
 the memory columns are XLA's compiled buffer sizes (temporaries + arguments + outputs - donated).
 Beside the measurements: the analytic matmul FLOPs of the step and peak activation estimate
-(span_lm/tools/flops.py). Writes span_scaling.json and span_scaling.png into --out.
+(span_lm/model/costs.py). Writes span_scaling.json and span_scaling.png into --out.
 
 Adaptive spans (z in tokens per layer and head, capped at each S):
   --workdir RUN        from a checkpoint (its model shapes replace --layers/--d_model/...);
@@ -72,6 +72,7 @@ def run_case(case: dict) -> dict:
 
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
+  from span_lm.model import costs  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.tools import flops  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
@@ -98,7 +99,7 @@ def run_case(case: dict) -> dict:
   state, m, times = harness.time_steps(compiled, state, batch, case["reps"], warmup=1)
   mem = harness.memory(compiled)
   stats = jax.devices()[0].memory_stats() or {}
-  step_flops = flops.train_step_flops(cfg, plan, case["batch"], case["block"])
+  step_flops = costs.train_step_flops(cfg, plan, case["batch"], case["block"])
   sec = float(np.median(times))
   spans = plan_lib.needed_tokens(cfg, np.stack(plan_lib.span_ratios(state["params"]))) if (
       kind == "adaptive") else np.full((cfg.n_layers, cfg.n_heads), s)
@@ -109,7 +110,7 @@ def run_case(case: dict) -> dict:
           "xla_temp_bytes": mem["temp"], "xla_total_bytes": mem["total"],
           "tokens_per_second": case["batch"] * case["block"] / sec,
           "analytic_step_flops": step_flops, "achieved_tflops": step_flops / sec / 1e12,
-          "analytic_peak_activation_bytes": flops.peak_activation_bytes(
+          "analytic_peak_activation_bytes": costs.peak_activation_bytes(
               cfg, plan, case["batch"], case["block"]),
           "device": jax.devices()[0].device_kind, "loss": float(m["loss"])}
 

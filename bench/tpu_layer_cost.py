@@ -20,11 +20,11 @@ import jax.numpy as jnp
 
 from bench import harness
 from span_lm import config as config_lib
+from span_lm.kernels import chips
 from span_lm.kernels import target as target_lib
 from span_lm.model import caches as caches_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
-from span_lm.tools import chips
 
 TOPOLOGY = {"v5e": ("v5e:2x2", "TPU v5 lite"), "v5p": ("v5p:2x2x1", "TPU v5"),
             "v6e": ("v6e:2x2", "TPU v6 lite")}

@@ -12,7 +12,7 @@ machine (run by `--reference_python`, an interpreter with PyTorch) before each c
 ratio is of the two medians measured side by side.
 Each (case, devices) runs in its own process: `--devices N` splits the CPU host into N JAX devices
 (config.dist.cpu_devices) and shards the batch over them, as `python main.py` does by default.
-FLOPs per step are span_lm.tools.flops.train_step_flops (equal to the dot instructions XLA compiles).
+FLOPs per step are span_lm.model.costs.train_step_flops (equal to the dot instructions XLA compiles).
 
   python -m bench.train_step                                # short + fixed, 1 and 2 devices
   python -m bench.train_step --cases short --devices 2 --reps 20
@@ -65,9 +65,9 @@ def worker(spec: dict) -> dict:
   from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
+  from span_lm.model import costs as costs_lib  # pylint: disable=g-import-not-at-top
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig, Span  # pylint: disable=g-import-not-at-top
-  from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
   from configs import base  # pylint: disable=g-import-not-at-top
@@ -140,7 +140,7 @@ def worker(spec: dict) -> dict:
       state = st
     print(profile_step.trace_summary(one, a["profile"]), file=sys.stderr, flush=True)
   sec = float(np.median(times))
-  fl = flops_lib.train_step_flops(cfg, plan, batch, block)
+  fl = costs_lib.train_step_flops(cfg, plan, batch, block)
   stats = jax.devices()[0].memory_stats() or {}
   import resource  # pylint: disable=g-import-not-at-top
   return {"max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

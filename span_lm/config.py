@@ -128,7 +128,8 @@ def base_config() -> ml_collections.ConfigDict:
   t.profile_start = 0
   t.profile_steps = 0
   # MFU (logged with tokens_per_s): the peak TFLOP/s of one device for the run's dtype. 0: the data
-  # sheet's for the device (span_lm/tools/chips.py); unknown devices (CPU) log mfu null unless set.
+  # sheet's for the device (span_lm/kernels/chips.py); unknown devices (CPU) log mfu null unless
+  # set.
   t.peak_tflops = 0.0
   # Weights & Biases (optional: pip install span_lm[wandb]): the project to log the same metrics
   # and the config to ('': off). A resumed run continues the same W&B run (its id is kept in

@@ -110,6 +110,26 @@ def test_run_config_imports_nothing_above_it():
   assert not above, f"span_lm.config reaches {above}"
 
 
+def test_trainer_imports_nothing_above_it():
+  """span_lm/train sits below the tools and the CLI: the hardware facts MFU and the OOM message
+  read are kernels/chips.py, the FLOPs and memory counts model/costs.py, an export's reader
+  train/from_export.py. No module under span_lm/train reaches span_lm/tools or span_lm/cli,
+  directly or through another module (lazy imports included)."""
+  graph = _graph()
+  assert "span_lm.kernels.chips" in graph["span_lm.train.telemetry"]
+  assert "span_lm.model.costs" in graph["span_lm.train.telemetry"]
+  assert "span_lm.train.from_export" in graph["span_lm.train.loop"]  # a lazy import
+  for name in sorted(n for n in graph if n.split(".")[:2] == ["span_lm", "train"]):
+    reached, todo = set(), [name]
+    while todo:
+      for target in graph[todo.pop()] - reached:
+        reached.add(target)
+        todo.append(target)
+    above = sorted(n for n in reached if n.split(".")[:2] in (
+        ["span_lm", "tools"], ["span_lm", "cli"]))
+    assert not above, f"{name} reaches {above}"
+
+
 def test_kernels_import_nothing_from_the_model():
   """span_lm/kernels holds the implementations' names and fit rules; the model's config imports
   them from there, never the other way round."""

@@ -223,7 +223,7 @@ class Impl:
 
   def residual_bytes(self, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
     """Bytes one head group's attention keeps for the backward pass, by kind (keys_values,
-    score_bands, weights), as this implementation saves them (tools/flops asks here)."""
+    score_bands, weights), as this implementation saves them (model/costs.py asks here)."""
     return self.ops.residual_bytes(self, spec_of(spec), batch, m, heads, w, train)
 
   def schedule_cost(self, spec, batch: int, m: int, w: int, span: float | None) -> dict | None:
@@ -419,7 +419,8 @@ def runtime_spans(cfg) -> bool:
 
 def chunk(cfg, m: int, w: int) -> int:
   """Queries per chunk of the banded scores for a block of m and a window of w (the reference's
-  choose_chunk: config.model.attention.chunk, else automatic), for model/macs.py's count."""
+  choose_chunk: config.model.attention.chunk, else automatic), for the counts of model/macs.py
+  and model/costs.py."""
   from span_lm.kernels.banded_reference import choose_chunk  # pylint: disable=g-import-not-at-top
   return choose_chunk(m, w, cfg.attention.chunk)
 

@@ -1,10 +1,12 @@
 """Per-chip facts, written once: peak FLOP/s, memory, HBM bandwidth, and for NVIDIA GPUs what a
 deviceless compile needs to stand in for the device (compute capability, SMs, shared memory).
 
-Used by the compile mode (span_lm/tools/compile.py: rooflines, memory fit, the GPU target
-description) and by bench/gpu_suite.py (MFU against the dense peak). Numbers are the vendors'
-data sheets, dense (no sparsity). V100 and T4 have no bf16 units: their bfloat16 entry is fp16's
-(the low-precision peak, which model.dtype=float16 reaches; XLA emulates bf16 there).
+Used by training (train/telemetry.py: MFU against the dense peak; train/oom.py: the device's
+memory), by the compile mode (span_lm/tools/compile.py: rooflines, memory fit, the GPU target
+description) and by bench/ (harness.py's MFU). It sits here beside target.py, below all of them:
+hardware facts import nothing of the package. Numbers are the vendors' data sheets, dense (no
+sparsity). V100 and T4 have no bf16 units: their bfloat16 entry is fp16's (the low-precision
+peak, which model.dtype=float16 reaches; XLA emulates bf16 there).
 """
 import dataclasses
 
@@ -145,7 +147,7 @@ device_description_str: "NVIDIA {chip.device_kind}"
 
 
 def peak_tflops(device_kind: str) -> dict | None:
-  """Dense peak TFLOP/s by dtype for a jax device_kind (bench/gpu_suite.py's MFU), or None."""
+  """Dense peak TFLOP/s by dtype for a jax device_kind (bench/harness.py's MFU), or None."""
   chip = for_device_kind(device_kind)
   if chip is None:
     return None

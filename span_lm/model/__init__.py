@@ -1,7 +1,8 @@
 """Sequence models: `build_model(cfg, plan)` builds the architecture named by config.model.arch.
 
 `ARCHS` (model/archs.py) is the table of architectures: each record holds its model builder, its
-context and cache lengths, its FLOPs count, its checkpoint identity and its config checks.
+context and cache lengths, its FLOPs and memory counts, its checkpoint identity and its config
+checks.
 """
 from span_lm.model.archs import ARCHS
 

@@ -17,7 +17,7 @@ DEFAULT = "span"  # config.model.arch's default (and what a config without the f
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
-  """One architecture: its model, its lengths, its cost, and what identifies its checkpoints."""
+  """One architecture: its model, its lengths, its costs, and what identifies its checkpoints."""
   name: str
   # '<section>.<field>': the farthest a query looks back, in the config.model section that holds
   # the architecture's own fields (where config.model's old flat `span` goes)
@@ -26,6 +26,12 @@ class Arch:
   build_at: str
   # 'module:function': (cfg, plan, block, batch) -> multiply-adds of one forward pass by component
   forward_macs_at: str
+  # 'module:function': (cfg, plan, batch, block, train) -> bytes the forward pass keeps for the
+  # backward pass, by kind (model/costs.py's activation_bytes)
+  activation_bytes_at: str
+  # 'module:function': (cfg, plan, block) -> elements of one sequence's widest float32 score
+  # block, held with its gradient in the backward pass (model/costs.py's peak_activation_bytes)
+  widest_scores_at: str
   # Carries hidden states from block to block: caches of up to the context (else one unused
   # row), key/value caches for evaluation, one-token generation, cache rows in the FLOPs.
   cache: bool
@@ -51,6 +57,14 @@ class Arch:
   @property
   def forward_macs(self) -> Callable[..., dict]:
     return _load(self.forward_macs_at)
+
+  @property
+  def activation_bytes(self) -> Callable[..., dict]:
+    return _load(self.activation_bytes_at)
+
+  @property
+  def widest_scores(self) -> Callable[..., int]:
+    return _load(self.widest_scores_at)
 
   @property
   def attention(self) -> Callable[..., tuple[str, str]]:
@@ -100,6 +114,8 @@ def _check_span(cfg, bad):
 SPAN = Arch(name="span", context_field="span.size",
             build_at="span_lm.model.transformer:build",
             forward_macs_at="span_lm.model.macs:span_forward_macs",
+            activation_bytes_at="span_lm.model.costs:span_activation_bytes",
+            widest_scores_at="span_lm.model.costs:span_widest_scores",
             attention_at="span_lm.model.transformer:attention_choice", cache=True, banded=True,
             pers_mem=True, documents=True, identity=("span.size",), settle=lambda cfg: {},
             check=_check_span)
@@ -137,6 +153,8 @@ def _check_sparse(cfg, bad):
 SPARSE = Arch(name="sparse", context_field="sparse.context",
               build_at="span_lm.model.sparse_transformer:build",
               forward_macs_at="span_lm.model.macs:sparse_forward_macs",
+              activation_bytes_at="span_lm.model.costs:sparse_activation_bytes",
+              widest_scores_at="span_lm.model.costs:sparse_widest_scores",
               attention_at="span_lm.model.sparse_transformer:attention_choice", cache=False,
               banded=False, pers_mem=False, documents=False, identity=("sparse.context",),
               settle=_settle_sparse, check=_check_sparse)

@@ -1,7 +1,7 @@
 """Multiply-adds of each architecture's forward pass, counted as span_lm computes them.
 
 Each architecture's entry in model/archs.py holds its count (`Arch.forward_macs`), so the counts
-live beside the models they describe; span_lm/tools/flops.py builds the train-step FLOPs, MFU and
+live beside the models they describe; span_lm/model/costs.py builds the train-step FLOPs, MFU and
 memory accounting on them (its docstring says how each component is counted and how the counts
 were checked against the compiled programs' dot instructions).
 """

@@ -30,7 +30,7 @@ import tempfile
 import time
 from typing import Any
 
-from span_lm.tools import chips
+from span_lm.kernels import chips
 from span_lm.tools import ptx as ptx_lib
 
 KNOWN_VOCAB = {"enwik8": 256, "text8": 28, "wikitext103": 267735}  # enwik8: bytes (an upper bound)
@@ -243,9 +243,9 @@ def compile_target(config, tgt: Target) -> dict:
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   from span_lm.kernels import target as target_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import ARCHS  # pylint: disable=g-import-not-at-top
+  from span_lm.model import costs as costs_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  from span_lm.tools import flops as flops_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import loss_scale as loss_scale_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
@@ -312,14 +312,14 @@ def compile_target(config, tgt: Target) -> dict:
         if kind == "train":
           compiled = compiler.train(plan, state, batch)
           tokens = d.batch * d.block
-          ours = flops_lib.train_step_flops(cfg, plan, d.batch, d.block) / n
+          ours = costs_lib.train_step_flops(cfg, plan, d.batch, d.block) / n
         else:
           eb = {"x": sds((d.eval_batch, d.block), jnp.int32, rows),
                 "y": sds((d.eval_batch, d.block), jnp.int32, rows),
                 "reset": sds((), jnp.bool_, replicated)}
           compiled = compiler.eval(plan, state["params"], state["eval_caches"], eb)
           tokens = d.eval_batch * d.block
-          ours = 2 * sum(flops_lib.forward_macs(cfg, plan, d.block, d.eval_batch).values()) / n
+          ours = 2 * sum(costs_lib.forward_macs(cfg, plan, d.block, d.eval_batch).values()) / n
       except Exception as e:  # pylint: disable=broad-except
         r.update(compiled=False, error=_one_line(e), compile_s=time.perf_counter() - t1)
         row[kind] = r

@@ -1,5 +1,6 @@
 """The `flops` mode: a run's plan against the fixed-span model, XLA's view and the paper's
-(span_lm/tools/flops.py counts; span_lm/tools/paper.py holds the paper's numbers)."""
+(span_lm/model/costs.py counts, span_lm/tools/flops.py reads XLA's; span_lm/tools/paper.py holds
+the paper's numbers)."""
 import json
 import os
 

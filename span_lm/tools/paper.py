@@ -11,14 +11,14 @@ One printed number does not follow from the model it describes: the large adapti
 (24 layers, D=768, F=4096; 209M parameters need F=4096) would count 217M, while 179M is what
 12 L D^2 + attention gives, i.e. F = 4D = 3072. We report both.
 
-Ours (`flops.per_token`) differ from the paper's convention for reasons of implementation:
+Ours (`costs.per_token`) differ from the paper's convention for reasons of implementation:
   * chunked bands: each query computes W + C content scores and W + C value products, with C the
     smallest divisor of the block M that is >= W (C = 512 for a window of 320 at M = 512);
   * relative position scores, W * Dh per head, which the paper leaves out;
   * the cache holds hidden states, so each block re-projects keys/values of the W cached rows:
     (W + M) / M * 2 D^2 per token (17x for a fixed S=8192 model at M=512). Generation (`sample`)
     caches projected keys and values in rings instead: 2 D^2 per token, with content and value
-    products over each layer's whole ring and position scores over all S (flops.generation_macs);
+    products over each layer's whole ring and position scores over all S (costs.generation_macs);
   * windows are multiples of 64 covering span + ramp, and only an average span is given here, so
     every head is assumed to have it (real spans vary; use a checkpoint for the exact count).
 """
@@ -26,9 +26,9 @@ import dataclasses
 import math
 import os
 
+from span_lm.model import costs as costs_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig, Span
-from span_lm.tools import flops as flops_lib
 
 TEXT8_VOCAB = 28  # a-z, '_' and <eos>
 EVAL_BLOCK = 512  # the paper's (and reference's) block
@@ -99,9 +99,9 @@ def table1(block: int = EVAL_BLOCK) -> list[dict]:
            "recount": recount, "recount_over_paper": recount / r.flops}
     if r.span_limit:
       cfg, plan = uniform_model(r, r.span_limit, r.avg_span)
-      row["ours_block"] = flops_lib.per_token(cfg, plan, block).total
-      row["ours_generation"] = flops_lib.per_token_generation(cfg, plan).total  # sample's
-      row["params_ours"] = flops_lib.param_bytes(cfg) / 4
+      row["ours_block"] = costs_lib.per_token(cfg, plan, block).total
+      row["ours_generation"] = costs_lib.per_token_generation(cfg, plan).total  # sample's
+      row["params_ours"] = costs_lib.param_bytes(cfg) / 4
       if r.d_ff != 4 * r.d_model:  # the large model: the printed number assumes F = 4D
         row["recount_f_4d"] = paper_macs(r.n_layers, r.d_model, 4 * r.d_model, r.avg_span)
     rows.append(row)
@@ -133,13 +133,13 @@ def figure3_data(adaptive_avg: dict[int, float] | None = None, block: int = EVAL
   for s in FIGURE3_SPANS:
     out["fixed_paper"].append(paper_macs(r.n_layers, r.d_model, r.d_ff, s))
     cfg, plan = uniform_model(r, s, None)
-    out["fixed_ours"].append(flops_lib.per_token(cfg, plan, block).total)
+    out["fixed_ours"].append(costs_lib.per_token(cfg, plan, block).total)
   for s in out["adaptive_spans"]:
     a = adaptive_avg[s]
     out["adaptive_avg"].append(a)
     out["adaptive_paper"].append(paper_macs(r.n_layers, r.d_model, r.d_ff, a))
     cfg, plan = uniform_model(r, s, int(a))
-    out["adaptive_ours"].append(flops_lib.per_token(cfg, plan, block).total)
+    out["adaptive_ours"].append(costs_lib.per_token(cfg, plan, block).total)
   return out
 
 
@@ -182,8 +182,8 @@ def claims() -> list[str]:
   ad = paper_macs(r.n_layers, r.d_model, r.d_ff, FIGURE3_ADAPTIVE_AVG[8192])
   cfg_f, plan_f = uniform_model(r, 8192, None)
   cfg_a, plan_a = uniform_model(r, 8192, FIGURE3_ADAPTIVE_AVG[8192])
-  ours_f = flops_lib.per_token(cfg_f, plan_f, EVAL_BLOCK).total
-  ours_a = flops_lib.per_token(cfg_a, plan_a, EVAL_BLOCK).total
+  ours_f = costs_lib.per_token(cfg_f, plan_f, EVAL_BLOCK).total
+  ours_a = costs_lib.per_token(cfg_a, plan_a, EVAL_BLOCK).total
   attention = (f"attention-layer share (projections included) at S=8192: paper 82%, recount "
                f"{f8k['attention_layer']:.1%}")
   saving = (f"adaptive vs fixed at S=8192: paper 'up to 70%' fewer, recount "

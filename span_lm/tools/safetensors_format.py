@@ -4,9 +4,10 @@
 DIR ends in .pt) writes the latest checkpoint's parameters (as trained, or cast to
 --config.tools.dtype) with the safetensors library; `--config.mode=import --config.import_from=DIR`
 makes them an Orbax checkpoint of a new run (fresh optimizer state, the export's step and span
-plan), and `--config.train.init_from=DIR` starts a training phase from them. Reading a file
-never runs code: the header is validated first (span_lm/layers/safetensors_io.py), then against
-the shapes config.json's model implies, before any tensor is read.
+plan), and `--config.train.init_from=DIR` starts a training phase from them (both read the
+directory with span_lm/train/from_export.py). Reading a file never runs code: the header is
+validated first (span_lm/layers/safetensors_io.py), then against the shapes config.json's model
+implies, before any tensor is read.
 
 Tensor names (flat_name: the parameter path, `name_N` keys written `name.N`), span model:
   key_pe                                  (head_dim, S)   position embeddings of the keys
@@ -37,11 +38,11 @@ import shutil
 import numpy as np
 
 from span_lm.layers import safetensors_io as sio
+from span_lm.train.from_export import (CONFIG_NAME, FORMAT, FORMAT_VERSION, check_fits,
+                                       check_vocabulary, export_dir, params_like, plain,
+                                       read_checked, read_config)
 
-CONFIG_NAME = "config.json"
 README_NAME = "README.md"
-FORMAT = "span_lm.safetensors"
-FORMAT_VERSION = 1
 FORMATS = ("safetensors", "pt")
 
 
@@ -70,16 +71,6 @@ def export_format(config) -> str:
   return fmt
 
 
-def export_dir(path) -> str | None:
-  """The export directory `path` names (the directory, or its model.safetensors), else None."""
-  path = os.fspath(path)
-  if os.path.isdir(path) and os.path.isfile(os.path.join(path, sio.FILE_NAME)):
-    return path
-  if os.path.basename(path) == sio.FILE_NAME and os.path.isfile(path):
-    return os.path.dirname(path) or "."
-  return None
-
-
 def import_source(path) -> str:
   """'safetensors' (an export directory) or 'pt' (a file); a directory of anything else is
   refused in one line."""
@@ -94,90 +85,6 @@ def import_source(path) -> str:
                      f"directory --config.mode=export wrote ({sio.FILE_NAME} beside its "
                      f"{CONFIG_NAME}, which says what model the tensors are)")
   return "pt"
-
-
-# ---- config.json ---------------------------------------------------------------------------------
-
-
-def read_config(directory) -> dict:
-  """The export's config.json, checked to be one (one line otherwise)."""
-  path = os.path.join(directory, CONFIG_NAME)
-  try:
-    if os.path.getsize(path) > sio.MAX_HEADER:
-      raise ValueError(f"{path}: {os.path.getsize(path):,} bytes, too large for an export's "
-                       "config.json")
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-  except FileNotFoundError:
-    raise FileNotFoundError(f"{path}: no such file; {directory} is not a span_lm export "
-                            f"(model.safetensors needs its {CONFIG_NAME})") from None
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
-    raise ValueError(f"{path} is not JSON ({e})") from None
-  if not isinstance(data, dict) or data.get("format") != FORMAT:
-    raise ValueError(f"{path} is not a span_lm export's config (no \"format\": \"{FORMAT}\")")
-  if data.get("format_version") != FORMAT_VERSION:
-    raise ValueError(f"{path}: format_version {data.get('format_version')!r}; this span_lm "
-                     f"reads version {FORMAT_VERSION}")
-  for key in ("model", "dtype", "vocabulary", "step"):
-    if key not in data:
-      raise ValueError(f"{path} has no {key!r} entry")
-  return data
-
-
-def model_config(data: dict):
-  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  try:
-    return ModelConfig.from_config(data["model"])
-  except (TypeError, ValueError) as e:
-    raise ValueError(f"{CONFIG_NAME}: its model is not valid here: {e}") from None
-
-
-def expected_tensors(model_cfg, dtype: str) -> dict[str, tuple[tuple[int, ...], str]]:
-  """{name: (shape, dtype)} of the parameters `model_cfg` has (no array is allocated)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import optax  # pylint: disable=g-import-not-at-top
-  from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
-  params = jax.eval_shape(lambda: steps_lib.init_state(model_cfg, optax.sgd(0.0), None, 1, 1, 0)
-                          )["params"]
-  return {k: (tuple(v.shape), dtype) for k, v in sio.flatten(params).items()}
-
-
-def read_checked(directory) -> tuple[dict, object, dict]:
-  """(config.json, ModelConfig, {name: numpy array}) of an export directory; every refusal is
-  one line, made before a tensor is read."""
-  sio.library()
-  data = read_config(directory)
-  cfg = model_config(data)
-  dtype = str(data["dtype"])
-  if dtype not in sio.DTYPES.values():
-    raise ValueError(f"{CONFIG_NAME}: dtype {dtype!r} is not a safetensors float dtype")
-  expected = expected_tensors(cfg, dtype)
-  tensors = sio.read_tensors(os.path.join(directory, sio.FILE_NAME), expected)
-  verify_fingerprints(data, tensors, directory)
-  return data, cfg, tensors
-
-
-def verify_fingerprints(data: dict, tensors: dict, directory: str = "") -> int:
-  """Checks the tensors against config.json's fingerprints of the checkpoint they came from,
-  where this span_lm knows the algorithm (span_lm/train/fingerprint.py) and the dtype is the
-  checkpoint's; returns how many were checked. A difference is one line (a damaged file)."""
-  fp = data.get("fingerprints")
-  if not isinstance(fp, dict) or not isinstance(fp.get("tensors"), dict):
-    return 0
-  try:
-    from span_lm.train import fingerprint as fingerprint_lib  # pylint: disable=g-import-not-at-top
-  except ImportError:
-    return 0
-  if fp.get("algorithm") != fingerprint_lib.ALGORITHM or data.get("dtype") != data.get(
-      "trained_dtype"):
-    return 0
-  checked = {k: v for k, v in fp["tensors"].items() if k in tensors}
-  bad = sorted(k for k, v in checked.items() if fingerprint_lib.fingerprint_numpy(tensors[k]) != v)
-  if bad:
-    raise ValueError(f"{directory or 'the export'}: tensor(s) {', '.join(bad[:5])} differ from "
-                     f"the fingerprints config.json holds of the checkpoint: the file is damaged "
-                     f"(or was changed after export)")
-  return len(checked)
 
 
 # ---- export --------------------------------------------------------------------------------------
@@ -244,20 +151,8 @@ def _spans(cfg, params) -> dict | None:
                      "min(S, ceil(z) + ramp), the distances each head's soft mask reaches"}
 
 
-def _plain(x):
-  if isinstance(x, dict):
-    return {str(k): _plain(v) for k, v in x.items()}
-  if isinstance(x, (list, tuple)):
-    return [_plain(v) for v in x]
-  if isinstance(x, (np.integer, np.floating)):
-    return x.item()
-  if x is None or isinstance(x, (str, int, float, bool)):
-    return x
-  return str(x)
-
-
 def _run_config(config) -> dict:
-  d = _plain(config.to_dict())
+  d = plain(config.to_dict())
   d.update(mode="train", workdir=None, import_from=None, export_to=None)
   d.get("train", {})["init_from"] = None
   return d
@@ -293,11 +188,11 @@ def export(config) -> str:
   data = {
       "format": FORMAT, "format_version": FORMAT_VERSION, "span_lm_version": version(),
       "architecture": cfg.arch, "model_type": f"span_lm-{cfg.arch}",
-      "model": _plain(dataclasses.asdict(cfg)), "dtype": tensor_dtype,
+      "model": plain(dataclasses.asdict(cfg)), "dtype": tensor_dtype,
       "trained_dtype": sorted({np.asarray(v).dtype.name for v in jax.tree.leaves(params)})[0],
       "n_parameters": int(sum(v.size for v in flat.values())),
       "vocabulary": _vocabulary(restored.codec), "dataset": restored.splits.name,
-      "spans": _spans(cfg, params), "planner": _plain(meta.get("planner")),
+      "spans": _spans(cfg, params), "planner": plain(meta.get("planner")),
       "step": restored.step, "evaluation": evaluation,
       "fingerprints": _fingerprints(meta),
       "exported": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -423,42 +318,6 @@ def model_card(data: dict, flat: dict) -> str:
 # ---- import --------------------------------------------------------------------------------------
 
 
-def _check_fits(run_cfg, data: dict, directory: str) -> None:
-  """The run's model must be the export's (identity fields, and what changes its outputs)."""
-  from span_lm import run_dir  # pylint: disable=g-import-not-at-top
-  from span_lm.train import restore as train_restore  # pylint: disable=g-import-not-at-top
-  try:
-    train_restore.check_meta(run_cfg, {"model_cfg": data["model"]}, directory)
-    diff = []
-  except ValueError as e:  # its fields, one per line after the first
-    diff = [l.strip().replace(": checkpoint ", ": export ") for l in str(e).splitlines()[1:]]
-  mine = run_dir.flatten(_plain(dataclasses.asdict(run_cfg)))
-  theirs = run_dir.flatten(data["model"])
-  diff += [f"{k}: export {theirs.get(k)!r}, config {mine[k]!r}"
-           for k in ("span.size", "span.ramp", "doc_boundary")
-           if theirs.get(k) != mine[k] and not any(d.startswith(f"{k}:") for d in diff)]
-  if diff:
-    raise ValueError(f"the model in {directory} differs from the config's: {'; '.join(diff)} "
-                     f"(leave --config out to use the export's own config)")
-
-
-def _check_vocabulary(run, data: dict, directory: str) -> None:
-  tokens = list(data["vocabulary"].get("tokens") or [])
-  if list(run.splits.vocab) != tokens:
-    raise ValueError(f"the dataset {run.splits.name}'s vocabulary ({run.splits.vocab_size} "
-                     f"tokens) is not the one {directory} was trained on ({len(tokens)} tokens, "
-                     f"{data.get('dataset')}); token ids would mean other tokens")
-
-
-def _params_like(tensors: dict, abstract_params):
-  """The tensors as the run's parameter tree, in its dtypes (unchanged when they agree)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  flat = sio.flatten(abstract_params)
-  out = {k: np.asarray(tensors[k]).astype(v.dtype, copy=False) for k, v in flat.items()}
-  tree = sio.unflatten(out)
-  return jax.tree.map(lambda _, x: x, abstract_params, tree)
-
-
 def import_export(config) -> dict:
   """mode=import of an export directory: a new run in config.workdir whose checkpoint holds its
   parameters (step and span plan as exported; a fresh optimizer state)."""
@@ -475,19 +334,19 @@ def import_export(config) -> dict:
                           "config.workdir (existing checkpoints are never overwritten)")
   data, file_cfg, tensors = read_checked(directory)  # before the run builds anything
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  _check_fits(ModelConfig.from_config(config.model, vocab_size=file_cfg.vocab_size), data,
-              directory)
+  check_fits(ModelConfig.from_config(config.model, vocab_size=file_cfg.vocab_size), data,
+             directory)
   run = run_lib.Run(config)
   try:
     cfg = run.model_cfg
-    _check_vocabulary(run, data, directory)
+    check_vocabulary(run, data, directory)
     planner = planner_lib.SpanPlanner(cfg)
     if data.get("planner"):
       planner.load_state_dict(data["planner"])
     planner.changes = 0
     step = int(data["step"])
     _, abstract, shardings = run.abstract_state(planner.plan)
-    params = _params_like(tensors, abstract["params"])
+    params = params_like(tensors, abstract["params"])
     plan_lib.check_plan(cfg, params, planner.plan)
     state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract)
     state.update(step=np.asarray(step, np.int32), params=params,
@@ -515,27 +374,6 @@ def import_export(config) -> dict:
   _echo(f"imported {directory} -> {ckpt_dir} step {step} ({len(tensors)} tensors, "
         f"{data['dtype']}; the optimizer starts fresh); span plan {planner.plan.describe()}")
   return {"step": step, "directory": ckpt_dir, "plan": planner.plan, "format": "safetensors"}
-
-
-def init_from(run, planner, path: str):
-  """train.init_from=DIR of an export: a fresh state (optimizer too) holding its parameters and
-  its span plan (step, data position and caches start anew)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  directory = export_dir(path)
-  data, _, tensors = read_checked(directory)
-  _check_fits(run.model_cfg, data, directory)
-  _check_vocabulary(run, data, directory)
-  if data.get("planner"):
-    planner.load_state_dict(data["planner"])
-  planner.changes = 0
-  state = run.init_state(planner.plan)
-  _, abstract, shardings = run.abstract_state(planner.plan)
-  params = jax.device_put(_params_like(tensors, abstract["params"]), shardings["params"])
-  state = dict(state, params=params, opt_state=jax.jit(
-      run.tx.init, out_shardings=shardings["opt_state"])(params))
-  _echo(f"initialised from {directory} step {data['step']} (params and span plan; the optimizer "
-        "starts fresh)")
-  return state
 
 
 # ---- `--config=span_lm/tools/safetensors_format.py:DIR`: the export's training config ----------

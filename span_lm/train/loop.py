@@ -164,9 +164,9 @@ class _Training:
       return start, state
     state = run.init_state(self.planner.plan)
     if self.t.init_from:
-      from span_lm.tools import safetensors_format  # pylint: disable=g-import-not-at-top
-      if safetensors_format.export_dir(self.t.init_from):  # a directory mode=export wrote
-        state = safetensors_format.init_from(run, self.planner, self.t.init_from)
+      from span_lm.train import from_export  # pylint: disable=g-import-not-at-top
+      if from_export.export_dir(self.t.init_from):  # a directory mode=export wrote
+        state = from_export.init_from(run, self.planner, self.t.init_from)
       else:
         state = restore_lib.init_from(run, self.planner, state, self.t.init_from)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))

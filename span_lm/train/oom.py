@@ -17,7 +17,7 @@ import re
 import shlex
 import sys
 
-from span_lm.tools import chips
+from span_lm.kernels import chips
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

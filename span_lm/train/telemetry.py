@@ -10,11 +10,11 @@ resumed past profile_start does not trace again.
 
 MFU (model FLOPs utilisation) of an interval = the model FLOPs of the steps it ran / its wall
 time / (the peak FLOP/s of one device for the run's dtype x the number of devices). The model
-FLOPs of a step are span_lm/tools/flops.py's exact matmul count of the train step for the span
+FLOPs of a step are span_lm/model/costs.py's exact matmul count of the train step for the span
 plan that step ran with (the learned spans' plan, not the full span S), without the recomputation
 of model.remat=layer (that is hardware work, not model work); they are counted once per plan, when
 the plan is first used, not per step. The peak: train.peak_tflops when set, else the data sheet's
-(span_lm/tools/chips.py: dense bf16 for bfloat16 and float16 models, TF32 for float32 ones on GPUs
+(span_lm/kernels/chips.py: dense bf16 for bfloat16 and float16 models, TF32 for float32 ones on GPUs
 that have it, as XLA's default precision runs them); null where neither is known (CPU), and the log
 says why once. The wall time is the interval's, compilations and checkpoints included (the log
 names each compilation): a plan change shows as a slower interval.
@@ -24,10 +24,10 @@ from typing import Any, Callable
 
 import jax
 
+from span_lm.kernels import chips
+from span_lm.model import costs as costs_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.plan import SpanPlan
-from span_lm.tools import chips
-from span_lm.tools import flops as flops_lib
 
 PROFILE_DIR = "profile"
 
@@ -38,7 +38,7 @@ def peak_flops(device_kind: str, dtype: str) -> tuple[float | None, str]:
   chip = chips.for_device_kind(device_kind)
   if chip is None:
     return None, (f"no peak FLOP/s is known for device kind {device_kind!r} "
-                  "(span_lm/tools/chips.py lists GPUs and TPUs); set --config.train.peak_tflops="
+                  "(span_lm/kernels/chips.py lists GPUs and TPUs); set --config.train.peak_tflops="
                   "PEAK (one device's, for the run's dtype) to log it")
   key = "bfloat16" if dtype != "float32" else ("tf32" if "tf32" in chip.peak_flops else "float32")
   return chip.peak_flops[key], f"{chip.name} {key} peak {chip.peak_flops[key] / 1e12:g} TFLOP/s"
@@ -70,7 +70,7 @@ class Throughput:
     """The model FLOPs of one train step with `plan` (a dict lookup after the first call)."""
     f = self._per_plan.get(plan)
     if f is None:
-      f = self._per_plan[plan] = float(flops_lib.train_step_flops(self.cfg, plan, self.batch,
+      f = self._per_plan[plan] = float(costs_lib.train_step_flops(self.cfg, plan, self.batch,
                                                                   self.block))
     return f
 

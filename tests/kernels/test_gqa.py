@@ -276,7 +276,7 @@ def test_gqa_kernels_compile_for_v5p(a):
 
 @pytest.mark.parametrize("impl", list(kernels.IMPLS))
 def test_residual_bytes_count_the_key_value_heads(impl):
-  """tools/flops' count of what the backward pass keeps: the keys and values of H_kv heads."""
+  """model/costs.py's count of what the backward pass keeps: the keys and values of H_kv heads."""
   spec = _spec(impl, 0)
   mha = kernels.IMPLS[impl].residual_bytes(spec, B, 64, H, 64, True)
   gqa = kernels.IMPLS[impl].residual_bytes(spec.replace(kv_heads=1), B, 64, H, 64, True)

@@ -264,8 +264,8 @@ import json, sys, jax, jax.numpy as jnp, numpy as np
 from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
+from span_lm.kernels import chips
 from span_lm.kernels import pallas_gpu
-from span_lm.tools import chips
 chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))

@@ -717,7 +717,7 @@ def test_bidirectional_encoder_step_compiles_for_v5p():
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from span_lm import layers  # pylint: disable=g-import-not-at-top
   from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
-  from span_lm.tools import chips  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import chips  # pylint: disable=g-import-not-at-top
   mesh, rep = _v5p(4)
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   bf16 = jnp.bfloat16

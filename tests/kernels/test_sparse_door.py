@@ -185,14 +185,14 @@ def test_flops_count_the_blocks_the_chosen_kernel_computes():
   block_sparse.computed_fraction relates to the dense causal tiles."""
   from span_lm.kernels import block_sparse  # pylint: disable=g-import-not-at-top
   from model_helpers import build  # pylint: disable=g-import-not-at-top
-  from span_lm.tools import flops  # pylint: disable=g-import-not-at-top
+  from span_lm.model import macs  # pylint: disable=g-import-not-at-top
   n = 1024
   cfg = build({"vocab_size": 30, "d_model": 128, "n_layers": 1, "n_heads": 2, "d_ff": 32,
                "sparse.context": n, "span.mode": "fixed", "arch": "sparse", "sparse.stride": 64,
                "sparse.c": 16, "dtype": "bfloat16"})
   heads = _heads("fixed", "merged", 0, 2, 64, 16)
   with target.compiling_for("gpu", 9.0):
-    macs_q, _ = flops.sparse_attention_macs(cfg, 0, n)
+    macs_q, _ = macs.sparse_attention_macs(cfg, 0, n)
   tiles = sum(int((block_sparse.block_map(h, n, 64, 32) != block_sparse.EMPTY).sum())
               for h in heads)
   assert macs_q == tiles * 64 * 32 * 64  # pairs x head size
@@ -201,4 +201,4 @@ def test_flops_count_the_blocks_the_chosen_kernel_computes():
   assert macs_q / 64 == pytest.approx(
       block_sparse.computed_fraction(heads, n, 64, 32) * dense_pairs)
   with target.compiling_for("cpu"):  # the jnp path: its parts, not tiles
-    assert flops.sparse_attention_macs(cfg, 0, n)[0] != macs_q
+    assert macs.sparse_attention_macs(cfg, 0, n)[0] != macs_q

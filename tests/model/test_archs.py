@@ -6,11 +6,11 @@ import pytest
 from model_helpers import make_cfg
 from span_lm import run_dir
 from span_lm.model import ARCHS, build_model
+from span_lm.model import costs
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.sparse_transformer import SparseTransformer
 from span_lm.model.transformer import SpanTransformer
-from span_lm.tools import flops
 
 SPARSE = {"arch": "sparse", "sparse.context": 64, "sparse.stride": 8, "sparse.c": 2,
           "span.loss": 0.0}
@@ -24,8 +24,8 @@ def test_every_architecture_has_a_case_here():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_record_builds_its_model_and_states_its_lengths(name):
-  """build_model, the context, the full plan's caches and the FLOPs count all come from the
-  record named by config.model.arch."""
+  """build_model, the context, the full plan's caches and the FLOPs and memory counts all come
+  from the record named by config.model.arch."""
   kw, model, context = CASES[name]
   cfg = make_cfg(**kw)
   arch = ARCHS[cfg.arch]
@@ -34,7 +34,12 @@ def test_a_record_builds_its_model_and_states_its_lengths(name):
   assert cfg.context == arch.context(cfg) == context
   assert [lp.cache_len for lp in plan_lib.full_plan(cfg).layers] == (
       [cfg.context] * cfg.n_layers if arch.cache else [1] * cfg.n_layers)
-  assert flops.forward_macs(cfg, None, 16) == arch.forward_macs(cfg, plan_lib.full_plan(cfg), 16)
+  full = plan_lib.full_plan(cfg)
+  assert costs.forward_macs(cfg, None, 16) == arch.forward_macs(cfg, full, 16)
+  assert costs.activation_bytes(cfg, None, 2, 16) == arch.activation_bytes(cfg, full, 2, 16, True)
+  assert costs.peak_activation_bytes(cfg, None, 2, 16) == sum(
+      arch.activation_bytes(cfg, full, 2, 16, True).values()) + 16 * arch.widest_scores(
+          cfg, full, 16) > 0
   flat = run_dir.flatten(dataclasses.asdict(cfg))
   assert all(k in flat for k in arch.identity), arch.identity
 

@@ -1,4 +1,4 @@
-"""The compile mode (span_lm/tools/compile.py) and the per-chip facts it reads (tools/chips.py).
+"""The compile mode (span_lm/tools/compile.py) and the per-chip facts it reads (kernels/chips.py).
 
 Without the toolchains (CI's main environment) the mode must say in one line what to install;
 with them (`pytest -m compile`, run by .ci/run in a second environment that has libtpu, and by
@@ -14,9 +14,9 @@ import pytest
 
 from model_helpers import build, replaced
 from span_lm import kernels
+from span_lm.kernels import chips
 from span_lm.kernels import pallas_gpu
 from span_lm.kernels import target as target_lib
-from span_lm.tools import chips
 from span_lm.tools import compile as compile_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

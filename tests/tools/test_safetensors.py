@@ -1,5 +1,5 @@
-"""Safetensors export and import (span_lm/tools/safetensors_format.py, span_lm/layers/
-safetensors_io.py, examples/read_safetensors.py).
+"""Safetensors export and import (span_lm/tools/safetensors_format.py, span_lm/train/
+from_export.py, span_lm/layers/safetensors_io.py, examples/read_safetensors.py).
 
 Fast: the names; the layer's save/load; every hostile file refused in one line before the library
 reads it (nothing of a claimed 2^40 bytes is allocated); the example's log-probabilities against
@@ -32,6 +32,7 @@ from span_lm.layers import safetensors_io as sio
 from span_lm.model import caches as caches_lib
 from span_lm.model.transformer import SpanTransformer
 from span_lm.tools import safetensors_format as sf
+from span_lm.train import from_export as fe
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -53,8 +54,8 @@ def write_export(directory, cfg, params, vocab=None, dtype="float32"):
   readers use), without a training run."""
   vocab = vocab or [str(i) for i in range(cfg.vocab_size)]
   flat = {k: np.asarray(v).astype(dtype) for k, v in sio.flatten(params).items()}
-  data = {"format": sf.FORMAT, "format_version": sf.FORMAT_VERSION, "span_lm_version": "test",
-          "architecture": cfg.arch, "model": sf._plain(__import__("dataclasses").asdict(cfg)),
+  data = {"format": fe.FORMAT, "format_version": fe.FORMAT_VERSION, "span_lm_version": "test",
+          "architecture": cfg.arch, "model": fe.plain(__import__("dataclasses").asdict(cfg)),
           "dtype": dtype, "trained_dtype": "float32",
           "n_parameters": sum(v.size for v in flat.values()),
           "vocabulary": {"kind": "words", "size": len(vocab), "tokens": vocab, "eos": "<eos>"},
@@ -91,7 +92,7 @@ def test_the_name_table_names_every_tensor(kw):
   import re  # pylint: disable=g-import-not-at-top
   words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", sf.__doc__))
   cfg = make_cfg(**kw)
-  names = sf.expected_tensors(cfg, "float32")
+  names = fe.expected_tensors(cfg, "float32")
   assert names
   for name in names:
     unnamed = [p for p in name.split(".") if not p.isdigit() and p not in words]
@@ -254,7 +255,7 @@ def _tamper(directory, flat_change=None, config_change=None):
     flat_change(flat)
     lib.numpy.save_file(flat, path)
   if config_change:
-    cpath = os.path.join(directory, sf.CONFIG_NAME)
+    cpath = os.path.join(directory, fe.CONFIG_NAME)
     data = json.loads(pathlib.Path(cpath).read_text())
     config_change(data)
     pathlib.Path(cpath).write_text(json.dumps(data))
@@ -288,7 +289,7 @@ def test_a_file_that_is_not_the_configs_model_is_refused_in_one_line(tmp_path, m
   monkeypatch.setattr(sio.library().numpy, "load_file",
                       lambda *a, **k: pytest.fail("the library read it"))
   with pytest.raises(ValueError, match=why) as e:
-    sf.read_checked(directory)
+    fe.read_checked(directory)
   assert "\n" not in str(e.value)
 
 
@@ -300,15 +301,15 @@ def test_a_tensor_that_differs_from_its_fingerprint_is_refused(tmp_path):
   digests = {k: fingerprint.fingerprint_numpy(v) for k, v in sio.flatten(params).items()}
   _tamper(directory, config_change=lambda d: d.update(fingerprints={
       "algorithm": fingerprint.ALGORITHM, "tensors": digests}))
-  data, _, tensors = sf.read_checked(directory)
-  assert sf.verify_fingerprints(data, tensors) == len(digests)
+  data, _, tensors = fe.read_checked(directory)
+  assert fe.verify_fingerprints(data, tensors) == len(digests)
 
   def flip(flat):
     flat["layers.0.attn.span_ratio"] = flat["layers.0.attn.span_ratio"] + np.float32(1e-3)
   _tamper(directory, flat_change=flip)
   with pytest.raises(ValueError, match=r"layers\.0\.attn\.span_ratio differ from the "
                      "fingerprints") as e:
-    sf.read_checked(directory)
+    fe.read_checked(directory)
   assert "\n" not in str(e.value)
 
 
@@ -338,7 +339,7 @@ def test_import_refuses_another_model_or_vocabulary_in_one_line(tmp_path, monkey
   config = synthetic_run.config_for(tmp_path / "run")
   cfg = ModelConfig.from_config(config.model, vocab_size=16)
   params = sio.unflatten({k: np.zeros(shape, np.float32)  # the run's model, in zeros
-                          for k, (shape, _) in sf.expected_tensors(cfg, "float32").items()})
+                          for k, (shape, _) in fe.expected_tensors(cfg, "float32").items()})
   other = make_cfg(vocab_size=16)
   small = write_export(tmp_path / "small", other, f32(ref.random_params(
       other, np.random.default_rng(0))))
@@ -419,7 +420,7 @@ def test_the_example_computes_span_lms_log_probabilities(tmp_path, kw):
   text = "w1 w2 w3 w0 w7\nw5 w5 w6 w2 w1 w4 w3"
   ids, logp = _example().log_probs(directory, text)
   assert list(ids[:6]) == [1, 2, 3, 0, 7, 8]  # the newline is <eos>
-  _, _, tensors = sf.read_checked(directory)
+  _, _, tensors = fe.read_checked(directory)
   back = sio.unflatten(tensors)
   model = SpanTransformer(cfg)
   want, _, _ = model.apply({"params": back}, jnp.asarray(ids[None], jnp.int32),
@@ -511,7 +512,7 @@ def test_export_import_is_bit_exact_and_evaluates_the_same(tmp_path, arch):
   if arch in ("span", "pers_mem"):  # the example on the trained model, from the files alone
     text = " ".join(data["vocabulary"]["tokens"][i % 16] for i in range(40))
     ids, logp = _example().log_probs(str(exp), text)
-    cfg = sf.model_config(data)
+    cfg = fe.model_config(data)
     want, _, _ = SpanTransformer(cfg).apply(
         {"params": exported}, jnp.asarray(ids[None], jnp.int32),
         caches_lib.init_caches(cfg, None, 1))
@@ -542,7 +543,7 @@ def test_main_import_without_config_bfloat16_export_and_init_from(tmp_path):
                                          "tools.dtype": "bfloat16"}))
   header, _ = sio.read_header(half / "model.safetensors")
   assert {t["dtype"] for t in header.values()} == {"BF16"}
-  _, _, tensors = sf.read_checked(str(half))
+  _, _, tensors = fe.read_checked(str(half))
   want = {k: np.asarray(jnp.asarray(v).astype(jnp.bfloat16)) for k, v in
           sio.flatten(_params_of(run)).items()}
   for k, v in want.items():

@@ -14,10 +14,11 @@ from model_helpers import build, replaced
 from span_lm import cli
 from span_lm import config as config_lib
 from span_lm.model import caches as caches_lib
+from span_lm.model import costs
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
-from span_lm.tools import flops, paper, restore, sample, spans_report
+from span_lm.tools import flops, hlo, paper, restore, sample, spans_report
 
 
 @functools.cache
@@ -51,7 +52,7 @@ def test_forward_macs_equal_a_hand_count():
       cfg, [np.asarray(r, np.float32) for r in [[0, 0, 0, 0.1], [0.1, 0.1, 0.3, 0.9]]])
   assert plan.describe() == "L0 cache=128 [0, 1, 2, 3]:64; L1 cache=256 [0, 1]:64 [2]:128 [3]:256"
   m, d, dh = 64, 64, 16  # block 64: the chunk C is 64 for every window (the smallest divisor >= W)
-  got = flops.forward_macs(cfg, plan, block=m)
+  got = costs.forward_macs(cfg, plan, block=m)
   assert got["q_proj"] == got["out_proj"] == 2 * m * d * d
   # keys/values per group over (window + block) rows: layer 0 one group of 4 heads at 64;
   # layer 1 two heads at 64, one at 128, one at 256.
@@ -64,10 +65,10 @@ def test_forward_macs_equal_a_hand_count():
   assert got["attn_position"] == sum(m * w * dh for w in per_head_windows)
   assert got["ff"] == 2 * (2 * m * d * 256) and got["output"] == m * d * 50
   assert got["attn_persistent"] == got["span_predictor"] == 0
-  pt = flops.per_token(cfg, plan, m)
+  pt = costs.per_token(cfg, plan, m)
   assert pt.total * m == sum(got.values())
   # Generation (M = 1) re-projects every cached row a window sees: (W + 1) rows per token.
-  assert flops.forward_macs(cfg, plan, 1)["kv_proj"] == (65 * 64 * 2 * 64) + (
+  assert costs.forward_macs(cfg, plan, 1)["kv_proj"] == (65 * 64 * 2 * 64) + (
       65 * 64 * 2 * 32 + 129 * 64 * 2 * 16 + 257 * 64 * 2 * 16)
 
 
@@ -79,12 +80,12 @@ def test_matmul_count_equals_xla(mode, ratios):
   cfg, _, plan = make(mode, ratios)
   b, m = 2, 32
   x = flops.xla_costs(cfg, plan, b, m)
-  ours = flops.train_step_flops(cfg, plan, b, m)
+  ours = costs.train_step_flops(cfg, plan, b, m)
   assert ours == x["dot_flops"]
   # XLA's elementwise accounting differs between versions (0.89-0.98 on jax 0.10, 0.84 on 0.12).
   assert 0.75 < ours / x["flops"] <= 1.0, (ours, x["flops"])
   # Memory: the peak estimate and XLA's temporary buffers agree within a factor 1.5 here.
-  assert 1 / 1.5 < flops.peak_activation_bytes(cfg, plan, b, m) / x["temp_bytes"] < 1.5
+  assert 1 / 1.5 < costs.peak_activation_bytes(cfg, plan, b, m) / x["temp_bytes"] < 1.5
 
 
 def test_xla_costs_compile_what_a_run_compiles(monkeypatch):
@@ -103,7 +104,7 @@ def test_xla_costs_compile_what_a_run_compiles(monkeypatch):
   x = flops.xla_costs(cfg, plan, 2, 16)
   assert len(built) == 1 and built[0].layout.num_devices == 1
   assert [c["kind"] for c in built[0].compilations] == ["train"]
-  assert x["dot_flops"] == flops.train_step_flops(cfg, plan, 2, 16)
+  assert x["dot_flops"] == costs.train_step_flops(cfg, plan, 2, 16)
 
 
 @pytest.mark.slow
@@ -122,7 +123,7 @@ def test_activation_bytes_match_jax_residuals(mode, ratios):
 
   res = saved_residuals(loss, params, caches_lib.init_caches(cfg, plan, b))
   jax_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a, why in res if "argument" not in why)
-  ours = sum(flops.activation_bytes(cfg, plan, b, m).values())
+  ours = sum(costs.activation_bytes(cfg, plan, b, m).values())
   assert abs(ours / jax_bytes - 1) < 0.05, (ours, jax_bytes)
 
 
@@ -150,7 +151,7 @@ def test_reference_activation_bytes_match_jax_residuals(mode, dropout, pers, dty
 
   res = saved_residuals(loss, params, caches_lib.init_caches(cfg, plan, b))
   jax_bytes = sum(np.prod(a.shape) * a.dtype.itemsize for a, why in res if "argument" not in why)
-  ours = sum(flops.activation_bytes(cfg, plan, b, m).values())
+  ours = sum(costs.activation_bytes(cfg, plan, b, m).values())
   assert abs(ours / jax_bytes - 1) < 0.08, (ours, jax_bytes)
 
 
@@ -167,7 +168,7 @@ def test_peak_estimate_within_a_factor_of_xla_cpu_temporaries(impl, mode, dtype)
                "span.size": 256, "span.ramp": 16, "span.mode": mode, "dropout": 0.1,
                "attention.impl": impl, "dtype": dtype})
   x = flops.xla_costs(cfg, None, 2, 64)
-  assert 1 / 1.35 < flops.peak_activation_bytes(cfg, None, 2, 64) / x["temp_bytes"] < 1.35
+  assert 1 / 1.35 < costs.peak_activation_bytes(cfg, None, 2, 64) / x["temp_bytes"] < 1.35
 
 
 def test_trimming_cuts_flops():
@@ -175,7 +176,7 @@ def test_trimming_cuts_flops():
                "span.size": 512, "span.ramp": 16})
   plan = plan_lib.plan_from_ratios(cfg, [np.asarray(r, np.float32) for r in TRIMMED])
   fixed = replaced(cfg, **{"span.mode": "fixed"})
-  assert flops.per_token(cfg, plan, 64).total < 0.6 * flops.per_token(fixed, None, 64).total
+  assert costs.per_token(cfg, plan, 64).total < 0.6 * costs.per_token(fixed, None, 64).total
 
 
 # The tiny Sparse Transformer (configs/enwik8_sparse_fixed.py's architecture): context 64, l = 8.
@@ -187,14 +188,14 @@ SPARSE = {"arch": "sparse", "span.mode": "fixed", "span.loss": 0.0, "vocab_size"
 def test_sparse_forward_macs_equal_a_hand_count():
   """arch='sparse' has its own count: factorized attention, no cache, no span predictor."""
   cfg = build(SPARSE, **{"sparse.pattern": "fixed", "sparse.combine": "merged"})
-  got = flops.forward_macs(cfg, None, block=64)
+  got = costs.forward_macs(cfg, None, block=64)
   # per head: its block (8 blocks of 8 x 8) and every block's c = 2 summary keys (64 x 16)
   keys = 4 * (8 * 8 * 8 + 64 * 8 * 2)
   assert got["attn_content"] == got["attn_value"] == 2 * keys * 8
   assert got["attn_position"] == got["attn_persistent"] == got["span_predictor"] == 0
   assert got["q_proj"] == got["out_proj"] == 2 * 64 * 32 * 32
   assert got["kv_proj"] == 2 * got["q_proj"]
-  dense = flops.forward_macs(replaced(cfg, **{"sparse.pattern": "dense"}), None, 64)
+  dense = costs.forward_macs(replaced(cfg, **{"sparse.pattern": "dense"}), None, 64)
   assert dense["attn_content"] == 2 * 4 * 64 * 64 * 8 > got["attn_content"]
 
 
@@ -208,7 +209,7 @@ def test_sparse_matmul_count_equals_xla(kw, block):
   padded to a multiple of the stride; sparse.impl='dense': the masked n x n reference)."""
   cfg = build({**SPARSE, **kw})
   x = flops.xla_costs(cfg, None, 2, block)
-  assert flops.train_step_flops(cfg, None, 2, block) == x["dot_flops"]
+  assert costs.train_step_flops(cfg, None, 2, block) == x["dot_flops"]
   assert 0.75 < x["dot_flops"] / x["flops"] <= 1.0
 
 
@@ -234,8 +235,8 @@ def test_hlo_dot_flops_reads_tpu_hlo(name):
   plan = (plan_lib.plan_from_ratios(cfg, [np.asarray(r, np.float32) for r in case["ratios"]])
           if case["ratios"] else plan_lib.full_plan(cfg))
   assert plan.describe() == case["plan"]
-  ours = flops.train_step_flops(cfg, plan, case["batch"], case["block"])
-  assert flops.hlo_dot_flops(text) == ours
+  ours = costs.train_step_flops(cfg, plan, case["batch"], case["block"])
+  assert hlo.hlo_dot_flops(text) == ours
   assert ours < case["xla_tpu_flops"] < 1.3 * ours  # XLA:TPU's total adds the elementwise work
 
 
@@ -254,7 +255,7 @@ def test_peak_estimate_within_a_factor_of_xla_tpu_temporaries(record):
   cfg = ModelConfig.from_config(record["model"])
   piece = record["batch_per_chip"] // record["batch_split"]
   with target.compiling_for("tpu"):
-    ours = flops.peak_activation_bytes(cfg, None, piece, record["block"])
+    ours = costs.peak_activation_bytes(cfg, None, piece, record["block"])
   assert 1 / 1.3 < ours / record["temp_bytes"] < 1.3, ours / record["temp_bytes"]
 
 
@@ -272,7 +273,7 @@ def test_hlo_dot_flops_counts_convolution_windows(kw):
                                                              "padding": "VALID"} | kw))
   text = jax.jit(conv).lower(lhs, rhs).compile().as_text()
   assert " convolution(" in text
-  assert flops.hlo_dot_flops(text) == 2 * int(conv(lhs, rhs).sum())
+  assert hlo.hlo_dot_flops(text) == 2 * int(conv(lhs, rhs).sum())
 
 
 def test_hlo_dot_flops_counts_loop_trips():
@@ -280,7 +281,7 @@ def test_hlo_dot_flops_counts_loop_trips():
   def f(w, xs):
     return jax.lax.scan(lambda c, x: (c, x @ w), 0.0, xs)[1]
   text = jax.jit(f).lower(jnp.zeros((8, 16)), jnp.zeros((5, 4, 8))).compile().as_text()
-  assert flops.hlo_dot_flops(text) == 5 * 2 * 4 * 8 * 16
+  assert hlo.hlo_dot_flops(text) == 5 * 2 * 4 * 8 * 16
 
 
 # ----------------------------------------------------------------------------------------- paper
@@ -495,7 +496,7 @@ def test_flops_and_sample_modes(trained, capsys):
   # The generation line is the cost of what sample runs: the ring decoder, on the tightest plan
   assert mine["generation_plan"] == r.tight_plan.describe()
   assert mine["per_token_generation"] == pytest.approx(dataclasses.asdict(
-      flops.per_token_generation(r.model_cfg, r.tight_plan)))
+      costs.per_token_generation(r.model_cfg, r.tight_plan)))
   assert "per token, generation (sample's ring decoder, one token; ring caches of " \
       f"{r.tight_plan.describe()})" in printed
   assert f"wrote the paper's Figure 3 (its small text8 models' MACs per token against the span, " \

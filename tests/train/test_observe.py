@@ -24,9 +24,10 @@ import pytest
 
 from span_lm import cli
 from span_lm import config as config_lib
+from span_lm.model import costs as costs_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
-from span_lm.tools import flops as flops_lib
+from span_lm.tools import hlo as hlo_lib
 from span_lm.train import loop
 from span_lm.train import oom as oom_lib
 from span_lm.train import run_lock
@@ -149,8 +150,8 @@ def test_mfu_counts_the_plans_model_flops_without_recomputation():
                     span={"size": 128, "ramp": 8, "mode": "adaptive"}, remat="layer")
   plan = plan_lib.initial_plan(cfg)
   tp = telemetry.Throughput(cfg, 8, 64, num_devices=4, device_kind="cpu", peak_tflops=2.0)
-  model = flops_lib.train_step_flops(cfg.replace(remat="none"), plan, 8, 64)
-  assert tp.step_flops(plan) == model < flops_lib.train_step_flops(cfg, plan, 8, 64)
+  model = costs_lib.train_step_flops(cfg.replace(remat="none"), plan, 8, 64)
+  assert tp.step_flops(plan) == model < costs_lib.train_step_flops(cfg, plan, 8, 64)
   assert tp.step_flops(plan_lib.full_plan(cfg)) > model  # the learned plan's, not the full span's
   out = tp.interval(10, 10 * model, 0.5)
   assert out["tokens_per_s"] == 8 * 64 * 10 / 0.5
@@ -160,7 +161,7 @@ def test_mfu_counts_the_plans_model_flops_without_recomputation():
 
 
 def test_the_generation_count_is_the_ring_decoders_matmuls():
-  """flops.generation_macs equals the dot products XLA compiles for one token of `sample`'s ring
+  """costs.generation_macs equals the dot products XLA compiles for one token of `sample`'s ring
   decoder (SpanTransformer with kv caches, ring_pos), for a dynamic-span model and an adaptive one
   with persistent memory and uneven per-head windows."""
   from span_lm.model import caches as caches_lib  # pylint: disable=g-import-not-at-top
@@ -181,7 +182,7 @@ def test_the_generation_count_is_the_ring_decoders_matmuls():
     rings = caches_lib.to_ring(caches, 1, cfg.n_heads)
     step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, c, train=False, ring_pos=5))
     hlo = step.lower(params, jnp.zeros((1, 1), jnp.int32), rings).compile().as_text()
-    assert flops_lib.hlo_dot_flops(hlo) == 2 * sum(flops_lib.generation_macs(cfg, plan).values()), \
+    assert hlo_lib.hlo_dot_flops(hlo) == 2 * sum(costs_lib.generation_macs(cfg, plan).values()), \
         extra
 
 
@@ -506,7 +507,7 @@ def test_every_interval_logs_tokens_per_s_and_mfu(tmp_path, capsys):
   cap = capsys.readouterr()
   config = sr.config_for(tmp_path / "peak", common)
   cfg = ModelConfig.from_config(config.model, vocab_size=16)
-  step_flops = flops_lib.train_step_flops(cfg, plan_lib.full_plan(cfg), 8, 16)
+  step_flops = costs_lib.train_step_flops(cfg, plan_lib.full_plan(cfg), 8, 16)
   rows = [r for r in read_metrics(str(tmp_path / "peak")) if r["split"] == "train"]
   assert [r["step"] for r in rows] == [2, 4, 6]
   for r in rows:
