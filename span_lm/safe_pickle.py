@@ -110,135 +110,174 @@ def _key_problem(value) -> str | None:
   return None
 
 
+class _Stack:
+  """The symbolic stack of one pickle being scanned: kinds (and str/int values) of what the
+  unpickler will hold, its MARKs and its memo."""
+
+  def __init__(self, allowed: Mapping, path):
+    self.items, self.marks, self.memo = [], [], {}
+    self.allowed, self.path = allowed, path
+    self.n_ops = 0
+
+  def bad(self, why):
+    return PickleDataError(f"{self.path}: malformed pickle ({why})")
+
+  def check_global(self, module, name):
+    if (module, name) not in self.allowed:
+      raise ForbiddenGlobalError(self.path, f"{printable(module)}.{printable(name)}")
+
+  def pop_to_mark(self):
+    if not self.marks:
+      raise self.bad("no MARK before a slice")
+    start = self.marks.pop()
+    items = self.items[start + 1:]
+    del self.items[start:]
+    return items
+
+  def pop(self, n):
+    if n > len(self.items) - (self.marks[-1] + 1 if self.marks else 0):
+      raise self.bad("stack underflow")
+    items = self.items[len(self.items) - n:]
+    del self.items[len(self.items) - n:]
+    return items
+
+
 def _scan(stream, end: int, allowed: Mapping, path, *, persistent: bool) -> int:
   """Checks the pickle at stream's position (see the module doc); returns the offset just past
   its STOP opcode. Raises PickleDataError / ForbiddenGlobalError."""
-  stack, marks, memo = [], [], {}
-  n_ops = 0
-
-  def bad(why):
-    return PickleDataError(f"{path}: malformed pickle ({why})")
-
-  def check_global(module, name):
-    if (module, name) not in allowed:
-      raise ForbiddenGlobalError(path, f"{printable(module)}.{printable(name)}")
-
-  def pop_to_mark():
-    if not marks:
-      raise bad("no MARK before a slice")
-    start = marks.pop()
-    items = stack[start + 1:]
-    del stack[start:]
-    return items
-
-  def pop(n):
-    if n > len(stack) - (marks[-1] + 1 if marks else 0):
-      raise bad("stack underflow")
-    items = stack[len(stack) - n:]
-    del stack[len(stack) - n:]
-    return items
-
+  st = _Stack(allowed, path)
   try:
     for op, arg, pos in pickletools.genops(stream):
-      n_ops += 1
-      name = op.name
-      if name in ("EXT1", "EXT2", "EXT4"):  # a global by its number in copyreg's registry
-        pair = copyreg._inverted_registry.get(arg)  # pylint: disable=protected-access
-        raise ForbiddenGlobalError(path, f"{printable(pair[0])}.{printable(pair[1])} (extension "
-                                   f"code {arg})" if pair else f"extension code {arg} ({name})")
-      if name in _REFUSED_OPS:
-        raise bad(f"opcode {name} is not allowed in a data file")
-      if name == "FRAME" and arg > end - stream.tell():
-        raise bad(f"a frame of {arg:,} bytes where {end - stream.tell():,} remain")
-      if name in ("PERSID", "BINPERSID") and not persistent:
-        raise bad("a persistent id, which this file type never holds")
-      if name in ("GLOBAL", "INST"):
-        module, _, attr = arg.partition(" ")
-        check_global(module, attr)
-      if name == "STACK_GLOBAL" and len(stack) >= 2:
-        (k1, v1), (k2, v2) = (s if isinstance(s, tuple) else ("mark", None) for s in stack[-2:])
-        if k1 == k2 == "str" and v1 is not None and v2 is not None:
-          check_global(v1, v2)
-      # --- the symbolic stack: kinds (and str/int values) of what the unpickler will hold
-      if name in _MEMO_PUT:
-        idx = len(memo) if name == "MEMOIZE" else arg
-        if not 0 <= idx <= n_ops:  # the C unpickler's memo table grows to the largest index
-          raise bad(f"memo index {idx:,} after {n_ops:,} opcodes")
-        if not stack or stack[-1] is _MARK:
-          raise bad("memoizing an empty stack")
-        memo[idx] = stack[-1]
-        continue
-      if name in _MEMO_GET:
-        if arg not in memo:
-          raise bad(f"memo index {arg} is read before it is written")
-        stack.append(memo[arg])
-        continue
-      if name == "DUP":
-        if not stack:
-          raise bad("DUP of an empty stack")
-        stack.append(stack[-1])
-        continue
-      if name == "MARK":
-        marks.append(len(stack))
-        stack.append(_MARK)
-        continue
-      if name == "STOP":
-        if len(stack) < 1 or stack[-1] is _MARK:
-          raise bad("STOP with an empty stack")
+      st.n_ops += 1
+      _check_opcode(st, op.name, arg, stream, end, persistent)
+      if _step(st, op, arg):
         return stream.tell()
-      before, after = op.stack_before, op.stack_after
-      if name == "POP":  # pops the top item, or the top MARK when that is the top
-        if stack and stack[-1] is _MARK:
-          pop_to_mark()
-        else:
-          pop(1)
-        continue
-      if pickletools.markobject in before:
-        items = pop_to_mark()
-        pop(before.index(pickletools.markobject))  # what lies below the MARK (dict, list, set)
-        if name in ("SETITEMS", "DICT"):
-          if len(items) % 2:
-            raise bad(f"{name} with an odd number of items")
-          keys = items[0::2]
-        elif name in ("ADDITEMS", "FROZENSET"):
-          keys = items
-        else:
-          keys = []
-        for key in keys:
-          why = _key_problem(key)
-          if why:
-            raise bad(why)
-      else:
-        got = pop(len(before))
-        if name == "BUILD" and got[0][0] == "global":
-          raise bad(f"state given to the global {printable(got[0][1] or '?')}")
-        if name == "SETITEM":
-          why = _key_problem(got[1])
-          if why:
-            raise bad(why)
-        if name in ("GLOBAL", "STACK_GLOBAL"):
-          glob = arg.replace(" ", ".") if name == "GLOBAL" else None
-          if name == "STACK_GLOBAL" and got[0][0] == got[1][0] == "str" and None not in (
-              got[0][1], got[1][1]):
-            glob = f"{got[0][1]}.{got[1][1]}"
-          stack.append(("global", glob))
-          continue
-        if name == "REDUCE" and got[0] in _BYTES_CALLS:  # protocol 2's bytes: still bytes
-          stack.append(("bytes", None))
-          continue
-      for obj in after:
-        if obj is pickletools.markobject:  # not produced by any opcode but MARK (handled)
-          raise bad(f"unexpected {name}")
-        kind = _KIND_OF.get(obj, "object")
-        value = arg if kind in ("str", "int") and name not in ("REDUCE", "BUILD") else None
-        if name in ("NEWTRUE", "NEWFALSE") or (name == "INT" and isinstance(arg, bool)):
-          kind = "bool"
-        stack.append((kind, value))
   except (ValueError, TypeError) as e:
     if isinstance(e, PickleDataError):
       raise
-    raise bad(f"truncated or corrupt: {printable(str(e), 200)}") from e
-  raise bad("truncated: no STOP opcode")
+    raise st.bad(f"truncated or corrupt: {printable(str(e), 200)}") from e
+  raise st.bad("truncated: no STOP opcode")
+
+
+def _check_opcode(st: _Stack, name: str, arg, stream, end: int, persistent: bool):
+  """The opcode's own refusals: extension codes, refused opcodes, frames past the end,
+  persistent ids where none belong, globals not allowed."""
+  if name in ("EXT1", "EXT2", "EXT4"):  # a global by its number in copyreg's registry
+    pair = copyreg._inverted_registry.get(arg)  # pylint: disable=protected-access
+    raise ForbiddenGlobalError(st.path, f"{printable(pair[0])}.{printable(pair[1])} (extension "
+                               f"code {arg})" if pair else f"extension code {arg} ({name})")
+  if name in _REFUSED_OPS:
+    raise st.bad(f"opcode {name} is not allowed in a data file")
+  if name == "FRAME" and arg > end - stream.tell():
+    raise st.bad(f"a frame of {arg:,} bytes where {end - stream.tell():,} remain")
+  if name in ("PERSID", "BINPERSID") and not persistent:
+    raise st.bad("a persistent id, which this file type never holds")
+  if name in ("GLOBAL", "INST"):
+    module, _, attr = arg.partition(" ")
+    st.check_global(module, attr)
+  stack = st.items
+  if name == "STACK_GLOBAL" and len(stack) >= 2:
+    (k1, v1), (k2, v2) = (s if isinstance(s, tuple) else ("mark", None) for s in stack[-2:])
+    if k1 == k2 == "str" and v1 is not None and v2 is not None:
+      st.check_global(v1, v2)
+
+
+def _step(st: _Stack, op, arg) -> bool:
+  """The opcode's effect on the symbolic stack; True at STOP."""
+  name, stack = op.name, st.items
+  if name in _MEMO_PUT:
+    idx = len(st.memo) if name == "MEMOIZE" else arg
+    if not 0 <= idx <= st.n_ops:  # the C unpickler's memo table grows to the largest index
+      raise st.bad(f"memo index {idx:,} after {st.n_ops:,} opcodes")
+    if not stack or stack[-1] is _MARK:
+      raise st.bad("memoizing an empty stack")
+    st.memo[idx] = stack[-1]
+    return False
+  if name in _MEMO_GET:
+    if arg not in st.memo:
+      raise st.bad(f"memo index {arg} is read before it is written")
+    stack.append(st.memo[arg])
+    return False
+  if name == "DUP":
+    if not stack:
+      raise st.bad("DUP of an empty stack")
+    stack.append(stack[-1])
+    return False
+  if name == "MARK":
+    st.marks.append(len(stack))
+    stack.append(_MARK)
+    return False
+  if name == "STOP":
+    if len(stack) < 1 or stack[-1] is _MARK:
+      raise st.bad("STOP with an empty stack")
+    return True
+  if name == "POP":  # pops the top item, or the top MARK when that is the top
+    if stack and stack[-1] is _MARK:
+      st.pop_to_mark()
+    else:
+      st.pop(1)
+    return False
+  before = op.stack_before
+  if pickletools.markobject in before:
+    _pop_marked(st, name, before)
+  elif _pop_operands(st, name, arg, before):
+    return False
+  _push_results(st, name, arg, op.stack_after)
+  return False
+
+
+def _pop_marked(st: _Stack, name: str, before):
+  """Pops a MARK's slice and what lies below the MARK; the keys of a dict's or set's items must
+  be plain data (`_key_problem`)."""
+  items = st.pop_to_mark()
+  st.pop(before.index(pickletools.markobject))  # what lies below the MARK (dict, list, set)
+  if name in ("SETITEMS", "DICT"):
+    if len(items) % 2:
+      raise st.bad(f"{name} with an odd number of items")
+    keys = items[0::2]
+  elif name in ("ADDITEMS", "FROZENSET"):
+    keys = items
+  else:
+    keys = []
+  for key in keys:
+    why = _key_problem(key)
+    if why:
+      raise st.bad(why)
+
+
+def _pop_operands(st: _Stack, name: str, arg, before) -> bool:
+  """Pops an opcode's operands and checks them; True when it pushed the result itself (a
+  global, protocol 2's bytes)."""
+  got = st.pop(len(before))
+  if name == "BUILD" and got[0][0] == "global":
+    raise st.bad(f"state given to the global {printable(got[0][1] or '?')}")
+  if name == "SETITEM":
+    why = _key_problem(got[1])
+    if why:
+      raise st.bad(why)
+  if name in ("GLOBAL", "STACK_GLOBAL"):
+    glob = arg.replace(" ", ".") if name == "GLOBAL" else None
+    if name == "STACK_GLOBAL" and got[0][0] == got[1][0] == "str" and None not in (
+        got[0][1], got[1][1]):
+      glob = f"{got[0][1]}.{got[1][1]}"
+    st.items.append(("global", glob))
+    return True
+  if name == "REDUCE" and got[0] in _BYTES_CALLS:  # protocol 2's bytes: still bytes
+    st.items.append(("bytes", None))
+    return True
+  return False
+
+
+def _push_results(st: _Stack, name: str, arg, after):
+  """Pushes the kinds (and str/int values) of what the opcode leaves."""
+  for obj in after:
+    if obj is pickletools.markobject:  # not produced by any opcode but MARK (handled)
+      raise st.bad(f"unexpected {name}")
+    kind = _KIND_OF.get(obj, "object")
+    value = arg if kind in ("str", "int") and name not in ("REDUCE", "BUILD") else None
+    if name in ("NEWTRUE", "NEWFALSE") or (name == "INT" and isinstance(arg, bool)):
+      kind = "bool"
+    st.items.append((kind, value))
 
 
 # ---------------------------------------------------------------------------------- unpickling

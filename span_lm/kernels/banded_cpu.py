@@ -9,7 +9,7 @@ positions last (`project_kv`), which is why the door has two calls.
 """
 import functools
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -237,76 +237,15 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   pos = matmul.einsum(f"bgn{R}cd,dw->bgn{R}cw", q, pe, jnp.float32)
   scores = cont + skew(pos) if keyed else unskew(cont, w) + pos
   kw = scores.shape[-1]  # W + C keyed, W in bands
-  per_key = False  # the mask already 5-D in key coordinates (see _key_mask)
-  if span_z is not None:
-    if mask is not None or ramp <= 0:
-      raise ValueError("banded_attention: give either mask or span_z with a ramp > 0")
-    z = jnp.asarray(span_z, jnp.float32)
-    per_key = keyed and z.shape[2] == 1 and g > 1 and span_z_ahead is None
-    if per_key:
-      mask = _key_mask(grouped(z.reshape(z.shape[0], g, 1, 1, 1)), ramp, c, w, a)
-    else:
-      dist_W = _band_distances(w, a)  # column s -> its distance as the mask reads it
-      z = z[..., None]
-      if span_z_ahead is not None and a:
-        z = jnp.where(jnp.arange(w) < w - a, z, jnp.asarray(span_z_ahead, jnp.float32)[..., None])
-      mask = span_mask.soft_mask(z, dist_W[None, None, None, :], ramp)
-  if mask is not None and not per_key:  # (1 or B, G, 1 or M, W) -> 5-D, broadcast unmaterialised
-    mb = mask.shape[0]
-    mask = grouped(mask.reshape(mb, g, 1, 1, w) if mask.shape[2] == 1
-                   else jnp.broadcast_to(mask, (mb, g, m, w)).reshape(mb, g, n, c, w))
-    if keyed:  # zero off the band
-      mask = skew(jnp.broadcast_to(mask, mask.shape[:-2] + (c, w)))
+  band = _Band(b=b, g=g, m=m, n=n, c=c, w=w, a=a, r=r, R=R, keyed=keyed, grouped=grouped)
+  mask = _band_mask(mask, span_z, span_z_ahead, ramp, band)
   logits = scores / math.sqrt(dh)
-  allowed = None
-  if segments is not None:  # same nonzero segment: in key coordinates, or as bands
-    # A finite minimum: exp gives exactly 0 at other segments' keys wherever a row has a key of
-    # its own, and no NaN where it has none (those rows are zeroed below). The span mask stays
-    # small (per head), not multiplied out to (B, G, n, C, W + C).
-    allowed = _segment_allowed(segments, w, a, c, keyed)  # B 1 n C (W+C | W)
-    if r > 1:
-      allowed = allowed[:, :, :, None]  # B 1 n 1 C (W+C | W)
-    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
-    row_ok = (segments.q != 0)[:, None, :, None]  # with persistent memory every row has keys
-    if pers_k_GxDxN is None:  # `allowed` holds on-band keys only (_segment_allowed)
-      row_ok = row_ok & jnp.any(allowed, axis=-1).reshape(b, 1, m, 1)
+  logits, allowed, row_ok = _segment_logits(logits, segments, pers_k_GxDxN is None, band)
   if keyed:  # a select: with an added -inf constant XLA:CPU kept the broadcast constant in memory
     logits = jnp.where(_on_band(c, w), logits, -jnp.inf)
-
-  if pers_k_GxDxN is not None:
-    n_pers = pers_k_GxDxN.shape[-1]
-    pers_heads = (lambda x: x) if r == 1 else (lambda x: x.reshape(g // r, r, *x.shape[1:]))
-    pers = matmul.einsum(f"bgn{R}cd,g{R}dp->bgn{R}cp", q,
-                         matmul.weight(pers_heads(pers_k_GxDxN), q.dtype), jnp.float32)
-    probs = jax.nn.softmax(jnp.concatenate([logits, pers / math.sqrt(dh)], axis=-1), axis=-1)
-    if mask is not None:
-      ones = jnp.ones(logits.shape[:-1] + (n_pers,), probs.dtype)
-      probs = probs * jnp.concatenate([jnp.broadcast_to(mask, logits.shape[:-1] + (kw,)), ones],
-                                      axis=-1)
-      probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
-  else:
-    # Row-wise work on a 2-D (rows, W) view: XLA:CPU reduces a 5-D array with unit dims (one
-    # head in a group) several times slower than the same rows laid out flat.
-    rows = b * g * n * c
-    probs = jax.nn.softmax(logits.reshape(rows, kw), axis=-1)
-    if mask is not None:
-      probs = (probs.reshape(logits.shape[:-1] + (kw,)) * mask).reshape(rows, kw)
-      probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
-    probs = probs.reshape(logits.shape[:-1] + (kw,))
-
-  if pers_k_GxDxN is None:  # one custom VJP (the scores above are for `probs` only)
-    keep = None if dropout is None else dropout(jnp.ones(probs.shape, jnp.float32))
-    out = (_keyed_attention if keyed else _band_attention)(q, k_win, v_win, pe, mask, keep,
-                                                           allowed, kd, eps, R)
-  else:
-    dropped = dropout(probs) if dropout is not None else probs
-    dropped = dropped.astype(v.dtype)
-    p_band = dropped[..., :kw] if keyed else skew(dropped[..., :kw])
-    out = matmul.einsum(f"bgn{R}ck,bgn{kd}->bgn{R}cd", p_band, v_win, jnp.float32)
-  if pers_k_GxDxN is not None:
-    out = out + matmul.einsum(f"bgn{R}cp,g{R}pd->bgn{R}cd", dropped[..., kw:],
-                              matmul.weight(pers_heads(pers_v_GxNxD), dropped.dtype),
-                              jnp.float32)
+  probs = _band_probs(logits, q, mask, pers_k_GxDxN, kw, eps, band)
+  out = _band_out(q, k_win, v_win, pe, mask, probs, allowed, pers_k_GxDxN is not None,
+                  pers_v_GxNxD, dropout, v.dtype, kd, kw, eps, band)
   if keyed:  # the weights in band coordinates, as returned (callers that drop them pay nothing)
     probs = jnp.concatenate([unskew(probs[..., :kw], w), probs[..., kw:]], axis=-1)
   if r > 1:  # back to (B, G, n, C, ...): query head h = its key/value head's h_kv r + j
@@ -315,6 +254,116 @@ def banded_attention(q_BxGxMxD, k, v, key_pe_DxW, *, mask=None, span_z=None, ram
   if segments is not None:  # segment 0's queries, and rows with no key of their segment: zeros
     out = jnp.where(row_ok, out, 0.0)
   return out, probs.reshape(b, g, m, -1)
+
+
+class _Band(NamedTuple):
+  """One call's static band layout: batch, heads, block, chunks, chunk, band width, rows ahead,
+  the query group (r, its einsum letter R) and whether the band stays in key coordinates."""
+  b: int
+  g: int
+  m: int
+  n: int
+  c: int
+  w: int
+  a: int
+  r: int
+  R: str
+  keyed: bool
+  grouped: Callable
+
+
+def _band_mask(mask, span_z, span_z_ahead, ramp: int, s: _Band):
+  """The soft span mask as the logits read it (5-D, broadcast unmaterialised; None: fixed span),
+  from `mask` or from the spans (per key for per-head spans on long bands: `_key_mask`)."""
+  per_key = False  # the mask already 5-D in key coordinates (see _key_mask)
+  if span_z is not None:
+    if mask is not None or ramp <= 0:
+      raise ValueError("banded_attention: give either mask or span_z with a ramp > 0")
+    z = jnp.asarray(span_z, jnp.float32)
+    per_key = s.keyed and z.shape[2] == 1 and s.g > 1 and span_z_ahead is None
+    if per_key:
+      mask = _key_mask(s.grouped(z.reshape(z.shape[0], s.g, 1, 1, 1)), ramp, s.c, s.w, s.a)
+    else:
+      dist_W = _band_distances(s.w, s.a)  # column s -> its distance as the mask reads it
+      z = z[..., None]
+      if span_z_ahead is not None and s.a:
+        z = jnp.where(jnp.arange(s.w) < s.w - s.a, z,
+                      jnp.asarray(span_z_ahead, jnp.float32)[..., None])
+      mask = span_mask.soft_mask(z, dist_W[None, None, None, :], ramp)
+  if mask is not None and not per_key:  # (1 or B, G, 1 or M, W) -> 5-D, broadcast unmaterialised
+    mb = mask.shape[0]
+    mask = s.grouped(mask.reshape(mb, s.g, 1, 1, s.w) if mask.shape[2] == 1
+                     else jnp.broadcast_to(mask, (mb, s.g, s.m, s.w)).reshape(
+                         mb, s.g, s.n, s.c, s.w))
+    if s.keyed:  # zero off the band
+      mask = skew(jnp.broadcast_to(mask, mask.shape[:-2] + (s.c, s.w)))
+  return mask
+
+
+def _segment_logits(logits, segments, no_pers: bool, s: _Band):
+  """Logits outside each row's nonzero segment at float32's minimum: (logits, allowed, row_ok),
+  row_ok the rows that keep their output (None, None without segments)."""
+  allowed = row_ok = None
+  if segments is not None:  # same nonzero segment: in key coordinates, or as bands
+    # A finite minimum: exp gives exactly 0 at other segments' keys wherever a row has a key of
+    # its own, and no NaN where it has none (those rows are zeroed below). The span mask stays
+    # small (per head), not multiplied out to (B, G, n, C, W + C).
+    allowed = _segment_allowed(segments, s.w, s.a, s.c, s.keyed)  # B 1 n C (W+C | W)
+    if s.r > 1:
+      allowed = allowed[:, :, :, None]  # B 1 n 1 C (W+C | W)
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    row_ok = (segments.q != 0)[:, None, :, None]  # with persistent memory every row has keys
+    if no_pers:  # `allowed` holds on-band keys only (_segment_allowed)
+      row_ok = row_ok & jnp.any(allowed, axis=-1).reshape(s.b, 1, s.m, 1)
+  return logits, allowed, row_ok
+
+
+def _pers_heads(x, s: _Band):
+  """A persistent memory's (G, ...) as the grouped queries read it, (G_kv, r, ...)."""
+  return x if s.r == 1 else x.reshape(s.g // s.r, s.r, *x.shape[1:])
+
+
+def _band_probs(logits, q, mask, pers_k_GxDxN, kw: int, eps: float, s: _Band):
+  """The renormalised attention weights over the band (then the persistent vectors)."""
+  R = s.R
+  if pers_k_GxDxN is not None:
+    n_pers = pers_k_GxDxN.shape[-1]
+    pers = matmul.einsum(f"bgn{R}cd,g{R}dp->bgn{R}cp", q,
+                         matmul.weight(_pers_heads(pers_k_GxDxN, s), q.dtype), jnp.float32)
+    probs = jax.nn.softmax(jnp.concatenate([logits, pers / math.sqrt(q.shape[-1])], axis=-1),
+                           axis=-1)
+    if mask is not None:
+      ones = jnp.ones(logits.shape[:-1] + (n_pers,), probs.dtype)
+      probs = probs * jnp.concatenate([jnp.broadcast_to(mask, logits.shape[:-1] + (kw,)), ones],
+                                      axis=-1)
+      probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
+    return probs
+  # Row-wise work on a 2-D (rows, W) view: XLA:CPU reduces a 5-D array with unit dims (one
+  # head in a group) several times slower than the same rows laid out flat.
+  rows = s.b * s.g * s.n * s.c
+  probs = jax.nn.softmax(logits.reshape(rows, kw), axis=-1)
+  if mask is not None:
+    probs = (probs.reshape(logits.shape[:-1] + (kw,)) * mask).reshape(rows, kw)
+    probs = probs / (jnp.sum(probs, axis=-1, keepdims=True) + eps)
+  return probs.reshape(logits.shape[:-1] + (kw,))
+
+
+def _band_out(q, k_win, v_win, pe, mask, probs, allowed, has_pers: bool, pers_v_GxNxD, dropout,
+              v_dtype, kd: str, kw: int, eps: float, s: _Band):
+  """The weighted values: one custom VJP without persistent memory (the weights above are for
+  `probs` only), else the dropped weights times the window's values and the persistent ones."""
+  R = s.R
+  if not has_pers:
+    keep = None if dropout is None else dropout(jnp.ones(probs.shape, jnp.float32))
+    return (_keyed_attention if s.keyed else _band_attention)(q, k_win, v_win, pe, mask, keep,
+                                                              allowed, kd, eps, R)
+  dropped = dropout(probs) if dropout is not None else probs
+  dropped = dropped.astype(v_dtype)
+  p_band = dropped[..., :kw] if s.keyed else skew(dropped[..., :kw])
+  out = matmul.einsum(f"bgn{R}ck,bgn{kd}->bgn{R}cd", p_band, v_win, jnp.float32)
+  return out + matmul.einsum(f"bgn{R}cp,g{R}pd->bgn{R}cd", dropped[..., kw:],
+                             matmul.weight(_pers_heads(pers_v_GxNxD, s), dropped.dtype),
+                             jnp.float32)
 
 
 def _band_distances(w: int, a: int):

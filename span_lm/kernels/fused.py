@@ -2,36 +2,15 @@
 FlashAttention-2's names, the checks at their entry, and running them per device under a mesh.
 
 One tile is a block of query rows against a block of keys. S is its scaled logits, m the running
-row maximum, P = exp(S - m) and l the running row sum of P. The soft span mask
-(kernels/span_mask.py) adds a second running sum, of P times the mask: the renormalised weights
-are P mask / (sum P mask + eps sum P) (`span_mask.online_denominator`). The backward pass recomputes P
-from the saved m and normaliser, with dP = dO V^T and delta = rowsum(dO * O).
+row maximum, P = exp(S - m) and l the running row sum of P. The soft span mask adds a second
+running sum, of P times the mask: the renormalised weights are P mask / (sum P mask + eps sum P)
+(`span_mask.online_denominator`). The backward pass recomputes P from the saved m and
+normaliser, with dP = dO V^T and delta = rowsum(dO * O).
 
-The kernels' vocabulary (pallas_gpu, pallas_tpu and pallas_gpu_sparse; one meaning per name):
-
-  q, k, v; do (do_ref)   queries, keys, values; the output gradient dO
-  logits                 S: a tile's scores (q k^T plus its position scores) times 1 / sqrt(Dh)
-  s_pos (s_pos_ref)      position scores q . pe in key coordinates (G in the docs); ds_pos: dG;
-                         s_pos_band, ds_pos_band: a TPU tile's, in band coordinates (unskewed)
-  m (m_ref), m_new       the running row maximum (saved for the backward pass as the row maximum)
-  l, l_all, l_mask       the running row sums of P (l_mask: of P times the span mask)
-  den                    the saved normaliser (span_mask.online_denominator)
-  lse                    m + log l, saved per row instead (pallas_gpu_sparse)
-  p, wts                 P = exp(S - m) (over den in the backward pass); the weights as they
-                         multiply the values (P times the span mask)
-  dp, dp_c, delta        dP = dO v^T; dP - delta; delta = rowsum(dO * O)
-  ds_unscaled, ds        dS before and after the logits' scale
-  z, za; dz, dza         spans per row (za: ahead, where learned apart), their gradients; nothing
-                         else is z
-  w, a                   the window behind (W) and ahead (A)
-  n_rows, n_key_rows     M, the queries of a call (the data block); T = W + M + A key rows
-  bq, bk                 the query and key tiles (span_attention's block and block_k)
-  i0, t0                 a tile's first query row and first key
-
-Row statistics broadcast against a tile as columns: (rows, 1), the TPU kernel's layout
-(`keepdims=True`); the GPU kernel carries them as (rows,) vectors (`keepdims=False`).
-Both kernels call these inside their loops: they are traced into each kernel's body, so sharing
-them costs nothing at run time.
+The kernels' vocabulary (one meaning per name: z is a span, m a row maximum, den a normaliser,
+bq, bk the tiles, ...) and the row statistics' layouts: docs/kernels.md, "What the fused kernels
+share". These helpers are traced into each kernel's body, so sharing them costs nothing at run
+time.
 """
 import math
 

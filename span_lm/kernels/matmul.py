@@ -1,17 +1,15 @@
 """Mixed-precision matmuls: bf16/f16 operands with float32 accumulation, in both passes.
 
 Why not plain `jnp.einsum`: a bf16 x bf16 dot that returns bf16 runs no faster than float32 on
-XLA:CPU (its AVX512-BF16 kernels are used for bf16 x bf16 -> f32 only; docs/benchmarks.md), and
-autodiff of a dot with `preferred_element_type=float32` hands the backward dots a float32
-cotangent, so two thirds of a step's FLOPs run in float32 (mixed f32 x bf16 dots are upcast, on
-GPUs too). These custom VJPs cast the cotangent to the operand dtype and accumulate in float32,
-so every matmul of a training step is bf16 x bf16 -> f32 on every backend. On the CPU only,
-`contract` also lays out each dot the way XLA:CPU's fast kernels need (cpu_matmul.py). Float32
-operands take the plain path (no custom VJP, identical to jnp.einsum: there the layout copies
-cost a float32 step more than they save).
-
-Weights: the second operand may be a float32 parameter with a bf16/f16 first operand. The cast
-to the compute dtype happens inside the custom VJP, whose weight cotangent is then the float32
+XLA:CPU (its AVX512-BF16 kernels serve bf16 x bf16 -> f32 only; docs/benchmarks.md), and autodiff
+of a dot with `preferred_element_type=float32` hands the backward dots a float32 cotangent, so two
+thirds of a step's FLOPs run in float32 (mixed f32 x bf16 dots are upcast, on GPUs too). These
+custom VJPs cast the cotangent to the operand dtype and accumulate in float32, so every matmul of
+a training step is bf16 x bf16 -> f32 on every backend; on the CPU only, `contract` also lays out
+each dot as XLA:CPU's fast kernels need (cpu_matmul.py). Float32 operands take the plain path (no
+custom VJP, identical to jnp.einsum: there the layout copies cost a float32 step more than they
+save). Weights: the second operand may be a float32 parameter with a bf16/f16 first operand,
+cast to the compute dtype inside the custom VJP, whose weight cotangent is then the float32
 product of the f32-accumulating backward dot, never rounded to bf16: parameters are float32 and
 their gradients are summed (across pieces and devices) in float32, as the reference does.
 """

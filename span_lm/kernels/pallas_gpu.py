@@ -1,78 +1,17 @@
 """Fused banded attention with per-head spans as runtime values (Pallas; Triton on GPUs).
 
-The maths of `banded_reference.banded_attention` for one group of heads (relative positions, soft
-span mask, renormalisation: kernels/span_mask.py), as a flash-attention style kernel: scores are
-formed one (query block, key block) tile at a time and never stored. Each query block visits only
-the key blocks that hold a non-zero mask value for one of its rows, and the spans come in as an
-array, so a span that changes changes the work done, not the compiled program.
+The maths of `banded_reference.banded_attention` for one group of heads as a flash-attention
+style kernel: scores are formed one (query block, key block) tile at a time and never stored;
+each query block visits only the key blocks with a non-zero mask value for one of its rows, and
+the spans come in as an array, so a span that changes changes the work done, not the program.
+The position term is a rel-shift view of one matmul outside the kernels (read-only, so every
+loop pipelines); the backward pass is FlashAttention-2's. Causal or two-sided, with segment ids,
+persistent memory, dropout and grouped key/value heads, each behind a static flag, so the causal
+unsegmented kernel traces none of it.
 
-Tiles: keys are the T = W + M + A rows (window, block, rows ahead; A = 0: causal); the query at
-block row i sits at key row W + i. Key t is at signed distance dist = W + i - t: behind at
-d = dist in [1, w_i], w_i = min(W, floor(z_i) + R + 1), and ahead at a = 1 - dist in [1, a_i],
-a_i = min(A, floor(z'_i) + R) (z' the span ahead, z when not learned apart): every distance with a
-non-zero mask value, plus the clamp's lower end, where the mask is 0 but its derivative is 1, as
-torch.clamp's. The mask reads x = d - 1 behind and x = a ahead.
-
-Position term as a rel-shift view. Band column s = t - i of query i is key t: columns s < W are
-behind (d = W - s), columns s >= W ahead (a = s - W + 1), so query i's position score for key t
-is G[i, t - i] with G = q @ [pe | pe_ahead] (M x (W + A) per head). G is one matmul outside the
-kernels, written with a row pitch of W + A + 1 (the embeddings get one zero column), and read with
-a row stride of W + A the same buffer is the score in key coordinates: flat[i (W + A) + t] =
-G[i, t - i] (Transformer-XL's rel_shift, the reference's skew). A two-sided kernel is the causal
-one with a band of width W + A and the query at column W. So a tile's position scores are one
-plain strided load, read-only like the keys and values: every loop pipelines (asynchronous
-copies) and no kernel reads back what it wrote. Entries of the view outside the band alias
-neighbouring rows: the span mask drops them on reads, and the backward pass's stores are masked
-to visited entries. G is recomputed in the backward pass, not saved, so it lives only while one
-layer's kernels run (B H M (W + A + 1) elements in the queries' dtype). A that is not a multiple
-of the key tile runs with the rows ahead (and pe_ahead's columns) zero-padded to one: the padded
-columns lie beyond every row's window, so nothing reads them.
-
-Segment ids (padding, packing; `segmented`): a query attends only keys of its own non-zero
-segment, a query of segment 0 gives zeros (persistent memory included). The ids mask entry by
-entry through G: outside the kernels, a cell of G whose key is of another segment (or padding)
-gets the position score MASKED (-1e30), so its logit is far below any real one and its weight
-exp(S - m) is exactly 0 once the row has seen a key of its own; the kernels' tiles do no
-per-entry segment work (in registers the causal kernel's tile). Rows that see no key of their
-own segment (and no persistent vector) end with a row maximum below EMPTY: the forward pass
-writes 0 for them and for queries of segment 0, with a normaliser of 1 and a row maximum no logit
-reaches (-NEG), so the backward pass's weights exp(S - m) / den of their rows are 0 on every key,
-persistent ones included: their output and every gradient are exactly 0, never NaN.
-Skipping: outside the kernels each query tile and each key tile gets the [min, max] of its non-zero
-ids; a query tile visits only the key tiles from the first to the last whose range meets its own
-(and a key tile's backward only those query tiles), intersected with the windows' range. With ids
-that run in order along the sequence (packing, padding runs) that skips exactly the tiles whose
-ranges are disjoint; for any ids it never skips a tile it needs (disjoint ranges hold no pair of
-equal ids), and a tile inside the range is masked through G.
-
-Backward as FlashAttention-2: a kernel per query block (dq's key term, the span gradient (behind
-and ahead apart when they are learned apart), the position-score gradient dG stored once per cell
-in G's layout: no atomics; the persistent vectors' gradients by atomic adds) and one per key block
-(dk, dv: deterministic). Then dq += dG pe^T and d pe = sum q^T dG, two plain matmuls outside.
-
-Head sizes that are not a power of two (the large paper models' 96) run zero-padded to the next
-one (`padded_head_dim`); the padded columns add nothing to any score and are sliced off.
-
-Normaliser: sum over the visited distances of e^S (mask + eps), where the plain path sums
-eps e^S over all distances; the two agree to ~eps relative (1e-8).
-
-Dropout on the attention weights draws its keep mask from a hash of (seed, head, row, key)
-(kernels/hashed_dropout.py, shared with the TPU kernel), so the backward pass regenerates it
-instead of storing it; key t is row t of the T rows, persistent vector n is key T + n. Persistent
-memory (all-attention layers) joins the softmax as extra key blocks with mask 1 and no position
-term. Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
-
-Grouped key/value heads (GQA, MQA: H_kv dividing H): the forward's and dq kernel's key/value
-index maps read head h // (H / H_kv), no copy; the dk/dv kernel runs per key/value head, its
-group's query rows as one run (a free reshape), and sums the group in its accumulators rather
-than writing group-times larger partials for XLA to reduce (docs/kernels.md, "Grouped key/value
-heads").
-
-What the causal unsegmented kernel traces is unchanged by the two-sided and segment code: every
-addition is behind a static flag (A > 0, spans ahead learned apart, segments), so that kernel has
-no extra inputs, loads or branches.
-
-Names as in kernels/fused.py's vocabulary table (shared with pallas_tpu).
+Why each choice (tiles and windows, the rel-shift view, segment masking and skipping, head
+padding, the normaliser, dropout, GQA): docs/kernels.md, "The GPU kernel's design". Interpret
+mode (`interpret=True`) runs the kernels on CPU for tests; names as in kernels/fused.py's.
 """
 import functools
 import math
@@ -133,7 +72,7 @@ def _band_pe(pe_DxW, pe_ahead_DxA, dtype):
 
 def position_scores(q_BxHxMxD, pe_Dx1W, precision: str = "default"):
   """G = q @ pe in the rel-shift layout, flat (B, H, M (W + 1)) in the queries' dtype (f32
-  accumulation): element i W + t is query i's position score for key t (module docstring)."""
+  accumulation): element i W + t is query i's position score for key t (docs/kernels.md)."""
   b, h, n_rows, _ = q_BxHxMxD.shape
   s_pos = jnp.einsum("bhmd,dw->bhmw", q_BxHxMxD, pe_Dx1W, preferred_element_type=jnp.float32,
                  precision=_xla_precision(precision, q_BxHxMxD.dtype))
@@ -662,34 +601,9 @@ def _forward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, s: _Static)
   return out, m, den
 
 
-def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, den, do,
-              s: _Static):
-  lay = _layout(q, pe, pe_a, z, z_a, q_seg, s.a)
-  w, band, has_mask, asym, segmented = (lay[f] for f in ("w", "band", "has_mask", "asym",
-                                                         "segmented"))
-  b, h, n_rows, dh = q.shape
-  n_key_rows = k.shape[2]
-  z_in = z if has_mask else jnp.zeros((b, h, n_rows), jnp.float32)
-  # G is recomputed here, not saved: the barrier ties its inputs and its gradient's zeroed
-  # buffer to this layer's cotangent, so XLA neither merges the recomputation with the forward's
-  # G (which would keep every layer's G alive until its backward) nor hoists it (or the zeros)
-  # ahead of the layer's own backward pass.
-  if pe_a is None:
-    q, pe, do, zero = lax.optimization_barrier((q, pe, do, jnp.zeros((), q.dtype)))
-  else:
-    q, pe, pe_a, do, zero = lax.optimization_barrier((q, pe, pe_a, do, jnp.zeros((), q.dtype)))
-  # after the barrier: not hoisted
-  zeros_ds_pos = jnp.broadcast_to(zero, (b, h, n_rows * (band + 1)))
-  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
-  pe1 = _band_pe(pe, pe_a, q.dtype)  # pe may be float32: d pe is returned as such
-  s_pos = masked_position_scores(q, pe1, q_seg, kv_seg, s.precision)
-  group = h // k.shape[1]
-  row, keys, stat, view, seed_spec = _specs(n_rows, n_key_rows, dh, band, s.bq, group)
-  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, s.bk, q.dtype)
-  static = dict(lay, ramp=s.ramp, bq=s.bq, bk=s.bk, eps=s.eps, rate=s.rate, n_heads=h,
-                n_pers=n_pers, scale=s.scale, exact=s.precision == "highest")
-  params = plt.CompilerParams(num_warps=s.num_warps, num_stages=s.num_stages)
-  zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
+def _bwd_q_extras(z_a, q_seg, kv_seg, stat, asym: bool, segmented: bool, s: _Static):
+  """The dq kernel's optional inputs (spans ahead, query tiles' segment ranges) and their specs;
+  with the key tiles' ranges for the dk/dv kernel: (k_ranges, extra_specs, extra)."""
   q_ranges = k_ranges = None
   if segmented:
     q_ranges, k_ranges = segment_tile_ranges(q_seg, kv_seg, s.bq, s.bk)
@@ -700,22 +614,16 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, de
   if segmented:
     extra_specs.append(_RANGE)
     extra.append(q_ranges)
-  stat_shape = jax.ShapeDtypeStruct((b, h, n_rows), jnp.float32)
-  call_q = pl.pallas_call(
-      functools.partial(_bwd_q_kernel, **static), grid=(b, h, n_rows // s.bq),
-      in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs, row, stat, stat, stat,
-                view, *pers_specs, *extra_specs],
-      out_specs=[row, stat, view, *pers_specs] + ([stat] if asym else []),
-      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), stat_shape,
-                 jax.ShapeDtypeStruct(s_pos.shape, s_pos.dtype),
-                 jax.ShapeDtypeStruct(zeros_pk.shape, jnp.float32),
-                 jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)]
-                + ([stat_shape] if asym else []),
-      input_output_aliases={12: 2, 13: 3, 14: 4}, interpret=s.interpret,
-      name="span_attention_bwd_q", compiler_params=params)
-  dq, dz, ds_pos, dpk, dpv, *dza = call_q(q, k, v, s_pos, z_in, seed, pk_in, pv_in, do, m, den,
-                                          delta, zeros_ds_pos, zeros_pk, zeros_pv, *extra)
+  return k_ranges, extra_specs, extra
 
+
+def _bwd_kv(q, k, v, s_pos, z_in, z_a, seed, do, m, den, delta, k_ranges, lay, static, params,
+            seed_spec, view, s: _Static):
+  """dk, dv: one program per key block, over every query row of its (batch, key/value head)."""
+  b, h, n_rows, dh = q.shape
+  n_key_rows = k.shape[2]
+  group = h // k.shape[1]
+  w, band, asym, segmented = lay["w"], lay["band"], lay["asym"], lay["segmented"]
   # Per key block: every row of its (b, h), and the largest row windows there (behind, ahead).
   # Grouped heads: per key/value head, the rows of its group's query heads as one run (a free
   # reshape of (B, H, M, ...) to (B, H_kv, group M, ...)), so dk and dv sum over the group in
@@ -752,7 +660,13 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, de
       interpret=s.interpret, name="span_attention_bwd_kv", compiler_params=params)
   dk, dv = call_kv(grouped(q), k, v, grouped(s_pos), grouped(z_in), seed, grouped(do),
                    grouped(m), grouped(den), grouped(delta), wmax, *kv_extra)
+  return dk, dv
 
+
+def _position_grads(q, pe, pe_a, pe1, ds_pos, dq, dk, dv, w: int, band: int, s: _Static):
+  """The position term's share of dq and d pe (d pe ahead), and the barrier that has d pe done
+  when dq, dk and dv are: (dq, dk, dv, dpe, dpe_a)."""
+  b, h, n_rows, _ = q.shape
   # The position term's share, two plain matmuls over G's layout (its pad column is zero).
   prec = _xla_precision(s.precision, q.dtype)
   ds_pos = ds_pos.reshape(b, h, n_rows, band + 1)
@@ -769,6 +683,57 @@ def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, de
   else:
     dpe_a = dpe_all[:, w:band].astype(pe_a.dtype)
     dq, dk, dv, dpe, dpe_a = lax.optimization_barrier((dq, dk, dv, dpe, dpe_a))
+  return dq, dk, dv, dpe, dpe_a
+
+
+def _backward(q, k, v, pe, z, seed, pk, pv, pe_a, z_a, q_seg, kv_seg, out, m, den, do,
+              s: _Static):
+  lay = _layout(q, pe, pe_a, z, z_a, q_seg, s.a)
+  w, band, has_mask, asym, segmented = (lay[f] for f in ("w", "band", "has_mask", "asym",
+                                                         "segmented"))
+  b, h, n_rows, dh = q.shape
+  n_key_rows = k.shape[2]
+  z_in = z if has_mask else jnp.zeros((b, h, n_rows), jnp.float32)
+  # G is recomputed here, not saved: the barrier ties its inputs and its gradient's zeroed
+  # buffer to this layer's cotangent, so XLA neither merges the recomputation with the forward's
+  # G (which would keep every layer's G alive until its backward) nor hoists it (or the zeros)
+  # ahead of the layer's own backward pass.
+  if pe_a is None:
+    q, pe, do, zero = lax.optimization_barrier((q, pe, do, jnp.zeros((), q.dtype)))
+  else:
+    q, pe, pe_a, do, zero = lax.optimization_barrier((q, pe, pe_a, do, jnp.zeros((), q.dtype)))
+  # after the barrier: not hoisted
+  zeros_ds_pos = jnp.broadcast_to(zero, (b, h, n_rows * (band + 1)))
+  delta = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)
+  pe1 = _band_pe(pe, pe_a, q.dtype)  # pe may be float32: d pe is returned as such
+  s_pos = masked_position_scores(q, pe1, q_seg, kv_seg, s.precision)
+  group = h // k.shape[1]
+  row, keys, stat, view, seed_spec = _specs(n_rows, n_key_rows, dh, band, s.bq, group)
+  pk_in, pv_in, n_pers, pers_specs = _pers_inputs(pk, pv, h, dh, s.bk, q.dtype)
+  static = dict(lay, ramp=s.ramp, bq=s.bq, bk=s.bk, eps=s.eps, rate=s.rate, n_heads=h,
+                n_pers=n_pers, scale=s.scale, exact=s.precision == "highest")
+  params = plt.CompilerParams(num_warps=s.num_warps, num_stages=s.num_stages)
+  zeros_pk, zeros_pv = jnp.zeros(pk_in.shape, jnp.float32), jnp.zeros(pv_in.shape, jnp.float32)
+  k_ranges, extra_specs, extra = _bwd_q_extras(z_a, q_seg, kv_seg, stat, asym, segmented, s)
+  stat_shape = jax.ShapeDtypeStruct((b, h, n_rows), jnp.float32)
+  call_q = pl.pallas_call(
+      functools.partial(_bwd_q_kernel, **static), grid=(b, h, n_rows // s.bq),
+      in_specs=[row, keys, keys, view, stat, seed_spec, *pers_specs, row, stat, stat, stat,
+                view, *pers_specs, *extra_specs],
+      out_specs=[row, stat, view, *pers_specs] + ([stat] if asym else []),
+      out_shape=[jax.ShapeDtypeStruct(q.shape, jnp.float32), stat_shape,
+                 jax.ShapeDtypeStruct(s_pos.shape, s_pos.dtype),
+                 jax.ShapeDtypeStruct(zeros_pk.shape, jnp.float32),
+                 jax.ShapeDtypeStruct(zeros_pv.shape, jnp.float32)]
+                + ([stat_shape] if asym else []),
+      input_output_aliases={12: 2, 13: 3, 14: 4}, interpret=s.interpret,
+      name="span_attention_bwd_q", compiler_params=params)
+  dq, dz, ds_pos, dpk, dpv, *dza = call_q(q, k, v, s_pos, z_in, seed, pk_in, pv_in, do, m, den,
+                                          delta, zeros_ds_pos, zeros_pk, zeros_pv, *extra)
+
+  dk, dv = _bwd_kv(q, k, v, s_pos, z_in, z_a, seed, do, m, den, delta, k_ranges, lay, static,
+                   params, seed_spec, view, s)
+  dq, dk, dv, dpe, dpe_a = _position_grads(q, pe, pe_a, pe1, ds_pos, dq, dk, dv, w, band, s)
   dseed = np.zeros(seed.shape, jax.dtypes.float0)
   dpk = None if pk is None else dpk.astype(pk.dtype)
   dpv = None if pv is None else dpv.astype(pv.dtype)
@@ -791,6 +756,41 @@ def _span_attention_bwd(s: _Static, res, do):
 
 
 _span_attention.defvjp(_span_attention_fwd, _span_attention_bwd)
+
+
+def _check_call(num_stages: int, pers_k_HxDxN, pers_v_HxNxD, dropout_rate, dropout_seed,
+                precision: str, block_k: int, q_segments_BxM, kv_segments_BxT):
+  """`span_attention`'s argument checks that need no shapes of the keys."""
+  if num_stages < 1:
+    raise ValueError(f"fused attention: num_stages={num_stages}: Triton's pipeline depth is >= 1")
+  fused.check_inputs(pers_k_HxDxN, pers_v_HxNxD, dropout_rate, dropout_seed, precision)
+  if pers_k_HxDxN is not None and pers_k_HxDxN.shape[-1] % block_k:
+    raise ValueError(f"fused attention: {pers_k_HxDxN.shape[-1]} persistent vectors must be a "
+                     f"multiple of {block_k}")
+  if (q_segments_BxM is None) != (kv_segments_BxT is None):
+    raise ValueError("fused attention: segment ids of the queries and of the keys come together")
+
+
+def _pad_ahead(k, v, pe_a, q_segments_BxM, kv_segments_BxT, b: int, n_rows: int, w: int, a: int,
+               block_k: int):
+  """The rows ahead (keys, values, pe_a's columns, key segment ids) zero-padded to whole key
+  tiles, and the segment ids as int32 (checked): (k, v, pe_a, q_seg, kv_seg)."""
+  kv_seg = kv_segments_BxT
+  a_rows = -(-a // block_k) * block_k  # rows ahead in whole key tiles, zero-padded
+  if a_rows > a:
+    rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, a_rows - a), (0, 0)))
+    k, v = rows(k), rows(v)
+    pe_a = jnp.pad(pe_a, ((0, 0), (0, a_rows - a)))
+    if kv_seg is not None:
+      kv_seg = jnp.pad(kv_seg, ((0, 0), (0, a_rows - a)))
+  q_seg = None
+  if kv_seg is not None:
+    q_seg, kv_seg = (jnp.asarray(x, jnp.int32) for x in (q_segments_BxM, kv_seg))
+    if q_seg.shape != (b, n_rows) or kv_seg.shape != (b, k.shape[2]):
+      raise ValueError(f"fused attention: segment ids {q_seg.shape} and "
+                       f"{kv_segments_BxT.shape} for {n_rows} queries and {w + n_rows + a} key "
+                       f"rows")
+  return k, v, pe_a, q_seg, kv_seg
 
 
 def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *, ramp: int = 32,
@@ -831,15 +831,9 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   Returns:
     (B, H, M, Dh) in the dtype of q.
   """
-  if num_stages < 1:
-    raise ValueError(f"fused attention: num_stages={num_stages}: Triton's pipeline depth is >= 1")
-  fused.check_inputs(pers_k_HxDxN, pers_v_HxNxD, dropout_rate, dropout_seed, precision)
   block_k = block_k or block
-  if pers_k_HxDxN is not None and pers_k_HxDxN.shape[-1] % block_k:
-    raise ValueError(f"fused attention: {pers_k_HxDxN.shape[-1]} persistent vectors must be a "
-                     f"multiple of {block_k}")
-  if (q_segments_BxM is None) != (kv_segments_BxT is None):
-    raise ValueError("fused attention: segment ids of the queries and of the keys come together")
+  _check_call(num_stages, pers_k_HxDxN, pers_v_HxNxD, dropout_rate, dropout_seed, precision,
+              block_k, q_segments_BxM, kv_segments_BxT)
   pe_a, z_a = key_pe_ahead_DxA, z_ahead_BxHxM
   if pe_a is not None and pe_a.shape[-1] == 0:
     pe_a = None
@@ -852,21 +846,8 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
   if k_BxHxTxD.shape[2] != w + n_rows + a:
     raise ValueError(f"fused attention: {k_BxHxTxD.shape[2]} key rows for window {w}, "
                      f"block {n_rows} and {a} ahead (W + M + A)")
-  k, v, kv_seg = k_BxHxTxD, v_BxHxTxD, kv_segments_BxT
-  a_rows = -(-a // block_k) * block_k  # rows ahead in whole key tiles, zero-padded
-  if a_rows > a:
-    rows = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, a_rows - a), (0, 0)))
-    k, v = rows(k), rows(v)
-    pe_a = jnp.pad(pe_a, ((0, 0), (0, a_rows - a)))
-    if kv_seg is not None:
-      kv_seg = jnp.pad(kv_seg, ((0, 0), (0, a_rows - a)))
-  q_seg = None
-  if kv_seg is not None:
-    q_seg, kv_seg = (jnp.asarray(x, jnp.int32) for x in (q_segments_BxM, kv_seg))
-    if q_seg.shape != (b, n_rows) or kv_seg.shape != (b, k.shape[2]):
-      raise ValueError(f"fused attention: segment ids {q_seg.shape} and "
-                       f"{kv_segments_BxT.shape} for {n_rows} queries and {w + n_rows + a} key "
-                       f"rows")
+  k, v, pe_a, q_seg, kv_seg = _pad_ahead(k_BxHxTxD, v_BxHxTxD, pe_a, q_segments_BxM,
+                                         kv_segments_BxT, b, n_rows, w, a, block_k)
   s = _Static(ramp=ramp, eps=eps, bq=block, bk=block_k, interpret=interpret, num_warps=num_warps,
               num_stages=num_stages, rate=float(dropout_rate), scale=1.0 / math.sqrt(dh),
               precision=precision, a=a)

@@ -1,45 +1,16 @@
 """Block-sparse attention for the Sparse Transformer's patterns on GPUs (Pallas; Triton).
 
 A flash-attention kernel that visits only the non-empty (query block, key block) tiles of each
-head's connectivity (span_lm/kernels/block_sparse.py): strided and fixed patterns, merged in one
-head, split across heads, interleaved by layer (a layer's heads share a pattern), fixed heads
-with distinct summary offsets, and dense causal heads.
+head's connectivity (span_lm/kernels/block_sparse.py): strided and fixed patterns, merged,
+split or interleaved, dense causal heads too. Per head and row an int32 table built at trace
+time lists the FULL tiles (run without an element mask) and the PARTIAL ones (masked by the
+pattern formula); tiles outside the list are never read. Softmax in float32; a query with no key
+gives 0 and zero gradients, never NaN. Backward as FlashAttention-2: no atomics, deterministic.
+Queries come pre-scaled.
 
-Lists. For each head, `block_sparse.block_map` marks every (bq x bk) tile EMPTY, PARTIAL or
-FULL; each query block's row of it becomes a list of its non-empty key blocks (the forward and
-the dQ pass), and each key block's column a list of query blocks (the dK/dV pass), FULL blocks
-first, then PARTIAL ones. They are numpy constants built at trace time (cached per head, length
-and tiles), packed per head and row into one int32 table (H, rows, P): [FULL count, PARTIAL
-count, summary offset, indices...], P a power of two (Triton's block shapes). A program reads
-its row's counts and runs two loops (fori_loops with dynamic bounds): the FULL blocks without
-any element mask, then the PARTIAL ones with it, loading the key (or query) tile its list
-names: tiles outside the list are never read.
-
-Element mask. Inside a PARTIAL tile the pattern formula itself (`block_sparse.allowed`) runs
-on iota tiles of positions, with the head's summary offset read from the table (so fixed heads
-with distinct offsets share one kernel), and keys past the true length masked. Heads are grouped by
-`HeadPattern.group` (kind, parts, stride, c): one pallas_call per group, so a split layer runs
-two calls (its A1 heads and its A2 heads); a merged or interleaved layer one.
-
-Softmax in float32 whatever the dtype (scores accumulate in float32), masked entries are exact
-zeros (not exp(-inf)). A query with no key (fixed A2 alone: the first positions before any
-summary) ends with a normaliser 0: its output is 0 and its log-sum-exp is +1e30, so the
-backward pass's weights exp(s - lse) are 0 on its row and every gradient there is 0, never NaN.
-
-Backward as FlashAttention-2: delta = rowsum(o * do) outside (float32), then a kernel per query
-block (dQ over the block's key list) and one per key block (dK, dV over the key block's query
-list): no atomics, deterministic, and no kernel reads a buffer it writes.
-
-Queries come pre-scaled (no scale inside). Head sizes that are not a power of two >= 16 run
-zero-padded; a length that is not a multiple of the tiles runs zero-padded at the end (padded
-keys are in every real query's future and masked by `j < n` as well; padded rows are sliced
-off and get a zero cotangent).
-
-Tiles (query tile, key tile, warps, stages) per compute capability and dtype in TILES: 64-row
-query tiles (Hopper's wgmma needs 64 rows), 32-key tiles, which at the enwik8 config's shape
-(n = 12,288, fixed, stride 128, c = 32, merged) computes 26% of the causal tiles a dense flash
-kernel would (64-key tiles: 51%, the summary columns then touch every other key tile).
-Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
+Why each choice (the lists, the element mask, padding, the tiles in TILES and the work they
+skip): docs/kernels.md, "The block-sparse kernel's design" (under "Block-sparse kernels for the
+Sparse Transformer"). Interpret mode (`interpret=True`) runs the same kernels on CPU for tests.
 """
 import dataclasses
 import functools

@@ -4,16 +4,14 @@ chip a deviceless compile names) and fit, logged once; an explicit choice that c
 refused by `check` in one line naming the field.
 
 Rows: 'jnp' (model/sparse.py's O(n sqrt n) fast path; 'fast', its old name, is read as 'jnp'
-with a warning), 'dense' (the masked n x n reference), 'splash' (jax's TPU splash attention with
-the heads' patterns as computable masks: it skips all-zero blocks forward and backward),
-'splash_interpret' (the same kernel interpreted, any backend: tests), 'pallas' (GPU: the
-Triton block-sparse kernel of kernels/pallas_gpu_sparse.py, visiting only the non-empty blocks),
-'pallas_interpret', 'auto' (TPU: splash where it fits, GPU of compute capability >= 8.0: pallas
-where it fits, else jnp; CPU: jnp).
-
-Adding a kernel is one row in SPARSE_IMPLS and, for 'auto', one line in `_auto`, where the module
-offers `block_sparse_attention(q, k, v, heads, *, interpret=False)` and
-`misfit(heads, n, head_dim) -> str`.
+with a warning), 'dense' (the masked n x n reference), 'splash' (jax's TPU splash attention,
+the heads' patterns as computable masks, skipping all-zero blocks both ways), 'splash_interpret'
+(interpreted, any backend: tests), 'pallas' (GPU: kernels/pallas_gpu_sparse.py's Triton
+block-sparse kernel), 'pallas_interpret', 'auto' (TPU: splash where it fits, GPU of compute
+capability >= 8.0: pallas where it fits, else jnp; CPU: jnp). docs/kernels.md, "The Sparse
+Transformer's attention", has the table; adding a kernel is one row in SPARSE_IMPLS and, for
+'auto', one line in `_auto`, where the module offers `block_sparse_attention(q, k, v, heads, *,
+interpret=False)` and `misfit(heads, n, head_dim) -> str`.
 """
 import dataclasses
 import importlib

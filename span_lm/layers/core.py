@@ -198,6 +198,72 @@ def _door(spec, impl, q, k, v, z_H, z_ahead_H, pos_back_DxS, pos_ahead_DxS, seg_
   return out[:, :, :n]
 
 
+def _check_args(key, value, h: int, hk: int, pos_ahead, causal: bool, attn_impl: str):
+  """`span_attention`'s refusals, in one line each, before anything is traced."""
+  if attn_impl not in IMPLS:
+    raise ValueError(f"attn_impl={attn_impl!r}: choose one of {IMPLS}")
+  if value.shape[-3:] != key.shape[-3:]:
+    raise ValueError(f"span_attention: key {tuple(key.shape)} and value {tuple(value.shape)} "
+                     "differ in (length, kv_heads, head_dim)")
+  if hk < 1 or h % hk:
+    raise ValueError(f"span_attention: {h} query heads are not a multiple of {hk} key/value "
+                     "heads (grouped heads: kv_heads must divide heads)")
+  if not causal and pos_ahead is None:
+    raise ValueError("span_attention: bidirectional attention needs pos_ahead")
+
+
+def _why_plain(mask, seg, batch: tuple, n: int, kl: int, attn_impl: str):
+  """Why the dense plain path runs ('' where the door takes the call), and the segment ids with
+  a key-padding mask folded in (padding: 0)."""
+  why = ""
+  if mask is not None:
+    pad = key_padding(mask, batch, n, kl)
+    if pad is None:
+      why = "a mask that is not a key-padding mask"
+    else:
+      seg = jnp.where(pad, 1 if seg is None else seg, 0)
+  if attn_impl == "plain":
+    why = "attn_impl='plain'"
+  elif n != kl:
+    why = "queries and keys differ in length"
+  return why, seg
+
+
+def _plain_path(q, k, v, z_H, z_ahead_H, pos_back, pos_ahead, mask, seg, batch: tuple,
+                causal: bool, ramp: int, rate: float, dropout_rng):
+  """The dense plain path (B H N D): Flax's mask and the segment ids as one (B, H, N, KL) mask;
+  padding queries (segment 0) give zeros."""
+  h, n, kl = q.shape[1], q.shape[2], k.shape[2]
+  if mask is not None:
+    mask = jnp.broadcast_to(jnp.asarray(mask), batch + (h, n, kl)).reshape(-1, h, n, kl)
+  if seg is not None:
+    s2 = seg.reshape(-1, n)
+    same = (s2[:, None, :, None] == s2[:, None, None, :]) & (s2[:, None, None, :] != 0)
+    mask = same if mask is None else (mask != 0) & same
+  out = plain_attention(q, k, v, z_H, pos_back, None if causal else pos_ahead, causal=causal,
+                        ramp=ramp, mask=mask, z_ahead_H=z_ahead_H,
+                        dropout=_dropout(rate, dropout_rng)[0])
+  if seg is not None:
+    out = jnp.where((seg.reshape(-1, n) != 0)[:, None, :, None], out, 0.0).astype(out.dtype)
+  return out
+
+
+def _door_path(q, k, v, z_H, z_ahead_H, pos_back, pos_ahead, seg, dtype, max_span: int,
+               ramp: int, causal: bool, attn_impl: str, rate: float, dropout_rng):
+  """The door's implementation for this layer (B H N D; logged once), every row segment 1
+  where no ids are given."""
+  h, n, dh, hk = q.shape[1], q.shape[2], q.shape[3], k.shape[1]
+  spec = layer_spec(h, dh, max_span, ramp, causal=causal, attn_impl=attn_impl,
+                    dtype=dtype, dropout_rate=rate, kv_heads=hk)
+  blk = spec.attention.block
+  impl = kernels.select(spec, -(-n // blk) * blk, max_span)
+  _log_once(logging.INFO, ("door", attn_impl, impl.name, causal, n, max_span),
+            "adaptive span attention: %s (attn_impl=%s, %d queries, max_span %d, %s)",
+            impl.name, attn_impl, n, max_span, "causal" if causal else "bidirectional")
+  seg = jnp.ones((q.shape[0], n), jnp.int32) if seg is None else seg.reshape(-1, n)
+  return _door(spec, impl, q, k, v, z_H, z_ahead_H, pos_back, pos_ahead, seg, dropout_rng)
+
+
 def span_attention(query, key, value, span_ratio, pos_back, pos_ahead=None, *, max_span: int,
                    causal: bool = True, ramp: int = 32, mask=None, segment_ids=None,
                    span_ratio_ahead=None, dropout_rate: float = 0.0, dropout_rng=None,
@@ -226,16 +292,7 @@ def span_attention(query, key, value, span_ratio, pos_back, pos_ahead=None, *, m
   *batch, n, h, dh = query.shape
   batch = tuple(batch)
   kl, hk = key.shape[-3], key.shape[-2]
-  if attn_impl not in IMPLS:
-    raise ValueError(f"attn_impl={attn_impl!r}: choose one of {IMPLS}")
-  if value.shape[-3:] != key.shape[-3:]:
-    raise ValueError(f"span_attention: key {tuple(key.shape)} and value {tuple(value.shape)} "
-                     "differ in (length, kv_heads, head_dim)")
-  if hk < 1 or h % hk:
-    raise ValueError(f"span_attention: {h} query heads are not a multiple of {hk} key/value "
-                     "heads (grouped heads: kv_heads must divide heads)")
-  if not causal and pos_ahead is None:
-    raise ValueError("span_attention: bidirectional attention needs pos_ahead")
+  _check_args(key, value, h, hk, pos_ahead, causal, attn_impl)
   flat = lambda a: a.reshape((-1,) + a.shape[-3:]).transpose(0, 2, 1, 3)  # B H N D
   q, k, v = flat(query), flat(key), flat(value)
   z_H = span_tokens(span_ratio, max_span)
@@ -244,42 +301,16 @@ def span_attention(query, key, value, span_ratio, pos_back, pos_ahead=None, *, m
 
   seg = None if segment_ids is None else jnp.broadcast_to(
       jnp.asarray(segment_ids, jnp.int32), batch + (n,))
-  why = ""
-  if mask is not None:
-    pad = key_padding(mask, batch, n, kl)
-    if pad is None:
-      why = "a mask that is not a key-padding mask"
-    else:
-      seg = jnp.where(pad, 1 if seg is None else seg, 0)
-  if attn_impl == "plain":
-    why = "attn_impl='plain'"
-  elif n != kl:
-    why = "queries and keys differ in length"
+  why, seg = _why_plain(mask, seg, batch, n, kl, attn_impl)
   if why:
     _log_once(logging.WARNING if mask is not None and attn_impl != "plain" else logging.INFO,
               ("plain", why, n, kl),
               "adaptive span attention: the dense plain path, O(N^2) (%s, %d queries, %d keys)%s",
               why, n, kl, "; the fast path takes a key-padding mask (batch, 1, 1, N) or "
               "segment_ids=(batch, N)" if mask is not None and attn_impl != "plain" else "")
-    if mask is not None:
-      mask = jnp.broadcast_to(jnp.asarray(mask), batch + (h, n, kl)).reshape(-1, h, n, kl)
-    if seg is not None:
-      s2 = seg.reshape(-1, n)
-      same = (s2[:, None, :, None] == s2[:, None, None, :]) & (s2[:, None, None, :] != 0)
-      mask = same if mask is None else (mask != 0) & same
-    out = plain_attention(q, k, v, z_H, pos_back, None if causal else pos_ahead, causal=causal,
-                          ramp=ramp, mask=mask, z_ahead_H=z_ahead_H,
-                          dropout=_dropout(rate, dropout_rng)[0])
-    if seg is not None:
-      out = jnp.where((seg.reshape(-1, n) != 0)[:, None, :, None], out, 0.0).astype(out.dtype)
+    out = _plain_path(q, k, v, z_H, z_ahead_H, pos_back, pos_ahead, mask, seg, batch, causal,
+                      ramp, rate, dropout_rng)
   else:
-    spec = layer_spec(h, dh, max_span, ramp, causal=causal, attn_impl=attn_impl,
-                      dtype=query.dtype, dropout_rate=rate, kv_heads=hk)
-    blk = spec.attention.block
-    impl = kernels.select(spec, -(-n // blk) * blk, max_span)
-    _log_once(logging.INFO, ("door", attn_impl, impl.name, causal, n, max_span),
-              "adaptive span attention: %s (attn_impl=%s, %d queries, max_span %d, %s)",
-              impl.name, attn_impl, n, max_span, "causal" if causal else "bidirectional")
-    seg = jnp.ones((q.shape[0], n), jnp.int32) if seg is None else seg.reshape(-1, n)
-    out = _door(spec, impl, q, k, v, z_H, z_ahead_H, pos_back, pos_ahead, seg, dropout_rng)
+    out = _door_path(q, k, v, z_H, z_ahead_H, pos_back, pos_ahead, seg, query.dtype, max_span,
+                     ramp, causal, attn_impl, rate, dropout_rng)
   return out.transpose(0, 2, 1, 3).reshape(query.shape).astype(query.dtype)

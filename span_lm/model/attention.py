@@ -51,6 +51,100 @@ class _DenseKernel(nn.Module):
     return self.param("kernel", torch_linear_init(), (self.features, self.features))
 
 
+def _group_kv(impl, spec, cache, h_in, kv_block, k_kernel, v_kernel, head_ids, w: int, *,
+              d: int, dh: int, nh: int, kv_cache: bool):
+  """Keys and values of one head group only: its heads' columns of the projections (of a kernel,
+  or of cached [keys | values] halves) over the last w cached states plus the block. A long head
+  thus costs its own projections; the cache margin beyond the window is never read."""
+  g = len(head_ids)
+  pick = _selector(head_ids, dh)
+  if kv_cache:  # the cached keys/values were projected with these same (frozen) weights
+    both = jnp.concatenate([cache[:, cache.shape[1] - w:], kv_block], axis=1)  # B T 2D
+    both = both if g == nh else jnp.concatenate(
+        [pick(both[..., :d], 2), pick(both[..., d:], 2)], axis=-1)
+    return impl.split_kv(spec, both, window=w, heads=g)
+  w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)  # D x 2gDh
+  return impl.project_kv(spec, cache, h_in, w_kv, window=w, heads=g)
+
+
+def _group_spans(take, z_H, z_BxMxH):
+  """One group's spans, (1 or B, G, 1 or M) tokens (None: fixed): the door builds the mask."""
+  if z_H is not None:
+    return take(z_H, 0)[None, :, None]
+  if z_BxMxH is not None:
+    return take(z_BxMxH, 2).transpose(0, 2, 1)
+  return None
+
+
+def _group_segments(docs, w: int, m: int):
+  """The door's segment ids for a window of w: the last w cached positions and the block."""
+  if docs is None:
+    return None
+  q_ids, all_ids = docs
+  return kernels.Segments(q_ids, all_ids[:, all_ids.shape[1] - (w + m):])
+
+
+def _in_head_order(outs, order, nh: int):
+  """The groups' outputs (B, G, M, Dh) as one (B, H, M, Dh) in head order."""
+  out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+  if tuple(order) != tuple(range(nh)):
+    inv = [0] * nh
+    for pos, hid in enumerate(order):
+      inv[hid] = pos
+    out = jnp.take(out, jnp.asarray(inv), axis=1)
+  return out
+
+
+def _spans(param, cfg: ModelConfig, h_BxMxD, aux: dict):
+  """The layer's spans in tokens, (z_H, z_BxMxH): learned per head (adaptive) or predicted per
+  token (dynamic), None for a fixed span; their loss and statistics (and the spans) into aux.
+  param: the attention module's `param` (its span_ratio); the predictor is its submodule."""
+  nh, s = cfg.n_heads, cfg.span.size
+  z_H = z_BxMxH = None
+  if cfg.span.mode == "adaptive":
+    ratio = param("span_ratio", nn.initializers.constant(cfg.span.init), (nh,))
+    z_H = ratio.astype(jnp.float32) * s
+    aux["span_loss"] = spans_lib.span_loss(ratio, cfg)
+    aux["span_avg"], aux["span_max"] = spans_lib.span_stats(z_H, cfg)
+    aux["span_z"] = z_H
+  elif cfg.span.mode == "dynamic":
+    pred = nn.Dense(nh, kernel_init=torch_linear_init(),
+                    bias_init=nn.initializers.constant(cfg.span.dynamic_bias_init),
+                    name="span_predictor")
+    sig = jax.nn.sigmoid(pred(h_BxMxD.astype(jnp.float32)))
+    z_BxMxH = s * sig
+    aux["span_loss"] = spans_lib.span_loss(sig, cfg)
+    aux["span_avg"], aux["span_max"] = spans_lib.span_stats(z_BxMxH, cfg)
+    aux["dyn_spans"] = z_BxMxH
+  else:
+    aux["span_loss"] = jnp.zeros((), jnp.float32)
+    aux["span_avg"] = aux["span_max"] = jnp.asarray(s, jnp.float32)
+  return z_H, z_BxMxH
+
+
+def _persistent_memory(param, cfg: ModelConfig):
+  """The attention module's persistent keys (H, Dh, N) and values (H, N, Dh), already multiplied
+  by sqrt(Dh) and sqrt(N) as the kernels take them, or (None, None)."""
+  nh, dh = cfg.n_heads, cfg.head_dim
+  pers_k = pers_v = None
+  if cfg.pers_mem:
+    n = cfg.pers_mem
+    pers_k = param("pers_key", nn.initializers.normal(1.0 / math.sqrt(dh)), (nh, dh, n))
+    pers_v = param("pers_val", nn.initializers.normal(1.0 / math.sqrt(n)), (nh, n, dh))
+    pers_k = pers_k * math.sqrt(dh)
+    pers_v = pers_v * math.sqrt(n)
+  return pers_k, pers_v
+
+
+def _projection(dt, d: int):
+  """name -> the (D, D) projection of that name, as a callable of x. bf16/f16: the float32
+  kernel into the matmul, which casts it (a float32 gradient); else nn.Dense in dt."""
+  if dt in matmul.LOW:
+    return lambda name: lambda x: matmul.dot(x.astype(dt), _DenseKernel(d, name=name)())
+  return lambda name: nn.Dense(d, use_bias=False, kernel_init=torch_linear_init(), dtype=dt,
+                               dot_general=matmul.dense_dot_general, name=name)
+
+
 class SeqAttention(nn.Module):
   """Multi-head sequential attention of one layer, with its span parameters and persistent memory.
 
@@ -75,11 +169,7 @@ class SeqAttention(nn.Module):
     dt = jnp.dtype(cfg.dtype)
     b, m, d = h_BxMxD.shape
     nh, dh, s = cfg.n_heads, cfg.head_dim, cfg.span.size
-    if dt in matmul.LOW:  # the float32 kernel into the matmul, which casts it: float32 gradient
-      dense = lambda name: lambda x: matmul.dot(x.astype(dt), _DenseKernel(d, name=name)())
-    else:
-      dense = lambda name: nn.Dense(d, use_bias=False, kernel_init=torch_linear_init(), dtype=dt,
-                                    dot_general=matmul.dense_dot_general, name=name)
+    dense = _projection(dt, d)
     w_max = max(w for _, w in self.plan.groups)
     cache_len = cache_BxLxD[0].shape[2] if ring_pos is not None else cache_BxLxD.shape[1]
     if cache_len < w_max:
@@ -94,33 +184,8 @@ class SeqAttention(nn.Module):
     aux = {}
     if self.kv_cache:  # the block's keys and values for every head, for the next cache
       aux["kv"] = matmul.dot(h_in, jnp.concatenate([k_kernel, v_kernel], axis=1))  # B M 2D
-    z_H = z_BxMxH = None
-    if cfg.span.mode == "adaptive":
-      ratio = self.param("span_ratio", nn.initializers.constant(cfg.span.init), (nh,))
-      z_H = ratio.astype(jnp.float32) * s
-      aux["span_loss"] = spans_lib.span_loss(ratio, cfg)
-      aux["span_avg"], aux["span_max"] = spans_lib.span_stats(z_H, cfg)
-      aux["span_z"] = z_H
-    elif cfg.span.mode == "dynamic":
-      pred = nn.Dense(nh, kernel_init=torch_linear_init(),
-                      bias_init=nn.initializers.constant(cfg.span.dynamic_bias_init),
-                      name="span_predictor")
-      sig = jax.nn.sigmoid(pred(h_BxMxD.astype(jnp.float32)))
-      z_BxMxH = s * sig
-      aux["span_loss"] = spans_lib.span_loss(sig, cfg)
-      aux["span_avg"], aux["span_max"] = spans_lib.span_stats(z_BxMxH, cfg)
-      aux["dyn_spans"] = z_BxMxH
-    else:
-      aux["span_loss"] = jnp.zeros((), jnp.float32)
-      aux["span_avg"] = aux["span_max"] = jnp.asarray(s, jnp.float32)
-
-    pers_k = pers_v = None
-    if cfg.pers_mem:
-      n = cfg.pers_mem
-      pers_k = self.param("pers_key", nn.initializers.normal(1.0 / math.sqrt(dh)), (nh, dh, n))
-      pers_v = self.param("pers_val", nn.initializers.normal(1.0 / math.sqrt(n)), (nh, n, dh))
-      pers_k = pers_k * math.sqrt(dh)
-      pers_v = pers_v * math.sqrt(n)
+    z_H, z_BxMxH = _spans(self.param, cfg, h_BxMxD, aux)
+    pers_k, pers_v = _persistent_memory(self.param, cfg)
 
     drop = nn.Dropout(cfg.dropout)
     dropout = (lambda p: drop(p, deterministic=False)) if (train and cfg.dropout > 0) else None
@@ -139,28 +204,10 @@ class SeqAttention(nn.Module):
     outs, order = [], []
     for head_ids, w in self.plan.groups:
       take = _selector(head_ids)  # this group's heads along an axis
-      # Keys and values of this group only: its heads' columns of the projections (of a kernel,
-      # or of cached [keys | values] halves) over the last w cached states plus the block. A long
-      # head thus costs its own projections; the cache margin beyond the window is never read.
-      g = len(head_ids)
-      pick = _selector(head_ids, dh)
-      if self.kv_cache:  # the cached keys/values were projected with these same (frozen) weights
-        both = jnp.concatenate([cache[:, cache.shape[1] - w:], aux["kv"]], axis=1)  # B T 2D
-        both = both if g == nh else jnp.concatenate(
-            [pick(both[..., :d], 2), pick(both[..., d:], 2)], axis=-1)
-        kv = impl.split_kv(spec, both, window=w, heads=g)
-      else:
-        w_kv = jnp.concatenate([pick(k_kernel), pick(v_kernel)], axis=1)  # D x 2gDh
-        kv = impl.project_kv(spec, cache, h_in, w_kv, window=w, heads=g)
-      span_z = None  # (1 or B, G, 1 or M) tokens: the door builds the soft mask
-      if z_H is not None:
-        span_z = take(z_H, 0)[None, :, None]
-      elif z_BxMxH is not None:
-        span_z = take(z_BxMxH, 2).transpose(0, 2, 1)
-      segments = None
-      if docs is not None:  # the last w cached positions and the block: the door's rows
-        q_ids, all_ids = docs
-        segments = kernels.Segments(q_ids, all_ids[:, all_ids.shape[1] - (w + m):])
+      kv = _group_kv(impl, spec, cache, h_in, aux.get("kv"), k_kernel, v_kernel, head_ids, w,
+                     d=d, dh=dh, nh=nh, kv_cache=self.kv_cache)
+      span_z = _group_spans(take, z_H, z_BxMxH)
+      segments = _group_segments(docs, w, m)
       out = impl.attend(
           spec, take(q, 1), kv, key_pe_DxS[:, s - w:], span_z=span_z, segments=segments,
           pers_k_GxDxN=None if pers_k is None else take(pers_k, 0),
@@ -168,11 +215,5 @@ class SeqAttention(nn.Module):
           dropout_seed=lambda: jax.random.bits(self.make_rng("dropout"), (), jnp.uint32))
       outs.append(out.astype(dt))
       order.extend(head_ids)
-    out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-    if tuple(order) != tuple(range(nh)):
-      inv = [0] * nh
-      for pos, hid in enumerate(order):
-        inv[hid] = pos
-      out = jnp.take(out, jnp.asarray(inv), axis=1)
-    out = out.transpose(0, 2, 1, 3).reshape(b, m, d)
+    out = _in_head_order(outs, order, nh).transpose(0, 2, 1, 3).reshape(b, m, d)
     return dense("proj_out")(out), aux

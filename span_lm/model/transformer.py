@@ -67,6 +67,79 @@ class SeqLayer(nn.Module):
     return h, aux
 
 
+def _doc_ids(cfg: ModelConfig, plan, tokens_BxM, caches, ring_pos):
+  """With model.doc_boundary: (the layers' caches, docs = (ids of the block's queries (B, M), of
+  cache + block rows), the next document-id cache); else (caches, None, None). Checks the
+  caches' count (and the document-id cache's shape)."""
+  docs = new_doc_cache = None
+  if cfg.doc_boundary >= 0:
+    if ring_pos is not None:
+      raise ValueError("model.doc_boundary: one-token ring decoding (kernels.decode) takes no "
+                       "document ids; decode with ring=False (tools/sample.py does)")
+    if len(caches) != cfg.n_layers + 1:
+      raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers and the document "
+                       "ids (model.doc_boundary: caches.init_caches adds them)")
+    caches, doc_cache = tuple(caches[:-1]), caches[-1]
+    want_len = max(lp.cache_len for lp in plan.layers)
+    if doc_cache.shape != (tokens_BxM.shape[0], want_len):
+      raise ValueError(f"document-id cache of shape {doc_cache.shape}, the plan wants "
+                       f"{(tokens_BxM.shape[0], want_len)} (caches.resize_caches)")
+    # the block's ids: 1 continues the newest cached document, each boundary token opens the
+    # next id (the boundary belongs to the document it starts); cached ids are 0 or 1
+    starts = (tokens_BxM == cfg.doc_boundary).astype(jnp.int32)
+    q_ids = 1 + jnp.cumsum(starts, axis=1)
+    all_ids = jnp.concatenate([doc_cache.astype(jnp.int32), q_ids], axis=1)
+    docs = (q_ids, all_ids)
+    tail = all_ids[:, all_ids.shape[1] - want_len:]
+    new_doc_cache = (tail == q_ids[:, -1:]).astype(jnp.int32)  # rebased: the newest doc is 1
+  elif len(caches) != cfg.n_layers:
+    raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers")
+  return caches, docs, new_doc_cache
+
+
+def _check_cache(i: int, cache, lp, cfg: ModelConfig, batch: int, width: int, kv_cache: bool,
+                 ring_pos):
+  """Layer i's cache against the plan: (B, L, width), or ring keys and values (B, H, L, Dh)."""
+  if ring_pos is not None:
+    want = (batch, cfg.n_heads, lp.cache_len, cfg.head_dim)
+    got = [tuple(getattr(x, "shape", ())) for x in cache] if isinstance(cache, tuple) else [
+        tuple(cache.shape)]
+    if got != [want, want]:
+      raise ValueError(f"layer {i}: ring cache of shapes {got}, the plan wants keys and "
+                       f"values of {want} (caches.to_ring)")
+  elif cache.shape[1] != lp.cache_len or cache.shape[2] != width:
+    raise ValueError(f"layer {i}: cache of shape {cache.shape[1:]}, the plan wants "
+                     f"({lp.cache_len}, {width}); fit it with caches.resize_caches "
+                     f"(kv_cache={kv_cache})")
+
+
+def _next_cache(cache, new, lp, cfg: ModelConfig, ring_pos):
+  """A layer's cache for the next block: the newest lp.cache_len states (or keys|values), or
+  with ring_pos this token's keys|values written into their ring slot."""
+  if ring_pos is not None:  # this token's keys|values into its slot, head-major
+    slot = jnp.asarray(ring_pos, jnp.int32) % lp.cache_len
+    zero = jnp.zeros((), jnp.int32)
+    new = new.reshape(new.shape[0], 1, 2, cfg.n_heads, cfg.head_dim).transpose(2, 0, 3, 1, 4)
+    return tuple(jax.lax.dynamic_update_slice(r, n.astype(r.dtype), (zero, zero, slot, zero))
+                 for r, n in zip(cache, new))
+  both = jnp.concatenate([cache, new.astype(cache.dtype)], axis=1)
+  return jax.lax.stop_gradient(both[:, both.shape[1] - lp.cache_len:])
+
+
+def _layers_aux(cfg: ModelConfig, auxes):
+  """The layers' span losses summed, their span statistics (and spans) stacked."""
+  out_aux = {
+      "span_loss": sum(a["span_loss"] for a in auxes),
+      "span_avg": jnp.stack([a["span_avg"] for a in auxes]),
+      "span_max": jnp.stack([a["span_max"] for a in auxes]),
+  }
+  if cfg.span.mode == "adaptive":
+    out_aux["span_z"] = jnp.stack([a["span_z"] for a in auxes])
+  if cfg.span.mode == "dynamic":
+    out_aux["dyn_spans"] = tuple(a["dyn_spans"] for a in auxes)
+  return out_aux
+
+
 class SpanTransformer(nn.Module):
   """apply(tokens_BxM, caches, train) -> (logprobs_BxMxV, new_caches, aux).
 
@@ -95,29 +168,7 @@ class SpanTransformer(nn.Module):
     if self.kv_cache and train:
       raise ValueError("kv_cache=True is for inference: training re-projects the cached states "
                        "with the current weights, as the reference does")
-    docs = None  # with doc_boundary: (ids of the block's queries (B, M), of cache + block rows)
-    if cfg.doc_boundary >= 0:
-      if ring_pos is not None:
-        raise ValueError("model.doc_boundary: one-token ring decoding (kernels.decode) takes no "
-                         "document ids; decode with ring=False (tools/sample.py does)")
-      if len(caches) != cfg.n_layers + 1:
-        raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers and the document "
-                         "ids (model.doc_boundary: caches.init_caches adds them)")
-      caches, doc_cache = tuple(caches[:-1]), caches[-1]
-      want_len = max(lp.cache_len for lp in plan.layers)
-      if doc_cache.shape != (tokens_BxM.shape[0], want_len):
-        raise ValueError(f"document-id cache of shape {doc_cache.shape}, the plan wants "
-                         f"{(tokens_BxM.shape[0], want_len)} (caches.resize_caches)")
-      # the block's ids: 1 continues the newest cached document, each boundary token opens the
-      # next id (the boundary belongs to the document it starts); cached ids are 0 or 1
-      starts = (tokens_BxM == cfg.doc_boundary).astype(jnp.int32)
-      q_ids = 1 + jnp.cumsum(starts, axis=1)
-      all_ids = jnp.concatenate([doc_cache.astype(jnp.int32), q_ids], axis=1)
-      docs = (q_ids, all_ids)
-      tail = all_ids[:, all_ids.shape[1] - want_len:]
-      new_doc_cache = (tail == q_ids[:, -1:]).astype(jnp.int32)  # rebased: the newest doc is 1
-    elif len(caches) != cfg.n_layers:
-      raise ValueError(f"got {len(caches)} caches for {cfg.n_layers} layers")
+    caches, docs, new_doc_cache = _doc_ids(cfg, plan, tokens_BxM, caches, ring_pos)
     tables = None
     if cfg.adapt_io.enabled:
       h, tables = adaptive_io.AdaptiveInput(cfg, name="in_emb")(tokens_BxM)
@@ -134,31 +185,12 @@ class SpanTransformer(nn.Module):
     new_caches, auxes = [], []
     width = 2 * cfg.d_model if self.kv_cache else cfg.d_model
     for i, (cache, lp) in enumerate(zip(caches, plan.layers)):
-      if ring_pos is not None:
-        want = (tokens_BxM.shape[0], cfg.n_heads, lp.cache_len, cfg.head_dim)
-        got = [tuple(getattr(x, "shape", ())) for x in cache] if isinstance(cache, tuple) else [
-            tuple(cache.shape)]
-        if got != [want, want]:
-          raise ValueError(f"layer {i}: ring cache of shapes {got}, the plan wants keys and "
-                           f"values of {want} (caches.to_ring)")
-      elif cache.shape[1] != lp.cache_len or cache.shape[2] != width:
-        raise ValueError(f"layer {i}: cache of shape {cache.shape[1:]}, the plan wants "
-                         f"({lp.cache_len}, {width}); fit it with caches.resize_caches "
-                         f"(kv_cache={self.kv_cache})")
+      _check_cache(i, cache, lp, cfg, tokens_BxM.shape[0], width, self.kv_cache, ring_pos)
       h_in = h
       h, aux = layer_cls(cfg, lp, self.kv_cache, name=f"layers_{i}")(
           h, cache, key_pe, train, ring_pos, docs)
       new = aux.pop("kv") if self.kv_cache else h_in
-      if ring_pos is not None:  # this token's keys|values into its slot, head-major
-        slot = jnp.asarray(ring_pos, jnp.int32) % lp.cache_len
-        zero = jnp.zeros((), jnp.int32)
-        new = new.reshape(new.shape[0], 1, 2, cfg.n_heads, cfg.head_dim).transpose(2, 0, 3, 1, 4)
-        new_caches.append(tuple(
-            jax.lax.dynamic_update_slice(r, n.astype(r.dtype), (zero, zero, slot, zero))
-            for r, n in zip(cache, new)))
-      else:
-        both = jnp.concatenate([cache, new.astype(cache.dtype)], axis=1)
-        new_caches.append(jax.lax.stop_gradient(both[:, both.shape[1] - lp.cache_len:]))
+      new_caches.append(_next_cache(cache, new, lp, cfg, ring_pos))
       auxes.append(aux)
     if docs is not None:
       new_caches.append(new_doc_cache)
@@ -171,16 +203,7 @@ class SpanTransformer(nn.Module):
                                cfg.dtype, name="out_emb")(h)
       logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
-    out_aux = {
-        "span_loss": sum(a["span_loss"] for a in auxes),
-        "span_avg": jnp.stack([a["span_avg"] for a in auxes]),
-        "span_max": jnp.stack([a["span_max"] for a in auxes]),
-    }
-    if cfg.span.mode == "adaptive":
-      out_aux["span_z"] = jnp.stack([a["span_z"] for a in auxes])
-    if cfg.span.mode == "dynamic":
-      out_aux["dyn_spans"] = tuple(a["dyn_spans"] for a in auxes)
-    return logp, tuple(new_caches), out_aux
+    return logp, tuple(new_caches), _layers_aux(cfg, auxes)
 
 
 # ---- its record in model/archs.py ----------------------------------------------------------------

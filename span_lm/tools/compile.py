@@ -235,6 +235,50 @@ def _cost(compiled) -> dict:
   return {"flops": float(c.get("flops", 0.0)), "bytes": float(c.get("bytes accessed", 0.0))}
 
 
+def _compile_step(kind: str, compiler, plan, state, batch, *, cfg, data, n: int, chip,
+                  per_chip: int, split: int, log: list, device_memory: int, sds, rows,
+                  replicated) -> dict:
+  """One step kind ('train', else the eval step) compiled: its row of memory, FLOPs, XLA's cost
+  and roofline, or the one-line error that stopped it."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from span_lm.model import costs as costs_lib  # pylint: disable=g-import-not-at-top
+  r: dict[str, Any] = {}
+  t1 = time.perf_counter()
+  try:
+    if kind == "train":
+      compiled = compiler.train(plan, state, batch)
+      tokens = data.batch * data.block
+      ours = costs_lib.train_step_flops(cfg, plan, data.batch, data.block) / n
+    else:
+      eb = {"x": sds((data.eval_batch, data.block), jnp.int32, rows),
+            "y": sds((data.eval_batch, data.block), jnp.int32, rows),
+            "reset": sds((), jnp.bool_, replicated)}
+      compiled = compiler.eval(plan, state["params"], state["eval_caches"], eb)
+      tokens = data.eval_batch * data.block
+      ours = 2 * sum(costs_lib.forward_macs(cfg, plan, data.block, data.eval_batch).values()) / n
+  except Exception as e:  # pylint: disable=broad-except
+    r.update(compiled=False, error=_one_line(e), compile_s=time.perf_counter() - t1)
+    return r
+  r["attention"] = compiler.compilations[-1]["attention"]
+  r["attention_log"] = [line for line in log if line.startswith("attention:")]
+  r.update(compiled=True, compile_s=time.perf_counter() - t1,
+           memory=_memory(compiled, device_memory), tokens=tokens,
+           matmul_flops=ours)
+  if chip.platform == "gpu":
+    try:
+      r["gemms"] = gemm_dtypes(compiled.as_text())
+    except Exception as e:  # pylint: disable=broad-except
+      r["gemms"] = {"error": _one_line(e)}
+  cost = _cost(compiled)
+  scale = split if kind == "train" else 1  # XLA counts the batch-split loop body once
+  if cfg.sparse.scan_layers:  # and the layer scan's: scaling the whole step is an upper bound
+    scale *= cfg.n_layers // cfg.sparse.scan_period  # on its bytes (docs/targets.md)
+  if cost:
+    r["xla"] = dict(cost, loop_scale=scale)
+  r["roofline"] = roofline(chip, cfg.dtype, per_chip, ours, cost, scale, tokens)
+  return r
+
+
 def compile_target(config, tgt: Target) -> dict:
   """Compiles the train and eval steps for one target in this process (the child)."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -243,7 +287,6 @@ def compile_target(config, tgt: Target) -> dict:
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   from span_lm.kernels import target as target_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import ARCHS  # pylint: disable=g-import-not-at-top
-  from span_lm.model import costs as costs_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.train import loss_scale as loss_scale_lib  # pylint: disable=g-import-not-at-top
@@ -306,42 +349,10 @@ def compile_target(config, tgt: Target) -> dict:
              "y": sds((d.batch, d.block), jnp.int32, rows),
              "reset": sds((), jnp.bool_, replicated)}
     for kind in steps:
-      r: dict[str, Any] = {}
-      t1 = time.perf_counter()
-      try:
-        if kind == "train":
-          compiled = compiler.train(plan, state, batch)
-          tokens = d.batch * d.block
-          ours = costs_lib.train_step_flops(cfg, plan, d.batch, d.block) / n
-        else:
-          eb = {"x": sds((d.eval_batch, d.block), jnp.int32, rows),
-                "y": sds((d.eval_batch, d.block), jnp.int32, rows),
-                "reset": sds((), jnp.bool_, replicated)}
-          compiled = compiler.eval(plan, state["params"], state["eval_caches"], eb)
-          tokens = d.eval_batch * d.block
-          ours = 2 * sum(costs_lib.forward_macs(cfg, plan, d.block, d.eval_batch).values()) / n
-      except Exception as e:  # pylint: disable=broad-except
-        r.update(compiled=False, error=_one_line(e), compile_s=time.perf_counter() - t1)
-        row[kind] = r
-        continue
-      r["attention"] = compiler.compilations[-1]["attention"]
-      r["attention_log"] = [line for line in log if line.startswith("attention:")]
-      r.update(compiled=True, compile_s=time.perf_counter() - t1,
-               memory=_memory(compiled, row["device_memory"]), tokens=tokens,
-               matmul_flops=ours)
-      if chip.platform == "gpu":
-        try:
-          r["gemms"] = gemm_dtypes(compiled.as_text())
-        except Exception as e:  # pylint: disable=broad-except
-          r["gemms"] = {"error": _one_line(e)}
-      cost = _cost(compiled)
-      scale = split if kind == "train" else 1  # XLA counts the batch-split loop body once
-      if cfg.sparse.scan_layers:  # and the layer scan's: scaling the whole step is an upper bound
-        scale *= cfg.n_layers // cfg.sparse.scan_period  # on its bytes (docs/targets.md)
-      if cost:
-        r["xla"] = dict(cost, loop_scale=scale)
-      r["roofline"] = roofline(chip, cfg.dtype, per_chip, ours, cost, scale, tokens)
-      row[kind] = r
+      row[kind] = _compile_step(kind, compiler, plan, state, batch, cfg=cfg, data=d, n=n,
+                                chip=chip, per_chip=per_chip, split=split, log=log,
+                                device_memory=row["device_memory"], sds=sds, rows=rows,
+                                replicated=replicated)
   row["total_s"] = time.perf_counter() - t0
   return row
 

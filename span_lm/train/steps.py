@@ -215,32 +215,9 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
 
   ls = state.get("loss_scale")
   params = state["params"]
-
-  def gradients(scale):
-    """(grads, loss, new caches, aux) of the batch; scale: the loss scale (None: unscaled)."""
-
-    def loss_fn(params, x, y, caches, key):
-      logp, new_caches, aux = model.apply({"params": params}, x, caches, train=True,
-                                          rngs={"dropout": key})
-      total, count = nll(logp, y)
-      loss = total / count
-      if debug_nan_at_step:
-        loss = loss * jnp.where(state["step"] + 1 == debug_nan_at_step, jnp.nan, 1.0)
-      objective = loss + aux["span_loss"]
-      if scale is not None:  # float32; the cotangents below are this much larger
-        objective = objective * scale
-      return objective, (loss, new_caches, aux)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    if scale is not None:  # unscale each piece's float32 gradients at once (exact: 2^-k)
-      scaled_grad_fn = grad_fn
-
-      def grad_fn(*args):
-        out, g = scaled_grad_fn(*args)
-        return out, jax.tree.map(lambda a: a * (1.0 / scale).astype(a.dtype), g)
-
-    return _gradients(grad_fn, params, batch, caches, step_rng, cfg=cfg, batch_split=batch_split,
-                      mesh=mesh, batch_axes=batch_axes)
+  gradients = functools.partial(_gradients_at, model=model, state=state, batch=batch,
+                                step_rng=step_rng, cfg=cfg, batch_split=batch_split, mesh=mesh,
+                                batch_axes=batch_axes, debug_nan_at_step=debug_nan_at_step)
 
   if ls is None:
     grads, loss, new_caches, aux = gradients(None)
@@ -271,19 +248,56 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
       "grad_norm": grad_norm,
   }
   if ls is not None:
-    new_ls = loss_scale_lib.after_step(ls, scale_used, retries, finite, loss_scale_period)
-    if covered is not None:  # refused: replayed later, from the same scale
-      new_ls = jax.tree.map(lambda a, b: jnp.where(covered, a, b), new_ls, ls)
-    new_state["loss_scale"] = new_ls
-    metrics["loss_scale"] = new_ls["scale"]
-    metrics["scale_skips"] = retries
-    metrics["loss_scale_skips"] = new_ls["skips"]
+    _next_loss_scale(ls, scale_used, retries, finite, covered, loss_scale_period, new_state,
+                     metrics)
   if covered is not None:
     metrics["short"] = (~covered).astype(jnp.int32)
   if cfg.span.mode == "adaptive":
     # Post-update z' per layer: the host re-derives the span plan from these.
     metrics["span_ratio"] = jnp.stack(plan_lib.span_ratio_leaves(params))
   return new_state, metrics
+
+
+def _gradients_at(scale, *, model, state: State, batch, step_rng, cfg: ModelConfig,
+                  batch_split: int, mesh, batch_axes, debug_nan_at_step: int):
+  """(grads, loss, new caches, aux) of the batch; scale: the loss scale (None: unscaled)."""
+  params, caches = state["params"], state["caches"]
+
+  def loss_fn(params, x, y, caches, key):
+    logp, new_caches, aux = model.apply({"params": params}, x, caches, train=True,
+                                        rngs={"dropout": key})
+    total, count = nll(logp, y)
+    loss = total / count
+    if debug_nan_at_step:
+      loss = loss * jnp.where(state["step"] + 1 == debug_nan_at_step, jnp.nan, 1.0)
+    objective = loss + aux["span_loss"]
+    if scale is not None:  # float32; the cotangents below are this much larger
+      objective = objective * scale
+    return objective, (loss, new_caches, aux)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  if scale is not None:  # unscale each piece's float32 gradients at once (exact: 2^-k)
+    scaled_grad_fn = grad_fn
+
+    def grad_fn(*args):
+      out, g = scaled_grad_fn(*args)
+      return out, jax.tree.map(lambda a: a * (1.0 / scale).astype(a.dtype), g)
+
+  return _gradients(grad_fn, params, batch, caches, step_rng, cfg=cfg, batch_split=batch_split,
+                    mesh=mesh, batch_axes=batch_axes)
+
+
+def _next_loss_scale(ls, scale_used, retries, finite, covered, loss_scale_period: int,
+                     new_state: dict, metrics: dict):
+  """The loss scale after this step (kept where the plan refused it) into new_state, and its
+  metrics."""
+  new_ls = loss_scale_lib.after_step(ls, scale_used, retries, finite, loss_scale_period)
+  if covered is not None:  # refused: replayed later, from the same scale
+    new_ls = jax.tree.map(lambda a, b: jnp.where(covered, a, b), new_ls, ls)
+  new_state["loss_scale"] = new_ls
+  metrics["loss_scale"] = new_ls["scale"]
+  metrics["scale_skips"] = retries
+  metrics["loss_scale_skips"] = new_ls["skips"]
 
 
 def _retry_overflows(gradients, scale0):
