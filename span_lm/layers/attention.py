@@ -194,24 +194,55 @@ class AdaptiveSpanAttention(nn.Module):
       inputs_k = inputs_v = inputs_kv
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
-    qkv = self.qkv_features or inputs_q.shape[-1]
-    if qkv % self.num_heads:
-      raise ValueError(f"{type(self).__name__}.num_heads={self.num_heads}: must divide the "
-                       f"features ({qkv}: qkv_features, else the inputs' last axis)")
+    head_dim = self._head_dim(inputs_q)
     *batch, n = inputs_q.shape[:-1]
     decoding = self.decode and self.has_variable("cache", "cached_key")
     if not decoding:
       decode_lib.check_mask(mask, tuple(batch), self.num_heads, n, inputs_k.shape[-2],
                             type(self).__name__)
       self._check_penalty_kept(deterministic)
-    head_dim = qkv // self.num_heads
+    q, k, v = self._project(inputs_q, inputs_k, inputs_v, head_dim)
+    ratio, pos_back, pos_ahead, ratio_ahead = self._span_params(head_dim)
+    if self.decode:
+      out = self._decode(q, k, v, ratio, pos_back, mask, segment_ids, tuple(batch), decoding)
+      if out is not None:
+        return self._out(out, inputs_q)
+    both = ratio if ratio_ahead is None else jnp.concatenate([ratio, ratio_ahead])
+    self.sow("intermediates", "span_loss",
+             core.span_loss(both, self.max_span, self.span_loss_coef))
+
+    rate, dropout_rng = self._dropout(deterministic, dropout_rng)
+    out = attend(q, k, v, ratio, pos_back, pos_ahead, ratio_ahead, max_span=self.max_span,
+                 causal=self.causal, ramp=self.ramp_tokens, mask=mask, segment_ids=segment_ids,
+                 rate=rate, dropout_rng=dropout_rng, attn_impl=self.attn_impl)
+    if sow_weights:
+      self.sow("intermediates", "attention_weights", decode_lib.attention_weights(
+          q, k, ratio, pos_back, pos_ahead, max_span=self.max_span, causal=self.causal,
+          ramp=self.ramp_tokens, mask=mask, segment_ids=segment_ids,
+          span_ratio_ahead=ratio_ahead))
+    return self._out(out, inputs_q)
+
+  def _head_dim(self, inputs_q) -> int:
+    """qkv_features (else the inputs' features) over the heads; one line where they do not split."""
+    qkv = self.qkv_features or inputs_q.shape[-1]
+    if qkv % self.num_heads:
+      raise ValueError(f"{type(self).__name__}.num_heads={self.num_heads}: must divide the "
+                       f"features ({qkv}: qkv_features, else the inputs' last axis)")
+    return qkv // self.num_heads
+
+  def _project(self, inputs_q, inputs_k, inputs_v, head_dim):
+    """Queries (num_heads), keys and values (kv_heads), each (batch..., length, heads, head_dim)."""
     dense = lambda name, heads: nn.DenseGeneral(
         (heads, head_dim), dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias, name=name)
     q = dense("query", self.num_heads)(inputs_q)
     k = dense("key", self.kv_heads)(inputs_k)
     v = dense("value", self.kv_heads)(inputs_v)
+    return q, k, v
 
+  def _span_params(self, head_dim):
+    """span_ratio, pos_emb, and (bidirectional) pos_emb_ahead and (asymmetric) span_ratio_ahead,
+    else None."""
     ratio = self.param("span_ratio", nn.initializers.constant(self.span_init), (self.num_heads,),
                        jnp.float32)
     pe = lambda name: self.param(name, self.pos_emb_init, (head_dim, self.max_span),
@@ -222,28 +253,16 @@ class AdaptiveSpanAttention(nn.Module):
     if self.asymmetric and not self.causal:
       ratio_ahead = self.param("span_ratio_ahead", nn.initializers.constant(self.span_init),
                                (self.num_heads,), jnp.float32)
-    if self.decode:
-      out = self._decode(q, k, v, ratio, pos_back, mask, segment_ids, tuple(batch), decoding)
-      if out is not None:
-        return self._out(out, inputs_q)
-    both = ratio if ratio_ahead is None else jnp.concatenate([ratio, ratio_ahead])
-    self.sow("intermediates", "span_loss",
-             core.span_loss(both, self.max_span, self.span_loss_coef))
+    return ratio, pos_back, pos_ahead, ratio_ahead
 
+  def _dropout(self, deterministic, dropout_rng):
+    """The attention dropout's rate for this call (0: none) and its rng."""
     rate = 0.0
     if self.dropout_rate > 0:
       if not nn.merge_param("deterministic", self.deterministic, deterministic):
         rate = self.dropout_rate
         dropout_rng = self.make_rng("dropout") if dropout_rng is None else dropout_rng
-    out = attend(q, k, v, ratio, pos_back, pos_ahead, ratio_ahead, max_span=self.max_span,
-                 causal=self.causal, ramp=self.ramp_tokens, mask=mask, segment_ids=segment_ids,
-                 rate=rate, dropout_rng=dropout_rng, attn_impl=self.attn_impl)
-    if sow_weights:
-      self.sow("intermediates", "attention_weights", decode_lib.attention_weights(
-          q, k, ratio, pos_back, pos_ahead, max_span=self.max_span, causal=self.causal,
-          ramp=self.ramp_tokens, mask=mask, segment_ids=segment_ids,
-          span_ratio_ahead=ratio_ahead))
-    return self._out(out, inputs_q)
+    return rate, dropout_rng
 
   def _out(self, out, inputs_q):
     return nn.DenseGeneral(

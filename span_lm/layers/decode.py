@@ -83,44 +83,59 @@ def decode_attention(q, k, v, cache, segment_ids, span_ratio, pos_back, *, max_s
   z = core.span_tokens(span_ratio, max_span)  # (H,)
   idx = jnp.asarray(idx, jnp.int32)
   q_pos = idx + jnp.arange(c, dtype=jnp.int32)  # C
-  f32 = dict(preferred_element_type=jnp.float32)
-  outs = []
-  for g in range(hk):
-    r = reads[g]
-    past = idx - r + jnp.arange(r, dtype=jnp.int32)  # the r positions before the chunk
-    slots = jnp.mod(past, max_span)
-    keys = jnp.concatenate([ckf[:, slots, g].astype(qf.dtype), kf[:, :, g]], axis=1)  # B K D
-    vals = jnp.concatenate([cvf[:, slots, g].astype(vf.dtype), vf[:, :, g]], axis=1)
-    k_seg = jnp.concatenate([jnp.where(past[None] >= 0, csegf[:, slots], 0), seg], axis=1)  # B K
-    k_pos = jnp.concatenate([past, q_pos])  # K
-    x = q_pos[:, None] - k_pos[None, :]  # C K: distance back
-    allowed = ((x >= 0) & (x < max_span))[None, None]  # 1 1 C K
-    allowed = allowed & ((k_seg[:, None, None, :] == seg[:, None, :, None])
-                         & (k_seg[:, None, None, :] != 0))  # B 1 C K
-    qg = qf[:, :, g * g_size:(g + 1) * g_size]  # B C G D
-    # position logits from the columns these distances reach: S - 1 - x, x < r + C
-    lo = max(max_span - (r + c), 0)
-    band = jnp.einsum("bcgd,ds->bgcs", qg, pos_back[:, lo:].astype(qg.dtype), **f32)
-    col = jnp.clip(max_span - 1 - x, lo, max_span - 1) - lo  # C K
-    pos = jnp.take_along_axis(band, jnp.broadcast_to(col[None, None], band.shape[:3] + col.shape[1:]),
-                              axis=-1)
-    cont = jnp.einsum("bcgd,bkd->bgck", qg, keys, **f32)
-    logits = jnp.where(allowed, (cont + pos) / math.sqrt(dh), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1)
-    zg = z[g * g_size:(g + 1) * g_size][None, :, None, None]  # 1 G 1 1
-    soft = span_mask.soft_mask(zg, (x + 1).astype(jnp.float32)[None, None], ramp)
-    probs = span_mask.renormalise(probs * jnp.where(allowed, soft, 0.0))
-    outs.append(jnp.einsum("bgck,bkd->bcgd", probs.astype(vals.dtype), vals, **f32))
+  ring = (ckf, cvf, csegf, idx)
+  outs = [_group_attention(g, g_size, qf, kf, vf, ring, seg, z, pos_back, q_pos,
+                           max_span=max_span, ramp=ramp, r=reads[g]) for g in range(hk)]
   out = jnp.concatenate(outs, axis=2)  # B C H D
   out = jnp.where((seg != 0)[:, :, None, None], out, 0.0).astype(q.dtype).reshape(q.shape)
-  # write the chunk (its last max_span tokens) into the ring
+  return out, _write_ring(cache, ring, kf, vf, seg, q_pos, max_span)
+
+
+def _group_attention(g, g_size, qf, kf, vf, ring, seg, z, pos_back, q_pos, *, max_span: int,
+                     ramp: int, r: int):
+  """The g_size query heads of KV head g against its r cached positions before the chunk
+  (`ring`: keys, values, segments and index, batch flattened) and the chunk's own keys:
+  (B, C, G, D) in float32."""
+  ckf, cvf, csegf, idx = ring
+  c, dh = qf.shape[1], qf.shape[-1]
+  f32 = dict(preferred_element_type=jnp.float32)
+  past = idx - r + jnp.arange(r, dtype=jnp.int32)  # the r positions before the chunk
+  slots = jnp.mod(past, max_span)
+  keys = jnp.concatenate([ckf[:, slots, g].astype(qf.dtype), kf[:, :, g]], axis=1)  # B K D
+  vals = jnp.concatenate([cvf[:, slots, g].astype(vf.dtype), vf[:, :, g]], axis=1)
+  k_seg = jnp.concatenate([jnp.where(past[None] >= 0, csegf[:, slots], 0), seg], axis=1)  # B K
+  k_pos = jnp.concatenate([past, q_pos])  # K
+  x = q_pos[:, None] - k_pos[None, :]  # C K: distance back
+  allowed = ((x >= 0) & (x < max_span))[None, None]  # 1 1 C K
+  allowed = allowed & ((k_seg[:, None, None, :] == seg[:, None, :, None])
+                       & (k_seg[:, None, None, :] != 0))  # B 1 C K
+  qg = qf[:, :, g * g_size:(g + 1) * g_size]  # B C G D
+  # position logits from the columns these distances reach: S - 1 - x, x < r + C
+  lo = max(max_span - (r + c), 0)
+  band = jnp.einsum("bcgd,ds->bgcs", qg, pos_back[:, lo:].astype(qg.dtype), **f32)
+  col = jnp.clip(max_span - 1 - x, lo, max_span - 1) - lo  # C K
+  pos = jnp.take_along_axis(band, jnp.broadcast_to(col[None, None], band.shape[:3] + col.shape[1:]),
+                            axis=-1)
+  cont = jnp.einsum("bcgd,bkd->bgck", qg, keys, **f32)
+  logits = jnp.where(allowed, (cont + pos) / math.sqrt(dh), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  zg = z[g * g_size:(g + 1) * g_size][None, :, None, None]  # 1 G 1 1
+  soft = span_mask.soft_mask(zg, (x + 1).astype(jnp.float32)[None, None], ramp)
+  probs = span_mask.renormalise(probs * jnp.where(allowed, soft, 0.0))
+  return jnp.einsum("bgck,bkd->bcgd", probs.astype(vals.dtype), vals, **f32)
+
+
+def _write_ring(cache, ring, kf, vf, seg, q_pos, max_span: int):
+  """The cache, in the module's shapes, after the chunk: its last max_span tokens written into
+  their slots of the ring."""
+  (ck, cv, cseg, _), (ckf, cvf, csegf, idx) = cache, ring
+  c = seg.shape[1]
   m = min(c, max_span)
   slots = jnp.mod(q_pos[c - m:], max_span)
   ckf = ckf.at[:, slots].set(kf[:, c - m:].astype(ckf.dtype))
   cvf = cvf.at[:, slots].set(vf[:, c - m:].astype(cvf.dtype))
   csegf = csegf.at[:, slots].set(seg[:, c - m:])
-  new = (ckf.reshape(ck.shape), cvf.reshape(cv.shape), csegf.reshape(cseg.shape), idx + c)
-  return out, new
+  return (ckf.reshape(ck.shape), cvf.reshape(cv.shape), csegf.reshape(cseg.shape), idx + c)
 
 
 def attention_weights(q, k, span_ratio, pos_back, pos_ahead=None, *, max_span: int,

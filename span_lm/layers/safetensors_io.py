@@ -124,6 +124,27 @@ def read_header(path) -> tuple[dict, dict]:
   path = os.fspath(path)
   size = os.path.getsize(path)
   where = os.path.basename(path)
+  raw = _header_bytes(path, size)
+  header, meta = _parse_header(path, raw)
+  data_len = size - 8 - len(raw)
+  spans = [_tensor_span(where, name, t, data_len) for name, t in header.items()]
+  end = 0
+  for begin, stop, name in sorted(spans):
+    if begin < end:
+      raise SafetensorsError(f"{where}: tensor {name!r}: data_offsets [{begin}, {stop}] overlap "
+                             "the previous tensor's")
+    if begin > end:
+      raise SafetensorsError(f"{where}: bytes [{end}, {begin}) before tensor {name!r} belong to "
+                             "no tensor")
+    end = stop
+  if end != data_len:
+    raise SafetensorsError(f"{where}: {data_len - end:,} data bytes after the last tensor belong "
+                           "to no tensor")
+  return header, meta
+
+
+def _header_bytes(path: str, size: int) -> bytes:
+  """The JSON header's bytes, read only once its claimed length fits the file (and the limit)."""
   if size < 8:
     raise SafetensorsError(f"{path}: {size} bytes, too short for a safetensors file (8-byte "
                            "header length, JSON header, data)")
@@ -132,7 +153,11 @@ def read_header(path) -> tuple[dict, dict]:
     if n > MAX_HEADER or 8 + n > size:
       raise SafetensorsError(f"{path}: claims a header of {n:,} bytes; the file has {size:,} "
                              f"(limit {MAX_HEADER:,}): not a (complete) safetensors file")
-    raw = f.read(n)
+    return f.read(n)
+
+
+def _parse_header(path: str, raw: bytes) -> tuple[dict, dict]:
+  """The header as a JSON object without repeated names, and its __metadata__ (strings only)."""
   def no_duplicates(pairs):
     keys = [k for k, _ in pairs]
     twice = sorted(k for k in set(keys) if keys.count(k) > 1)
@@ -149,44 +174,34 @@ def read_header(path) -> tuple[dict, dict]:
   meta = header.pop("__metadata__", None) or {}
   if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
     raise SafetensorsError(f"{path}: __metadata__ must map strings to strings")
-  data_len = size - 8 - n
-  spans = []
-  for name, t in header.items():
-    if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
-      raise SafetensorsError(f"{where}: tensor {name!r}: an entry needs exactly dtype, shape, "
-                             "data_offsets")
-    code, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
-    if code not in ITEMSIZE:
-      raise SafetensorsError(f"{where}: tensor {name!r}: unknown dtype {code!r}")
-    ints = lambda xs: isinstance(xs, list) and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
-    if not ints(shape):
-      raise SafetensorsError(f"{where}: tensor {name!r}: shape {shape!r} is not a list of "
-                             "non-negative integers")
-    if not ints(offs) or len(offs) != 2 or offs[0] > offs[1]:
-      raise SafetensorsError(f"{where}: tensor {name!r}: data_offsets {offs!r} are not "
-                             "[begin, end] with begin <= end")
-    claimed = math.prod(shape) * ITEMSIZE[code]
-    if offs[1] > data_len:
-      raise SafetensorsError(f"{where}: tensor {name!r}: data_offsets {offs} run past the "
-                             f"{data_len:,} data bytes the file holds (out of range)")
-    if offs[1] - offs[0] != claimed:
-      raise SafetensorsError(f"{where}: tensor {name!r}: {code} {shape} needs {claimed:,} bytes, "
-                             f"its data_offsets {offs} hold {offs[1] - offs[0]:,}")
-    spans.append((offs[0], offs[1], name))
-  end = 0
-  for begin, stop, name in sorted(spans):
-    if begin < end:
-      raise SafetensorsError(f"{where}: tensor {name!r}: data_offsets [{begin}, {stop}] overlap "
-                             "the previous tensor's")
-    if begin > end:
-      raise SafetensorsError(f"{where}: bytes [{end}, {begin}) before tensor {name!r} belong to "
-                             "no tensor")
-    end = stop
-  if end != data_len:
-    raise SafetensorsError(f"{where}: {data_len - end:,} data bytes after the last tensor belong "
-                           "to no tensor")
   return header, meta
+
+
+def _tensor_span(where: str, name: str, t, data_len: int) -> tuple[int, int, str]:
+  """(begin, end, name) of one header entry, checked: its fields, dtype, shape, and offsets that
+  lie in the data and hold exactly the shape's bytes."""
+  if not isinstance(t, dict) or set(t) != {"dtype", "shape", "data_offsets"}:
+    raise SafetensorsError(f"{where}: tensor {name!r}: an entry needs exactly dtype, shape, "
+                           "data_offsets")
+  code, shape, offs = t["dtype"], t["shape"], t["data_offsets"]
+  if code not in ITEMSIZE:
+    raise SafetensorsError(f"{where}: tensor {name!r}: unknown dtype {code!r}")
+  ints = lambda xs: isinstance(xs, list) and all(
+      isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in xs)
+  if not ints(shape):
+    raise SafetensorsError(f"{where}: tensor {name!r}: shape {shape!r} is not a list of "
+                           "non-negative integers")
+  if not ints(offs) or len(offs) != 2 or offs[0] > offs[1]:
+    raise SafetensorsError(f"{where}: tensor {name!r}: data_offsets {offs!r} are not "
+                           "[begin, end] with begin <= end")
+  claimed = math.prod(shape) * ITEMSIZE[code]
+  if offs[1] > data_len:
+    raise SafetensorsError(f"{where}: tensor {name!r}: data_offsets {offs} run past the "
+                           f"{data_len:,} data bytes the file holds (out of range)")
+  if offs[1] - offs[0] != claimed:
+    raise SafetensorsError(f"{where}: tensor {name!r}: {code} {shape} needs {claimed:,} bytes, "
+                           f"its data_offsets {offs} hold {offs[1] - offs[0]:,}")
+  return offs[0], offs[1], name
 
 
 def check_expected(header: dict, expected: Mapping[str, tuple[tuple[int, ...], str]],
