@@ -281,39 +281,21 @@ def _compile_step(kind: str, compiler, plan, state, batch, *, cfg, data, n: int,
 
 def compile_target(config, tgt: Target) -> dict:
   """Compiles the train and eval steps for one target in this process (the child)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from span_lm import kernels  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import target as target_lib  # pylint: disable=g-import-not-at-top
-  from span_lm.model import ARCHS  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  from span_lm.train import loss_scale as loss_scale_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
-  from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
 
   chip = tgt.chip
   row: dict[str, Any] = {"target": tgt.spec, "chip": chip.name, "platform": chip.platform,
                          "topology": tgt.topology, "chips": tgt.chips}
   t0 = time.perf_counter()
-  if chip.platform == "gpu":
-    topo = topologies.get_topology_desc(platform="cuda", topology=tgt.topology,
-                                        target_config=chips.gpu_target_config(chip))
-  else:
-    topo = topologies.get_topology_desc(topology_name=tgt.topology, platform="tpu")
-  devices = list(topo.devices)
-  n = len(devices)
-  per_chip = max(1, n // tgt.chips)  # TPU topologies may list TensorCores, not chips
-  row.update(devices=n, device_kind=devices[0].device_kind,
-             device_memory=chip.memory_bytes // per_chip)
+  devices, per_chip = _topology_devices(tgt, row)
   vocab, vocab_from = _vocab(config)
   cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
   row.update(vocab=vocab, vocab_from=vocab_from, dtype=cfg.dtype)
   d = config.data
   split = config.optim.batch_split
-  steps = [s.strip() for s in config.compile.steps.split(",") if s.strip()]
   tx, _ = optimizer_lib.make_optimizer(config.optim)
   plan = plan_lib.full_plan(cfg) if config.compile.plan == "full" else plan_lib.initial_plan(cfg)
   row["plan"] = config.compile.plan
@@ -328,6 +310,42 @@ def compile_target(config, tgt: Target) -> dict:
   except ValueError as e:  # a batch (or fsdp) that does not split over the devices
     row["error"] = str(e)
     return row
+  _compile_steps(config, chip, cfg, tx, plan, compiler, devices, per_chip, log, row)
+  row["total_s"] = time.perf_counter() - t0
+  return row
+
+
+def _topology_devices(tgt: Target, row: dict) -> tuple[list, int]:
+  """The target's devices (no hardware: the compiler's topology description) and devices per
+  chip; their count, kind and memory each go into `row`."""
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  chip = tgt.chip
+  if chip.platform == "gpu":
+    topo = topologies.get_topology_desc(platform="cuda", topology=tgt.topology,
+                                        target_config=chips.gpu_target_config(chip))
+  else:
+    topo = topologies.get_topology_desc(topology_name=tgt.topology, platform="tpu")
+  devices = list(topo.devices)
+  n = len(devices)
+  per_chip = max(1, n // tgt.chips)  # TPU topologies may list TensorCores, not chips
+  row.update(devices=n, device_kind=devices[0].device_kind,
+             device_memory=chip.memory_bytes // per_chip)
+  return devices, per_chip
+
+
+def _compile_steps(config, chip, cfg, tx, plan, compiler, devices, per_chip, log, row) -> None:
+  """Under the chip's kernel choices: the attention it would run, its kernels' rooflines, and
+  each of config.compile.steps compiled on the abstract state (rows of `row`)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import target as target_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import ARCHS  # pylint: disable=g-import-not-at-top
+  from span_lm.train import loss_scale as loss_scale_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
+  d, n = config.data, len(devices)
+  steps = [s.strip() for s in config.compile.steps.split(",") if s.strip()]
   layout = compiler.layout
   replicated, rows = layout.replicated, layout.rows
   # float16 (or train.loss_scale=dynamic): the step with its loss scale, as train runs it
@@ -350,11 +368,9 @@ def compile_target(config, tgt: Target) -> dict:
              "reset": sds((), jnp.bool_, replicated)}
     for kind in steps:
       row[kind] = _compile_step(kind, compiler, plan, state, batch, cfg=cfg, data=d, n=n,
-                                chip=chip, per_chip=per_chip, split=split, log=log,
-                                device_memory=row["device_memory"], sds=sds, rows=rows,
+                                chip=chip, per_chip=per_chip, split=config.optim.batch_split,
+                                log=log, device_memory=row["device_memory"], sds=sds, rows=rows,
                                 replicated=replicated)
-  row["total_s"] = time.perf_counter() - t0
-  return row
 
 
 def roofline(chip: chips.Chip, dtype: str, per_chip: int, matmul_flops: float, cost: dict,
@@ -425,36 +441,7 @@ def report(config) -> dict:
     with open(run_dir.config_path(tmp), "w") as f:
       f.write(config.to_json_best_effort(indent=1))
     for tgt in targets:
-      out_json = os.path.join(tmp, "row.json")
-      log_path = os.path.join(tmp, "child.log")
-      t0 = time.perf_counter()
-      env = child_env(tgt.chip.platform)
-      dump = os.path.join(tmp, "dump")
-      if tgt.chip.platform == "gpu":  # the PTX, for what our kernels do (tools/ptx.py)
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
-      with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "span_lm.tools.compile", tmp, tgt.spec,
-                               out_json], env=env, stdout=log,
-                              stderr=subprocess.STDOUT, check=False)
-      text = open(log_path, errors="replace").read()
-      if proc.returncode == 0 and os.path.exists(out_json):
-        row = json.load(open(out_json))
-        os.remove(out_json)
-      else:
-        tail = [l for l in text.splitlines() if l.strip()][-1:] or ["no output"]
-        log_keep = os.path.join(out_dir, f"{tgt.spec.replace(':', '_')}.log")
-        with open(log_keep, "w") as f:  # the whole traceback, for a bug report
-          f.write(text)
-        row = {"target": tgt.spec, "chip": tgt.chip.name, "platform": tgt.chip.platform,
-               "error": f"the compiler process failed (status {proc.returncode}): {tail[0][:300]}"
-                        f" (its output: {log_keep})"}
-      row["wall_s"] = time.perf_counter() - t0
-      row["batch_split"] = config.optim.batch_split
-      if tgt.chip.platform == "gpu":
-        facts = {f["kernel"]: f for f in ptx_lib.dumped_kernels(dump, "span_attention")}
-        row["kernels"] = [dict(k, ptx=facts[k["kernel"]]) if k["kernel"] in facts else k
-                          for k in parse_ptxas(text)]
-        shutil.rmtree(dump, ignore_errors=True)
+      row = _child_row(config, tgt, tmp, out_dir)
       rows.append(row)
       print(format_row(row), flush=True)
   result = {"config": config.get("config_name", ""), "rows": rows,
@@ -470,6 +457,43 @@ def report(config) -> dict:
     f.write(md + "\n")
   print(f"wrote {os.path.join(out_dir, 'compile_report.md')} and compile_report.json")
   return result
+
+
+def _child_row(config, tgt: Target, tmp: str, out_dir: str) -> dict:
+  """One target compiled in a child process (the run config in `tmp`): its row, or the child's
+  last line when it failed (its whole output kept in out_dir); for GPUs, ptxas' and the PTX's
+  facts per kernel."""
+  out_json = os.path.join(tmp, "row.json")
+  log_path = os.path.join(tmp, "child.log")
+  t0 = time.perf_counter()
+  env = child_env(tgt.chip.platform)
+  dump = os.path.join(tmp, "dump")
+  if tgt.chip.platform == "gpu":  # the PTX, for what our kernels do (tools/ptx.py)
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
+  with open(log_path, "w") as log:
+    proc = subprocess.run([sys.executable, "-m", "span_lm.tools.compile", tmp, tgt.spec,
+                           out_json], env=env, stdout=log,
+                          stderr=subprocess.STDOUT, check=False)
+  text = open(log_path, errors="replace").read()
+  if proc.returncode == 0 and os.path.exists(out_json):
+    row = json.load(open(out_json))
+    os.remove(out_json)
+  else:
+    tail = [l for l in text.splitlines() if l.strip()][-1:] or ["no output"]
+    log_keep = os.path.join(out_dir, f"{tgt.spec.replace(':', '_')}.log")
+    with open(log_keep, "w") as f:  # the whole traceback, for a bug report
+      f.write(text)
+    row = {"target": tgt.spec, "chip": tgt.chip.name, "platform": tgt.chip.platform,
+           "error": f"the compiler process failed (status {proc.returncode}): {tail[0][:300]}"
+                    f" (its output: {log_keep})"}
+  row["wall_s"] = time.perf_counter() - t0
+  row["batch_split"] = config.optim.batch_split
+  if tgt.chip.platform == "gpu":
+    facts = {f["kernel"]: f for f in ptx_lib.dumped_kernels(dump, "span_attention")}
+    row["kernels"] = [dict(k, ptx=facts[k["kernel"]]) if k["kernel"] in facts else k
+                      for k in parse_ptxas(text)]
+    shutil.rmtree(dump, ignore_errors=True)
+  return row
 
 
 def failures(result: dict) -> list[str]:

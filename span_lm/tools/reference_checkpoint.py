@@ -424,7 +424,6 @@ def import_reference(config) -> dict[str, Any]:
   dataset's, an optimizer state the config's optimizer cannot take, and an existing, non-empty
   `<workdir>/checkpoints`. Returns a summary dict.
   """
-  from span_lm.data import batching  # pylint: disable=g-import-not-at-top
   from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
   src, workdir = config.import_from, config.workdir
   ckpt_dir = os.path.join(workdir, "checkpoints")
@@ -447,28 +446,8 @@ def import_reference(config) -> dict[str, Any]:
     step = step or int(rest.get("scheduler_iter", 0))  # torch SGD keeps no step count
     plan = plan_lib.plan_from_params(cfg, params)
     plan_lib.check_plan(cfg, params, plan)
-    # The state is assembled on the host (no compilation): zeros where init_state would put zeros,
-    # the imported params and optimizer state, and init_state's rng for this seed.
-    _, abstract, shardings = run.abstract_state(plan)
-    opt_state = jax.device_get(run.tx.init(params))
-    if kind is not None:
-      opt_state = fill_opt_state(opt_state, kind, step, bufs)
-    else:
-      _echo(f"{src} has no optimizer state: the optimizer starts fresh")
-    state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract)
-    state.update(step=np.asarray(step, np.int32), params=params, opt_state=opt_state,
-                 rng=jax.random.key_data(jax.random.split(jax.random.key(config.seed))[1]))
-    if jax.tree.structure(state) != jax.tree.structure(abstract):
-      raise AssertionError("the imported state's tree differs from the model's")  # a bug here
-    state = jax.device_put(state, shardings)
-    planner = planner_lib.SpanPlanner(cfg, plan)
-    meta = {"step": step, "planner": planner.state_dict(),
-            "data": {"train": batching.StreamState().to_dict(),
-                     "valid": batching.StreamState().to_dict()},
-            "model_cfg": dataclasses.asdict(cfg), "config": config.to_dict(),
-            "imported_from": {"path": os.path.abspath(src), "optimizer": kind,
-                              **{k: v for k, v in rest.items()
-                                 if k in ("iter_no", "scheduler_iter")}}}
+    state = _imported_state(run, config.seed, plan, params, (kind, step, bufs), src)
+    meta = _imported_meta(config, cfg, plan, step, src, kind, rest)
     run.ckpt.save(step, state, meta, force=True)
   finally:
     run.ckpt.close()  # waits for the save to commit
@@ -478,6 +457,39 @@ def import_reference(config) -> dict[str, Any]:
   _echo(f"imported {src} -> {ckpt_dir} step {step} ({cfg.n_layers} layers, vocab "
         f"{cfg.vocab_size}, optimizer state: {kind or 'fresh'}); span plan {plan.describe()}")
   return {"step": step, "optimizer": kind, "directory": ckpt_dir, "plan": plan}
+
+
+def _imported_state(run, seed: int, plan, params, optimizer: tuple, src: str):
+  """The train state on the host (no compilation), placed on the run's shardings: zeros where
+  init_state would put zeros, the imported params and optimizer state (`optimizer`: kind, step
+  and buffers; kind None: a fresh one), and init_state's rng for this seed."""
+  kind, step, bufs = optimizer
+  _, abstract, shardings = run.abstract_state(plan)
+  opt_state = jax.device_get(run.tx.init(params))
+  if kind is not None:
+    opt_state = fill_opt_state(opt_state, kind, step, bufs)
+  else:
+    _echo(f"{src} has no optimizer state: the optimizer starts fresh")
+  state = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), abstract)
+  state.update(step=np.asarray(step, np.int32), params=params, opt_state=opt_state,
+               rng=jax.random.key_data(jax.random.split(jax.random.key(seed))[1]))
+  if jax.tree.structure(state) != jax.tree.structure(abstract):
+    raise AssertionError("the imported state's tree differs from the model's")  # a bug here
+  return jax.device_put(state, shardings)
+
+
+def _imported_meta(config, cfg, plan, step: int, src: str, kind, rest: dict) -> dict:
+  """The checkpoint's metadata: the planner and data streams as a fresh run's, and where the
+  parameters came from (the file, its optimizer kind, the reference's own iteration counts)."""
+  from span_lm.data import batching  # pylint: disable=g-import-not-at-top
+  planner = planner_lib.SpanPlanner(cfg, plan)
+  return {"step": step, "planner": planner.state_dict(),
+          "data": {"train": batching.StreamState().to_dict(),
+                   "valid": batching.StreamState().to_dict()},
+          "model_cfg": dataclasses.asdict(cfg), "config": config.to_dict(),
+          "imported_from": {"path": os.path.abspath(src), "optimizer": kind,
+                            **{k: v for k, v in rest.items()
+                               if k in ("iter_no", "scheduler_iter")}}}
 
 
 def export_reference(config, use_torch: bool | None = None) -> str:

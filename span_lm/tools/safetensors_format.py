@@ -240,9 +240,19 @@ def _fmt(x, digits=4):
 
 def model_card(data: dict, flat: dict) -> str:
   """The README.md of an export: what the model is, its full evaluation, its spans, loading."""
+  lines = [f"# span_lm {data['architecture']} language model ({data['dataset']}, step "
+           f"{data['step']})", ""]
+  lines += [_card_model(data), ""]
+  lines += _card_training(data)
+  lines += _card_evaluation(data)
+  lines += _card_spans(data)
+  lines += _card_files(flat)
+  return "\n".join(lines)
+
+
+def _card_model(data: dict) -> str:
+  """The card's first paragraph: the architecture, its sizes, the parameters and vocabulary."""
   m, arch = data["model"], data["architecture"]
-  ev = data["evaluation"]
-  lines = [f"# span_lm {arch} language model ({data['dataset']}, step {data['step']})", ""]
   if arch == "span":
     span = m["span"]
     what = (f"A Transformer language model with {span['mode']} attention span (Sukhbaatar et al. "
@@ -258,61 +268,80 @@ def model_card(data: dict, flat: dict) -> str:
     what = (f"A Sparse Transformer (Child et al. 2019): {m['n_layers']} layers, d_model "
             f"{m['d_model']}, {m['n_heads']} heads, context {sp['context']}, {sp['pattern']} "
             f"pattern, stride {sp['stride']}")
-  lines += [what + f". {data['n_parameters']:,} parameters, stored as {data['dtype']} "
-            f"(trained in {data['trained_dtype']}); vocabulary: {data['vocabulary']['size']} "
-            f"tokens ({data['vocabulary']['kind']}). Trained with span_lm "
-            f"{data['span_lm_version']}.", ""]
+  return (what + f". {data['n_parameters']:,} parameters, stored as {data['dtype']} "
+          f"(trained in {data['trained_dtype']}); vocabulary: {data['vocabulary']['size']} "
+          f"tokens ({data['vocabulary']['kind']}). Trained with span_lm "
+          f"{data['span_lm_version']}.")
+
+
+def _card_training(data: dict) -> list[str]:
+  """How the model was trained, where config.json's run_config says ([] where it has none)."""
+  m, arch = data["model"], data["architecture"]
   rc = data.get("run_config") or {}
-  if rc.get("data") and rc.get("optim"):
-    d, o = rc["data"], rc["optim"]
-    lines += ["## Training", "",
-              f"{data['dataset']}: {data['step']} steps of {d.get('batch')} streams x "
-              f"{d.get('block')} tokens; optimizer {o.get('name')} (lr {o.get('lr')}, warmup "
-              f"{o.get('warmup')}, grad_clip {o.get('grad_clip')}); seed {rc.get('seed')}; "
-              f"span penalty {m['span']['loss'] if arch == 'span' else 'n/a'}, dropout "
-              f"{m['dropout']}. The whole configuration is config.json's run_config (import "
-              f"uses it).", ""]
-  lines += ["## Evaluation", ""]
-  if ev:
-    unit = "bpc" if data["vocabulary"]["kind"] in ("bytes", "chars") else "bits per token"
-    lines += [f"The run's last full evaluation (step {ev['step']}, {ev['source']}):", "",
-              f"| split | {unit} | tokens |", "|---|---|---|",
-              f"| valid | {_fmt(ev['valid_bpc'])} | {ev['valid_tokens'] or 'n/a'} |",
-              f"| test | {_fmt(ev['test_bpc'])} | {ev['test_tokens'] or 'n/a'} |", ""]
-    if ev["step"] != data["step"]:
-      lines += [f"Note: evaluated at step {ev['step']}; these weights are step {data['step']}.",
-                ""]
-  else:
-    lines += ["No full evaluation was recorded for this run (train with "
-              "train.full_eval_at_end, or run --config.mode=eval before exporting).", ""]
-  if data["spans"]:
-    lines += ["## Learned spans", "", "Window ceil(z) + R per layer and head (tokens; the "
-              "distances each head's soft mask reaches; all of them in config.json):", ""]
-    windows = data["spans"]["windows"]
-    lines += ["| layer | " + " | ".join(f"h{h}" for h in range(len(windows[0]))) + " |",
-              "|---|" + "---|" * len(windows[0])]
-    lines += [f"| {i} | " + " | ".join(str(w) for w in row) + " |" for i, row in
-              enumerate(windows)]
-    lines += [""]
-  lines += ["## Files", "",
-            f"- `model.safetensors`: {len(flat)} tensors; names are parameter paths "
-            "(`layers.0.attn.proj_query.kernel`; the table is in span_lm/tools/"
-            "safetensors_format.py). Kernels are (in, out): y = x @ kernel.",
-            "- `config.json`: the model config, the vocabulary, learned spans, the span plan, the "
-            "step, the evaluation, content fingerprints (null when the checkpoint had none) and "
-            "the training run's config.", "",
-            "## Loading", "",
-            "With span_lm (a new run directory holding this model as its checkpoint; then "
-            "evaluate, sample or fine-tune it):", "", "```",
-            "python main.py --config.workdir=RUN --config.mode=import "
-            "--config.import_from=THIS_DIR",
-            "python main.py --config.workdir=RUN --config.mode=eval", "```", "",
-            "Without span_lm (numpy and safetensors only; no code runs when the file is read):",
-            "", "```python", "from safetensors.numpy import load_file",
-            "tensors = load_file('model.safetensors')  # {name: numpy array}", "```", "",
-            "span_lm's examples/read_safetensors.py computes a span model's log-probabilities "
-            "from these two files alone.", ""]
-  return "\n".join(lines)
+  if not (rc.get("data") and rc.get("optim")):
+    return []
+  d, o = rc["data"], rc["optim"]
+  return ["## Training", "",
+          f"{data['dataset']}: {data['step']} steps of {d.get('batch')} streams x "
+          f"{d.get('block')} tokens; optimizer {o.get('name')} (lr {o.get('lr')}, warmup "
+          f"{o.get('warmup')}, grad_clip {o.get('grad_clip')}); seed {rc.get('seed')}; "
+          f"span penalty {m['span']['loss'] if arch == 'span' else 'n/a'}, dropout "
+          f"{m['dropout']}. The whole configuration is config.json's run_config (import "
+          f"uses it).", ""]
+
+
+def _card_evaluation(data: dict) -> list[str]:
+  """The run's last full evaluation as a table, or the line saying there was none."""
+  ev = data["evaluation"]
+  lines = ["## Evaluation", ""]
+  if not ev:
+    return lines + ["No full evaluation was recorded for this run (train with "
+                    "train.full_eval_at_end, or run --config.mode=eval before exporting).", ""]
+  unit = "bpc" if data["vocabulary"]["kind"] in ("bytes", "chars") else "bits per token"
+  lines += [f"The run's last full evaluation (step {ev['step']}, {ev['source']}):", "",
+            f"| split | {unit} | tokens |", "|---|---|---|",
+            f"| valid | {_fmt(ev['valid_bpc'])} | {ev['valid_tokens'] or 'n/a'} |",
+            f"| test | {_fmt(ev['test_bpc'])} | {ev['test_tokens'] or 'n/a'} |", ""]
+  if ev["step"] != data["step"]:
+    lines += [f"Note: evaluated at step {ev['step']}; these weights are step {data['step']}.",
+              ""]
+  return lines
+
+
+def _card_spans(data: dict) -> list[str]:
+  """The learned windows per layer and head ([] for a model without learned spans)."""
+  if not data["spans"]:
+    return []
+  windows = data["spans"]["windows"]
+  return (["## Learned spans", "", "Window ceil(z) + R per layer and head (tokens; the "
+           "distances each head's soft mask reaches; all of them in config.json):", ""]
+          + ["| layer | " + " | ".join(f"h{h}" for h in range(len(windows[0]))) + " |",
+             "|---|" + "---|" * len(windows[0])]
+          + [f"| {i} | " + " | ".join(str(w) for w in row) + " |" for i, row in
+             enumerate(windows)]
+          + [""])
+
+
+def _card_files(flat: dict) -> list[str]:
+  """The export's two files and how to load them, with span_lm and without."""
+  return ["## Files", "",
+          f"- `model.safetensors`: {len(flat)} tensors; names are parameter paths "
+          "(`layers.0.attn.proj_query.kernel`; the table is in span_lm/tools/"
+          "safetensors_format.py). Kernels are (in, out): y = x @ kernel.",
+          "- `config.json`: the model config, the vocabulary, learned spans, the span plan, the "
+          "step, the evaluation, content fingerprints (null when the checkpoint had none) and "
+          "the training run's config.", "",
+          "## Loading", "",
+          "With span_lm (a new run directory holding this model as its checkpoint; then "
+          "evaluate, sample or fine-tune it):", "", "```",
+          "python main.py --config.workdir=RUN --config.mode=import "
+          "--config.import_from=THIS_DIR",
+          "python main.py --config.workdir=RUN --config.mode=eval", "```", "",
+          "Without span_lm (numpy and safetensors only; no code runs when the file is read):",
+          "", "```python", "from safetensors.numpy import load_file",
+          "tensors = load_file('model.safetensors')  # {name: numpy array}", "```", "",
+          "span_lm's examples/read_safetensors.py computes a span model's log-probabilities "
+          "from these two files alone.", ""]
 
 
 # ---- import --------------------------------------------------------------------------------------

@@ -302,6 +302,30 @@ def _load_zip(f, path: str, size: int) -> Any:
 
 
 def _load_legacy(f, path: str, size: int) -> Any:
+  _legacy_header(f, path, size)
+  storages, views = {}, []
+  obj = safe_pickle.load_from(f, _GLOBALS, path=path, end=size,
+                              persistent_load=_legacy_storage_for(storages, views))
+  keys = safe_pickle.load_from(f, {}, path=path, end=size)
+  if not isinstance(keys, list):
+    raise FormatError("the storage keys of a legacy torch.save file are not a list")
+  keys = [_storage_key(key) for key in keys]
+  if len(set(keys)) != len(keys):
+    raise FormatError("a storage key is listed twice")
+  for key in keys:
+    st = storages.get(key)
+    if st is None:
+      raise FormatError(f"data for storage {printable(key)}, which no tensor names")
+    _fill_legacy_storage(f, key, st, size)
+  for st, root, offset in views:
+    if root.array is not None:
+      st.array = root.array[offset:offset + st.numel]
+  return _resolve(obj, storages.values())
+
+
+def _legacy_header(f, path: str, size: int) -> None:
+  """Reads the three pickles before a legacy file's object: the magic number, the protocol and
+  the system info (little-endian only)."""
   try:
     magic = safe_pickle.load_from(f, {}, path=path, end=size)
   except safe_pickle.ForbiddenGlobalError:
@@ -319,8 +343,11 @@ def _load_legacy(f, path: str, size: int) -> Any:
     raise FormatError("the system info of a legacy torch.save file is not a dict")
   if info.get("little_endian", True) is not True:
     raise FormatError("big-endian legacy files are not supported")
-  storages, views = {}, []
 
+
+def _legacy_storage_for(storages: dict, views: list):
+  """The pickle's persistent_load: a storage per key (in `storages`), or a view of one (its data
+  copied from the root's once read: listed in `views`)."""
   def storage_for(pid):
     storage_type, key, numel = _storage_pid(pid, 6)
     if key not in storages:
@@ -340,36 +367,26 @@ def _load_legacy(f, path: str, size: int) -> Any:
     views.append((st, root, offset))
     return st
 
-  obj = safe_pickle.load_from(f, _GLOBALS, path=path, end=size, persistent_load=storage_for)
-  keys = safe_pickle.load_from(f, {}, path=path, end=size)
-  if not isinstance(keys, list):
-    raise FormatError("the storage keys of a legacy torch.save file are not a list")
-  keys = [_storage_key(key) for key in keys]
-  if len(set(keys)) != len(keys):
-    raise FormatError("a storage key is listed twice")
-  for key in keys:
-    st = storages.get(key)
-    if st is None:
-      raise FormatError(f"data for storage {printable(key)}, which no tensor names")
-    head = f.read(8)
-    if len(head) != 8:
-      raise FormatError("truncated storage data")
-    (n,) = struct.unpack("<q", head)
-    if n != st.numel:
-      raise FormatError(f"storage {printable(key)} has {n:,} elements in its data and "
-                        f"{st.numel:,} in the pickle")
-    left = size - f.tell()
-    if st.nbytes > left:
-      raise FormatError(f"storage {printable(key)} claims {n:,} elements ({st.nbytes:,} bytes) "
-                        f"where {left:,} bytes remain (truncated or corrupt file)")
-    raw = f.read(st.nbytes)
-    if len(raw) != st.nbytes:
-      raise FormatError("truncated storage data")
-    st.fill(raw)
-  for st, root, offset in views:
-    if root.array is not None:
-      st.array = root.array[offset:offset + st.numel]
-  return _resolve(obj, storages.values())
+  return storage_for
+
+
+def _fill_legacy_storage(f, key, st: _Storage, size: int) -> None:
+  """One storage's data as the legacy file stores it: its element count, then its bytes."""
+  head = f.read(8)
+  if len(head) != 8:
+    raise FormatError("truncated storage data")
+  (n,) = struct.unpack("<q", head)
+  if n != st.numel:
+    raise FormatError(f"storage {printable(key)} has {n:,} elements in its data and "
+                      f"{st.numel:,} in the pickle")
+  left = size - f.tell()
+  if st.nbytes > left:
+    raise FormatError(f"storage {printable(key)} claims {n:,} elements ({st.nbytes:,} bytes) "
+                      f"where {left:,} bytes remain (truncated or corrupt file)")
+  raw = f.read(st.nbytes)
+  if len(raw) != st.nbytes:
+    raise FormatError("truncated storage data")
+  st.fill(raw)
 
 
 def _read(path: str) -> Any:
@@ -497,41 +514,10 @@ def save(obj: Any, path, *, use_torch: bool = False, legacy: bool = False) -> No
   """
   path = os.fspath(path)
   if use_torch:
-    import torch  # pylint: disable=g-import-not-at-top
-
-    def to_torch(o):
-      if isinstance(o, np.ndarray):
-        return torch.from_numpy(np.array(o, order="C"))  # a writable copy
-      if isinstance(o, dict):
-        out = type(o)() if isinstance(o, collections.OrderedDict) else {}
-        for k, v in o.items():
-          out[k] = to_torch(v)
-        return out
-      if isinstance(o, (list, tuple)):
-        return type(o)(to_torch(v) for v in o)
-      return o
-
-    torch.save(to_torch(obj), path)
+    _save_with_torch(obj, path)
     return
-
   storages: list[_SaveStorage] = []
-
-  def wrap(o):
-    if isinstance(o, (np.ndarray, np.generic)):
-      a = np.ascontiguousarray(o)
-      if a.dtype not in _NAMES:
-        raise TypeError(f"cannot save arrays of dtype {a.dtype}")
-      storages.append(_SaveStorage(str(len(storages)), a))
-      return _SaveTensor(storages[-1])
-    if isinstance(o, dict):
-      out = type(o)() if isinstance(o, collections.OrderedDict) else {}
-      for k, v in o.items():
-        out[k] = wrap(v)
-      return out
-    if isinstance(o, (list, tuple)):
-      return type(o)(wrap(v) for v in o)
-    return o
-
+  wrap = _wrapper(storages)
   tmp = f"{path}.tmp{os.getpid()}"
   if legacy:
     with open(tmp, "wb") as f:
@@ -554,6 +540,47 @@ def save(obj: Any, path, *, use_torch: bool = False, legacy: bool = False) -> No
         zf.writestr(f"{name}/data/{st.key}", _le_bytes(st.array))
       zf.writestr(f"{name}/version", "3\n")
   os.replace(tmp, path)
+
+
+def _save_with_torch(obj: Any, path: str) -> None:
+  """save(use_torch=True): the arrays as torch tensors, written by torch.save itself."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  def to_torch(o):
+    if isinstance(o, np.ndarray):
+      return torch.from_numpy(np.array(o, order="C"))  # a writable copy
+    if isinstance(o, dict):
+      out = type(o)() if isinstance(o, collections.OrderedDict) else {}
+      for k, v in o.items():
+        out[k] = to_torch(v)
+      return out
+    if isinstance(o, (list, tuple)):
+      return type(o)(to_torch(v) for v in o)
+    return o
+
+  torch.save(to_torch(obj), path)
+
+
+def _wrapper(storages: list):
+  """The function that copies an object for pickling: each array a tensor over a new storage
+  (appended to `storages` in the order met), containers rebuilt, the rest as it is."""
+  def wrap(o):
+    if isinstance(o, (np.ndarray, np.generic)):
+      a = np.ascontiguousarray(o)
+      if a.dtype not in _NAMES:
+        raise TypeError(f"cannot save arrays of dtype {a.dtype}")
+      storages.append(_SaveStorage(str(len(storages)), a))
+      return _SaveTensor(storages[-1])
+    if isinstance(o, dict):
+      out = type(o)() if isinstance(o, collections.OrderedDict) else {}
+      for k, v in o.items():
+        out[k] = wrap(v)
+      return out
+    if isinstance(o, (list, tuple)):
+      return type(o)(wrap(v) for v in o)
+    return o
+
+  return wrap
 
 
 def _le_bytes(a: np.ndarray) -> bytes:
