@@ -85,16 +85,8 @@ def banded_attention(q, k, v, pe, z, ramp, pers_k=None, pers_v=None, ct=None, pe
   w = pe.shape[-1]
   a_len = 0 if pe_ahead is None else pe_ahead.shape[-1]
   t = w + m + a_len
-  rel = np.arange(t)[None, :] - (w + np.arange(m))[:, None]  # row - query's row, (M, T)
-  behind = (rel <= -1) & (rel >= -w)
-  ahead = (rel >= 0) & (rel <= a_len - 1)
+  behind, ahead, x, pe_k = _band(pe, pe_ahead, w, m, a_len)
   allowed = np.broadcast_to(behind | ahead, (b, 1, m, t))
-  x = np.where(behind, -rel - 1, rel + 1).astype(np.float64)  # the mask's x
-  cols = np.where(behind, np.clip(w + rel, 0, w - 1), 0)
-  pe_k = pe[:, cols]  # (Dh, M, T)
-  if a_len:
-    pe_k = np.where(ahead[None], np.asarray(pe_ahead, np.float64)[:, np.clip(rel, 0, a_len - 1)],
-                    pe_k)
   if q_seg is not None:
     q_seg, kv_seg = np.asarray(q_seg), np.asarray(kv_seg)
     same = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)  # B M T
@@ -111,15 +103,7 @@ def banded_attention(q, k, v, pe, z, ramp, pers_k=None, pers_v=None, ct=None, pe
   if z is None:
     a, tot, u = e, None, None
   else:
-    z = np.broadcast_to(np.asarray(z, np.float64), (b, h, m))
-    zz = z[..., None]
-    if z_ahead is not None:
-      za = np.broadcast_to(np.asarray(z_ahead, np.float64), (b, h, m))[..., None]
-      zz = np.where(ahead, za, zz)
-    u = (ramp + zz - x) / ramp
-    tot = (e_ctx * np.clip(u, 0.0, 1.0) * allowed).sum(-1, keepdims=True)
-    tot = tot + e_pers.sum(-1, keepdims=True) + RENORM_EPS
-    a = np.concatenate([e_ctx * np.clip(u, 0.0, 1.0) * allowed, e_pers], -1) / tot
+    a, tot, u = _banded_mask(e_ctx, e_pers, z, z_ahead, ramp, x, ahead, allowed)
   out = np.einsum("bhmt,bhtd->bhmd", a[..., :t], v)
   if n:
     out = out + np.einsum("bhmn,hnd->bhmd", a[..., t:], pers_v)
@@ -127,15 +111,53 @@ def banded_attention(q, k, v, pe, z, ramp, pers_k=None, pers_v=None, ct=None, pe
     out = np.where((q_seg != 0)[:, None, :, None], out, 0.0)
   if ct is None or z is None:
     return out, None
+  return out, _banded_span_grad(ct, q_seg, v, pers_v, a, e_ctx, tot, u, allowed, ramp)
+
+
+def _band(pe, pe_ahead, w, m, a_len):
+  """Which rows each query sees behind and ahead, the soft mask's x there, and the position
+  embedding of each (query, row) pair, (Dh, M, T)."""
+  t = w + m + a_len
+  rel = np.arange(t)[None, :] - (w + np.arange(m))[:, None]  # row - query's row, (M, T)
+  behind = (rel <= -1) & (rel >= -w)
+  ahead = (rel >= 0) & (rel <= a_len - 1)
+  x = np.where(behind, -rel - 1, rel + 1).astype(np.float64)  # the mask's x
+  cols = np.where(behind, np.clip(w + rel, 0, w - 1), 0)
+  pe_k = pe[:, cols]  # (Dh, M, T)
+  if a_len:
+    pe_k = np.where(ahead[None], np.asarray(pe_ahead, np.float64)[:, np.clip(rel, 0, a_len - 1)],
+                    pe_k)
+  return behind, ahead, x, pe_k
+
+
+def _banded_mask(e_ctx, e_pers, z, z_ahead, ramp, x, ahead, allowed):
+  """The softmax weights under the soft span mask, renormalised: the weights, their normaliser
+  and the mask's argument u (before the clamp), which the span gradient needs."""
+  b, h, m = e_ctx.shape[:3]
+  z = np.broadcast_to(np.asarray(z, np.float64), (b, h, m))
+  zz = z[..., None]
+  if z_ahead is not None:
+    za = np.broadcast_to(np.asarray(z_ahead, np.float64), (b, h, m))[..., None]
+    zz = np.where(ahead, za, zz)
+  u = (ramp + zz - x) / ramp
+  tot = (e_ctx * np.clip(u, 0.0, 1.0) * allowed).sum(-1, keepdims=True)
+  tot = tot + e_pers.sum(-1, keepdims=True) + RENORM_EPS
+  a = np.concatenate([e_ctx * np.clip(u, 0.0, 1.0) * allowed, e_pers], -1) / tot
+  return a, tot, u
+
+
+def _banded_span_grad(ct, q_seg, v, pers_v, a, e_ctx, tot, u, allowed, ramp):
+  """d sum(out * ct) / dz (B, H, M), through the renormalised soft mask."""
+  t = e_ctx.shape[-1]
   ct = np.asarray(ct, np.float64)
   if q_seg is not None:
     ct = np.where((q_seg != 0)[:, None, :, None], ct, 0.0)
   g_a = np.einsum("bhmd,bhtd->bhmt", ct, v)
-  if n:
+  if a.shape[-1] > t:  # persistent memory
     g_a = np.concatenate([g_a, np.einsum("bhmd,hnd->bhmn", ct, pers_v)], -1)
   delta = (g_a * a).sum(-1, keepdims=True)
   d_mask = e_ctx / tot * (g_a[..., :t] - delta)  # a = e m / (sum e m + sum e_pers + eps)
-  return out, (d_mask * clamp_slope(u) * allowed).sum(-1) / ramp
+  return (d_mask * clamp_slope(u) * allowed).sum(-1) / ramp
 
 
 def sigmoid(x, xp=np):
@@ -188,16 +210,25 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False, xp=np):
   length = cache.shape[1]
   n_heads = cfg.n_heads
   dh = d_model // n_heads
-  s = cfg.span.size
-  ramp = float(cfg.span.ramp)
-  n_pers = cfg.pers_mem
 
   x = xp.concatenate([cache, h], axis=1)  # (B, L + M, D)
   proj = lambda a, name: einsum("btd,de->bte", a, attn_params[name]["kernel"], xp)
   q = proj(h, "proj_query").reshape(b, m, n_heads, dh)
   k = proj(x, "proj_key").reshape(b, length + m, n_heads, dh)
   v = proj(x, "proj_val").reshape(b, length + m, n_heads, dh)
+  dist, allowed, logits = _span_logits(q, k, key_pe, cfg.span.size, length, xp)
+  mask = _span_mask(cfg, attn_params, h, dist, allowed, xp)
+  out, a_ctx, a_pers = _mix(q, v, logits, mask, attn_params, cfg.pers_mem, xp)
+  out = proj(out.reshape(b, m, d_model), "proj_out")
+  if return_weights:
+    return out, {"context": a_ctx, "persistent": a_pers}
+  return out
 
+
+def _span_logits(q, k, key_pe, s, length, xp):
+  """Content plus position logits of each query against the S positions before it (-inf
+  elsewhere), with the distances (M, L + M) and where they are allowed."""
+  m = q.shape[1]
   qpos = length + np.arange(m)
   kpos = np.arange(length + m)
   dist = qpos[:, None] - kpos[None, :]  # (M, L + M)
@@ -208,7 +239,12 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False, xp=np):
   content = einsum("bmhe,bphe->bhmp", q, k, xp)
   position = einsum("bmhe,emp->bhmp", q, pe, xp)
   logits = xp.where(allowed[None, None], content + position, -np.inf)  # (B, H, M, P)
+  return dist, allowed, logits
 
+
+def _span_mask(cfg, attn_params, h, dist, allowed, xp):
+  """The soft span mask (B or 1, H, M, P), zero outside the allowed distances; None (fixed)."""
+  ramp = float(cfg.span.ramp)
   z = span_values(cfg, attn_params, h, xp)
   if z is None:
     mask = None
@@ -219,14 +255,21 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False, xp=np):
     mask = soft_mask(z_bhm, dist[None, None].astype(np.float64), ramp, xp)
   if mask is not None:
     mask = mask * allowed[None, None]
+  return mask
 
+
+def _mix(q, v, logits, mask, attn_params, n_pers, xp):
+  """The heads' outputs (B, M, H, Dh) and weights: the softmax over the context (joint with the
+  N persistent vectors when there are any), times the mask and renormalised."""
+  p = logits.shape[-1]  # L + M
+  dh = q.shape[-1]
   scale = np.sqrt(dh)
   if n_pers > 0:
     pk = attn_params["pers_key"] * np.sqrt(dh)  # (H, Dh, N)
     pv = attn_params["pers_val"] * np.sqrt(n_pers)  # (H, N, Dh)
     pers_logits = einsum("bmhe,hen->bhmn", q, pk, xp)
     joint = softmax(xp.concatenate([logits, pers_logits], axis=-1) / scale, xp=xp)
-    a_ctx, a_pers = joint[..., : length + m], joint[..., length + m :]
+    a_ctx, a_pers = joint[..., :p], joint[..., p:]
     if mask is not None:
       a_ctx = a_ctx * mask
       tot = a_ctx.sum(-1, keepdims=True) + a_pers.sum(-1, keepdims=True) + RENORM_EPS
@@ -239,11 +282,7 @@ def attention(cfg, attn_params, key_pe, h, cache, return_weights=False, xp=np):
       a_ctx = a_ctx * mask
       a_ctx = a_ctx / (a_ctx.sum(-1, keepdims=True) + RENORM_EPS)
     out = einsum("bhmp,bphe->bmhe", a_ctx, v, xp)
-
-  out = proj(out.reshape(b, m, d_model), "proj_out")
-  if return_weights:
-    return out, {"context": a_ctx, "persistent": a_pers}
-  return out
+  return out, a_ctx, a_pers
 
 
 def forward(cfg, params, tokens, caches, return_weights=False):
@@ -288,14 +327,30 @@ def forward(cfg, params, tokens, caches, return_weights=False):
     if return_weights:
       res, w = res
       weights.append(w)
-    h = layer_norm(h + res, lp["norm1"]["scale"], lp["norm1"]["bias"])
-    if cfg.pers_mem == 0:
-      ff = lp["ff"]
-      hid = np.maximum(h @ ff["fc1"]["kernel"] + ff["fc1"]["bias"], 0.0)
-      h = layer_norm(h + hid @ ff["fc2"]["kernel"] + ff["fc2"]["bias"],
-                     lp["norm2"]["scale"], lp["norm2"]["bias"])
+    h = _residual_block(cfg, lp, h, res)
 
   logits = h @ params["out_emb"]["kernel"] + params["out_emb"]["bias"]
+  aux = _span_aux(cfg, span_loss, span_z, dyn_spans)
+  if return_weights:
+    aux["weights"] = weights
+  return log_softmax(logits), tuple(new_caches), aux
+
+
+def _residual_block(cfg, lp, h, res):
+  """The layer after its attention: residual and norm, then (without persistent memory) the
+  feed-forward with its own residual and norm."""
+  h = layer_norm(h + res, lp["norm1"]["scale"], lp["norm1"]["bias"])
+  if cfg.pers_mem == 0:
+    ff = lp["ff"]
+    hid = np.maximum(h @ ff["fc1"]["kernel"] + ff["fc1"]["bias"], 0.0)
+    h = layer_norm(h + hid @ ff["fc2"]["kernel"] + ff["fc2"]["bias"],
+                   lp["norm2"]["scale"], lp["norm2"]["bias"])
+  return h
+
+
+def _span_aux(cfg, span_loss, span_z, dyn_spans):
+  """forward's aux dict from the per-layer spans (see forward)."""
+  s = float(cfg.span.size)
   aux = {"span_loss": np.float64(span_loss)}
   if cfg.span.mode == "adaptive":
     z = np.stack(span_z) / s  # (n_layers, H) = z'
@@ -304,9 +359,7 @@ def forward(cfg, params, tokens, caches, return_weights=False):
     aux["span_max"] = np.clip(np.ceil(z.max(-1) * s) + cfg.span.ramp, 0, s)
   if cfg.span.mode == "dynamic":
     aux["dyn_spans"] = tuple(dyn_spans)
-  if return_weights:
-    aux["weights"] = weights
-  return log_softmax(logits), tuple(new_caches), aux
+  return aux
 
 
 def param_shapes(cfg):
