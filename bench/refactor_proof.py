@@ -414,7 +414,7 @@ def part_messages(tree: str, out: str, jobs: int, timeout: float, only: str = ""
 # ---- part: params --------------------------------------------------------------------------------
 
 _PARAMS = r"""
-import glob, importlib, json, os, sys, traceback
+import dataclasses, glob, importlib, json, os, sys
 import jax, jax.numpy as jnp
 from span_lm import config as config_lib
 from span_lm.model import build_model
@@ -432,9 +432,13 @@ for name in names:
     lines = []
     try:
       c = config_lib.load_config(path)
-      js = c.to_json_best_effort(indent=2, sort_keys=True)
-      vocab = int(c.model.vocab_size) or 256
-      lines.append(f"# {path}; vocab_size {vocab}" + (" (0 in the config: 256 here)"
+      # as the run directory's config.json is written (span_lm/train/loop.py)
+      js = (c.to_json_best_effort(indent=2) if hasattr(c, "to_json_best_effort") else
+            json.dumps(dataclasses.asdict(c), indent=2, default=str))
+      # vocab_size 0 is the dataset's: wikitext-103's word vocabulary, else bytes
+      known = 267735 if c.data.dataset == "wikitext103" else 256
+      vocab = int(c.model.vocab_size) or known
+      lines.append(f"# {path}; vocab_size {vocab}" + (f" (0 in the config: {known} here)"
                                                       if not c.model.vocab_size else ""))
       cfg = ModelConfig.from_config(c.model, vocab_size=vocab)
       plan = plan_lib.full_plan(cfg)
@@ -445,7 +449,6 @@ for name in names:
         lines.append(f"{jax.tree_util.keystr(kp)} {tuple(leaf.shape)} {leaf.dtype}")
         total += leaf.size
       lines.append(f"# {total} parameters")
-      lines.append(f"# ModelConfig: {cfg!r}")
     except Exception as e:
       js = None
       lines.append(f"error: {type(e).__name__}: {e}")
@@ -476,8 +479,8 @@ SPARSE_IMPLS = ("jnp", "dense", "splash_interpret", "pallas_interpret")
 _SMALL = {"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 2, "model.d_ff": 128,
           "data.block": 64}
 _SMALL_SPAN = dict(_SMALL, **{"model.span.size": 128, "model.attention.block": 32})
-_SMALL_SPARSE = dict(_SMALL, **{"model.sparse.context": 64, "model.sparse.stride": 8,
-                                "model.attention.block": 32})
+_SMALL_SPARSE = dict(_SMALL, **{"model.sparse.context": 64, "model.sparse.stride": 16,
+                                "model.sparse.c": 4, "model.attention.block": 32})
 # name -> (config, overrides, "span" | "sparse"): the paper's kinds of model, shrunk.
 JAXPR_MODELS = {
     "tiny_adaptive": ("configs/tiny.py", _SMALL_SPAN, "span"),
@@ -485,14 +488,14 @@ JAXPR_MODELS = {
     "tiny_fixed": ("configs/tiny.py:fixed", _SMALL_SPAN, "span"),
     "tiny_dynamic": ("configs/tiny.py", dict(_SMALL_SPAN, **{"model.span.mode": "dynamic"}),
                      "span"),
-    "enwik8_pers": ("configs/enwik8_pers.py", dict(_SMALL_SPAN, **{"model.pers_mem": 16}),
+    "enwik8_pers": ("configs/enwik8_pers.py", dict(_SMALL_SPAN, **{"model.pers_mem": 32}),
                     "span"),
     "enwik8_sparse_fixed": ("configs/enwik8_sparse_fixed.py", _SMALL_SPARSE, "sparse"),
     "cifar10_sparse": ("configs/cifar10_sparse.py:smoke", {}, "sparse"),
 }
 
 _JAXPRS = r"""
-import json, os, sys, traceback
+import json, os, sys
 import jax, jax.numpy as jnp
 from span_lm import config as config_lib
 from span_lm.model import build_model
