@@ -85,6 +85,11 @@ def _normalize(text: str, tree: str, tmp: str = "") -> str:
   text = text.replace("\r", "\n")
   text = re.sub(r"\[\d+:\d+(<[^\]]*)?(, [^\]]*)?\]", "[<time>]", text)  # progress bars
   text = re.sub(r" at 0x[0-9a-f]+", "", text)
+  # absl's log prefix (time, thread) and a traceback's or log line's line numbers
+  text = re.sub(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ([\w.]+):\d+\]", r"\1 \2]", text,
+                flags=re.M)
+  text = re.sub(r'^(\s*File "[^"]+", line )\d+', r"\1N", text, flags=re.M)
+  text = re.sub(r"could not start run \w+ of", "could not start run <id> of", text)  # wandb's
   text = re.sub(r"\b\d+(\.\d+)?\s?(s|ms|min|step/s|it/s)\b(?=[ ,;)\]]|$)", "<time>", text,
                 flags=re.M)
   lines, out = text.splitlines(), []
