@@ -72,7 +72,8 @@ def _child(tree: str, script: str, args: list[str], python: str = sys.executable
 
 def _checked(out: subprocess.CompletedProcess, what: str) -> str:
   if out.returncode:
-    raise SystemExit(f"{what} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+    raise SystemExit(f"{what} failed ({out.returncode}):\n{out.stdout[-3000:]}\n"
+                     f"{out.stderr[-5000:]}")
   return out.stdout
 
 
@@ -295,7 +296,8 @@ _RUNNER = r"""
 import json, os, runpy, signal, sys, tempfile, time, traceback
 import absl.app, absl.flags, jax, jax.numpy, flax.linen, optax, ml_collections
 from ml_collections import config_flags
-cases, out_path, tmp, timeout = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3], float(sys.argv[4])
+cases, out_path, tmp = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+timeout = float(sys.argv[4])
 results = {}
 for case in cases:
   w = os.path.join(tmp, "w" + str(len(results)))
@@ -581,10 +583,11 @@ def part_hlo(tree: str, out: str) -> dict:
 
 
 def _strip_report(text: str, tree: str, workdir: str) -> str:
-  """A compile report without its timings and paths."""
+  """A compile report (span_lm/tools/compile.py) without its timings and paths: the seconds of
+  each compile, target and report in the JSON, the markdown's 'compile s' column."""
   text = text.replace(workdir, "<WORKDIR>")
-  text = re.sub(r'"(compile_s|seconds|wall_s|elapsed_s|time_s|[a-z_]*_seconds)": [0-9.eE+-]+',
-                r'"\1": <time>', text)
+  text = re.sub(r'"(compile_s|total_s|wall_s)": [0-9.eE+-]+', r'"\1": "<time>"', text)
+  text = re.sub(r"^(\|.*\| (train|eval) \|.*\| )\d+ \|$", r"\1<time> |", text, flags=re.M)
   return _normalize(text, tree)
 
 
@@ -602,11 +605,13 @@ def part_compile(tree: str, out: str, python: str, configs: list[str]) -> dict:
              "--config.compile.steps=train", f"--config.workdir={w}"]
       o = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True,
                          check=False)
-      files = sorted(f for f in os.listdir(w) if f.startswith("compile"))
+      files = sorted(os.listdir(w))
       with open(os.path.join(d, f"{c}.txt"), "w") as f:
         f.write(f"exit: {o.returncode}\n")
-        for name in files:
-          f.write(f"== {name}\n" + _strip_report(open(os.path.join(w, name)).read(), tree, w))
+        for name in files:  # a failed target's .log (a traceback): named only
+          text = ("" if name.endswith(".log") or not os.path.isfile(os.path.join(w, name)) else
+                  _strip_report(open(os.path.join(w, name)).read(), tree, w))
+          f.write(f"== {name}\n" + text)
         if o.returncode:
           f.write("stderr tail:\n" + _normalize(o.stderr[-3000:].replace(w, "<WORKDIR>"), tree))
       done[c] = {"exit": o.returncode, "files": files, "s": round(time.time() - t0)}
