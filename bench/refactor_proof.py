@@ -132,6 +132,11 @@ BAD_VALUES = {
 }
 
 
+# Directories a run writes to: their bad values stay in the case's scratch folder, never the tree.
+PATH_LEAVES = ("workdir", "train.compilation_cache", "data.data_dir", "compile.out")
+PATH_BAD_VALUES = ["", "{W}/5"]
+
+
 def _cross_cases() -> list[tuple[str, list[str]]]:
   """Cross-field and command-line mistakes (span_lm/config.py, model/config.py, model/archs.py,
   optim_config.py, precision_config.py, kernels.check, main.py), by name -> main.py arguments."""
@@ -275,7 +280,8 @@ def make_cases(tree: str) -> list[dict]:
     kind = {"NoneType": "str"}.get(kind, kind)
     if kind == "list":
       kind = "tuple"
-    for bad in BAD_VALUES.get(kind, BAD_VALUES["str"]):
+    bads = PATH_BAD_VALUES if name in PATH_LEAVES else BAD_VALUES.get(kind, BAD_VALUES["str"])
+    for bad in bads:
       argv = [f"--config={BASE_CONFIG}", "--config.workdir={W}"] + STOP
       if name != "workdir":
         argv.append(f"--config.{name}={bad}")
@@ -367,7 +373,21 @@ def _write_data_files(tmp: str) -> None:
       f.write(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(1 + i % 9)) + "\n")
 
 
+def _top_level(tree: str) -> set[str]:
+  return set(os.listdir(tree))
+
+
 def part_messages(tree: str, out: str, jobs: int, timeout: float, only: str = "") -> dict:
+  before = _top_level(tree)
+  try:
+    return _messages(tree, out, jobs, timeout, only)
+  finally:
+    made = sorted(_top_level(tree) - before)
+    if made:  # a case that wrote a relative path: the capture ran, but the tree needs cleaning
+      print(f"warning: the messages' cases made {made} in {tree}", file=sys.stderr)
+
+
+def _messages(tree: str, out: str, jobs: int, timeout: float, only: str) -> dict:
   cases = json.load(open(CASES_FILE))
   if only:
     cases = [c for c in cases if re.search(only, c["id"])]
