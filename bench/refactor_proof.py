@@ -611,34 +611,40 @@ def _strip_report(text: str, tree: str, workdir: str) -> str:
   return _normalize(text, tree)
 
 
-def part_compile(tree: str, out: str, python: str, configs: list[str]) -> dict:
+def _compile_one(tree: str, d: str, python: str, c: str) -> dict:
+  """One config's compile report into d/CONFIG.txt (as .ci/compile_paper_configs runs it)."""
+  targets = "h100:8" if c in FIRST_TARGET_ONLY else "h100:8,v5p:2x2x2"
+  w = tempfile.mkdtemp(prefix=f"proof_compile_{c}_")
+  try:
+    t0 = time.time()
+    cmd = ["nice", "-n", "19", python, "main.py", f"--config=configs/{c}.py",
+           "--config.mode=compile", f"--config.compile.targets={targets}",
+           "--config.compile.steps=train", f"--config.workdir={w}"]
+    o = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True,
+                       check=False)
+    files = sorted(os.listdir(w))
+    with open(os.path.join(d, f"{c}.txt"), "w") as f:
+      f.write(f"exit: {o.returncode}\n")
+      for name in files:  # a failed target's .log (a traceback): named only
+        text = ("" if name.endswith(".log") or not os.path.isfile(os.path.join(w, name)) else
+                _strip_report(open(os.path.join(w, name)).read(), tree, w))
+        f.write(f"== {name}\n" + text)
+      if o.returncode:
+        f.write("stderr tail:\n" + _normalize(o.stderr[-3000:].replace(w, "<WORKDIR>"), tree))
+    r = {"exit": o.returncode, "files": files, "s": round(time.time() - t0)}
+    print(f"compile {c}: {r}", flush=True)
+    return r
+  finally:
+    shutil.rmtree(w, ignore_errors=True)
+
+
+def part_compile(tree: str, out: str, python: str, configs: list[str], jobs: int) -> dict:
+  """The configs' reports, `jobs` at a time (CI: two); other configs' files in the folder stay,
+  so that it runs config by config."""
   d = os.path.join(out, "compile")
   os.makedirs(d, exist_ok=True)
-  done = {}
-  for c in configs:
-    targets = "h100:8" if c in FIRST_TARGET_ONLY else "h100:8,v5p:2x2x2"
-    w = tempfile.mkdtemp(prefix=f"proof_compile_{c}_")
-    try:
-      t0 = time.time()
-      cmd = ["nice", "-n", "19", python, "main.py", f"--config=configs/{c}.py",
-             "--config.mode=compile", f"--config.compile.targets={targets}",
-             "--config.compile.steps=train", f"--config.workdir={w}"]
-      o = subprocess.run(cmd, cwd=tree, env=_env(tree), capture_output=True, text=True,
-                         check=False)
-      files = sorted(os.listdir(w))
-      with open(os.path.join(d, f"{c}.txt"), "w") as f:
-        f.write(f"exit: {o.returncode}\n")
-        for name in files:  # a failed target's .log (a traceback): named only
-          text = ("" if name.endswith(".log") or not os.path.isfile(os.path.join(w, name)) else
-                  _strip_report(open(os.path.join(w, name)).read(), tree, w))
-          f.write(f"== {name}\n" + text)
-        if o.returncode:
-          f.write("stderr tail:\n" + _normalize(o.stderr[-3000:].replace(w, "<WORKDIR>"), tree))
-      done[c] = {"exit": o.returncode, "files": files, "s": round(time.time() - t0)}
-      print(f"compile {c}: {done[c]}", flush=True)
-    finally:
-      shutil.rmtree(w, ignore_errors=True)
-  return done
+  with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+    return dict(zip(configs, pool.map(lambda c: _compile_one(tree, d, python, c), configs)))
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -673,7 +679,8 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   summary = {}
   for part in args.parts:
-    shutil.rmtree(os.path.join(args.out, part), ignore_errors=True)
+    if part != "compile":  # compile runs config by config (--configs)
+      shutil.rmtree(os.path.join(args.out, part), ignore_errors=True)
     t0 = time.time()
     if part == "messages":
       r = part_messages(tree, args.out, args.jobs, args.timeout, args.only)
@@ -684,7 +691,7 @@ def main():
     elif part == "hlo":
       r = part_hlo(tree, args.out)
     else:
-      r = part_compile(tree, args.out, args.python, args.configs)
+      r = part_compile(tree, args.out, args.python, args.configs, args.jobs)
     summary[part] = dict(r, seconds=round(time.time() - t0))
     print(f"{part}: {json.dumps(summary[part])}", flush=True)
   # timings vary, so they are reported here and kept out of the capture
