@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import harness
-from span_lm.kernels import banded_reference
-from span_lm.kernels import pallas_gpu as fa
+from span_lm.kernels.span import banded_reference
+from span_lm.kernels.span import pallas_gpu as fa
 
 
 def profile(case, h, s, short):

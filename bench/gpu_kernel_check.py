@@ -29,9 +29,9 @@ import numpy as np
 from bench import gpu_families
 from bench import gpu_layer_check
 from bench import harness
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import pallas_gpu
 
 RAMP = 32
 TOL = gpu_layer_check.TOL  # TF32 / bf16 against the float32 definition

@@ -16,7 +16,7 @@ pallas_gpu.TILES causal, TILES_TWO_SIDED with windows ahead), value_and_grad of 
   two_sided_gqa     two_sided with 8 query heads, 2 key/value heads
   encoder_step      jit(grad) of an encoder built from the drop-in layer (4 heads, max_span 64,
                     bidirectional, segment ids, dropout 0.1, 2 x 256 tokens), attn_impl='pallas'
-  sparse_enwik8     the block-sparse kernel (kernels/pallas_gpu_sparse.py), value_and_grad at
+  sparse_enwik8     the block-sparse kernel (kernels/sparse/pallas_gpu_sparse.py), value_and_grad at
                     configs/enwik8_sparse_fixed.py's attention shape: B=1, 8 heads, n=12,288,
                     fixed pattern, stride 128, c=32, merged (distinct offsets), at its TILES
                     (head size 64 only: --head_dims 64)
@@ -57,7 +57,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import pallas_gpu
 chip = chips.get(sys.argv[1])
 case, dt, dh = sys.argv[2], jnp.dtype(sys.argv[3]), int(sys.argv[4])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
@@ -127,7 +127,7 @@ with target.compiling_for("gpu", chip.cc, chip.device_kind):
 
 
 _SPARSE = _PRELUDE + """
-from span_lm.kernels import pallas_gpu_sparse as ps
+from span_lm.kernels.sparse import pallas_gpu_sparse as ps
 from span_lm.kernels import target
 from span_lm.model import sparse
 b, h, n = 1, 8, 12288

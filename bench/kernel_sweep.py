@@ -33,7 +33,7 @@ def child(target, dtype, dh, tile, warps, stages, precision, key_tile=0):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import pallas_gpu  # pylint: disable=g-import-not-at-top
   chip = chips.get(target)
   topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                       target_config=chips.gpu_target_config(chip))

@@ -14,7 +14,7 @@ What maps where:
 - q k^T and p v: `plgpu.wgmma` (bf16 operands, float32 accumulator); in the FA3 form (fold=True)
   q k^T's accumulator starts from the position tile, so the position term costs an accumulator
   load, not a matmul (fold=False, the form jax's interpreter runs: `span_forward`).
-- The position term: G = q [pe | 0] is one XLA matmul outside (as kernels/pallas_gpu.py does),
+- The position term: G = q [pe | 0] is one XLA matmul outside (as kernels/span/pallas_gpu.py does),
   G's rows have pitch W + 1 and the buffer read with row pitch W is the score in key coordinates
   (the rel-shift view: flat[i W + t] = G[i, t - i]). Reshaped to (rows, W) that view is a plain
   2-D array, and the tile of query rows i0.. and key columns t0.. (t0 a multiple of the key tile,
@@ -255,8 +255,8 @@ def inputs(b=1, h=2, m=128, w=256, dh=64, seed=0):
 
 
 def reference(q, k, v, pe, z, ramp=32):
-  """span_lm's readable definition (kernels/banded_reference.py), float32."""
-  from span_lm.kernels import banded_reference  # pylint: disable=g-import-not-at-top
+  """span_lm's readable definition (kernels/span/banded_reference.py), float32."""
+  from span_lm.kernels.span import banded_reference  # pylint: disable=g-import-not-at-top
   f = lambda x: x.astype(jnp.float32)
   return banded_reference.banded_attention(f(q), f(k), f(v), f(pe), span_z=z, ramp=ramp)
 

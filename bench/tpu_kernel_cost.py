@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from bench import harness
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_tpu
+from span_lm.kernels.span import pallas_tpu
 
 TOPOLOGY = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 

@@ -20,7 +20,7 @@ import math
 from typing import Any
 
 from span_lm import kernels
-from span_lm.kernels.sparse_door import SPARSE_IMPL_NAMES
+from span_lm.kernels.sparse.door import SPARSE_IMPL_NAMES
 from span_lm.model import archs
 
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
@@ -137,7 +137,7 @@ class Sparse(_Section):
   c: int = 32  # fixed: summary positions per block per head
   distinct: bool = True  # fixed: heads attend to distinct c-sub-blocks (Sec. 4.3)
   # auto | jnp (O(n sqrt n)) | dense (the masked n x n reference) | splash (TPU) |
-  # splash_interpret; 'fast' is read as 'jnp'. Chosen by kernels/sparse_door.py.
+  # splash_interpret; 'fast' is read as 'jnp'. Chosen by kernels/sparse/door.py.
   impl: str = "auto"
   prenorm: bool = True  # pre-activation residual blocks (eqs. 9-14); False: post-LN
   act: str = "gelu"  # gelu: x * sigmoid(1.702 x) as the paper | relu

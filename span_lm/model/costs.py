@@ -56,7 +56,7 @@ def forward_macs(cfg: ModelConfig, plan: SpanPlan | None, block: int, batch: int
 
 def generation_macs(cfg: ModelConfig, plan: SpanPlan | None) -> dict:
   """Multiply-adds of one generated token as `sample` computes it (span_lm/tools/sample.py): the
-  ring decoder (kernels/ring.py) over caches of projected keys and values, one token per step.
+  ring decoder (kernels/span/ring.py) over caches of projected keys and values, one token per step.
   Per layer: the token's query, key, value and output projections (D^2 each for q and out, 2 D^2
   for keys|values of all heads; the cached states are never re-projected); per head the content
   and value products over the layer's whole ring of L = cache_len slots (slots beyond a head's

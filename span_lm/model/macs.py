@@ -49,10 +49,10 @@ def sparse_attention_macs(cfg, layer: int, n: int) -> tuple[int, int]:
     strided (A2)   the (l, nb) transpose: each column's nb queries x nb keys;
     summary (A2)   fixed: every query x the c summary keys of all nb blocks.
   Scores are d_qk / H long, values head_dim; masked products are computed (and counted) too.
-  A block-skipping kernel (kernels/sparse_door.py, a row with kernel=True: splash) counts the
+  A block-skipping kernel (kernels/sparse/door.py, a row with kernel=True: splash) counts the
   blocks it computes: non-empty blocks x block area (its module's computed_pairs)."""
-  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import splash_sparse  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import door as sparse_door  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import splash_sparse  # pylint: disable=g-import-not-at-top
   from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
   h, dk, dv = cfg.n_heads, cfg.d_qk // cfg.n_heads, cfg.head_dim
   heads = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, layer, cfg.sparse.stride,

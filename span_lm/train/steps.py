@@ -18,7 +18,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from span_lm import kernels
-from span_lm.kernels import autotune
+from span_lm.kernels.span import autotune
 from span_lm.model import build_model
 from span_lm.model.archs import ARCHS
 from span_lm.model import caches as caches_lib
@@ -485,7 +485,7 @@ def build(cfg: ModelConfig, tx, *, batch: int, eval_batch: int, batch_split: int
   devices: lay the mesh over these (a deviceless topology's), else the first num_devices (all).
   whole_pieces: each batch_split piece must split over the devices (sharding.Layout).
   tune_block: resolve attention.tiles='tune' by timing the kernel at this block length and this
-  run's rows per device (kernels/autotune.py); None: the config as it is.
+  run's rows per device (kernels/span/autotune.py); None: the config as it is.
   The compiler's `cfg` is the model config as resolved, its `layout` the arrays' layout."""
   layout = sharding_lib.Layout.make(fsdp, num_devices, devices)
   layout.check_batches(batch, eval_batch, batch_split, processes, whole_pieces)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from model_helpers import make_cfg
 from span_lm import kernels
-from span_lm.kernels import autotune
+from span_lm.kernels.span import autotune
 from span_lm.model import caches as caches_lib
 from span_lm.model.transformer import SpanTransformer
 

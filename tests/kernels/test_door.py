@@ -100,18 +100,19 @@ def test_fused_falls_back_to_the_reference_where_it_does_not_tile():
 def test_auto_on_a_gpu_runs_what_was_timed_faster(monkeypatch):
   """On a GPU `auto` follows kernels.GPU_TIMINGS: the kernel only where every timing of the
   current version has it faster; a timing of an older version, or none, gives the XLA path."""
-  from span_lm.kernels import pallas_gpu, target  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import door, pallas_gpu  # pylint: disable=g-import-not-at-top
   cfg = cfg_for("auto", n_heads=2, d_model=128)  # head size 64
   timing = lambda version, *ms: {(9, 64): {"version": version, "source": "test",
                                            "ms": dict(zip(("learned", "all S"), ms))}}
   with target.compiling_for("gpu", 9.0):
-    monkeypatch.setattr(kernels, "GPU_TIMINGS", timing("older", (1.0, 5.0), (2.0, 5.0)))
+    monkeypatch.setattr(door, "GPU_TIMINGS", timing("older", (1.0, 5.0), (2.0, 5.0)))
     assert kernels.choose(cfg, 16, 32) == "reference" and "untimed" in kernels.why(cfg, 16, 32)
-    monkeypatch.setattr(kernels, "GPU_TIMINGS",
+    monkeypatch.setattr(door, "GPU_TIMINGS",
                         timing(pallas_gpu.VERSION, (1.0, 5.0), (2.0, 5.0)))
     assert kernels.choose(cfg, 16, 32) == "pallas" and "faster" in kernels.why(cfg, 16, 32)
     assert kernels.fit_fallback(cfg) is None  # the kernel already
-    monkeypatch.setattr(kernels, "GPU_TIMINGS",
+    monkeypatch.setattr(door, "GPU_TIMINGS",
                         timing(pallas_gpu.VERSION, (1.0, 5.0), (6.0, 5.0)))  # slower at one
     assert kernels.choose(cfg, 16, 32) == "reference"
     assert kernels.fit_fallback(cfg).attention.impl == "pallas"  # unless the XLA path does not fit
@@ -141,14 +142,14 @@ def test_only_the_door_imports_a_platform_implementation():
         names |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
     return names
 
-  platform = ("span_lm.kernels.banded_cpu", "span_lm.kernels.pallas_gpu",
-              "span_lm.kernels.pallas_tpu", "span_lm.kernels.impl_",
-              "span_lm.kernels.ring", "span_lm.kernels.banded_reference")
+  platform = ("span_lm.kernels.span.banded_cpu", "span_lm.kernels.span.pallas_gpu",
+              "span_lm.kernels.span.pallas_tpu", "span_lm.kernels.span.impl_",
+              "span_lm.kernels.span.ring", "span_lm.kernels.span.banded_reference")
   for path in (root / "model").rglob("*.py"):
     bad = [n for n in imports(path) if n.startswith(platform)]
     assert not bad, f"{path.name} imports {bad}"
   assert not any("banded_cpu" in n or "pallas_gpu" in n
-                 for n in imports(root / "kernels" / "banded_reference.py"))
+                 for n in imports(root / "kernels" / "span" / "banded_reference.py"))
   assert "span_lm.tools.paper" not in imports(root / "tools" / "flops.py")
 
 
@@ -189,7 +190,8 @@ for impl in ("auto", "reference"):
   params = model.init(jax.random.key(0), x, caches.init_caches(cfg, None, 1))
   model.apply(params, x, caches.init_caches(cfg, None, 1))
   kernels.compiler_options(cfg), kernels.fit_fallback(cfg)
-loaded = ("span_lm.kernels.pallas", "span_lm.kernels.impl_gpu", "span_lm.kernels.impl_tpu",
+loaded = ("span_lm.kernels.span.pallas", "span_lm.kernels.sparse.pallas",
+          "span_lm.kernels.span.impl_gpu", "span_lm.kernels.span.impl_tpu",
           "jax.experimental.pallas")
 print(sorted(m for m in sys.modules if m.startswith(loaded)))
 """

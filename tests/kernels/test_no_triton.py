@@ -14,7 +14,7 @@ import jax
 
 from model_helpers import build
 from span_lm import kernels
-from span_lm.kernels import sparse_door
+from span_lm.kernels.sparse import door as sparse_door
 from span_lm.kernels import target
 
 TRITON = "jax.experimental.pallas.triton"
@@ -44,7 +44,7 @@ def test_import_span_lm_loads_no_triton():
   code = ("import sys, span_lm, span_lm.layers, span_lm.kernels, span_lm.model, span_lm.train, "
           "span_lm.tools, span_lm.cli; import json; "
           "print(json.dumps(sorted(m for m in sys.modules if 'pallas.triton' in m "
-          "or m.startswith('span_lm.kernels.pallas'))))")
+          "or m.startswith(('span_lm.kernels.span.pallas', 'span_lm.kernels.sparse.pallas')))))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -1,4 +1,4 @@
-"""The fused Pallas kernel (span_lm/kernels/pallas_gpu.py) against the reference implementation.
+"""The fused Pallas kernel (span_lm/kernels/span/pallas_gpu.py) against the reference implementation.
 
 Runs the kernels in interpret mode on CPU, and lowers them for CUDA (Triton) without a GPU so a
 construct Triton cannot express fails here rather than on the first GPU run.
@@ -18,9 +18,9 @@ import jax.numpy as jnp
 
 from model_helpers import build
 from span_lm import config as config_lib
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import pallas_gpu as fa
+from span_lm.kernels.span import pallas_gpu as fa
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model.transformer import SpanTransformer
@@ -496,7 +496,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import pallas_gpu
 chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))

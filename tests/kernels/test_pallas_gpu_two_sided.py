@@ -1,4 +1,4 @@
-"""The fused GPU kernel (span_lm/kernels/pallas_gpu.py) with windows ahead and segment ids.
+"""The fused GPU kernel (span_lm/kernels/span/pallas_gpu.py) with windows ahead and segment ids.
 
 tests/kernels/test_two_sided.py compares it (as `pallas_interpret`) with the float64 definition
 and the reference implementation on random shapes, spans and segments; here: dropout against the
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from span_lm import kernels
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import pallas_gpu as fa
+from span_lm.kernels.span import pallas_gpu as fa
 
 B, H, M, D, W, R, BLOCK = 2, 2, 32, 16, 32, 8, 16
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -265,7 +265,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import pallas_gpu
 chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))

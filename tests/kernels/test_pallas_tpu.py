@@ -1,4 +1,4 @@
-"""The fused TPU kernel (span_lm/kernels/pallas_tpu.py) against the reference implementation.
+"""The fused TPU kernel (span_lm/kernels/span/pallas_tpu.py) against the reference implementation.
 
 Interpret mode on CPU: values and every gradient (q, k, v, key_pe, spans, persistent vectors)
 against banded_reference.banded_attention, float32 tight and bfloat16 loose, for fixed, adaptive
@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import pallas_tpu as ft
+from span_lm.kernels.span import pallas_tpu as ft
 
 B, H, M, D, W, R, BLOCK = 2, 2, 32, 32, 48, 8, 16
 D_FIXED = 16  # the fixed-span case runs zero-padded to 128 lanes; the others run as they are

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import reference_numpy as ref
 from model_helpers import build
 from span_lm import kernels
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import span_mask
 
 B, DH, R = 2, 16, 3
 

@@ -1,4 +1,4 @@
-"""The sparse model's attention table (kernels/sparse_door.py) and its splash rows: every pattern
+"""The sparse model's attention table (kernels/sparse/door.py) and its splash rows: every pattern
 and combination against the dense masked reference, values and gradients, interpreted."""
 import warnings
 
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from span_lm.kernels import block_sparse
-from span_lm.kernels import sparse_door
-from span_lm.kernels import splash_sparse
+from span_lm.kernels.sparse import block_sparse
+from span_lm.kernels.sparse import door as sparse_door
+from span_lm.kernels.sparse import splash_sparse
 from span_lm.kernels import target
 from span_lm.model import sparse
 
@@ -183,7 +183,7 @@ def test_flops_count_the_blocks_the_chosen_kernel_computes():
   """The FLOPs accounting counts what runs: the jnp path's parts, or a kernel's non-empty tiles
   times their area (here the Triton kernel's 64 x 32 bf16 tiles on an H100), which
   block_sparse.computed_fraction relates to the dense causal tiles."""
-  from span_lm.kernels import block_sparse  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import block_sparse  # pylint: disable=g-import-not-at-top
   from model_helpers import build  # pylint: disable=g-import-not-at-top
   from span_lm.model import macs  # pylint: disable=g-import-not-at-top
   n = 1024

@@ -64,7 +64,7 @@ def test_the_sparse_record_fixes_the_span_and_refuses_what_it_lacks():
     ("gpu", 7.0, "", "jnp")])
 def test_the_attention_named_is_the_one_each_architecture_runs(platform, cc, kind, want):
   """The compile report and the step log name what the layers run: the sparse model's choice of
-  kernels/sparse_door.py (they once named the span door's choice, which the sparse model never
+  kernels/sparse/door.py (they once named the span door's choice, which the sparse model never
   calls), the span model's kernels.choose."""
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   from span_lm.kernels import target  # pylint: disable=g-import-not-at-top

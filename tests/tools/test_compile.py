@@ -15,7 +15,7 @@ import pytest
 from model_helpers import build, replaced
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import pallas_gpu
 from span_lm.kernels import target as target_lib
 from span_lm.tools import compile as compile_lib
 
@@ -327,7 +327,7 @@ def test_splash_masks_compile_in_the_kernel_for_a_tpu(pattern, combine):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import splash_sparse  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import splash_sparse  # pylint: disable=g-import-not-at-top
   from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
   heads = sparse.layer_heads(pattern, combine, 4, 0, 96, 8)
   topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")

@@ -11,7 +11,7 @@ one compiled program serves every span and skips the blocks no row sees.
 Why each choice (the position term's lane rotation, layouts, work skipping, d pe, head padding,
 row statistics, persistent memory, dropout, windows ahead, segment ids, grouped heads):
 docs/kernels.md, "The TPU kernel's design". `interpret=True` runs the kernels on CPU for tests;
-names as in kernels/fused.py's vocabulary.
+names as in kernels/span/fused.py's vocabulary.
 """
 import functools
 import math
@@ -24,10 +24,11 @@ from jax.experimental.pallas import tpu as pltpu
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.kernels import fused
+from span_lm.kernels.span import fused
 from span_lm.kernels import hashed_dropout
+from span_lm.kernels import pallas_common
 from span_lm.kernels import matmul
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import span_mask
 
 NEG = -1e30
 LANES = 128
@@ -970,7 +971,7 @@ def _kernel_inputs(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_DxW
   pers = (None, None) if not n_pers else (pad(jnp.swapaxes(pers_k_HxDxN, 1, 2)),
                                           pad(pers_v_HxNxD))
   args = (pad(q_BxHxMxD), pad_kv(kv_cache_Bx2xHxDxL), pad_kv(kv_block_Bx2xHxDxM), pe_t, z,
-          fused.seed_array(dropout_seed), *pers, za, qs, ks)
+          pallas_common.seed_array(dropout_seed), *pers, za, qs, ks)
   return args
 
 
@@ -1053,8 +1054,8 @@ def span_attention_kv(q_BxHxMxD, kv_cache_Bx2xHxDxL, kv_block_Bx2xHxDxM, key_pe_
 
   # q, the keys and values, the spans and segment ids by batch rows; key_pe, the seed and
   # persistent vectors replicated
-  return fused.per_device(kernel, args, (True, True, True, False, True, False, False, False,
-                                         True, True, True), seed_at=5)[..., :dh]
+  return pallas_common.per_device(kernel, args, (True, True, True, False, True, False, False,
+                                                 False, True, True, True), seed_at=5)[..., :dh]
 
 
 def tiles(attn_block: int, n_rows: int, w: int, n_pers: int = 0) -> tuple[int, int]:

@@ -36,7 +36,7 @@ def cache_path() -> str:
 
 def cache_key(cfg, device_kind: str, batch: int, m: int, w: int) -> str:
   """What the fastest tile depends on: the chip, the compiler, and the layer's shapes."""
-  from span_lm.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import pallas_gpu  # pylint: disable=g-import-not-at-top
   return (f"{device_kind}|jax {jax.__version__}|kernel {pallas_gpu.VERSION}|{cfg.dtype}|"
           f"precision {cfg.attention.precision}|"
           f"B{batch} H{cfg.n_heads} M{m} W{w} Dh{cfg.head_dim} N{cfg.pers_mem}|"
@@ -89,7 +89,7 @@ def measure(cfg, *, batch: int, m: int, w: int, candidates: Iterable = CANDIDATE
             echo: Callable[[str], None] = log.info) -> dict[tuple[int, int, int], float]:
   """{(tile, warps, stages): median seconds of forward + backward} for the candidates whose tile
   divides the block, the window and the persistent vectors, and which compile here."""
-  from span_lm.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import pallas_gpu  # pylint: disable=g-import-not-at-top
   args = _inputs(cfg, batch, m, w)
   ct = jax.random.normal(jax.random.PRNGKey(1), args[0].shape, args[0].dtype)
   times = {}

@@ -1,11 +1,11 @@
-"""`pallas` and `pallas_interpret` behind the door (span_lm/kernels/__init__.py): pallas_gpu's
+"""`pallas` and `pallas_interpret` behind the door (span_lm/kernels/span/door.py): pallas_gpu's
 fused Triton kernel, keys and values as rows (kernels.KV, projected as the reference's).
 Imported only where one of them is chosen: it loads Pallas."""
 import jax.numpy as jnp
 
 from span_lm import kernels
-from span_lm.kernels import impl_reference
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import impl_reference
+from span_lm.kernels.span import pallas_gpu
 from span_lm.kernels import target
 
 project_kv = impl_reference.project_kv

@@ -11,7 +11,7 @@ unsegmented kernel traces none of it.
 
 Why each choice (tiles and windows, the rel-shift view, segment masking and skipping, head
 padding, the normaliser, dropout, GQA): docs/kernels.md, "The GPU kernel's design". Interpret
-mode (`interpret=True`) runs the kernels on CPU for tests; names as in kernels/fused.py's.
+mode (`interpret=True`) runs the kernels on CPU for tests; names as in kernels/span/fused.py's.
 """
 import functools
 import math
@@ -23,9 +23,10 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.kernels import fused
+from span_lm.kernels.span import fused
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import span_mask
+from span_lm.kernels import pallas_common
+from span_lm.kernels.span import span_mask
 from span_lm.kernels import target
 
 plt = target.pallas_triton()  # jax.experimental.pallas.triton
@@ -41,16 +42,7 @@ VERSION = "relshift-1"
 PRECISIONS = fused.PRECISIONS
 
 
-def _dot(a, b, trans_a=False, trans_b=False, *, exact: bool):
-  """f32-accumulating matmul. exact (precision='highest'): float32 operands as exact float32,
-  which Triton runs as scalar FMAs (no tensor cores; docs/kernels.md); else float32 dots may use
-  TF32 tensor cores (sm_80+), as XLA does for float32 matmuls by default."""
-  if trans_a:
-    a = a.T
-  if trans_b:
-    b = b.T
-  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 and exact else None
-  return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
+_dot = pallas_common.dot  # f32-accumulating (shared with the block-sparse kernel)
 
 
 def _xla_precision(precision: str, dtype):
@@ -853,12 +845,13 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
               precision=precision, a=a)
   args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k, v, key_pe_DxW, pers_k_HxDxN,
                        pers_v_HxNxD, pe_a)
-  args = (*args[:4], z_BxHxM, fused.seed_array(dropout_seed), *args[4:], z_a, q_seg, kv_seg)
+  args = (*args[:4], z_BxHxM, pallas_common.seed_array(dropout_seed), *args[4:], z_a, q_seg,
+          kv_seg)
   # q, k, v, z (and the spans ahead, the segment ids) by batch rows; key_pe, the seed and the
   # persistent vectors replicated
-  return fused.per_device(lambda *xs: _span_attention(*xs, s), args,
-                          (True, True, True, False, True, False, False, False, False, True, True,
-                           True), seed_at=5)[..., :dh]
+  return pallas_common.per_device(lambda *xs: _span_attention(*xs, s), args,
+                                  (True, True, True, False, True, False, False, False, False,
+                                   True, True, True), seed_at=5)[..., :dh]
 
 
 
@@ -874,7 +867,7 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
 # 255 registers and spilled 4+4 B at enwik8_pers' shapes (B=4, H=8, M=512, W=8192, 2,048
 # persistent vectors, dropout 0.4); 64 x 32 (the two-sided kernels' launch) at most 219, no
 # spills at every paper config's shape tried. Untimed on a
-# device: `attention.tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
+# device: `attention.tiles=tune` measures the candidates on the GPU at hand (kernels/span/autotune.py).
 TILES = {
     (9, 64, "bfloat16"): (64, 32, 4, 3), (9, 128, "bfloat16"): (64, 32, 8, 3),
     (9, 64, "float32"): (64, 32, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),

@@ -6,7 +6,7 @@ refused by `check` in one line naming the field.
 Rows: 'jnp' (model/sparse.py's O(n sqrt n) fast path; 'fast', its old name, is read as 'jnp'
 with a warning), 'dense' (the masked n x n reference), 'splash' (jax's TPU splash attention,
 the heads' patterns as computable masks, skipping all-zero blocks both ways), 'splash_interpret'
-(interpreted, any backend: tests), 'pallas' (GPU: kernels/pallas_gpu_sparse.py's Triton
+(interpreted, any backend: tests), 'pallas' (GPU: kernels/sparse/pallas_gpu_sparse.py's Triton
 block-sparse kernel), 'pallas_interpret', 'auto' (TPU: splash where it fits, GPU of compute
 capability >= 8.0: pallas where it fits, else jnp; CPU: jnp). docs/kernels.md, "The Sparse
 Transformer's attention", has the table; adding a kernel is one row in SPARSE_IMPLS and, for
@@ -53,14 +53,14 @@ class SparseImpl:
 _GPU = "a Triton block-sparse kernel, which needs a GPU (Ampere or newer)"
 _TPU = "jax's splash attention (a Mosaic kernel), which needs a TPU"
 SPARSE_IMPLS: dict[str, SparseImpl] = {i.name: i for i in (
-    SparseImpl("jnp", "span_lm.kernels.sparse_jnp"),
-    SparseImpl("dense", "span_lm.kernels.sparse_jnp", fn="dense_attention"),
-    SparseImpl("splash", "span_lm.kernels.splash_sparse", platform="tpu", needs=_TPU,
+    SparseImpl("jnp", "span_lm.kernels.sparse.sparse_jnp"),
+    SparseImpl("dense", "span_lm.kernels.sparse.sparse_jnp", fn="dense_attention"),
+    SparseImpl("splash", "span_lm.kernels.sparse.splash_sparse", platform="tpu", needs=_TPU,
                kernel=True),
-    SparseImpl("splash_interpret", "span_lm.kernels.splash_sparse", interpret=True, kernel=True),
-    SparseImpl("pallas", "span_lm.kernels.pallas_gpu_sparse", platform="gpu", needs=_GPU,
+    SparseImpl("splash_interpret", "span_lm.kernels.sparse.splash_sparse", interpret=True, kernel=True),
+    SparseImpl("pallas", "span_lm.kernels.sparse.pallas_gpu_sparse", platform="gpu", needs=_GPU,
                kernel=True),
-    SparseImpl("pallas_interpret", "span_lm.kernels.pallas_gpu_sparse", interpret=True,
+    SparseImpl("pallas_interpret", "span_lm.kernels.sparse.pallas_gpu_sparse", interpret=True,
                kernel=True),
 )}
 SPARSE_IMPL_NAMES = ("auto",) + tuple(SPARSE_IMPLS) + tuple(ALIASES)  # what the config may name

@@ -1,4 +1,4 @@
-"""`pallas_tpu` and `pallas_tpu_interpret` behind the door (span_lm/kernels/__init__.py):
+"""`pallas_tpu` and `pallas_tpu_interpret` behind the door (span_lm/kernels/span/door.py):
 pallas_tpu's fused Mosaic kernel. Its own key/value layout, `TpuKV`, positions last as XLA:TPU's
 projection writes them. Imported only where one of them is chosen: it loads Pallas."""
 from typing import Any, NamedTuple
@@ -6,8 +6,8 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from span_lm import kernels
-from span_lm.kernels import impl_reference
-from span_lm.kernels import pallas_tpu
+from span_lm.kernels.span import impl_reference
+from span_lm.kernels.span import pallas_tpu
 
 
 class TpuKV(NamedTuple):
