@@ -29,7 +29,7 @@ What maps where:
 
 It has never run on a GPU: compiled deviceless for an H100 and interpreted on CPU only.
 
-Normaliser as the Triton kernel's (kernels/span_mask.online_denominator): out = sum(p m v) /
+Normaliser as the Triton kernel's (kernels/span/span_mask.online_denominator): out = sum(p m v) /
 (sum(p m) + eps sum(p)) over the visited distances.
 
   python -m bench.mosaic_gpu_span --check            # interpreted (fold=False) vs the reference
@@ -67,7 +67,7 @@ _G_SWIZZLED = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
 
 def key_tile_ranges(z_BxHxM, *, w: int, ramp: int, bq: int, bk: int):
   """[lo, hi) key tiles per query tile, (B, H, M / bq, 2) int32: every key that some row of the
-  tile visits (distances 1..min(W, floor(z) + R + 1): kernels/span_mask.visited_distances)."""
+  tile visits (distances 1..min(W, floor(z) + R + 1): kernels/span/span_mask.visited_distances)."""
   b, h, m = z_BxHxM.shape
   win = jnp.clip(jnp.floor(z_BxHxM).astype(jnp.int32) + ramp + 1, 1, w)
   top = jnp.max(win.reshape(b, h, m // bq, bq), axis=-1)
