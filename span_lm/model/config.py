@@ -22,6 +22,7 @@ from typing import Any
 from span_lm import kernels
 from span_lm.kernels.sparse.door import SPARSE_IMPL_NAMES
 from span_lm.model import archs
+from span_lm.model import attention_rules
 
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -263,7 +264,7 @@ class ModelConfig(_Section):
       bad("doc_boundary", "document boundaries are for arch='span' (the sparse model has none)")
     for field, value in arch.settle(self).items():  # e.g. the sparse model's fixed span of n
       object.__setattr__(self, field, value)
-    kernels.check(self)  # an explicit fused kernel's tiling of these sizes
+    attention_rules.check(self)  # an explicit fused kernel's tiling of these sizes
     arch.check(self, bad)  # its own section against the rest
     if self.adapt_io.enabled:
       cuts = self.adapt_io.cutoffs

@@ -23,7 +23,7 @@ def span_forward_macs(cfg, plan, block: int, batch: int = 1) -> dict:
     out["q_proj"] += m * d * d
     out["out_proj"] += m * d * d
     for heads, w in lp.groups:
-      g, c = len(heads), kernels.chunk(cfg, m, w)
+      g, c = len(heads), kernels.chunk(cfg.attn_spec, m, w)
       out["kv_proj"] += (w + m) * d * 2 * g * dh
       out["attn_content"] += g * m * (w + c) * dh
       out["attn_position"] += g * m * w * dh

@@ -16,6 +16,7 @@ from model_helpers import build
 from span_lm import kernels
 from span_lm.kernels.sparse import door as sparse_door
 from span_lm.kernels import target
+from span_lm.model import attention_rules
 
 TRITON = "jax.experimental.pallas.triton"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,9 +54,9 @@ def test_import_span_lm_loads_no_triton():
 def test_auto_takes_the_xla_path_on_a_gpu_and_says_why(no_triton, caplog):
   cfg = _cfg("auto")
   with target.compiling_for("gpu", 9.0), caplog.at_level(logging.INFO, logger="span_lm"):
-    impl = kernels.select(cfg, 64, 192)  # a shape no other test logs (select logs once per key)
+    impl = kernels.select(cfg.attn_spec, 64, 192)  # a shape no other test logs (logged once)
     assert impl.name == "reference"
-    assert kernels.fit_fallback(cfg) is None  # no kernel to fall back to for memory either
+    assert attention_rules.fit_fallback(cfg) is None  # no kernel to fall back to for memory either
   lines = [r.getMessage() for r in caplog.records if "no Pallas Triton backend" in r.getMessage()]
   assert len(lines) == 1 and jax.__version__ in lines[0] and "XLA path" in lines[0]
 
@@ -63,7 +64,7 @@ def test_auto_takes_the_xla_path_on_a_gpu_and_says_why(no_triton, caplog):
 @pytest.mark.parametrize("impl", ["pallas", "pallas_interpret"])
 def test_an_explicit_gpu_kernel_is_refused_in_one_line(no_triton, impl):
   with pytest.raises(ValueError) as e:
-    kernels.check(_cfg(impl))
+    kernels.check(_cfg(impl).attn_spec)
   msg = str(e.value)
   assert "\n" not in msg and jax.__version__ in msg and "'auto'" in msg and "'reference'" in msg
 

@@ -77,4 +77,4 @@ def test_the_attention_named_is_the_one_each_architecture_runs(platform, cc, kin
       assert ARCHS["sparse"].attention(make_cfg(**SPARSE, d_model=36, n_heads=2), 64, 64) == (
           "sparse jnp", "head size 18: splash needs a multiple of 8")
     span_cfg = make_cfg()
-    assert ARCHS["span"].attention(span_cfg, 16, 16)[0] == kernels.choose(span_cfg, 16, 16)
+    assert ARCHS["span"].attention(span_cfg, 16, 16)[0] == kernels.choose(span_cfg.attn_spec, 16, 16)

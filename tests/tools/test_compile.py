@@ -161,14 +161,14 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
   with target_lib.compiling_for("cuda", 9.0):
     rows = compile_lib.kernel_roofline(
         chips.get("h100"), cfg,
-        lambda span: kernels.IMPLS["pallas"].schedule_cost(cfg, 8, 512, 8192, span))
+        lambda span: kernels.IMPLS["pallas"].schedule_cost(cfg.attn_spec, 8, 512, 8192, span))
   assert [(r["spans"], r["kernel"]) for r in rows][:4] == [
       ("span 8192", "fwd"), ("span 8192", "bwd_q"), ("span 8192", "bwd_kv"),
       ("span 8192", "position")]
   assert len(rows) == 8 and rows[4]["flops"] < rows[0]["flops"] / 10
   assert rows[7]["flops"] == rows[3]["flops"]  # the position matmuls span the whole window
   assert all(r["bound"] in ("compute", "HBM", "either") for r in rows)
-  assert kernels.IMPLS["reference"].schedule_cost(cfg, 8, 512, 8192, None) is None
+  assert kernels.IMPLS["reference"].schedule_cost(cfg.attn_spec, 8, 512, 8192, None) is None
 
 
 def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():
@@ -177,15 +177,17 @@ def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():
   cfg = build({"vocab_size": 11, "d_model": 128, "n_heads": 2, "span.size": 128,
                "attention.block": 64, "plan.granularity": 64})
   with target_lib.compiling_for("cuda", 8.0):
-    assert kernels.compiler_options(replaced(cfg, **{"attention.impl": "pallas"})) == {
+    with_impl = lambda impl: replaced(cfg, **{"attention.impl": impl}).attn_spec
+    assert kernels.compiler_options(with_impl("pallas")) == {
         "xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
-    assert kernels.compiler_options(replaced(cfg, **{"attention.impl": "reference"})) == {}
-    assert kernels.compiler_options(cfg) == {}  # auto: the XLA path while the kernel is untimed
+    assert kernels.compiler_options(with_impl("reference")) == {}
+    # auto: the XLA path while the kernel is untimed
+    assert kernels.compiler_options(cfg.attn_spec) == {}
   with target_lib.compiling_for("gpu", 7.0):  # V100: the reference path
-    assert kernels.compiler_options(cfg) == {}
+    assert kernels.compiler_options(cfg.attn_spec) == {}
   with target_lib.compiling_for("tpu", kind="TPU v5"):
-    assert kernels.compiler_options(cfg) == {}
-  assert kernels.compiler_options(cfg) == {}
+    assert kernels.compiler_options(cfg.attn_spec) == {}
+  assert kernels.compiler_options(cfg.attn_spec) == {}
 
 
 @pytest.mark.skipif(HAS_TPU and HAS_CUDA, reason="both toolchains installed")

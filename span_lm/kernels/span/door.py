@@ -132,11 +132,6 @@ class Spec:
     return dataclasses.replace(self, **changes)
 
 
-def spec_of(x) -> Spec:
-  """A Spec as it is, or a ModelConfig's (`attn_spec`)."""
-  return x if isinstance(x, Spec) else x.attn_spec
-
-
 class Segments(NamedTuple):
   """Segment ids (int32) of the queries, (B, M), and of the key rows, (B, W + M + A): a query
   attends only to keys of its own segment; id 0 is padding, attended by no query, and a query of
@@ -169,9 +164,8 @@ class Impl:
   def ops(self) -> ModuleType:
     return importlib.import_module(self.ops_module)
 
-  def misfit(self, spec, m: int | None = None, w: int | None = None) -> str:
+  def misfit(self, spec: Spec, m: int | None = None, w: int | None = None) -> str:
     """Why this cannot run a layer of m queries and windows up to w ('' when it can)."""
-    spec = spec_of(spec)
     if not self.fused:
       return ""
     field, rule = fused_misfit(spec, m, w)
@@ -180,12 +174,12 @@ class Impl:
   def project_kv(self, spec, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int):
     """Keys and values of `heads` heads (w_kv: their [key | value] columns) over the last
     `window` cached states and the block, in this implementation's layout."""
-    return self.ops.project_kv(self, spec_of(spec), cache_BxLxD, h_BxMxD, w_kv_Dx2Z,
+    return self.ops.project_kv(self, spec, cache_BxLxD, h_BxMxD, w_kv_Dx2Z,
                                window=window, heads=heads)
 
   def split_kv(self, spec, kv_BxTx2Z, *, window: int, heads: int):
     """Keys and values from already projected [keys | values] rows (a key/value cache)."""
-    return self.ops.split_kv(self, spec_of(spec), kv_BxTx2Z, window=window, heads=heads)
+    return self.ops.split_kv(self, spec, kv_BxTx2Z, window=window, heads=heads)
 
   def attend(self, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span_z=None,
              span_z_ahead=None, segments=None, pers_k_GxDxN=None, pers_v_GxNxD=None,
@@ -201,7 +195,6 @@ class Impl:
     segments: a `Segments` (spec.segmented), or None. pers_k_GxDxN, pers_v_GxNxD: persistent
       memory (scaled). dropout: applied to the attention weights (None: none); the fused
       kernels draw their own keep mask from dropout_seed()."""
-    spec = spec_of(spec)
     if (key_pe_ahead_DxA is not None) != (spec.ahead > 0):
       raise ValueError(f"attend: spec.ahead={spec.ahead} but key_pe_ahead "
                        f"{'missing' if key_pe_ahead_DxA is None else 'given'}")
@@ -224,13 +217,13 @@ class Impl:
   def residual_bytes(self, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
     """Bytes one head group's attention keeps for the backward pass, by kind (keys_values,
     score_bands, weights), as this implementation saves them (model/costs.py asks here)."""
-    return self.ops.residual_bytes(self, spec_of(spec), batch, m, heads, w, train)
+    return self.ops.residual_bytes(self, spec, batch, m, heads, w, train)
 
   def schedule_cost(self, spec, batch: int, m: int, w: int, span: float | None) -> dict | None:
     """{kernel: FLOPs, HBM bytes and bytes_min} of one layer's fused GPU kernels (batch streams,
     all heads, a block of m, window w, every row at `span`) for the compile mode's roofline;
     None elsewhere (XLA's cost analysis sees the rest, the TPU kernel through its estimate)."""
-    return self.ops.schedule_cost(self, spec_of(spec), batch, m, w, span)
+    return self.ops.schedule_cost(self, spec, batch, m, w, span)
 
   def compiler_options(self) -> dict:
     """XLA compile options a step running this needs (ptxas' floor for the GPU kernel)."""
@@ -263,45 +256,55 @@ def parse_tiles(text: str) -> tuple[int, int, int] | None:
   return tile, warps, stages
 
 
-def fused_misfit(spec, m: int | None = None, w: int | None = None) -> tuple[str, str]:
-  """('', '') when the fused kernels (GPU and TPU) tile a layer with a block of m queries and a
-  window of w (None: the spec's own sizes only), else (field, what it must be). The one rule:
-  `select` falls back to the reference where it fails, `check` refuses an explicit choice.
-  spec: a Spec (fields named as its own), or a ModelConfig (named as config.model's)."""
-  if isinstance(spec, Spec):
-    sizes = (("pers_mem", spec.pers_mem), ("window", spec.window))
-  else:  # a ModelConfig, or the run config's model section
-    if spec.arch != "span":
-      return "arch", "must be 'span' (the sparse model has its own attention)"
-    sizes = (("pers_mem", spec.pers_mem), ("span.size", spec.span.size),
-             ("plan.granularity", spec.plan.granularity))
-  b = spec.attention.block
-  if not isinstance(b, int) or b < 16 or b & (b - 1):
+def tile_misfit(block, sizes) -> tuple[str, str]:
+  """('', '') when the fused kernels' tile, attention.block, is a power of two >= 16 that divides
+  every size of `sizes` ((field, size) pairs; None: not known), else (field, what it must be):
+  the one rule, which the model applies to its own fields too (model/attention_rules.py)."""
+  if not isinstance(block, int) or block < 16 or block & (block - 1):
     return "attention.block", "must be a power of two >= 16"
-  for f, n in sizes + (("block", m), ("window", w)):
-    if n is not None and n % b:
-      return f, f"must be a multiple of attention.block={b}"
+  for f, n in sizes:
+    if n is not None and n % block:
+      return f, f"must be a multiple of attention.block={block}"
   return "", ""
 
 
-def check(cfg, *, block: int | None = None, backend: str | None = None) -> None:
-  """Raises a ValueError naming the field where an explicit fused choice cannot run: the model's
-  sizes (and the run's block length) the kernel cannot tile; with `backend` (jax's, once known),
-  a compiled kernel on a backend without it. Names, precision and tiles are `Attention`'s own
-  checks. cfg: a ModelConfig."""
-  name = cfg.attention.impl
+def fused_misfit(spec: Spec, m: int | None = None, w: int | None = None) -> tuple[str, str]:
+  """('', '') when the fused kernels (GPU and TPU) tile a layer with a block of m queries and a
+  window of w (None: the spec's own sizes only), else (field, what it must be): `select` falls
+  back to the reference where it fails, `check` refuses an explicit choice."""
+  return tile_misfit(spec.attention.block, (("pers_mem", spec.pers_mem), ("window", spec.window),
+                                            ("block", m), ("window", w)))
+
+
+def check(spec: Spec, *, block: int | None = None, backend: str | None = None) -> None:
+  """Raises a ValueError naming the field where an explicit fused choice cannot run: the spec's
+  sizes the kernel cannot tile, and `check_attention`'s rules. Names, precision and tiles are
+  `Attention`'s own checks."""
+  name = spec.attention.impl
   impl = IMPLS.get(name)
   if impl is None or not impl.fused:
     return
-  field, why = fused_misfit(cfg)
+  field, why = fused_misfit(spec)
   if field:
-    value = cfg
+    value = spec
     for part in field.split("."):
       value = getattr(value, part)
     raise ValueError(f"config.model.{field}={value!r}: {why} with attention.impl={name!r}")
-  if block is not None and block % cfg.attention.block:
+  check_attention(spec.attention, block=block, backend=backend)
+
+
+def check_attention(attention, *, block: int | None = None, backend: str | None = None) -> None:
+  """Raises a ValueError where an explicit fused choice (attention: an `Attention`, or the run
+  config's section of one) cannot run whatever the layer's sizes: the run's block length
+  (`block`) the kernel cannot tile, or (with `backend`, jax's, once known) a compiled kernel on a
+  backend without it, or a GPU kernel without Triton."""
+  name = attention.impl
+  impl = IMPLS.get(name)
+  if impl is None or not impl.fused:
+    return
+  if block is not None and block % attention.block:
     raise ValueError(f"config.data.block={block!r}: must be a multiple of "
-                     f"model.attention.block={cfg.attention.block} with the fused kernel")
+                     f"model.attention.block={attention.block} with the fused kernel")
   if backend is not None and impl.platform not in (None, backend):
     raise ValueError(f"config.model.attention.impl={name!r} runs {impl.needs}; this process has "
                      f"{backend} devices: use 'auto' (or {name + '_interpret'!r} to run the "
@@ -345,52 +348,50 @@ def gpu_preference(compute_capability: float, head_dim: int) -> tuple[str, str]:
       f"{timed['source']})")
 
 
-def fit_fallback(cfg):
-  """The model config to compile instead when a step of `cfg` does not fit in device memory:
-  `auto`'s reference on a GPU falls back to the fused kernel, which saves O(block) per layer for
-  the backward pass (its position scores, O(block x window), are recomputed per layer) where the
-  XLA path saves O(block x window) score bands per layer; None where there is nothing to fall
-  back to (an explicit choice, a model the kernel cannot run: the sparse model, sizes it cannot
-  tile; a GPU without Triton)."""
-  if (cfg.attention.impl != "auto" or not _gpu_runs_triton(target.current())
+def fit_fallback(spec: Spec) -> Spec | None:
+  """The spec to compile instead when a step does not fit in device memory: `auto`'s reference
+  on a GPU falls back to the fused kernel, which saves O(block) per layer for the backward pass
+  (its position scores, O(block x window), are recomputed per layer) where the XLA path saves
+  O(block x window) score bands per layer; None where there is nothing to fall back to (an
+  explicit choice, sizes the kernel cannot tile; a GPU without Triton). The model adds its own
+  rules (model/attention_rules.py)."""
+  if (spec.attention.impl != "auto" or not _gpu_runs_triton(target.current())
       or target.triton_missing()):
     return None
-  if fused_misfit(cfg)[0] or select(cfg).fused:
+  if fused_misfit(spec)[0] or select(spec).fused:
     return None
-  return cfg.replace(attention=cfg.attention.replace(impl="pallas"))
+  return spec.replace(attention=spec.attention.replace(impl="pallas"))
 
 
-def select(cfg, m: int | None = None, w: int | None = None) -> Impl:
+def select(spec: Spec, m: int | None = None, w: int | None = None) -> Impl:
   """The implementation that runs a layer with a block of m queries and windows up to w.
 
   An explicit fused choice falls back to the reference where the kernel does not fit (init's
   one-token block); `auto` picks by backend, and on a GPU by `gpu_preference`. Logged once per
   distinct choice and shape."""
-  impl, why = _select(cfg, m, w)
-  key = (spec_of(cfg).attention.impl, impl.name, m, w, why)
+  impl, why = _select(spec, m, w)
+  key = (spec.attention.impl, impl.name, m, w, why)
   if key not in _logged:
     _logged.add(key)
     log.info("attention: %s (attention.impl=%s, block %s, window %s%s)", impl.name,
-             spec_of(cfg).attention.impl, m,
-             w, f"; {why}" if why else "")
+             spec.attention.impl, m, w, f"; {why}" if why else "")
   return impl
 
 
-def choose(cfg, m: int | None = None, w: int | None = None) -> str:
+def choose(spec: Spec, m: int | None = None, w: int | None = None) -> str:
   """The name of what `select` picks (logs, reports)."""
-  return select(cfg, m, w).name
+  return select(spec, m, w).name
 
 
-def why(cfg, m: int | None = None, w: int | None = None) -> str:
+def why(spec: Spec, m: int | None = None, w: int | None = None) -> str:
   """Why `select` picks what it picks ('' where the choice is the config's own or the CPU's)."""
-  return _select(cfg, m, w)[1]
+  return _select(spec, m, w)[1]
 
 
-def _select(cfg, m, w) -> tuple[Impl, str]:
-  cfg = spec_of(cfg)
-  if cfg.attention.impl != "auto":
-    impl = IMPLS[cfg.attention.impl]
-    why = impl.misfit(cfg, m, w)
+def _select(spec: Spec, m, w) -> tuple[Impl, str]:
+  if spec.attention.impl != "auto":
+    impl = IMPLS[spec.attention.impl]
+    why = impl.misfit(spec, m, w)
     return (IMPLS["reference"] if why else impl), why
   platform = target.current()
   if platform.name == "cpu":
@@ -399,35 +400,35 @@ def _select(cfg, m, w) -> tuple[Impl, str]:
     why = target.triton_missing()
     if why:
       return IMPLS["reference"], why + ": the XLA path"
-    why = IMPLS["pallas"].misfit(cfg, m, w)
+    why = IMPLS["pallas"].misfit(spec, m, w)
     if why:
       return IMPLS["reference"], why
-    name, why = gpu_preference(platform.compute_capability, cfg.head_dim)
+    name, why = gpu_preference(platform.compute_capability, spec.head_dim)
     return IMPLS[name], why
   if platform.name == "tpu" and "v4" in platform.kind:
     return IMPLS["reference"], "TPU v4: Mosaic has no strided rotate (the kernel's skew)"
   if platform.name == "tpu":
-    why = IMPLS["pallas_tpu"].misfit(cfg, m, w)
+    why = IMPLS["pallas_tpu"].misfit(spec, m, w)
     return IMPLS["reference" if why else "pallas_tpu"], why
   return IMPLS["reference"], f"backend {platform.name}"
 
 
-def runtime_spans(cfg) -> bool:
+def runtime_spans(spec: Spec) -> bool:
   """Whether spans are runtime values (the fused kernel), so a layer's plan is one head group."""
-  return select(cfg).fused
+  return select(spec).fused
 
 
-def chunk(cfg, m: int, w: int) -> int:
+def chunk(spec: Spec, m: int, w: int) -> int:
   """Queries per chunk of the banded scores for a block of m and a window of w (the reference's
   choose_chunk: config.model.attention.chunk, else automatic), for the counts of model/macs.py
   and model/costs.py."""
   from span_lm.kernels.span.banded_reference import choose_chunk  # pylint: disable=g-import-not-at-top
-  return choose_chunk(m, w, cfg.attention.chunk)
+  return choose_chunk(m, w, spec.attention.chunk)
 
 
-def gpu_tiles(cfg, impl: str, dtype) -> tuple[int, int, int]:
+def gpu_tiles(spec: Spec, impl: str, dtype) -> tuple[int, int, int]:
   """The GPU kernel's (tile, warps, stages) for a GPU implementation (impl_gpu.tiles)."""
-  return IMPLS[impl].ops.tiles(IMPLS[impl], spec_of(cfg), dtype)
+  return IMPLS[impl].ops.tiles(IMPLS[impl], spec, dtype)
 
 
 def fused_residual_bytes(batch: int, m: int, heads: int, rows: int, dp: int,
@@ -439,12 +440,12 @@ def fused_residual_bytes(batch: int, m: int, heads: int, rows: int, dp: int,
           "score_bands": 2 * batch * heads * m * 4, "weights": batch * heads * m * dp * itemsize}
 
 
-def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_k_HxDxN=None,
+def decode(spec: Spec, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_k_HxDxN=None,
            pers_v_HxNxD=None):
   """One-token attention over ring caches ((keys, values), each (B, H, L, Dh)): (B, H, Dh)."""
   from span_lm.kernels.span import ring as ring_lib  # pylint: disable=g-import-not-at-top  (jax)
   return ring_lib.ring_attention(q_BxHxD, ring[0], ring[1], key_pe_DxS, pos, windows_H,
-                                 span_z=span_z, ramp=cfg.span.ramp, pers_k_HxDxN=pers_k_HxDxN,
+                                 span_z=span_z, ramp=spec.ramp, pers_k_HxDxN=pers_k_HxDxN,
                                  pers_v_HxNxD=pers_v_HxNxD)
 
 
@@ -454,7 +455,7 @@ def decode(cfg, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_
 GPU_COMPILER_OPTIONS = {"xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
 
 
-def compiler_options(cfg) -> dict:
-  """XLA compile options for a step of this model on the target platform: ptxas' occupancy
-  floor where the fused GPU kernel runs, else none."""
-  return select(cfg).compiler_options()
+def compiler_options(spec: Spec) -> dict:
+  """XLA compile options for a step running this attention on the target platform: ptxas'
+  occupancy floor where the fused GPU kernel runs, else none."""
+  return select(spec).compiler_options()
