@@ -58,14 +58,15 @@ def sparse_attention_macs(cfg, layer: int, n: int) -> tuple[int, int]:
   heads = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, layer, cfg.sparse.stride,
                              cfg.sparse.c, cfg.sparse.distinct)
   keys = 0  # (query, key) pairs computed, summed over heads
-  impl = sparse_door.select(cfg.sparse.impl, heads, n, dk)
+  spec = sparse.door_spec(cfg.sparse.impl, heads, n, dk)
+  impl = sparse_door.select(spec)
   if impl.kernel:  # the kernel's own tiles (splash's blocks, the Triton kernel's tiles)
     pairs = impl.ops.computed_pairs
     keys = sum(pairs(head, n) if impl.ops is splash_sparse else pairs(head, n, cfg.dtype)
                for head in heads)
     return keys * dk, keys * dv
   for head in heads:
-    if sparse_door.ALIASES.get(cfg.sparse.impl, cfg.sparse.impl) == "dense" or head.kind == "dense":
+    if spec.impl == "dense" or head.kind == "dense":
       keys += n * n
       continue
     l = head.stride

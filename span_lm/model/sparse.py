@@ -95,8 +95,15 @@ from span_lm.kernels.sparse.sparse_jnp import masked_attention, reference_attent
 def attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, impl: str = "auto"):
   """impl: a row of kernels/sparse/door.py's SPARSE_IMPLS or 'auto' (its `select`)."""
   from span_lm.kernels.sparse import door as sparse_door  # pylint: disable=g-import-not-at-top
-  chosen = sparse_door.select(impl, heads, q_BxHxNxD.shape[2], q_BxHxNxD.shape[3])
+  chosen = sparse_door.select(door_spec(impl, heads, q_BxHxNxD.shape[2], q_BxHxNxD.shape[3]))
   return chosen(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads)
+
+
+def door_spec(impl: str, heads, n: int, head_dim: int):
+  """What the sparse door reads of a layer (kernels/sparse/door.py's SparseSpec): every caller
+  builds it here, so an old implementation name warns from one place."""
+  from span_lm.kernels.sparse import door as sparse_door  # pylint: disable=g-import-not-at-top
+  return sparse_door.SparseSpec(impl=impl, heads=heads, n=n, head_dim=head_dim)
 
 
 def attended_keys(heads, n: int) -> int:

@@ -242,5 +242,6 @@ def attention_choice(cfg, m=None, w=None) -> tuple[str, str]:
   sp = cfg.sparse
   heads = sparse.layer_heads(sp.pattern, sp.combine, cfg.n_heads, 0, sp.stride, sp.c,
                              sp.distinct)
-  name, why = sparse_door.choose(sp.impl, heads, m or sp.context, cfg.d_qk // cfg.n_heads)
+  name, why = sparse_door.choose(sparse.door_spec(sp.impl, heads, m or sp.context,
+                                                  cfg.d_qk // cfg.n_heads))
   return f"sparse {name}", why

@@ -71,13 +71,13 @@ def test_an_explicit_gpu_kernel_is_refused_in_one_line(no_triton, impl):
 
 def test_the_sparse_kernel_degrades_too(no_triton):
   with pytest.raises(ValueError) as e:
-    sparse_door.check("pallas")
+    sparse_door.check(sparse_door.SparseSpec("pallas"))
   assert "\n" not in str(e.value) and jax.__version__ in str(e.value) and "'jnp'" in str(e.value)
   with target.compiling_for("gpu", 9.0):
-    name, why = sparse_door.choose("auto", 4, 1024, 64)
+    name, why = sparse_door.choose(sparse_door.SparseSpec("auto", 4, 1024, 64))
   assert name == "jnp" and "no Pallas Triton backend" in why
   with target.compiling_for("tpu", kind="TPU v5p"):  # other platforms are untouched
-    assert sparse_door.choose("auto", 4, 1024, 64)[0] == "splash"
+    assert sparse_door.choose(sparse_door.SparseSpec("auto", 4, 1024, 64))[0] == "splash"
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """The Sparse Transformer's attention implementations, chosen like the span kernels' (`IMPLS`):
-one row per implementation, `select` by platform (kernels/target.py: the host's backend or the
-chip a deviceless compile names) and fit, logged once; an explicit choice that cannot run is
-refused by `check` in one line naming the field.
+one row per implementation, a door of the span door's shape: the model builds a `SparseSpec`,
+`select(spec)` picks by platform (kernels/target.py: the host's backend or the chip a deviceless
+compile names) and fit, logged once; an explicit choice that cannot run is refused by
+`check(spec)` in one line naming the field.
 
 Rows: 'jnp' (model/sparse.py's O(n sqrt n) fast path; 'fast', its old name, is read as 'jnp'
 with a warning), 'dense' (the masked n x n reference), 'splash' (jax's TPU splash attention,
@@ -17,6 +18,7 @@ import dataclasses
 import importlib
 import logging
 import warnings
+from typing import Any
 
 from span_lm.kernels import target
 
@@ -66,19 +68,28 @@ SPARSE_IMPLS: dict[str, SparseImpl] = {i.name: i for i in (
 SPARSE_IMPL_NAMES = ("auto",) + tuple(SPARSE_IMPLS) + tuple(ALIASES)  # what the config may name
 
 
-def canonical(name: str) -> str:
-  if name in ALIASES:
-    warnings.warn(f"config.model.sparse.impl={name!r} is now {ALIASES[name]!r}", FutureWarning,
-                  stacklevel=3)
-    return ALIASES[name]
-  return name
+@dataclasses.dataclass(frozen=True)
+class SparseSpec:
+  """What the sparse door needs of one layer's attention, and nothing else: the model builds one
+  (model/sparse.py) as the span model builds its `kernels.Spec`. An old name (ALIASES) is read
+  as the new one on construction, with a FutureWarning, as the span door's `Attention` reads its
+  own."""
+  impl: str = "auto"  # a row of SPARSE_IMPLS, or 'auto'
+  heads: Any = None  # the layer's head patterns (block_sparse.HeadPattern each); None: unknown
+  n: int | None = None  # positions: queries and keys (causal)
+  head_dim: int | None = None  # of the queries and keys
+
+  def __post_init__(self):
+    if self.impl in ALIASES:
+      warnings.warn(f"config.model.sparse.impl={self.impl!r} is now {ALIASES[self.impl]!r}",
+                    FutureWarning, stacklevel=3)
+      object.__setattr__(self, "impl", ALIASES[self.impl])
 
 
-def check(name: str, heads=None, n: int | None = None, head_dim: int | None = None, *,
-          backend: str | None = None) -> None:
+def check(spec: SparseSpec, *, backend: str | None = None) -> None:
   """One-line ValueError where an explicit choice cannot run (unknown name, a compiled kernel
-  on another backend, shapes it cannot tile)."""
-  name = ALIASES.get(name, name)
+  on another backend, the spec's shapes where given, which it cannot tile)."""
+  name = spec.impl
   if name == "auto":
     return
   impl = SPARSE_IMPLS.get(name)
@@ -89,13 +100,14 @@ def check(name: str, heads=None, n: int | None = None, head_dim: int | None = No
                      f"{backend} devices: use 'auto' (or {name + '_interpret'!r})")
   if impl.module == SPARSE_IMPLS["pallas"].module:
     target.refuse_without_triton("sparse.impl", name, impl.needs, "jnp")
-  if heads is not None:
-    why = impl.misfit(heads, n, head_dim)
+  if spec.heads is not None:
+    why = impl.misfit(spec.heads, spec.n, spec.head_dim)
     if why:
       raise ValueError(f"config.model.sparse.impl={name!r}: {why}")
 
 
-def _auto(heads, n, head_dim) -> tuple[SparseImpl, str]:
+def _auto(spec: SparseSpec) -> tuple[SparseImpl, str]:
+  heads, n, head_dim = spec.heads, spec.n, spec.head_dim
   platform = target.current()
   if platform.name == "tpu":
     why = SPARSE_IMPLS["splash"].misfit(heads, n, head_dim)
@@ -109,28 +121,27 @@ def _auto(heads, n, head_dim) -> tuple[SparseImpl, str]:
   return SPARSE_IMPLS["jnp"], "" if platform.name == "cpu" else f"backend {platform.name}"
 
 
-def _pick(name: str, heads, n: int, head_dim: int) -> tuple[SparseImpl, str]:
-  """(the implementation, why: '' or the reason auto passed over a kernel); `name` canonical."""
-  if name == "auto":
-    return _auto(heads, n, head_dim)
-  check(name, heads, n, head_dim)
-  return SPARSE_IMPLS[name], ""
+def _pick(spec: SparseSpec) -> tuple[SparseImpl, str]:
+  """(the implementation, why: '' or the reason auto passed over a kernel)."""
+  if spec.impl == "auto":
+    return _auto(spec)
+  check(spec)
+  return SPARSE_IMPLS[spec.impl], ""
 
 
-def choose(name: str, heads, n: int, head_dim: int) -> tuple[str, str]:
+def choose(spec: SparseSpec) -> tuple[str, str]:
   """(what `select` picks, why), unlogged: for reports."""
-  impl, why = _pick(ALIASES.get(name, name), heads, n, head_dim)
+  impl, why = _pick(spec)
   return impl.name, why
 
 
-def select(name: str, heads, n: int, head_dim: int) -> SparseImpl:
-  """The implementation that runs these heads over n positions; an explicit choice that does
-  not fit raises (check). Logged once per distinct choice."""
-  name = canonical(name)
-  impl, why = _pick(name, heads, n, head_dim)
-  key = (name, impl.name, n, head_dim, why)
+def select(spec: SparseSpec) -> SparseImpl:
+  """The implementation that runs the spec's heads over its n positions; an explicit choice that
+  does not fit raises (check). Logged once per distinct choice."""
+  impl, why = _pick(spec)
+  key = (spec.impl, impl.name, spec.n, spec.head_dim, why)
   if key not in _logged:
     _logged.add(key)
-    log.info("sparse attention: %s (sparse.impl=%s, n %d%s)", impl.name, name, n,
+    log.info("sparse attention: %s (sparse.impl=%s, n %d%s)", impl.name, spec.impl, spec.n,
              f"; {why}" if why else "")
   return impl
