@@ -14,5 +14,5 @@ model and the layers call them. It imports no jax: the config validates with it.
 from span_lm.kernels.span.door import (  # noqa: F401  (the package's API)
     ALIASES, ATTN_IMPLS, ATTN_PRECISIONS, GPU_COMPILER_OPTIONS, GPU_TIMINGS, IMPLS, KV, Attention,
     Impl, Segments, Spec, check, check_attention, choose, chunk, compiler_options, decode,
-    fit_fallback, fused_misfit, fused_residual_bytes, gpu_preference, gpu_tiles, kv_group,
-    parse_tiles, runtime_spans, select, tile_misfit, why)
+    fit_fallback, fused_misfit, gpu_preference, gpu_tiles, kv_group, parse_tiles, runtime_spans,
+    select, tile_misfit, why)

@@ -15,7 +15,8 @@ import pytest
 from model_helpers import build, replaced
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels.span import pallas_gpu
+from span_lm.kernels.span import cost as kernel_cost
+from span_lm.kernels.span import gpu_tiles
 from span_lm.kernels import target as target_lib
 from span_lm.tools import compile as compile_lib
 
@@ -128,16 +129,16 @@ def test_one_table_of_peaks_for_the_gpu_suite_and_the_rooflines():
 
 
 def test_fused_kernel_tiles_per_target_fit_the_block():
-  assert pallas_gpu.tiles(None, 64, "float32", 64) == (64, 4, 2)  # interpret mode: the block
+  assert gpu_tiles.tiles(None, 64, "float32", 64) == (64, 4, 2)  # interpret mode: the block
   for cc in (8.0, 9.0):
     for dh in (64, 96):
       for dtype in ("bfloat16", "float32"):
-        tile, warps, stages = pallas_gpu.tiles(cc, dh, dtype, 64)
+        tile, warps, stages = gpu_tiles.tiles(cc, dh, dtype, 64)
         # 64-row tiles in bf16 (float32 on the A100: 32, registers), pipelined, key tiles dividing
         assert tile == (64 if dtype == "bfloat16" or cc >= 9 else 32), (cc, dh, dtype)
         assert warps in (4, 8) and stages >= 2
-        assert tile % pallas_gpu.key_tile(cc, dh, dtype, tile) == 0
-  assert pallas_gpu.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
+        assert tile % gpu_tiles.key_tile(cc, dh, dtype, tile) == 0
+  assert gpu_tiles.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
 
 
 def test_gpu_kernel_roofline_counts_the_visited_tiles():
@@ -147,7 +148,7 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
   import numpy as np  # pylint: disable=g-import-not-at-top
   b, h, m, w, dh, t = 2, 4, 256, 1024, 64, 32
   for span, win in ((None, w), (100.0, 100 + 32 + 1)):
-    cost = pallas_gpu.schedule_cost(b, h, m, w, dh, "bfloat16", t, span=span, ramp=32)
+    cost = kernel_cost.schedule_cost(b, h, m, w, dh, "bfloat16", t, span=span, ramp=32)
     tiles = 0
     for i0 in range(0, m, t):
       for t0 in range(0, w + m, t):
@@ -286,7 +287,7 @@ def test_compile_mode_for_an_h100(tmp_path):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
 @pytest.mark.parametrize("target", ["h100", "a100_80"])
 def test_fused_kernel_fits_shared_memory_for_every_head_size_and_dtype(target):
-  """The tiles the door picks (pallas_gpu.TILES) compile within the target's shared memory; with
+  """The tiles the door picks (gpu_tiles.TILES) compile within the target's shared memory; with
   the single 64/4/2 tile of before, head size 128 (the large models' 96) and float32 did not."""
   r = subprocess.run([sys.executable, "-m", "bench.kernel_sweep", "--targets", target, "--dtypes",
                       "bfloat16", "float32", "--head_dims", "64", "128", "--tiles", "0"],

@@ -1,6 +1,6 @@
 """On-device autotune of the fused GPU kernel's tiles (`--config.model.attention.tiles=tune`).
 
-pallas_gpu.TILES comes from a deviceless ptxas sweep (bench/kernel_sweep.py): it knows registers,
+gpu_tiles.TILES comes from a deviceless ptxas sweep (bench/kernel_sweep.py): it knows registers,
 spills and shared memory, not time. On a GPU, `tune` times the forward and backward of one layer's
 attention at the run's own shapes (per-device batch, heads, block, the widest window, persistent
 memory, dropout) for each candidate that compiles, keeps the fastest, and caches the answer per
@@ -22,6 +22,7 @@ import numpy as np
 
 from span_lm import kernels
 from span_lm.kernels import target
+from span_lm.kernels.span import gpu_tiles
 
 log = logging.getLogger("span_lm")
 
@@ -98,7 +99,7 @@ def measure(spec: kernels.Spec, *, batch: int, m: int, w: int, candidates: Itera
       continue
 
     cc = None if interpret else target.current().compute_capability
-    bk = pallas_gpu.key_tile(cc, spec.head_dim, spec.dtype, tile)
+    bk = gpu_tiles.key_tile(cc, spec.head_dim, spec.dtype, tile)
 
     def loss(q, k, v, pe, z, pk, pv, tile=tile, bk=bk, warps=warps, stages=stages):
       out = pallas_gpu.span_attention(

@@ -50,7 +50,7 @@ class Attention:
   # fused kernels, float32 models: default (TF32 tensor cores on Ampere and later, as XLA's own
   # float32 matmuls) | highest (exact float32, no tensor cores). bf16 models are unaffected.
   precision: str = "default"
-  # pallas (GPU): the kernel's (tile, warps, stages): table (pallas_gpu.TILES, by compute
+  # pallas (GPU): the kernel's (tile, warps, stages): table (gpu_tiles.TILES, by compute
   # capability and head size) | tune (time the candidates on this GPU at startup, cached:
   # kernels/span/autotune.py; the run then records what it chose) | "T,W,S", e.g. "64,4,2" (S, the
   # pipeline depth, 1-4: kernels/span/pallas_gpu.py).
@@ -334,8 +334,9 @@ def gpu_preference(compute_capability: float, head_dim: int) -> tuple[str, str]:
   """(implementation, why) `auto` runs on an NVIDIA GPU where the kernel applies, before memory
   is considered (`fit_fallback`): the one timed faster on this GPU generation at this head size,
   and `reference` while the current kernel is untimed there."""
-  from span_lm.kernels.span import pallas_gpu  # pylint: disable=g-import-not-at-top  (a GPU target)
-  key = (int(compute_capability), pallas_gpu.padded_head_dim(head_dim))
+  # pylint: disable=g-import-not-at-top  (a GPU target: jax)
+  from span_lm.kernels.span import gpu_tiles, pallas_gpu
+  key = (int(compute_capability), gpu_tiles.padded_head_dim(head_dim))
   timed = GPU_TIMINGS.get(key)
   where = f"sm_{int(10 * compute_capability)}, head size {key[1]}"
   if timed is None or timed["version"] != pallas_gpu.VERSION:
@@ -429,15 +430,6 @@ def chunk(spec: Spec, m: int, w: int) -> int:
 def gpu_tiles(spec: Spec, impl: str, dtype) -> tuple[int, int, int]:
   """The GPU kernel's (tile, warps, stages) for a GPU implementation (impl_gpu.tiles)."""
   return IMPLS[impl].ops.tiles(IMPLS[impl], spec, dtype)
-
-
-def fused_residual_bytes(batch: int, m: int, heads: int, rows: int, dp: int,
-                         itemsize: int) -> dict:
-  """What either fused kernel saves for the backward pass: its inputs (keys and values of `rows`
-  cached positions and the block, head size padded to dp), its output and two float32 row
-  statistics."""
-  return {"keys_values": 2 * batch * heads * (rows + m) * dp * itemsize,
-          "score_bands": 2 * batch * heads * m * 4, "weights": batch * heads * m * dp * itemsize}
 
 
 def decode(spec: Spec, q_BxHxD, ring, key_pe_DxS, pos, windows_H, *, span_z=None, pers_k_HxDxN=None,

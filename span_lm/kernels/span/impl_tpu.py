@@ -7,6 +7,8 @@ import jax.numpy as jnp
 
 from span_lm import kernels
 from span_lm.kernels.span import impl_reference
+from span_lm.kernels.span import cost
+from span_lm.kernels.span import tpu_tiles
 from span_lm.kernels.span import pallas_tpu
 
 
@@ -50,7 +52,7 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
   if segments is not None:
     extra.update(q_seg_BxM=segments.q, kv_seg_BxT=segments.kv)
   cached = kv.cached.shape[-1] if laid_out else cached_rows(impl, key_pe_DxW.shape[-1])
-  bq, bk = pallas_tpu.tiles(spec.attention.block, m, cached,
+  bq, bk = tpu_tiles.tiles(spec.attention.block, m, cached,
                             0 if pers_k_GxDxN is None else pers_k_GxDxN.shape[-1])
   fused = pallas_tpu.span_attention_kv if laid_out else pallas_tpu.span_attention
   return fused(  # float32 parameters go in as such: their gradients stay float32
@@ -61,9 +63,9 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
 
 
 def cached_rows(impl, w: int) -> int:
-  """The cache part is laid out in whole 128-lane tiles (pallas_tpu.layout_window)."""
+  """The cache part is laid out in whole 128-lane tiles (tpu_tiles.layout_window)."""
   del impl
-  return pallas_tpu.layout_window(w)
+  return tpu_tiles.layout_window(w)
 
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
@@ -72,10 +74,10 @@ def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bo
   del train
   rows = cached_rows(impl, w)
   if spec.ahead:
-    bk = pallas_tpu.tiles(spec.attention.block, m, rows, spec.pers_mem)[1]
+    bk = tpu_tiles.tiles(spec.attention.block, m, rows, spec.pers_mem)[1]
     rows += -(-spec.ahead // bk) * bk
-  return impl_reference.grouped_kv_bytes(spec, kernels.fused_residual_bytes(
-      batch, m, heads, rows, pallas_tpu.padded_head_dim(spec.head_dim),
+  return impl_reference.grouped_kv_bytes(spec, cost.fused_residual_bytes(
+      batch, m, heads, rows, tpu_tiles.padded_head_dim(spec.head_dim),
       jnp.dtype(spec.dtype).itemsize))
 
 
@@ -94,4 +96,4 @@ def misfit(impl, spec, m, w) -> str:
   tiles), so they add no rule."""
   if impl.interpret or m is None or w is None:
     return ""
-  return pallas_tpu.misfit(spec.attention.block, m, w, spec.pers_mem)
+  return tpu_tiles.misfit(spec.attention.block, m, w, spec.pers_mem)
