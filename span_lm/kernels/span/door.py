@@ -1,26 +1,15 @@
-"""The one door to span attention: `select` picks an implementation (an `Impl` of the table
-`IMPLS`) for a layer's shape once, and the model calls its functions (`impl.project_kv`,
-`impl.attend`, ...); `check` refuses, naming the field, an explicit choice that cannot run. Only
-this package names a platform implementation (as MaxText's AttentionOp.apply_attention does).
+"""The span attention door: `select` picks an implementation (an `Impl` of the table `IMPLS`)
+for a layer's `Spec` once, and the model calls its functions (`impl.project_kv`, `impl.attend`,
+...); `check` refuses, naming the field, an explicit choice that cannot run. Only this door names
+a platform implementation (as MaxText's AttentionOp.apply_attention does), and it reads a `Spec`
+and nothing else: what only a model config knows is model/attention_rules.py's.
 
-Implementations (`model.attention.impl`; the section is `Attention`, below):
-  reference         banded_reference: the readable definition, plain autodiff; the numerical
-                    reference for the others. Default on TPU, and on GPU where the kernel does not apply.
-  cpu               banded_cpu: the same maths laid out for XLA:CPU (docs/benchmarks.md). CPU default.
-  pallas            pallas_gpu: the fused Triton kernel, spans as runtime values. On a GPU `auto`
-                    picks it where it was measured faster than `reference` (GPU_TIMINGS), or where
-                    the reference's step does not fit in memory.
-  pallas_interpret  the same kernel interpreted (any backend; slow: for tests).
-  pallas_tpu        pallas_tpu: the fused Mosaic kernel, spans as runtime values. TPU default
-                    (v5e and later).
-  pallas_tpu_interpret  the TPU kernel interpreted (any backend; slow: for tests).
-  auto              one of the above by the target platform (kernels/target.py: the host's
-                    backend, or the chip a deviceless compile names), what the kernel supports,
-                    and on a GPU by evidence (`gpu_preference`) and memory (`fit_fallback`).
-
-Each implementation's functions live in its own module (impl_reference, impl_cpu, impl_gpu,
-impl_tpu: the same functions, each with its own key/value layout), imported on first use, so the
-Pallas kernels load only where chosen. This module imports no jax: the config validates with it.
+The rows (`model.attention.impl`): reference, cpu, pallas (GPU), pallas_tpu (TPU), the two
+kernels interpreted (pallas_interpret, pallas_tpu_interpret: any backend, for tests), and auto,
+which picks by the target platform (kernels/target.py), what the kernel tiles, and on a GPU by
+evidence (`gpu_preference`) and memory (`fit_fallback`). Each row's functions live in its
+impl_* module, imported on first use, so the Pallas kernels load only where chosen. This module
+imports no jax: the config validates with it. docs/kernels.md, "The span door", has the table.
 """
 import dataclasses
 import importlib
@@ -423,7 +412,8 @@ def chunk(spec: Spec, m: int, w: int) -> int:
   """Queries per chunk of the banded scores for a block of m and a window of w (the reference's
   choose_chunk: config.model.attention.chunk, else automatic), for the counts of model/macs.py
   and model/costs.py."""
-  from span_lm.kernels.span.banded_reference import choose_chunk  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span.banded_reference import choose_chunk
   return choose_chunk(m, w, spec.attention.chunk)
 
 

@@ -1,18 +1,14 @@
-"""The Sparse Transformer's attention implementations, chosen like the span kernels' (`IMPLS`):
-one row per implementation, a door of the span door's shape: the model builds a `SparseSpec`,
-`select(spec)` picks by platform (kernels/target.py: the host's backend or the chip a deviceless
-compile names) and fit, logged once; an explicit choice that cannot run is refused by
-`check(spec)` in one line naming the field.
+"""The Sparse Transformer's attention door, of the span door's shape: the model builds a
+`SparseSpec`, `select(spec)` picks a row of `SPARSE_IMPLS` by platform (kernels/target.py: the
+host's backend or the chip a deviceless compile names) and fit, logged once; `check(spec)`
+refuses an explicit choice that cannot run in one line naming the field.
 
-Rows: 'jnp' (model/sparse.py's O(n sqrt n) fast path; 'fast', its old name, is read as 'jnp'
-with a warning), 'dense' (the masked n x n reference), 'splash' (jax's TPU splash attention,
-the heads' patterns as computable masks, skipping all-zero blocks both ways), 'splash_interpret'
-(interpreted, any backend: tests), 'pallas' (GPU: kernels/sparse/pallas_gpu_sparse.py's Triton
-block-sparse kernel), 'pallas_interpret', 'auto' (TPU: splash where it fits, GPU of compute
-capability >= 8.0: pallas where it fits, else jnp; CPU: jnp). docs/kernels.md, "The Sparse
-Transformer's attention", has the table; adding a kernel is one row in SPARSE_IMPLS and, for
-'auto', one line in `_auto`, where the module offers `block_sparse_attention(q, k, v, heads, *,
-interpret=False)` and `misfit(heads, n, head_dim) -> str`.
+Rows: jnp (model/sparse.py's O(n sqrt n) fast path; 'fast', its old name, is read as 'jnp' with
+a warning), dense (the masked n x n reference), splash (jax's TPU splash attention), pallas (the
+Triton block-sparse kernel, kernels/sparse/pallas_gpu_sparse.py), the kernels interpreted
+(splash_interpret, pallas_interpret: any backend, for tests), and auto (TPU: splash where it
+fits; GPU of compute capability >= 8.0: pallas where it fits; else jnp). docs/kernels.md, "The
+Sparse Transformer's attention", has the table and how to add a kernel.
 """
 import dataclasses
 import importlib
@@ -59,7 +55,8 @@ SPARSE_IMPLS: dict[str, SparseImpl] = {i.name: i for i in (
     SparseImpl("dense", "span_lm.kernels.sparse.sparse_jnp", fn="dense_attention"),
     SparseImpl("splash", "span_lm.kernels.sparse.splash_sparse", platform="tpu", needs=_TPU,
                kernel=True),
-    SparseImpl("splash_interpret", "span_lm.kernels.sparse.splash_sparse", interpret=True, kernel=True),
+    SparseImpl("splash_interpret", "span_lm.kernels.sparse.splash_sparse", interpret=True,
+               kernel=True),
     SparseImpl("pallas", "span_lm.kernels.sparse.pallas_gpu_sparse", platform="gpu", needs=_GPU,
                kernel=True),
     SparseImpl("pallas_interpret", "span_lm.kernels.sparse.pallas_gpu_sparse", interpret=True,
