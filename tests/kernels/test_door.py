@@ -246,6 +246,34 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
                           "('default', 'highest')")
 
 
+def test_the_door_takes_a_spec_and_the_model_adds_its_own_rules():
+  """The door reads a Spec only (check, fit_fallback); what only a model config knows, its
+  span size and plan granularity named as config.model names them, is model/attention_rules.py's,
+  asked before the door."""
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  spec = cfg_for("pallas").attn_spec
+  kernels.check(spec, block=32, backend="gpu")
+  with pytest.raises(ValueError) as e:
+    kernels.check(spec.replace(pers_mem=24))
+  assert str(e.value) == ("config.model.pers_mem=24: must be a multiple of attention.block=16 "
+                          "with attention.impl='pallas'")
+  with pytest.raises(ValueError, match=r"^config\.data\.block=24: must be a multiple"):
+    kernels.check(spec, block=24)
+  auto = cfg_for("auto")
+  with target.compiling_for("gpu", 8.0):  # untimed there: the XLA path, the kernel if it won't fit
+    fallback = kernels.fit_fallback(auto.attn_spec)
+    assert isinstance(fallback, kernels.Spec) and fallback.attention.impl == "pallas"
+    assert attention_rules.fit_fallback(auto) == auto.replace(attention=fallback.attention)
+    assert attention_rules.fit_fallback(cfg_for("auto", **{"span.size": 40})) is None
+  assert attention_rules.fused_misfit(auto) == ("", "")
+  assert attention_rules.fused_misfit(cfg_for("auto", **{"plan.granularity": 8})) == (
+      "plan.granularity", "must be a multiple of attention.block=16")
+  with pytest.raises(ValueError) as e:
+    cfg_for("pallas", **{"span.size": 40})
+  assert str(e.value) == ("config.model.span.size=40: must be a multiple of attention.block=16 "
+                          "with attention.impl='pallas'")
+
+
 def test_check_reads_the_run_configs_model_section():
   """train/loop.py checks the platform rule on config.model before the ModelConfig is built
   (old names included)."""
