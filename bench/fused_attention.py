@@ -4,7 +4,7 @@ One layer's attention (B, H heads, block M, head size Dh, window S) with a span 
   fixed   every head at S (no mask)
   short   every head at `--short` tokens (span + ramp)
   mixed   one head at S, the others short
-The plain path (kernels.banded_reference, the GPU default without the kernel) gets the span plan's head groups as compile-time
+The plain path (kernels/span/banded_reference.py, the GPU default without the kernel) gets the span plan's head groups as compile-time
 windows, as the model gives it; the fused kernel gets the full window S and the spans as runtime
 values (one compilation for every profile). Reports ms per call and, for the kernel, the
 attention FLOPs it would do if it skipped exactly the keys outside each head's span.
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench import harness
-from span_lm.kernels import banded_reference
-from span_lm.kernels import pallas_gpu as fa
+from span_lm.kernels.span import banded_reference
+from span_lm.kernels.span import pallas_gpu as fa
 
 
 def profile(case, h, s, short):

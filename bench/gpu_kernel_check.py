@@ -29,9 +29,10 @@ import numpy as np
 from bench import gpu_families
 from bench import gpu_layer_check
 from bench import harness
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
+from span_lm.kernels.span import gpu_tiles
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import pallas_gpu
 
 RAMP = 32
 TOL = gpu_layer_check.TOL  # TF32 / bf16 against the float32 definition
@@ -144,7 +145,7 @@ def correctness(a, env, deadline):
   for (name, dtype, dh, spans, pers, rate), variant in runs:
     if a.small:
       dh = SMALL_HEAD_DIM[dh]
-    tile, warps, stages = pallas_gpu.tiles(env["cc"], dh, jnp.dtype(dtype), block)
+    tile, warps, stages = gpu_tiles.tiles(env["cc"], dh, jnp.dtype(dtype), block)
     if variant == "other":
       stages = 1 if stages > 1 else 2
     row = {"kind": "check", "case": name, "dtype": dtype, "head_dim": dh, "spans": spans,
@@ -191,7 +192,7 @@ def timings(a, env, deadline):
   tb, th, tm, tw, dh = (1, 2, 32, 64, 16) if a.small else (8, 8, 512, 8192, 64)
   block = 16 if a.small else 64  # configs/enwik8.py's attention.block (model.config's default)
   reps = 2 if a.small else 10
-  tile, warps, stages = pallas_gpu.tiles(env["cc"], dh, jnp.bfloat16, block)
+  tile, warps, stages = gpu_tiles.tiles(env["cc"], dh, jnp.bfloat16, block)
   alt = 1 if stages > 1 else 2
   g = jax.random.normal(jax.random.PRNGKey(9), (tb, th, tm, dh), jnp.float32)
   xs = {spans: inputs(tb, th, tm, tw, dh, jnp.bfloat16, spans, 0) for spans in ("all_S", "learned")}

@@ -29,7 +29,7 @@ out-of-memory is that family's rows, not the run):
                       impls at the learned plan, then the full plan while time remains
   sampling            tokens/s of the cached decoder on the enwik8 model, learned and full plans
   sparse              bench/gpu_sparse.py: the Sparse Transformer's block-sparse kernel
-                      (kernels/pallas_gpu_sparse.py): values and every gradient against the dense
+                      (kernels/sparse/pallas_gpu_sparse.py): values and every gradient against the dense
                       masked reference (fixed merged / split / A2 alone, strided merged; bf16 and
                       float32), then at configs/enwik8_sparse_fixed.py's attention shape (12,288
                       tokens, 8 heads, head dim 64, fixed merged, bf16): the kernel against the

@@ -1,5 +1,5 @@
 """The Sparse Transformer's attention on a GPU, one process (the `sparse` family of
-bench/gpu_run.py): the block-sparse Pallas kernel (span_lm/kernels/pallas_gpu_sparse.py).
+bench/gpu_run.py): the block-sparse Pallas kernel (span_lm/kernels/sparse/pallas_gpu_sparse.py).
 
   1. first, at configs/enwik8_sparse_fixed.py's attention shape (12,288 tokens, 8 heads, head
      dim 64, fixed pattern, stride 128, c = 32, merged heads with distinct offsets, bf16;
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 
 from bench import gpu_kernel_check
 from bench import harness
-from span_lm.kernels import block_sparse
-from span_lm.kernels import pallas_gpu_sparse as ps
-from span_lm.kernels import sparse_door
+from span_lm.kernels.sparse import block_sparse
+from span_lm.kernels.sparse import pallas_gpu_sparse as ps
+from span_lm.kernels.sparse import door as sparse_door
 from span_lm.model import sparse
 
 TOL = gpu_kernel_check.TOL
@@ -43,7 +43,7 @@ PAIR_TOL = 2 * TOL["bfloat16"]
 
 
 def sparse_kernel(interpret: bool) -> str:
-  """The GPU block-sparse kernel's name in span_lm.kernels.sparse_door.SPARSE_IMPLS (compiled, or
+  """The GPU block-sparse kernel's name in span_lm.kernels.sparse.door.SPARSE_IMPLS (compiled, or
   its interpreted twin); the XLA path is the table's `jnp`."""
   gpu = next(n for n, i in sparse_door.SPARSE_IMPLS.items() if i.platform == "gpu")
   twin = next(n for n, i in sparse_door.SPARSE_IMPLS.items()

@@ -166,7 +166,7 @@ def child_train(spec):
                           "attn_block": cfg.attention.block, "attn_tiles": cfg.attention.tiles})
         if cfg.attention.impl.startswith("pallas"):
           try:
-            row["tiles"] = list(kernels.gpu_tiles(cfg, cfg.attention.impl, cfg.dtype))
+            row["tiles"] = list(kernels.gpu_tiles(cfg.attn_spec, cfg.attention.impl, cfg.dtype))
           except Exception as e:  # pylint: disable=broad-except
             row["tiles"] = f"n/a ({type(e).__name__})"
         key = (cfg.span.mode, cfg.dtype)

@@ -4,7 +4,7 @@ what the PTX does (tensor-core instructions, asynchronous copies, buffers read b
 tiles loaded a tile ahead: span_lm/tools/ptx.py).
 
 Cases (each bf16 and float32, head sizes 64 and 96 (run as 128), at the door's tiles:
-pallas_gpu.TILES causal, TILES_TWO_SIDED with windows ahead), value_and_grad of one call:
+gpu_tiles.TILES causal, TILES_TWO_SIDED with windows ahead), value_and_grad of one call:
   causal            B=1, H=2, M=128, W=256, adaptive spans, persistent memory (64), dropout 0.1:
                     tests/kernels/test_pallas_gpu.py's PTX case, what the span model runs
   causal_segmented  the same with segment ids: what the drop-in layer runs causal
@@ -16,7 +16,7 @@ pallas_gpu.TILES causal, TILES_TWO_SIDED with windows ahead), value_and_grad of 
   two_sided_gqa     two_sided with 8 query heads, 2 key/value heads
   encoder_step      jit(grad) of an encoder built from the drop-in layer (4 heads, max_span 64,
                     bidirectional, segment ids, dropout 0.1, 2 x 256 tokens), attn_impl='pallas'
-  sparse_enwik8     the block-sparse kernel (kernels/pallas_gpu_sparse.py), value_and_grad at
+  sparse_enwik8     the block-sparse kernel (kernels/sparse/pallas_gpu_sparse.py), value_and_grad at
                     configs/enwik8_sparse_fixed.py's attention shape: B=1, 8 heads, n=12,288,
                     fixed pattern, stride 128, c=32, merged (distinct offsets), at its TILES
                     (head size 64 only: --head_dims 64)
@@ -57,7 +57,8 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import pallas_gpu
+from span_lm.kernels.span import gpu_tiles
 chip = chips.get(sys.argv[1])
 case, dt, dh = sys.argv[2], jnp.dtype(sys.argv[3]), int(sys.argv[4])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
@@ -75,8 +76,8 @@ if case.endswith("_gqa"):  # grouped key/value heads: 4 query heads per key/valu
   h, hk = 8, 2
 a = 255 if case.startswith("two_sided") else 0
 seg, apart = case != "causal", case == "two_sided_apart"
-tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64, two_sided=a > 0)
-bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile, two_sided=a > 0)
+tile, warps, stages = gpu_tiles.tiles(chip.cc, dh, dt, 64, two_sided=a > 0)
+bk = gpu_tiles.key_tile(chip.cc, dh, dt, tile, two_sided=a > 0)
 print("TILES " + json.dumps([tile, bk, warps, stages]), flush=True)
 sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
 f32, i32 = jnp.float32, jnp.int32
@@ -109,8 +110,8 @@ class Encoder(nn.Module):
     return nn.Dense(256, dtype=jnp.float32)(x)
 
 with target.compiling_for("gpu", chip.cc, chip.device_kind):
-  tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64, two_sided=True)
-  bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile, two_sided=True)
+  tile, warps, stages = gpu_tiles.tiles(chip.cc, dh, dt, 64, two_sided=True)
+  bk = gpu_tiles.key_tile(chip.cc, dh, dt, tile, two_sided=True)
   print("TILES " + json.dumps([tile, bk, warps, stages]), flush=True)
   model = Encoder()
   sds = lambda s, d: jax.ShapeDtypeStruct(s, d, sharding=sh)
@@ -127,7 +128,7 @@ with target.compiling_for("gpu", chip.cc, chip.device_kind):
 
 
 _SPARSE = _PRELUDE + """
-from span_lm.kernels import pallas_gpu_sparse as ps
+from span_lm.kernels.sparse import pallas_gpu_sparse as ps
 from span_lm.kernels import target
 from span_lm.model import sparse
 b, h, n = 1, 8, 12288

@@ -6,7 +6,7 @@ span_lm/tools/ptx.py), and compile time.
 Each candidate (target, dtype, head size, tile, warps, stages) compiles value_and_grad of
 `pallas_gpu.span_attention` (B=2, H=8, M=512, W=1024, adaptive spans, no persistent memory) in a
 child process with the CUDA toolchain (pip install "jax[cuda12]==<jax version>"; no GPU needed).
-The table `pallas_gpu.TILES` is chosen from its results (docs/kernels.md).
+The table `gpu_tiles.TILES` is chosen from its results (docs/kernels.md).
 
   python -m bench.kernel_sweep --targets h100 a100_80 --dtypes bfloat16 float32 \
       --head_dims 64 128 --warps 4 8 --stages 2 3 --out docs/kernel_sweep.json
@@ -25,6 +25,7 @@ from span_lm import kernels
 from span_lm.kernels import chips
 from span_lm.tools import compile as compile_lib
 from span_lm.tools import ptx
+from span_lm.kernels.span import gpu_tiles
 
 
 def child(target, dtype, dh, tile, warps, stages, precision, key_tile=0):
@@ -33,7 +34,7 @@ def child(target, dtype, dh, tile, warps, stages, precision, key_tile=0):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import pallas_gpu  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import pallas_gpu  # pylint: disable=g-import-not-at-top
   chip = chips.get(target)
   topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                       target_config=chips.gpu_target_config(chip))
@@ -42,9 +43,9 @@ def child(target, dtype, dh, tile, warps, stages, precision, key_tile=0):
   jax.config.update("jax_default_device", topo.devices[0])
   b, h, m, w = 2, 8, 512, 1024
   dt = jnp.dtype(dtype)
-  if tile == 0:  # what the door runs on this target (pallas_gpu.TILES) for attn_block=64
-    tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)
-    key_tile = pallas_gpu.key_tile(chip.cc, dh, dt, tile)
+  if tile == 0:  # what the door runs on this target (gpu_tiles.TILES) for attn_block=64
+    tile, warps, stages = gpu_tiles.tiles(chip.cc, dh, dt, 64)
+    key_tile = gpu_tiles.key_tile(chip.cc, dh, dt, tile)
   key_tile = key_tile or tile
   sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
 
@@ -158,7 +159,7 @@ def main():
   p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
   p.add_argument("--head_dims", nargs="+", type=int, default=[64, 128])
   p.add_argument("--tiles", nargs="+", type=int, default=[64],
-                 help="0: the table's choice (pallas_gpu.TILES), whatever --warps/--stages say")
+                 help="0: the table's choice (gpu_tiles.TILES), whatever --warps/--stages say")
   p.add_argument("--key_tiles", nargs="+", type=int, default=[0],
                  help="0: the query tile (the table's own with --tiles 0)")
   p.add_argument("--warps", nargs="+", type=int, default=[4])

@@ -14,7 +14,7 @@ What maps where:
 - q k^T and p v: `plgpu.wgmma` (bf16 operands, float32 accumulator); in the FA3 form (fold=True)
   q k^T's accumulator starts from the position tile, so the position term costs an accumulator
   load, not a matmul (fold=False, the form jax's interpreter runs: `span_forward`).
-- The position term: G = q [pe | 0] is one XLA matmul outside (as kernels/pallas_gpu.py does),
+- The position term: G = q [pe | 0] is one XLA matmul outside (as kernels/span/pallas_gpu.py does),
   G's rows have pitch W + 1 and the buffer read with row pitch W is the score in key coordinates
   (the rel-shift view: flat[i W + t] = G[i, t - i]). Reshaped to (rows, W) that view is a plain
   2-D array, and the tile of query rows i0.. and key columns t0.. (t0 a multiple of the key tile,
@@ -29,7 +29,7 @@ What maps where:
 
 It has never run on a GPU: compiled deviceless for an H100 and interpreted on CPU only.
 
-Normaliser as the Triton kernel's (kernels/span_mask.online_denominator): out = sum(p m v) /
+Normaliser as the Triton kernel's (kernels/span/span_mask.online_denominator): out = sum(p m v) /
 (sum(p m) + eps sum(p)) over the visited distances.
 
   python -m bench.mosaic_gpu_span --check            # interpreted (fold=False) vs the reference
@@ -67,7 +67,7 @@ _G_SWIZZLED = tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12)
 
 def key_tile_ranges(z_BxHxM, *, w: int, ramp: int, bq: int, bk: int):
   """[lo, hi) key tiles per query tile, (B, H, M / bq, 2) int32: every key that some row of the
-  tile visits (distances 1..min(W, floor(z) + R + 1): kernels/span_mask.visited_distances)."""
+  tile visits (distances 1..min(W, floor(z) + R + 1): kernels/span/span_mask.visited_distances)."""
   b, h, m = z_BxHxM.shape
   win = jnp.clip(jnp.floor(z_BxHxM).astype(jnp.int32) + ramp + 1, 1, w)
   top = jnp.max(win.reshape(b, h, m // bq, bq), axis=-1)
@@ -255,8 +255,8 @@ def inputs(b=1, h=2, m=128, w=256, dh=64, seed=0):
 
 
 def reference(q, k, v, pe, z, ramp=32):
-  """span_lm's readable definition (kernels/banded_reference.py), float32."""
-  from span_lm.kernels import banded_reference  # pylint: disable=g-import-not-at-top
+  """span_lm's readable definition (kernels/span/banded_reference.py), float32."""
+  from span_lm.kernels.span import banded_reference  # pylint: disable=g-import-not-at-top
   f = lambda x: x.astype(jnp.float32)
   return banded_reference.banded_attention(f(q), f(k), f(v), f(pe), span_z=z, ramp=ramp)
 

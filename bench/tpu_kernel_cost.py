@@ -25,7 +25,8 @@ import jax.numpy as jnp
 
 from bench import harness
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_tpu
+from span_lm.kernels.span import pallas_tpu
+from span_lm.kernels.span import tpu_tiles
 
 TOPOLOGY = {"v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 
@@ -122,9 +123,9 @@ def main():
     t_hbm = r["bytes"] / chip.hbm_bytes_per_s * 1e3
     vmem = ""
     if args.vmem:
-      dp = pallas_tpu.padded_head_dim(d)
+      dp = tpu_tiles.padded_head_dim(d)
       pers_dt = "float32"
-      set_mib = pallas_tpu.vmem_bytes(w + args.ahead, dp, bq, bk, args.dtype, n_pers=args.pers,
+      set_mib = tpu_tiles.vmem_bytes(w + args.ahead, dp, bq, bk, args.dtype, n_pers=args.pers,
                                       pers_dtype=pers_dt,
                                       row_stats=2 * args.asym + args.segments,
                                       key_ids=args.segments) / 2**20

@@ -20,7 +20,7 @@ FLOPs per step are span_lm.model.costs.train_step_flops (equal to the dot instru
       # and where the step's time goes, per XLA operation (bench/profile_step.py's summary)
   python -m bench.train_step --config configs/enwik8.py --devices 1 --dtype bfloat16 --batch 8
       # a paper config's model, block and optimizer (GPU: MFU against the bf16 matmul peak)
-  ... --attn_impl pallas     # the same with the fused kernel (span_lm/kernels/pallas_gpu.py)
+  ... --attn_impl pallas     # the same with the fused kernel (span_lm/kernels/span/pallas_gpu.py)
   python -m bench.train_step --dtype bfloat16 --devices 1 --reference_dir ~/src/adaptive-span \
       --reference_python ~/torch/bin/python --reps 20   # the reference timed in the same run
 

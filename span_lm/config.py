@@ -18,10 +18,10 @@ from typing import Any, Mapping
 import ml_collections
 from ml_collections import config_dict
 
-from span_lm import kernels
 from span_lm import optim_config
 from span_lm import precision_config
 from span_lm.data.sources import DATASETS
+from span_lm.model import attention_rules
 from span_lm.model.config import ModelConfig
 
 MODES = ("train", "eval", "import", "export")
@@ -471,7 +471,7 @@ def _validate(config):
   vocab = _get(config, "model.vocab_size")
   model = ModelConfig.from_config(_get(config, "model"), vocab_size=None if vocab else 1)
   block = _get(config, "data.block")
-  kernels.check(model, block=block if isinstance(block, int) else None)  # the fused kernel's tile
+  attention_rules.check(model, block=block if isinstance(block, int) else None)  # the kernel's tile
   _validate_data(config)
   if mode == "compile":  # the targets' names are checked by tools/compile.py, before compiling
     _check_choice(config, "compile.plan", COMPILE_PLANS)

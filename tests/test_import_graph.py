@@ -140,6 +140,30 @@ def test_kernels_import_nothing_from_the_model():
     assert not bad, f"{name} imports {bad}"
 
 
+def _family(name: str) -> str:
+  """A kernel module's family: 'span' (kernels/span, and the package itself, which re-exports
+  the span door), 'sparse' (kernels/sparse), or '' for what both share (kernels/*.py)."""
+  parts = name.split(".")
+  if parts == ["span_lm", "kernels"]:
+    return "span"
+  return parts[2] if len(parts) > 3 or parts[2:] in (["span"], ["sparse"]) else ""
+
+
+def test_kernel_families_import_only_what_they_share():
+  """One folder per kernel family: kernels/span and kernels/sparse never import each other, and
+  the modules both share (kernels/*.py: target, chips, matmuls, pallas_common, ...) import
+  neither."""
+  graph = _graph()
+  kernels = {n for n in graph if n.split(".")[:2] == ["span_lm", "kernels"]}
+  assert {"span_lm.kernels.span.door", "span_lm.kernels.sparse.door"} <= kernels
+  assert "span_lm.kernels.pallas_common" in graph["span_lm.kernels.sparse.pallas_gpu_sparse"]
+  assert "span_lm.kernels.pallas_common" in graph["span_lm.kernels.span.pallas_gpu"]
+  for name in sorted(kernels - {"span_lm.kernels"}):
+    own = _family(name)
+    bad = sorted(t for t in graph[name] & kernels if _family(t) not in ("", own))
+    assert not bad, f"{name} ({own or 'shared'}) imports {bad}"
+
+
 def test_package_imports_nothing_from_the_repository_around_it():
   """An installed span_lm has no configs/, bench/ or tests/ beside it."""
   around = {p.stem for p in REPO.iterdir()

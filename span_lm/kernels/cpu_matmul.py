@@ -64,7 +64,8 @@ def contract(spec: str, sa: str, sb: str, so: str, a, b):
   nb = len(batch)
   if not batch and rhs[-len(summed):] == summed and len(rhs) > len(summed) + 1:
     # Several free dims of a (free, contracted) right operand flattened into one: XLA:CPU gave a
-    # 3-D one a transpose pass of its own before the dot (the cache in kernels/banded_cpu.project_kv).
+    # 3-D one a transpose pass of its own before the dot (the cache in
+    # kernels/span/banded_cpu.project_kv).
     fy = rhs[:len(rhs) - len(summed)]
     shape = [size[c] for c in lhs[:len(lhs) - len(summed)]] + [size[c] for c in fy]
     y = y.reshape(math.prod(size[c] for c in fy), -1)

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from span_lm import kernels
-from span_lm.kernels import banded_reference
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import banded_reference
+from span_lm.kernels.span import span_mask
 from span_lm.model import spans as spans_lib
 
 IMPLS = ("auto", "plain") + tuple(kernels.IMPLS)

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import span_mask
 from span_lm.layers import core
 
 BUCKET = 16  # read sizes are rounded up to a multiple of this: fewer distinct compilations

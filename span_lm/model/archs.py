@@ -36,7 +36,7 @@ class Arch:
   # row), key/value caches for evaluation, one-token generation, cache rows in the FLOPs.
   cache: bool
   # Attention over learned-span windows through span_lm/kernels' door (span plans, kernels.select,
-  # kernels/matmul.py's multi-threaded CPU matmuls); False: fixed patterns (kernels/sparse_door.py).
+  # kernels/matmul.py's multi-threaded CPU matmuls); False: fixed patterns (kernels/sparse/door.py).
   banded: bool
   pers_mem: bool  # persistent memory (pers_mem > 0) may replace the feed-forward
   documents: bool  # document boundaries (doc_boundary >= 0)

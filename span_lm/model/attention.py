@@ -194,7 +194,7 @@ class SeqAttention(nn.Module):
       if not self.kv_cache or m != 1:
         raise ValueError("ring caches are for decoding one token at a time with kv_cache=True")
       span_z = z_H if z_H is not None else (None if z_BxMxH is None else z_BxMxH[:, 0])
-      out = kernels.decode(cfg, q[:, :, 0], cache, key_pe_DxS, ring_pos,
+      out = kernels.decode(cfg.attn_spec, q[:, :, 0], cache, key_pe_DxS, ring_pos,
                            self.plan.head_windows(nh), span_z=span_z, pers_k_HxDxN=pers_k,
                            pers_v_HxNxD=pers_v)
       return dense("proj_out")(out.astype(dt).reshape(b, 1, d)), aux

@@ -20,8 +20,9 @@ import math
 from typing import Any
 
 from span_lm import kernels
-from span_lm.kernels.sparse_door import SPARSE_IMPL_NAMES
+from span_lm.kernels.sparse.door import SPARSE_IMPL_NAMES
 from span_lm.model import archs
+from span_lm.model import attention_rules
 
 SPAN_MODES = ("fixed", "adaptive", "dynamic")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -137,7 +138,7 @@ class Sparse(_Section):
   c: int = 32  # fixed: summary positions per block per head
   distinct: bool = True  # fixed: heads attend to distinct c-sub-blocks (Sec. 4.3)
   # auto | jnp (O(n sqrt n)) | dense (the masked n x n reference) | splash (TPU) |
-  # splash_interpret; 'fast' is read as 'jnp'. Chosen by kernels/sparse_door.py.
+  # splash_interpret; 'fast' is read as 'jnp'. Chosen by kernels/sparse/door.py.
   impl: str = "auto"
   prenorm: bool = True  # pre-activation residual blocks (eqs. 9-14); False: post-LN
   act: str = "gelu"  # gelu: x * sigmoid(1.702 x) as the paper | relu
@@ -263,7 +264,7 @@ class ModelConfig(_Section):
       bad("doc_boundary", "document boundaries are for arch='span' (the sparse model has none)")
     for field, value in arch.settle(self).items():  # e.g. the sparse model's fixed span of n
       object.__setattr__(self, field, value)
-    kernels.check(self)  # an explicit fused kernel's tiling of these sizes
+    attention_rules.check(self)  # an explicit fused kernel's tiling of these sizes
     arch.check(self, bad)  # its own section against the rest
     if self.adapt_io.enabled:
       cuts = self.adapt_io.cutoffs

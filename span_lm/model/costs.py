@@ -56,7 +56,7 @@ def forward_macs(cfg: ModelConfig, plan: SpanPlan | None, block: int, batch: int
 
 def generation_macs(cfg: ModelConfig, plan: SpanPlan | None) -> dict:
   """Multiply-adds of one generated token as `sample` computes it (span_lm/tools/sample.py): the
-  ring decoder (kernels/ring.py) over caches of projected keys and values, one token per step.
+  ring decoder (kernels/span/ring.py) over caches of projected keys and values, one token per step.
   Per layer: the token's query, key, value and output projections (D^2 each for q and out, 2 D^2
   for keys|values of all heads; the cached states are never re-projected); per head the content
   and value products over the layer's whole ring of L = cache_len slots (slots beyond a head's
@@ -176,7 +176,7 @@ def span_activation_bytes(cfg: ModelConfig, plan: SpanPlan, batch: int, block: i
   b, m, d = batch, block, cfg.d_model
   act, f32 = jnp.dtype(cfg.dtype).itemsize, 4
   drop = train and cfg.dropout > 0
-  impl = kernels.select(cfg, m, max(w for lp in plan.layers for _, w in lp.groups))
+  impl = kernels.select(cfg.attn_spec, m, max(w for lp in plan.layers for _, w in lp.groups))
   layers = []
   for lp in plan.layers:
     it = dict.fromkeys(("kv_input", "keys_values", "score_bands", "weights", "layer", "ff"), 0)
@@ -187,7 +187,7 @@ def span_activation_bytes(cfg: ModelConfig, plan: SpanPlan, batch: int, block: i
       # residual is the step's input itself, not a new buffer).
       rows = impl.cached_rows(w)
       it["kv_input"] += b * (m + (rows if rows != lp.cache_len else 0)) * d * act
-      res = impl.residual_bytes(cfg, b, m, g, w, train)
+      res = impl.residual_bytes(cfg.attn_spec, b, m, g, w, train)
       if impl.name == "reference" and target.name() == "tpu":
         res["score_bands"] = xla_tpu_score_bands(cfg, b, m, g, w)
       for k, v in res.items():
@@ -208,7 +208,7 @@ def span_activation_bytes(cfg: ModelConfig, plan: SpanPlan, batch: int, block: i
 def span_widest_scores(cfg: ModelConfig, plan: SpanPlan, block: int) -> int:
   """widest_scores of the span Transformer: the (M, W + C) score block of its widest head group
   (persistent memory's N columns included), all of the group's heads."""
-  return block * max(len(h) * (w + kernels.chunk(cfg, block, w) + cfg.pers_mem)
+  return block * max(len(h) * (w + kernels.chunk(cfg.attn_spec, block, w) + cfg.pers_mem)
                      for lp in plan.layers for h, w in lp.groups)
 
 
@@ -220,7 +220,7 @@ def xla_tpu_score_bands(cfg: ModelConfig, batch: int, m: int, g: int, w: int) ->
   pass. Measured on deviceless v5p compiles (libtpu, jax 0.10.2): the compiled temporaries of
   1- and 3-layer models (fixed/adaptive, with and without dropout) and of configs/enwik8_large.py
   and enwik8_pers.py (tests/fixtures/tpu_hlo/memory.json, docs/benchmarks.md)."""
-  c = kernels.chunk(cfg, m, w)
+  c = kernels.chunk(cfg.attn_spec, m, w)
   return batch * g * m * ((w + c) + (w + cfg.pers_mem)) * 4
 
 

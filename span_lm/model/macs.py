@@ -23,7 +23,7 @@ def span_forward_macs(cfg, plan, block: int, batch: int = 1) -> dict:
     out["q_proj"] += m * d * d
     out["out_proj"] += m * d * d
     for heads, w in lp.groups:
-      g, c = len(heads), kernels.chunk(cfg, m, w)
+      g, c = len(heads), kernels.chunk(cfg.attn_spec, m, w)
       out["kv_proj"] += (w + m) * d * 2 * g * dh
       out["attn_content"] += g * m * (w + c) * dh
       out["attn_position"] += g * m * w * dh
@@ -49,23 +49,24 @@ def sparse_attention_macs(cfg, layer: int, n: int) -> tuple[int, int]:
     strided (A2)   the (l, nb) transpose: each column's nb queries x nb keys;
     summary (A2)   fixed: every query x the c summary keys of all nb blocks.
   Scores are d_qk / H long, values head_dim; masked products are computed (and counted) too.
-  A block-skipping kernel (kernels/sparse_door.py, a row with kernel=True: splash) counts the
+  A block-skipping kernel (kernels/sparse/door.py, a row with kernel=True: splash) counts the
   blocks it computes: non-empty blocks x block area (its module's computed_pairs)."""
-  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import splash_sparse  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import door as sparse_door  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import splash_sparse  # pylint: disable=g-import-not-at-top
   from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
   h, dk, dv = cfg.n_heads, cfg.d_qk // cfg.n_heads, cfg.head_dim
   heads = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, layer, cfg.sparse.stride,
                              cfg.sparse.c, cfg.sparse.distinct)
   keys = 0  # (query, key) pairs computed, summed over heads
-  impl = sparse_door.select(cfg.sparse.impl, heads, n, dk)
+  spec = sparse.door_spec(cfg.sparse.impl, heads, n, dk)
+  impl = sparse_door.select(spec)
   if impl.kernel:  # the kernel's own tiles (splash's blocks, the Triton kernel's tiles)
     pairs = impl.ops.computed_pairs
     keys = sum(pairs(head, n) if impl.ops is splash_sparse else pairs(head, n, cfg.dtype)
                for head in heads)
     return keys * dk, keys * dv
   for head in heads:
-    if sparse_door.ALIASES.get(cfg.sparse.impl, cfg.sparse.impl) == "dense" or head.kind == "dense":
+    if spec.impl == "dense" or head.kind == "dense":
       keys += n * n
       continue
     l = head.stride

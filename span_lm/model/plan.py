@@ -81,7 +81,7 @@ def layer_plan_from_windows(cfg: ModelConfig, windows: Sequence[int]) -> LayerPl
   blocks at run time, so only the layer's largest window is a compile-time shape.
   """
   windows = [int(w) for w in windows]
-  if not cfg.plan.head_grouping or kernels.runtime_spans(cfg):
+  if not cfg.plan.head_grouping or kernels.runtime_spans(cfg.attn_spec):
     windows = [max(windows)] * len(windows)
   by_w: dict[int, list[int]] = {}
   for h, w in enumerate(windows):

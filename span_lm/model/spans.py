@@ -1,5 +1,5 @@
 """The span loss and span statistics as the reference computes and reports them; the span mask
-itself is span_lm/kernels/span_mask.py, the compile-time plan span_lm/model/plan.py."""
+itself is span_lm/kernels/span/span_mask.py, the compile-time plan span_lm/model/plan.py."""
 import jax.numpy as jnp
 
 from span_lm.model.config import ModelConfig

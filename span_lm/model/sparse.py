@@ -14,7 +14,7 @@ Sec. 4.3 writes A1 of strided as {max(0, i - l), ..., i}, l + 1 positions; the r
 i - l is reached by A2 anyway, and a window of l spans at most two blocks of l.
 
 `connectivity` gives the boolean (n, n) matrix of a head (the dense reference and Figure 3), from
-the one formula in span_lm/kernels/block_sparse.py; the fast path never builds it. Each head is a sum of parts, each part O(n sqrt n) when l ~ sqrt n:
+the one formula in span_lm/kernels/sparse/block_sparse.py; the fast path never builds it. Each head is a sum of parts, each part O(n sqrt n) when l ~ sqrt n:
   local part    queries of block b against keys of blocks b-1 and b: (n/l, l, 2l) scores;
   strided part  the sequence transposed to (l, n/l): column r attends causally along its n/l rows;
   summary part  the c summary keys of every block gathered into (n/l * c) keys.
@@ -26,7 +26,7 @@ import math
 
 import numpy as np
 
-from span_lm.kernels.block_sparse import HeadPattern, connectivity  # noqa: F401 (the API)
+from span_lm.kernels.sparse.block_sparse import HeadPattern, connectivity  # noqa: F401 (the API)
 from span_lm.model.config import SPARSE_COMBINES as COMBINES
 from span_lm.model.config import SPARSE_PATTERNS as PATTERNS
 
@@ -88,15 +88,22 @@ def reachable(layer_masks: list[np.ndarray]) -> np.ndarray:
 
 
 # The dense reference and the jnp fast path live with the other implementations (the 'dense'
-# and 'jnp' rows of kernels/sparse_door.py); named here too, as the model's own API.
-from span_lm.kernels.sparse_jnp import masked_attention, reference_attention, sparse_attention  # noqa: E402,F401  pylint: disable=g-import-not-at-top,wrong-import-position
+# and 'jnp' rows of kernels/sparse/door.py); named here too, as the model's own API.
+from span_lm.kernels.sparse.sparse_jnp import masked_attention, reference_attention, sparse_attention  # noqa: E402,F401  pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, impl: str = "auto"):
-  """impl: a row of kernels/sparse_door.py's SPARSE_IMPLS or 'auto' (its `select`)."""
-  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
-  chosen = sparse_door.select(impl, heads, q_BxHxNxD.shape[2], q_BxHxNxD.shape[3])
+  """impl: a row of kernels/sparse/door.py's SPARSE_IMPLS or 'auto' (its `select`)."""
+  from span_lm.kernels.sparse import door as sparse_door  # pylint: disable=g-import-not-at-top
+  chosen = sparse_door.select(door_spec(impl, heads, q_BxHxNxD.shape[2], q_BxHxNxD.shape[3]))
   return chosen(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads)
+
+
+def door_spec(impl: str, heads, n: int, head_dim: int):
+  """What the sparse door reads of a layer (kernels/sparse/door.py's SparseSpec): every caller
+  builds it here, so an old implementation name warns from one place."""
+  from span_lm.kernels.sparse import door as sparse_door  # pylint: disable=g-import-not-at-top
+  return sparse_door.SparseSpec(impl=impl, heads=heads, n=n, head_dim=head_dim)
 
 
 def attended_keys(heads, n: int) -> int:

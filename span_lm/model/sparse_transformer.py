@@ -102,7 +102,7 @@ class SparseAttention(nn.Module):
     pattern = sparse.layer_heads(cfg.sparse.pattern, cfg.sparse.combine, h, self.layer,
                                  cfg.sparse.stride, cfg.sparse.c, cfg.sparse.distinct)
     # Heads computed grouped by pattern (the parameters keep head h where it is): a kernel
-    # makes one call per run of equal heads (kernels/splash_sparse.py `runs`).
+    # makes one call per run of equal heads (kernels/sparse/splash_sparse.py `runs`).
     order = sparse.grouped_order(pattern)
     pattern = tuple(pattern[i] for i in order)
     order = None if order == tuple(range(h)) else order  # no gather of the weights
@@ -235,12 +235,13 @@ def build(cfg: ModelConfig, plan, kv_cache: bool) -> SparseTransformer:
 
 
 def attention_choice(cfg, m=None, w=None) -> tuple[str, str]:
-  """kernels/sparse_door.py's choice for the first block's head patterns (every block's heads
+  """kernels/sparse/door.py's choice for the first block's head patterns (every block's heads
   have the same sizes, and the table's misfits depend on sizes only), named 'sparse <impl>'."""
   del w
-  from span_lm.kernels import sparse_door  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import door as sparse_door  # pylint: disable=g-import-not-at-top
   sp = cfg.sparse
   heads = sparse.layer_heads(sp.pattern, sp.combine, cfg.n_heads, 0, sp.stride, sp.c,
                              sp.distinct)
-  name, why = sparse_door.choose(sp.impl, heads, m or sp.context, cfg.d_qk // cfg.n_heads)
+  name, why = sparse_door.choose(sparse.door_spec(sp.impl, heads, m or sp.context,
+                                                  cfg.d_qk // cfg.n_heads))
   return f"sparse {name}", why

@@ -216,4 +216,4 @@ def build(cfg: ModelConfig, plan: SpanPlan, kv_cache: bool) -> SpanTransformer:
 def attention_choice(cfg, m=None, w=None) -> tuple[str, str]:
   """(what the door runs for m queries and windows up to w, why): kernels.select's choice."""
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
-  return kernels.choose(cfg, m, w), kernels.why(cfg, m, w)
+  return kernels.choose(cfg.attn_spec, m, w), kernels.why(cfg.attn_spec, m, w)

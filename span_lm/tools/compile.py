@@ -354,11 +354,12 @@ def _compile_steps(config, chip, cfg, tx, plan, compiler, devices, per_chip, log
   row["loss_scale"] = loss_scale is not None
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind,
                                device=devices[0] if chip.platform == "gpu" else None):
-    impl = kernels.select(cfg, d.block, max(cfg.span.size, d.block))
+    spec = cfg.attn_spec
+    impl = kernels.select(spec, d.block, max(cfg.span.size, d.block))
     row["attention"], row["attention_why"] = ARCHS[cfg.arch].attention(
         cfg, d.block, max(cfg.span.size, d.block))
     row["kernels_roofline"] = kernel_roofline(
-        chip, cfg, lambda span: impl.schedule_cost(cfg, d.batch // n, d.block, cfg.span.size, span))
+        chip, cfg, lambda span: impl.schedule_cost(spec, d.batch // n, d.block, cfg.span.size, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
                                                            config.seed, loss_scale=loss_scale))
     state = sharding_lib.with_shardings(abstract, layout.state_shardings(abstract))

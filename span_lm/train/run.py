@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from span_lm import config as config_lib
-from span_lm import kernels
 from span_lm.data import batching, sources
+from span_lm.model import attention_rules
 from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import cpu_host
@@ -75,7 +75,7 @@ class Run:
     if cpu_host.huge_pages_active() and jax.default_backend() == "cpu":
       _echo(f"CPU host: malloc with transparent huge pages ({cpu_host.HUGE_PAGES_TUNABLE})")
     self.where = "before training (data, kernels)"  # what the run is doing (out-of-memory line)
-    kernels.check(config.model, backend=jax.default_backend())  # a kernel this host can run
+    attention_rules.check(config.model, backend=jax.default_backend())  # a kernel it can run
     self.config = config
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.train.compilation_cache:

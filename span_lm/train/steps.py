@@ -18,9 +18,10 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from span_lm import kernels
-from span_lm.kernels import autotune
+from span_lm.kernels.span import autotune
 from span_lm.model import build_model
 from span_lm.model.archs import ARCHS
+from span_lm.model import attention_rules
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model import spans as spans_lib
@@ -392,8 +393,8 @@ class StepCompiler:
   Built by `build` (the one constructor the loop, the compile mode and the benchmarks call).
 
   capacity: device memory in bytes (None: unchecked). A step that `auto` gave the XLA attention
-  and that does not fit in it is compiled again with the fused kernel (kernels.fit_fallback), and
-  the log says so."""
+  and that does not fit in it is compiled again with the fused kernel
+  (model/attention_rules.fit_fallback), and the log says so."""
 
   def __init__(self, cfg: ModelConfig, tx, layout: sharding_lib.Layout, batch_split: int = 1,
                log: Callable[[str], None] | None = None, debug_nan_at_step: int = 0,
@@ -414,7 +415,7 @@ class StepCompiler:
     with jax.set_mesh(self.mesh):  # the fused attention kernel shards itself over it
       lowered = jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings,
                         donate_argnums=donate).lower(*args)
-      options = kernels.compiler_options(cfg)
+      options = kernels.compiler_options(cfg.attn_spec)
       try:
         return lowered.compile(compiler_options=options or None)
       except Exception as e:  # pylint: disable=broad-except
@@ -433,7 +434,7 @@ class StepCompiler:
     t0 = time.perf_counter()
     cfg = self._fallen_back or self.cfg  # once a step did not fit, later plans start there
     compiled = self._lower_compile(cfg, make_fn(cfg), args, in_shardings, out_shardings, donate)
-    alt = kernels.fit_fallback(cfg) if self.capacity else None
+    alt = attention_rules.fit_fallback(cfg) if self.capacity else None
     peak = peak_bytes(compiled) if alt is not None else None
     if peak is not None and peak > self.capacity:
       self._log(f"attention: the {kind} step with {_attention(cfg)} attention needs "
@@ -485,13 +486,14 @@ def build(cfg: ModelConfig, tx, *, batch: int, eval_batch: int, batch_split: int
   devices: lay the mesh over these (a deviceless topology's), else the first num_devices (all).
   whole_pieces: each batch_split piece must split over the devices (sharding.Layout).
   tune_block: resolve attention.tiles='tune' by timing the kernel at this block length and this
-  run's rows per device (kernels/autotune.py); None: the config as it is.
+  run's rows per device (kernels/span/autotune.py); None: the config as it is.
   The compiler's `cfg` is the model config as resolved, its `layout` the arrays' layout."""
   layout = sharding_lib.Layout.make(fsdp, num_devices, devices)
   layout.check_batches(batch, eval_batch, batch_split, processes, whole_pieces)
   if tune_block is not None:
-    cfg = autotune.resolve(cfg, batch=batch // layout.num_devices // batch_split, m=tune_block,
-                           echo=log or logging.info)
+    spec = autotune.resolve(cfg.attn_spec, batch=batch // layout.num_devices // batch_split,
+                            m=tune_block, echo=log or logging.info)
+    cfg = cfg if spec.attention == cfg.attention else cfg.replace(attention=spec.attention)
   return StepCompiler(cfg, tx, layout, batch_split=batch_split, log=log,
                       debug_nan_at_step=debug_nan_at_step, capacity=capacity,
                       loss_scale_period=loss_scale_period)

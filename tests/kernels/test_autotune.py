@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from model_helpers import make_cfg
 from span_lm import kernels
-from span_lm.kernels import autotune
+from span_lm.kernels.span import autotune
 from span_lm.model import caches as caches_lib
 from span_lm.model.transformer import SpanTransformer
 
@@ -30,39 +30,40 @@ def test_tune_times_the_candidates_that_fit_and_caches_the_fastest(tmp_path):
   path = str(tmp_path / "tiles.json")
   said = []
   # 64 > attn_block: never tried; the two others compile and are timed
-  got = autotune.tune(cfg, batch=1, m=32, w=32, candidates=[(16, 4, 1), (32, 4, 1), (64, 4, 1)],
-                      reps=1, path=path, interpret=True, echo=said.append)
+  got = autotune.tune(cfg.attn_spec, batch=1, m=32, w=32,
+                      candidates=[(16, 4, 1), (32, 4, 1), (64, 4, 1)], reps=1, path=path,
+                      interpret=True, echo=said.append)
   assert got in ("16,4,1", "32,4,1")
   (entry,) = json.load(open(path)).values()
   assert entry["tiles"] == got and sorted(entry["ms"]) == ["16,4,1", "32,4,1"]
   assert entry["ms"][got] == min(entry["ms"].values())
   assert not any("64,4,1" in line for line in said)
   # the second time it is read back, not measured (no candidate left to measure)
-  assert autotune.tune(cfg, batch=1, m=32, w=32, candidates=(), path=path, interpret=True,
+  assert autotune.tune(cfg.attn_spec, batch=1, m=32, w=32, candidates=(), path=path, interpret=True,
                        echo=said.append) == got
   # a different shape is a different key: measured, and here nothing is left to measure
   with pytest.raises(ValueError, match="no candidate tile runs this layer"):
-    autotune.tune(cfg, batch=2, m=32, w=32, candidates=(), path=path, interpret=True)
+    autotune.tune(cfg.attn_spec, batch=2, m=32, w=32, candidates=(), path=path, interpret=True)
   # an entry the config now refuses (5 stages) is measured again
   stale = json.load(open(path))
   stale[next(iter(stale))]["tiles"] = "32,4,5"
   json.dump(stale, open(path, "w"))
-  assert autotune.tune(cfg, batch=1, m=32, w=32, candidates=[(32, 4, 1)], reps=1, path=path,
-                       interpret=True, echo=said.append) == "32,4,1"
+  assert autotune.tune(cfg.attn_spec, batch=1, m=32, w=32, candidates=[(32, 4, 1)], reps=1,
+                       path=path, interpret=True, echo=said.append) == "32,4,1"
   assert any("no longer allowed" in line for line in said)
   # an unreadable cache is measured again and rewritten, not a crash
   open(path, "w").write("{not json")
-  assert autotune.tune(cfg, batch=1, m=32, w=32, candidates=[(32, 4, 1)], reps=1, path=path,
-                       interpret=True) == "32,4,1"
+  assert autotune.tune(cfg.attn_spec, batch=1, m=32, w=32, candidates=[(32, 4, 1)], reps=1,
+                       path=path, interpret=True) == "32,4,1"
   assert json.load(open(path))
 
 
 def test_resolve_leaves_runs_without_the_gpu_kernel_alone():
   said = []
-  cfg = _cfg(**{"attention.tiles": "tune"})  # auto on this CPU host: the cpu implementation
-  assert autotune.resolve(cfg, batch=1, m=32, echo=said.append) is cfg
+  spec = _cfg(**{"attention.tiles": "tune"}).attn_spec  # auto on this CPU host: cpu
+  assert autotune.resolve(spec, batch=1, m=32, echo=said.append) is spec
   assert "nothing to tune" in said[0]
-  assert kernels.gpu_tiles(cfg, "pallas_interpret", jnp.float32) == (32, 4, 2)  # the table's
+  assert kernels.gpu_tiles(spec, "pallas_interpret", jnp.float32) == (32, 4, 2)  # the table's
 
 
 @pytest.mark.parametrize("bad", ["33,8,1", "32,3,1", "32,8,0", "32,8,5", "big", "64,4,1"])
@@ -76,11 +77,11 @@ def test_named_tiles_reach_the_kernel_with_the_same_maths():
   """attn_tiles='16,4,1' with attn_block=32: the kernel runs 16-row tiles (its schedule's
   bytes change), and the model's values and gradients still equal the cpu implementation's."""
   cpu, fused = _cfg(), _cfg(**{"attention.impl": "pallas_interpret", "attention.tiles": "16,4,1"})
-  assert kernels.gpu_tiles(fused, "pallas_interpret", jnp.float32) == (16, 4, 1)
+  assert kernels.gpu_tiles(fused.attn_spec, "pallas_interpret", jnp.float32) == (16, 4, 1)
   whole = _cfg(**{"attention.impl": "pallas_interpret", "attention.tiles": "32,4,1"})
   interpret = kernels.IMPLS["pallas_interpret"]
-  assert (interpret.schedule_cost(fused, 1, 256, 1024, None) !=
-          interpret.schedule_cost(whole, 1, 256, 1024, None))
+  assert (interpret.schedule_cost(fused.attn_spec, 1, 256, 1024, None) !=
+          interpret.schedule_cost(whole.attn_spec, 1, 256, 1024, None))
   rng = np.random.default_rng(0)
   b, m = 2, 32
   tokens = jnp.asarray(rng.integers(cpu.vocab_size, size=(b, m)), jnp.int32)

@@ -1,4 +1,4 @@
-"""The CPU implementation (span_lm/kernels/banded_cpu.py): its layouts, custom VJPs and skews
+"""The CPU implementation (span_lm/kernels/span/banded_cpu.py): its layouts, custom VJPs and skews
 against dense attention and the numpy reference, and its own HLO checks."""
 import re
 
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 
 import reference_numpy as ref
 from model_helpers import make_cfg, to_jax, to_np
-from span_lm.kernels import banded_cpu
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import banded_cpu
+from span_lm.kernels.span import span_mask
 
 B = 2
 

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from span_lm.kernels import block_sparse as bs
+from span_lm.kernels.sparse import block_sparse as bs
 from span_lm.model import sparse
 
 

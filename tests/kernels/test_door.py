@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from model_helpers import build
 from span_lm import kernels
+from span_lm.model import attention_rules
 
 B, G, DH, R = 2, 2, 16, 4
 
@@ -56,7 +57,7 @@ def test_every_implementation_equals_the_reference(impl, mode, m, w, n_pers, dty
   ct = jnp.asarray(np.random.default_rng(1).normal(size=q.shape), jnp.float32)
 
   def loss(impl, q, k, v, pe, z, pk, pv):
-    out = kernels.IMPLS[impl].attend(cfg_for(impl), q, kernels.KV(k, v), pe, span_z=z,
+    out = kernels.IMPLS[impl].attend(cfg_for(impl).attn_spec, q, kernels.KV(k, v), pe, span_z=z,
                                      pers_k_GxDxN=pk, pers_v_GxNxD=pv)
     return jnp.sum(out.astype(jnp.float32) * ct), out
 
@@ -79,44 +80,47 @@ def test_every_implementation_equals_the_reference(impl, mode, m, w, n_pers, dty
 
 
 def test_auto_picks_cpu_on_the_cpu_and_logs_once(caplog):
-  cfg = cfg_for("auto")
+  spec = cfg_for("auto").attn_spec
   assert jax.default_backend() == "cpu"
   with caplog.at_level(logging.INFO, logger="span_lm"):
-    assert kernels.choose(cfg, 16, 32) == "cpu"
-    assert kernels.choose(cfg, 16, 32) == "cpu"
+    assert kernels.choose(spec, 16, 32) == "cpu"
+    assert kernels.choose(spec, 16, 32) == "cpu"
   assert sum("attention: cpu" in r.message for r in caplog.records) <= 1
-  assert not kernels.runtime_spans(cfg)
+  assert not kernels.runtime_spans(spec)
 
 
 def test_fused_falls_back_to_the_reference_where_it_does_not_tile():
-  cfg = cfg_for("pallas_interpret")
-  assert kernels.choose(cfg, 16, 32) == "pallas_interpret"
-  assert kernels.choose(cfg, 1, 32) == "reference"  # init's one-token block
-  assert kernels.runtime_spans(cfg)
+  spec = cfg_for("pallas_interpret").attn_spec
+  assert kernels.choose(spec, 16, 32) == "pallas_interpret"
+  assert kernels.choose(spec, 1, 32) == "reference"  # init's one-token block
+  assert kernels.runtime_spans(spec)
   for impl in ("reference", "cpu"):
-    assert kernels.choose(cfg_for(impl), 16, 32) == impl
+    assert kernels.choose(cfg_for(impl).attn_spec, 16, 32) == impl
 
 
 def test_auto_on_a_gpu_runs_what_was_timed_faster(monkeypatch):
   """On a GPU `auto` follows kernels.GPU_TIMINGS: the kernel only where every timing of the
   current version has it faster; a timing of an older version, or none, gives the XLA path."""
-  from span_lm.kernels import pallas_gpu, target  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import door, pallas_gpu  # pylint: disable=g-import-not-at-top
   cfg = cfg_for("auto", n_heads=2, d_model=128)  # head size 64
+  spec = cfg.attn_spec
   timing = lambda version, *ms: {(9, 64): {"version": version, "source": "test",
                                            "ms": dict(zip(("learned", "all S"), ms))}}
   with target.compiling_for("gpu", 9.0):
-    monkeypatch.setattr(kernels, "GPU_TIMINGS", timing("older", (1.0, 5.0), (2.0, 5.0)))
-    assert kernels.choose(cfg, 16, 32) == "reference" and "untimed" in kernels.why(cfg, 16, 32)
-    monkeypatch.setattr(kernels, "GPU_TIMINGS",
+    monkeypatch.setattr(door, "GPU_TIMINGS", timing("older", (1.0, 5.0), (2.0, 5.0)))
+    assert kernels.choose(spec, 16, 32) == "reference" and "untimed" in kernels.why(spec, 16, 32)
+    monkeypatch.setattr(door, "GPU_TIMINGS",
                         timing(pallas_gpu.VERSION, (1.0, 5.0), (2.0, 5.0)))
-    assert kernels.choose(cfg, 16, 32) == "pallas" and "faster" in kernels.why(cfg, 16, 32)
-    assert kernels.fit_fallback(cfg) is None  # the kernel already
-    monkeypatch.setattr(kernels, "GPU_TIMINGS",
+    assert kernels.choose(spec, 16, 32) == "pallas" and "faster" in kernels.why(spec, 16, 32)
+    assert attention_rules.fit_fallback(cfg) is None  # the kernel already
+    monkeypatch.setattr(door, "GPU_TIMINGS",
                         timing(pallas_gpu.VERSION, (1.0, 5.0), (6.0, 5.0)))  # slower at one
-    assert kernels.choose(cfg, 16, 32) == "reference"
-    assert kernels.fit_fallback(cfg).attention.impl == "pallas"  # unless the XLA path does not fit
+    assert kernels.choose(spec, 16, 32) == "reference"
+    # unless the XLA path does not fit
+    assert attention_rules.fit_fallback(cfg).attention.impl == "pallas"
   with target.compiling_for("gpu", 8.0):  # another generation: untimed
-    assert kernels.choose(cfg, 16, 32) == "reference"
+    assert kernels.choose(spec, 16, 32) == "reference"
 
 
 def test_xla_is_read_as_cpu():
@@ -141,14 +145,14 @@ def test_only_the_door_imports_a_platform_implementation():
         names |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
     return names
 
-  platform = ("span_lm.kernels.banded_cpu", "span_lm.kernels.pallas_gpu",
-              "span_lm.kernels.pallas_tpu", "span_lm.kernels.impl_",
-              "span_lm.kernels.ring", "span_lm.kernels.banded_reference")
+  platform = ("span_lm.kernels.span.banded_cpu", "span_lm.kernels.span.pallas_gpu",
+              "span_lm.kernels.span.pallas_tpu", "span_lm.kernels.span.impl_",
+              "span_lm.kernels.span.ring", "span_lm.kernels.span.banded_reference")
   for path in (root / "model").rglob("*.py"):
     bad = [n for n in imports(path) if n.startswith(platform)]
     assert not bad, f"{path.name} imports {bad}"
   assert not any("banded_cpu" in n or "pallas_gpu" in n
-                 for n in imports(root / "kernels" / "banded_reference.py"))
+                 for n in imports(root / "kernels" / "span" / "banded_reference.py"))
   assert "span_lm.tools.paper" not in imports(root / "tools" / "flops.py")
 
 
@@ -162,23 +166,26 @@ def test_one_table_every_implementation_offers_the_same_functions():
     assert impl.name == name and cfg_for(name).attention.impl == name
     missing = [f for f in surface if not callable(getattr(impl.ops, f, None))]
     assert not missing, f"{impl.ops_module} lacks {missing}"
-    misfit = impl.misfit(cfg_for(name), 16, 32)
-    assert kernels.select(cfg_for(name), 16, 32) is (kernels.IMPLS["reference"] if misfit else impl)
-    assert kernels.why(cfg_for(name), 16, 32) == misfit
+    spec = cfg_for(name).attn_spec
+    misfit = impl.misfit(spec, 16, 32)
+    assert kernels.select(spec, 16, 32) is (kernels.IMPLS["reference"] if misfit else impl)
+    assert kernels.why(spec, 16, 32) == misfit
     assert (impl.platform is None) == (not impl.needs)  # a compiled kernel says what it needs
-  assert kernels.select(cfg_for("pallas_interpret"), 1, 32) is kernels.IMPLS["reference"]
-  assert "128 lanes" in kernels.why(cfg_for("pallas_tpu"), 16, 32)  # Mosaic's rule, compiled only
-  assert kernels.why(cfg_for("pallas_tpu_interpret"), 16, 32) == ""
-  assert kernels.select(cfg_for("auto"), 16, 32) is kernels.IMPLS["cpu"]
+  assert kernels.select(cfg_for("pallas_interpret").attn_spec, 1, 32) is kernels.IMPLS["reference"]
+  # Mosaic's rule, compiled only
+  assert "128 lanes" in kernels.why(cfg_for("pallas_tpu").attn_spec, 16, 32)
+  assert kernels.why(cfg_for("pallas_tpu_interpret").attn_spec, 16, 32) == ""
+  assert kernels.select(cfg_for("auto").attn_spec, 16, 32) is kernels.IMPLS["cpu"]
 
 
 _LAZY_CHILD = """
 import sys
 import span_lm.config
 from span_lm import kernels
+from span_lm.model import attention_rules
 assert "jax" not in sys.modules, "the door and the config validate without jax"
 import jax, jax.numpy as jnp
-from span_lm.model import caches, config, transformer
+from span_lm.model import attention_rules, caches, config, transformer
 from span_lm.train import loop  # the trainer, its tile autotune included
 for impl in ("auto", "reference"):
   cfg = config.ModelConfig(vocab_size=11, d_model=16, n_layers=1, n_heads=2, d_ff=8,
@@ -188,8 +195,9 @@ for impl in ("auto", "reference"):
   model = transformer.SpanTransformer(cfg)
   params = model.init(jax.random.key(0), x, caches.init_caches(cfg, None, 1))
   model.apply(params, x, caches.init_caches(cfg, None, 1))
-  kernels.compiler_options(cfg), kernels.fit_fallback(cfg)
-loaded = ("span_lm.kernels.pallas", "span_lm.kernels.impl_gpu", "span_lm.kernels.impl_tpu",
+  kernels.compiler_options(cfg.attn_spec), attention_rules.fit_fallback(cfg)
+loaded = ("span_lm.kernels.span.pallas", "span_lm.kernels.sparse.pallas",
+          "span_lm.kernels.span.impl_gpu", "span_lm.kernels.span.impl_tpu",
           "jax.experimental.pallas")
 print(sorted(m for m in sys.modules if m.startswith(loaded)))
 """
@@ -210,9 +218,9 @@ def test_the_cpu_and_reference_paths_load_no_pallas():
 
 def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
   """`check` holds the rules an explicit attention.impl must meet: one ValueError naming the field."""
-  kernels.check(cfg_for("auto"), block=24, backend="cpu")  # auto always has somewhere to go
-  kernels.check(cfg_for("pallas_interpret"), block=32, backend="cpu")  # interpreted: anywhere
-  kernels.check(cfg_for("pallas"), block=32, backend="gpu")
+  attention_rules.check(cfg_for("auto"), block=24, backend="cpu")  # auto always has somewhere to go
+  attention_rules.check(cfg_for("pallas_interpret"), block=32, backend="cpu")  # interpreted: anywhere
+  attention_rules.check(cfg_for("pallas"), block=32, backend="gpu")
   cases = [
       ("pallas", dict(backend="cpu"),
        "config.model.attention.impl='pallas' runs a Triton kernel, which needs a GPU (Ampere or "
@@ -226,7 +234,7 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
   ]
   for impl, where, line in cases:
     with pytest.raises(ValueError) as e:
-      kernels.check(cfg_for(impl), **where)
+      attention_rules.check(cfg_for(impl), **where)
     assert str(e.value) == line
   with pytest.raises(ValueError) as e:  # ModelConfig asks `check` too
     cfg_for("pallas", pers_mem=24)
@@ -238,6 +246,34 @@ def test_check_refuses_an_explicit_choice_that_cannot_run_in_one_line():
                           "('default', 'highest')")
 
 
+def test_the_door_takes_a_spec_and_the_model_adds_its_own_rules():
+  """The door reads a Spec only (check, fit_fallback); what only a model config knows, its
+  span size and plan granularity named as config.model names them, is model/attention_rules.py's,
+  asked before the door."""
+  from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
+  spec = cfg_for("pallas").attn_spec
+  kernels.check(spec, block=32, backend="gpu")
+  with pytest.raises(ValueError) as e:
+    kernels.check(spec.replace(pers_mem=24))
+  assert str(e.value) == ("config.model.pers_mem=24: must be a multiple of attention.block=16 "
+                          "with attention.impl='pallas'")
+  with pytest.raises(ValueError, match=r"^config\.data\.block=24: must be a multiple"):
+    kernels.check(spec, block=24)
+  auto = cfg_for("auto")
+  with target.compiling_for("gpu", 8.0):  # untimed there: the XLA path, the kernel if it won't fit
+    fallback = kernels.fit_fallback(auto.attn_spec)
+    assert isinstance(fallback, kernels.Spec) and fallback.attention.impl == "pallas"
+    assert attention_rules.fit_fallback(auto) == auto.replace(attention=fallback.attention)
+    assert attention_rules.fit_fallback(cfg_for("auto", **{"span.size": 40})) is None
+  assert attention_rules.fused_misfit(auto) == ("", "")
+  assert attention_rules.fused_misfit(cfg_for("auto", **{"plan.granularity": 8})) == (
+      "plan.granularity", "must be a multiple of attention.block=16")
+  with pytest.raises(ValueError) as e:
+    cfg_for("pallas", **{"span.size": 40})
+  assert str(e.value) == ("config.model.span.size=40: must be a multiple of attention.block=16 "
+                          "with attention.impl='pallas'")
+
+
 def test_check_reads_the_run_configs_model_section():
   """train/loop.py checks the platform rule on config.model before the ModelConfig is built
   (old names included)."""
@@ -246,6 +282,6 @@ def test_check_reads_the_run_configs_model_section():
     d = dataclasses.asdict(cfg_for("auto"))
     d["attention"]["impl"] = impl
     return ml_collections.ConfigDict(d)
-  kernels.check(section("xla"), backend="cpu")
+  attention_rules.check(section("xla"), backend="cpu")
   with pytest.raises(ValueError, match="needs a GPU"):
-    kernels.check(section("pallas"), backend="tpu")
+    attention_rules.check(section("pallas"), backend="tpu")

@@ -122,7 +122,7 @@ def test_cpu_layouts_grouped_equal_repeated(m, w, chunk, last, n_pers, per_row, 
   """banded_cpu's own paths (key coordinates, bands, positions last, persistent memory) with
   2 key/value heads for 4 query heads equal them with the keys and values repeated (bf16: to
   its rounding, the sums being ordered differently)."""
-  from span_lm.kernels import banded_cpu  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import banded_cpu  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(2)
   arr = lambda *s, dt=dtype: jnp.asarray(rng.normal(size=s), dt)
   hk, t = 2, w + m
@@ -240,13 +240,14 @@ def test_gqa_kernels_compile_for_v5p(a):
   less memory than the same step on repeated key/value heads."""
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import pallas_tpu as ft  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import pallas_tpu as ft  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span import tpu_tiles  # pylint: disable=g-import-not-at-top
   topo = topologies.get_topology_desc(topology_name="v5p:2x2x2", platform="tpu")
   mesh = jax.sharding.Mesh(topo.devices[:1], ("x",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   b, h, hk, m, w, d = 2, 8, 2, 512, 8192, 64
   sd = lambda shape, dt="bfloat16": jax.ShapeDtypeStruct(shape, jnp.dtype(dt), sharding=rep)
-  bq, bk = ft.tiles(64, m, ft.layout_window(w), 0)
+  bq, bk = tpu_tiles.tiles(64, m, tpu_tiles.layout_window(w), 0)
   t = w + m + a
   facts = {}
   for kv in (hk, h):

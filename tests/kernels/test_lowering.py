@@ -20,6 +20,7 @@ from jax import export
 from model_helpers import build, replaced
 from span_lm import kernels
 from span_lm.kernels import target
+from span_lm.model import attention_rules
 from span_lm.model import build_model
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
@@ -66,7 +67,7 @@ def test_training_gradient_lowers_for_every_variant(platform, dtype, head_dim):
                  "attention.impl": "pallas" if platform == "cuda" else "auto"})
     grad, args = _grad_and_args(cfg)
     with target.compiling_for(platform, PLATFORMS[platform]):
-      chosen.add(kernels.choose(cfg, 2 * BLOCK, 2 * BLOCK))
+      chosen.add(kernels.choose(cfg.attn_spec, 2 * BLOCK, 2 * BLOCK))
       try:
         exp = export.export(jax.jit(grad), platforms=(platform,),
                             disabled_checks=_KERNELS)(*args)
@@ -85,22 +86,23 @@ def test_auto_follows_the_target_not_the_host():
   cfg = build({"vocab_size": 11, "d_model": 128, "n_heads": 2, "span.size": 128,
                "attention.block": 64, "plan.granularity": 64})
   assert jax.default_backend() == "cpu"
-  assert kernels.choose(cfg, 64, 128) == "cpu"
+  assert kernels.choose(cfg.attn_spec, 64, 128) == "cpu"
   with target.compiling_for("cuda", 9.0):  # the fused kernel is untimed on a GPU: the XLA path
-    assert kernels.choose(cfg, 64, 128) == "reference"
-    assert "untimed" in kernels.why(cfg, 64, 128)
-    assert kernels.fit_fallback(cfg).attention.impl == "pallas"  # where that does not fit
-    assert kernels.choose(replaced(cfg, **{"attention.impl": "pallas"}), 64, 128) == "pallas"
+    assert kernels.choose(cfg.attn_spec, 64, 128) == "reference"
+    assert "untimed" in kernels.why(cfg.attn_spec, 64, 128)
+    assert attention_rules.fit_fallback(cfg).attention.impl == "pallas"  # where that does not fit
+    fused = replaced(cfg, **{"attention.impl": "pallas"})
+    assert kernels.choose(fused.attn_spec, 64, 128) == "pallas"
   with target.compiling_for("gpu", 7.0):  # V100: no Triton backend in Pallas
-    assert kernels.choose(cfg, 64, 128) == "reference"
-    assert kernels.fit_fallback(cfg) is None  # nothing to fall back to
-  assert kernels.fit_fallback(cfg) is None  # the CPU
+    assert kernels.choose(cfg.attn_spec, 64, 128) == "reference"
+    assert attention_rules.fit_fallback(cfg) is None  # nothing to fall back to
+  assert attention_rules.fit_fallback(cfg) is None  # the CPU
   with target.compiling_for("tpu", kind="TPU v5 lite"):  # keys lie positions last: 128 lanes
-    assert kernels.choose(cfg, 128, 128) == "pallas_tpu"
-    assert kernels.choose(cfg, 64, 128) == "reference"  # a block of 64 tokens
+    assert kernels.choose(cfg.attn_spec, 128, 128) == "pallas_tpu"
+    assert kernels.choose(cfg.attn_spec, 64, 128) == "reference"  # a block of 64 tokens
   with target.compiling_for("tpu", kind="TPU v4"):  # no strided rotate for the kernel's skew
-    assert kernels.choose(cfg, 64, 128) == "reference"
+    assert kernels.choose(cfg.attn_spec, 64, 128) == "reference"
   with target.compiling_for("tpu", kind="TPU v5"):  # the paper configs: dropout, all-attention
     paper = dataclasses.replace(cfg, dropout=0.1, pers_mem=128)
-    assert kernels.choose(paper, 128, 128) == "pallas_tpu"
+    assert kernels.choose(paper.attn_spec, 128, 128) == "pallas_tpu"
   assert target.name() == "cpu"

@@ -264,7 +264,7 @@ def test_contract_sends_every_backward_dot_to_the_fast_kernel():
 
 @pytest.mark.parametrize("w, c, m", [(4, 4, 8), (2, 4, 8), (6, 4, 8), (8, 8, 8)])
 def test_bf16_key_window_gradient_adds_overlaps_in_float32(w, c, m):
-  from span_lm.kernels.banded_cpu import key_windows  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.span.banded_cpu import key_windows  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(0)
   y = jnp.asarray(rng.standard_normal((2, 3, w + m, 4)), jnp.bfloat16)
   win, vjp = jax.vjp(lambda y: key_windows(y, w, c), y)

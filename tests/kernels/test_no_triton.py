@@ -14,8 +14,9 @@ import jax
 
 from model_helpers import build
 from span_lm import kernels
-from span_lm.kernels import sparse_door
+from span_lm.kernels.sparse import door as sparse_door
 from span_lm.kernels import target
+from span_lm.model import attention_rules
 
 TRITON = "jax.experimental.pallas.triton"
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +45,7 @@ def test_import_span_lm_loads_no_triton():
   code = ("import sys, span_lm, span_lm.layers, span_lm.kernels, span_lm.model, span_lm.train, "
           "span_lm.tools, span_lm.cli; import json; "
           "print(json.dumps(sorted(m for m in sys.modules if 'pallas.triton' in m "
-          "or m.startswith('span_lm.kernels.pallas'))))")
+          "or m.startswith(('span_lm.kernels.span.pallas', 'span_lm.kernels.sparse.pallas')))))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert json.loads(out.stdout.strip().splitlines()[-1]) == []
@@ -53,9 +54,9 @@ def test_import_span_lm_loads_no_triton():
 def test_auto_takes_the_xla_path_on_a_gpu_and_says_why(no_triton, caplog):
   cfg = _cfg("auto")
   with target.compiling_for("gpu", 9.0), caplog.at_level(logging.INFO, logger="span_lm"):
-    impl = kernels.select(cfg, 64, 192)  # a shape no other test logs (select logs once per key)
+    impl = kernels.select(cfg.attn_spec, 64, 192)  # a shape no other test logs (logged once)
     assert impl.name == "reference"
-    assert kernels.fit_fallback(cfg) is None  # no kernel to fall back to for memory either
+    assert attention_rules.fit_fallback(cfg) is None  # no kernel to fall back to for memory either
   lines = [r.getMessage() for r in caplog.records if "no Pallas Triton backend" in r.getMessage()]
   assert len(lines) == 1 and jax.__version__ in lines[0] and "XLA path" in lines[0]
 
@@ -63,20 +64,20 @@ def test_auto_takes_the_xla_path_on_a_gpu_and_says_why(no_triton, caplog):
 @pytest.mark.parametrize("impl", ["pallas", "pallas_interpret"])
 def test_an_explicit_gpu_kernel_is_refused_in_one_line(no_triton, impl):
   with pytest.raises(ValueError) as e:
-    kernels.check(_cfg(impl))
+    kernels.check(_cfg(impl).attn_spec)
   msg = str(e.value)
   assert "\n" not in msg and jax.__version__ in msg and "'auto'" in msg and "'reference'" in msg
 
 
 def test_the_sparse_kernel_degrades_too(no_triton):
   with pytest.raises(ValueError) as e:
-    sparse_door.check("pallas")
+    sparse_door.check(sparse_door.SparseSpec("pallas"))
   assert "\n" not in str(e.value) and jax.__version__ in str(e.value) and "'jnp'" in str(e.value)
   with target.compiling_for("gpu", 9.0):
-    name, why = sparse_door.choose("auto", 4, 1024, 64)
+    name, why = sparse_door.choose(sparse_door.SparseSpec("auto", 4, 1024, 64))
   assert name == "jnp" and "no Pallas Triton backend" in why
   with target.compiling_for("tpu", kind="TPU v5p"):  # other platforms are untouched
-    assert sparse_door.choose("auto", 4, 1024, 64)[0] == "splash"
+    assert sparse_door.choose(sparse_door.SparseSpec("auto", 4, 1024, 64))[0] == "splash"
 
 
 @pytest.mark.slow

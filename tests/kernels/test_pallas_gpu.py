@@ -1,4 +1,4 @@
-"""The fused Pallas kernel (span_lm/kernels/pallas_gpu.py) against the reference implementation.
+"""The fused Pallas kernel (span_lm/kernels/span/pallas_gpu.py) against the reference implementation.
 
 Runs the kernels in interpret mode on CPU, and lowers them for CUDA (Triton) without a GPU so a
 construct Triton cannot express fails here rather than on the first GPU run.
@@ -18,9 +18,10 @@ import jax.numpy as jnp
 
 from model_helpers import build
 from span_lm import config as config_lib
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
+from span_lm.kernels.span import gpu_tiles
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import pallas_gpu as fa
+from span_lm.kernels.span import pallas_gpu as fa
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model.transformer import SpanTransformer
@@ -455,7 +456,7 @@ def test_head_dim_96_is_padded_and_equals_the_reference(kind, n_pers):
   z = _spans(kind, ks[4])
   pk = jax.random.normal(ks[5], (H, dh, n_pers)) if n_pers else None
   pv = jax.random.normal(ks[6], (H, n_pers, dh)) if n_pers else None
-  assert fa.padded_head_dim(dh) == 32 and fa.padded_head_dim(96) == 128
+  assert gpu_tiles.padded_head_dim(dh) == 32 and gpu_tiles.padded_head_dim(96) == 128
 
   def fused(q, k, v, pe, z):
     return fa.span_attention(q, k, v, pe, z, ramp=R, block=BLOCK, interpret=True,
@@ -496,7 +497,8 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import gpu_tiles
+from span_lm.kernels.span import pallas_gpu
 chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))
@@ -509,8 +511,8 @@ _PTX_CHILD = _PTX_PRELUDE + """
 b, h, m, w, n = 1, 2, 128, 256, 64
 for dt in (jnp.bfloat16, jnp.float32):
   for dh in (64, 96):  # enwik8's and enwik8_large's head sizes (96 runs padded to 128)
-    tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)  # what the door runs
-    bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile)
+    tile, warps, stages = gpu_tiles.tiles(chip.cc, dh, dt, 64)  # what the door runs
+    bk = gpu_tiles.key_tile(chip.cc, dh, dt, tile)
     print("TILES " + json.dumps([jnp.dtype(dt).name, dh, tile, warps, stages, bk]), flush=True)
     sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
     def loss(q, k, v, pe, z, pk, pv):
@@ -613,8 +615,8 @@ def test_ptx_pipelined_tensor_cores_no_read_back_no_spills(tmp_path, target):
 _STEP_CHILD = _PTX_PRELUDE + """
 b, h, m, w, n, dh = map(int, sys.argv[2:8])
 rate, dt = float(sys.argv[8]), jnp.bfloat16
-tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64)
-bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile)
+tile, warps, stages = gpu_tiles.tiles(chip.cc, dh, dt, 64)
+bk = gpu_tiles.key_tile(chip.cc, dh, dt, tile)
 print("TILES " + json.dumps([tile, bk, warps, stages]), flush=True)
 sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
 def loss(q, k, v, pe, z, pk, pv):

@@ -1,4 +1,4 @@
-"""The block-sparse GPU kernel (span_lm/kernels/pallas_gpu_sparse.py) against the dense masked
+"""The block-sparse GPU kernel (span_lm/kernels/sparse/pallas_gpu_sparse.py) against the dense masked
 reference (span_lm/model/sparse.py `reference_attention`), in interpret mode on CPU.
 
 Values and every gradient (q, k, v) for each pattern and combination (strided and fixed; merged,
@@ -26,8 +26,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from span_lm.kernels import block_sparse
-from span_lm.kernels import pallas_gpu_sparse as ps
+from span_lm.kernels.sparse import block_sparse
+from span_lm.kernels.sparse import pallas_gpu_sparse as ps
 from span_lm.model import sparse
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -291,7 +291,7 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu_sparse as ps
+from span_lm.kernels.sparse import pallas_gpu_sparse as ps
 from span_lm.kernels import target
 from span_lm.model import sparse
 chip = chips.get(sys.argv[1])
@@ -383,7 +383,7 @@ def test_training_step_compiles_the_block_sparse_kernels(tmp_path, target):
 REAL_STEP_CHILD = """
 import json, sys
 from span_lm import config as config_lib
-from span_lm.kernels import pallas_gpu_sparse as ps
+from span_lm.kernels.sparse import pallas_gpu_sparse as ps
 from span_lm.model import sparse
 from span_lm.tools import compile as compile_lib
 routed = []

@@ -1,4 +1,4 @@
-"""The fused GPU kernel (span_lm/kernels/pallas_gpu.py) with windows ahead and segment ids.
+"""The fused GPU kernel (span_lm/kernels/span/pallas_gpu.py) with windows ahead and segment ids.
 
 tests/kernels/test_two_sided.py compares it (as `pallas_interpret`) with the float64 definition
 and the reference implementation on random shapes, spans and segments; here: dropout against the
@@ -20,9 +20,10 @@ import jax
 import jax.numpy as jnp
 
 from span_lm import kernels
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
+from span_lm.kernels.span import cost as kernel_cost
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import pallas_gpu as fa
+from span_lm.kernels.span import pallas_gpu as fa
 
 B, H, M, D, W, R, BLOCK = 2, 2, 32, 16, 32, 8, 16
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -249,7 +250,8 @@ def test_segment_tile_ranges_hold_every_tile_with_a_shared_id():
 def test_schedule_cost_counts_the_tiles_both_windows_reach():
   """schedule_cost's FLOPs grow with the window ahead and shrink with the spans, as the kernels'
   key-block ranges do (a fixed span visits every tile of both windows)."""
-  cost = lambda **kw: fa.schedule_cost(2, 4, 512, 1024, 64, jnp.bfloat16, 64, **kw)["fwd"]["flops"]
+  cost = lambda **kw: kernel_cost.schedule_cost(2, 4, 512, 1024, 64, jnp.bfloat16, 64,
+                                                **kw)["fwd"]["flops"]
   causal, both = cost(), cost(ahead=1023)
   assert both > 1.9 * causal
   assert cost(ahead=1023, span=100.0) < 0.25 * both
@@ -265,7 +267,8 @@ from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import gpu_tiles
+from span_lm.kernels.span import pallas_gpu
 chip = chips.get(sys.argv[1])
 topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1",
                                     target_config=chips.gpu_target_config(chip))
@@ -281,8 +284,8 @@ _KERNEL_CHILD = _PRELUDE + """
 b, h, m, w, a, n = 1, 2, 128, 256, 255, 64
 for dt in (jnp.bfloat16, jnp.float32):
   for dh in (64, 96):
-    tile, warps, stages = pallas_gpu.tiles(chip.cc, dh, dt, 64, two_sided=True)
-    bk = pallas_gpu.key_tile(chip.cc, dh, dt, tile, two_sided=True)
+    tile, warps, stages = gpu_tiles.tiles(chip.cc, dh, dt, 64, two_sided=True)
+    bk = gpu_tiles.key_tile(chip.cc, dh, dt, tile, two_sided=True)
     print("TILES " + json.dumps([jnp.dtype(dt).name, dh, tile, warps, stages, bk]), flush=True)
     sds = lambda *s, d=dt: jax.ShapeDtypeStruct(s, d, sharding=sh)
     for apart in (False, True):

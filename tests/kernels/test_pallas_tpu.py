@@ -1,4 +1,4 @@
-"""The fused TPU kernel (span_lm/kernels/pallas_tpu.py) against the reference implementation.
+"""The fused TPU kernel (span_lm/kernels/span/pallas_tpu.py) against the reference implementation.
 
 Interpret mode on CPU: values and every gradient (q, k, v, key_pe, spans, persistent vectors)
 against banded_reference.banded_attention, float32 tight and bfloat16 loose, for fixed, adaptive
@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import pallas_tpu as ft
+from span_lm.kernels.span import pallas_tpu as ft
+from span_lm.kernels.span import tpu_tiles
 
 B, H, M, D, W, R, BLOCK = 2, 2, 32, 32, 48, 8, 16
 D_FIXED = 16  # the fixed-span case runs zero-padded to 128 lanes; the others run as they are
@@ -100,7 +101,7 @@ def test_bfloat16_unequal_tiles_unpadded_head_follow_float32():
   """bf16 operands, f32 accumulation, with bq = 8 query rows by bk = 16 keys and head size 32
   (run as it is, no lane padding; one interpreted compile for the three): values and gradients
   near the f32 reference of the same (rounded) inputs; key_pe and its gradient stay float32."""
-  assert ft.padded_head_dim(D) == D and ft.padded_head_dim(D_FIXED) == 128
+  assert tpu_tiles.padded_head_dim(D) == D and tpu_tiles.padded_head_dim(D_FIXED) == 128
   q, k, v, pe, ct, key = _inputs(seed=1)
   z = _spans("dynamic", key)
   lo = [x.astype(jnp.bfloat16) for x in (q, k, v)]
@@ -249,16 +250,17 @@ def test_tiles_widen_where_the_shapes_allow():
   512 does not divide or the window is narrow, 128 x 128 for windows laid out as odd multiples
   of 128 (the initial plan's 64 reads 128 cached positions); small test shapes keep the
   attention block; a block that is no multiple of 128 does not fit Mosaic and says why."""
-  assert ft.tiles(64, 512, 8192, 2048) == (256, 512)
-  assert ft.tiles(64, 512, 8192, 256) == (128, 256)  # N = 256
-  assert ft.tiles(64, 256, 8192, 0) == (128, 256)  # wiki103_pers' block of 256
-  assert ft.tiles(64, 512, 1024, 0) == (128, 256)  # 512 keys: half the window
-  assert ft.tiles(64, 512, 8192 + 128, 0) == (128, 128)
-  assert ft.layout_window(17 * 64) == 1152 and ft.tiles(64, 512, 1152, 0) == (128, 128)
-  assert ft.layout_window(64) == 128 and ft.tiles(64, 512, 128, 0) == (128, 128)
-  assert ft.tiles(16, 32, 48, 0) == (16, 16)
-  assert not ft.misfit(64, 512, 64) and not ft.misfit(64, 512, 17 * 64)
-  assert "128 lanes" in ft.misfit(64, 192, 1024)
+  assert tpu_tiles.tiles(64, 512, 8192, 2048) == (256, 512)
+  assert tpu_tiles.tiles(64, 512, 8192, 256) == (128, 256)  # N = 256
+  assert tpu_tiles.tiles(64, 256, 8192, 0) == (128, 256)  # wiki103_pers' block of 256
+  assert tpu_tiles.tiles(64, 512, 1024, 0) == (128, 256)  # 512 keys: half the window
+  assert tpu_tiles.tiles(64, 512, 8192 + 128, 0) == (128, 128)
+  assert tpu_tiles.layout_window(17 * 64) == 1152
+  assert tpu_tiles.tiles(64, 512, 1152, 0) == (128, 128)
+  assert tpu_tiles.layout_window(64) == 128 and tpu_tiles.tiles(64, 512, 128, 0) == (128, 128)
+  assert tpu_tiles.tiles(16, 32, 48, 0) == (16, 16)
+  assert not tpu_tiles.misfit(64, 512, 64) and not tpu_tiles.misfit(64, 512, 17 * 64)
+  assert "128 lanes" in tpu_tiles.misfit(64, 192, 1024)
 
 
 def test_bad_shapes_say_so():
@@ -299,7 +301,8 @@ def test_compiles_for_v5e_at_the_enwik8_head_group(w, d, dtype, kind, n_pers, ra
   args = (sd((b, h, m, d)), sd((b, h, w + m, d)), sd((b, h, w + m, d)), sd((d, w), "float32"))
   pers = (sd((h, d, n_pers), "float32"), sd((h, n_pers, d), "float32")) if n_pers else ()
 
-  bq, bk = ft.tiles(64, m, ft.layout_window(w), n_pers)  # the door's tiles, attn_block=64
+  # the door's tiles, attn_block=64
+  bq, bk = tpu_tiles.tiles(64, m, tpu_tiles.layout_window(w), n_pers)
 
   def loss(q, k, v, pe, z, *pers):
     out = ft.span_attention(q, k, v, pe, z, ramp=32, block=bq, block_k=bk,
@@ -649,7 +652,7 @@ def test_two_sided_segmented_compiles_for_v5p(w, a, d, dtype, asym, n_pers, rate
   args += [sd((b, h, m), "float32")] if asym else []
   args += [sd((h, d, n_pers), "float32"), sd((h, n_pers, d), "float32")] if n_pers else []
   segs = (sd((b, m), "int32"), sd((b, t), "int32"))
-  bq, bk = ft.tiles(64, m, ft.layout_window(w), n_pers)
+  bq, bk = tpu_tiles.tiles(64, m, tpu_tiles.layout_window(w), n_pers)
 
   def loss(q, k, v, pe, pe_a, z, *rest, q_seg, kv_seg):
     za = rest[0] if asym else None
@@ -668,8 +671,8 @@ def test_two_sided_segmented_compiles_for_v5p(w, a, d, dtype, asym, n_pers, rate
       "forward, dq and the dk/dv kernel once per part")
   cost = _xla_cost(compiled)
   assert cost["flops"] > 0 and cost["bytes accessed"] > 0
-  vmem = ft.vmem_bytes(ft.layout_window(w) + a, ft.padded_head_dim(d), bq, bk, dtype,
-                       n_pers=n_pers, row_stats=2 * asym + 1, key_ids=True)
+  vmem = tpu_tiles.vmem_bytes(tpu_tiles.layout_window(w) + a, tpu_tiles.padded_head_dim(d), bq, bk,
+                              dtype, n_pers=n_pers, row_stats=2 * asym + 1, key_ids=True)
   print(f"v5p compile two-sided W={w} A={a} Dh={d} {dtype} asym={asym} N={n_pers} "
         f"dropout={rate} tiles {bq}x{bk}: {time.time() - start:.1f} s, scoped VMEM limit "
         f"{vmem / 2**20:.0f} MiB, XLA {cost['flops'] / 1e9:.1f} GFLOP, "

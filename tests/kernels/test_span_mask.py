@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import reference_numpy as ref
 from model_helpers import build
 from span_lm import kernels
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import span_mask
 
 B, DH, R = 2, 16, 3
 
@@ -76,10 +76,10 @@ def test_whole_token_span_gradients_equal_the_reference(impl, g, m, w, dynamic, 
   want_out, want_dz = ref.banded_attention(q, k, v, pe, z, R, *(pers or (None, None)), ct=ct)
   pk, pv = (None, None) if pers is None else (jnp.asarray(pers[0], jnp.float32),
                                               jnp.asarray(pers[1], jnp.float32))
-  cfg = door_cfg(impl)
+  spec = door_cfg(impl).attn_spec
 
   def run(q, k, v, pe, z):
-    return kernels.IMPLS[impl].attend(cfg, q, kernels.KV(k, v), pe, span_z=z, pers_k_GxDxN=pk,
+    return kernels.IMPLS[impl].attend(spec, q, kernels.KV(k, v), pe, span_z=z, pers_k_GxDxN=pk,
                                       pers_v_GxNxD=pv)
 
   args = [jnp.asarray(a, jnp.float32) for a in (q, k, v, pe, z)]

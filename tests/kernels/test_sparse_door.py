@@ -1,4 +1,4 @@
-"""The sparse model's attention table (kernels/sparse_door.py) and its splash rows: every pattern
+"""The sparse model's attention table (kernels/sparse/door.py) and its splash rows: every pattern
 and combination against the dense masked reference, values and gradients, interpreted."""
 import warnings
 
@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from span_lm.kernels import block_sparse
-from span_lm.kernels import sparse_door
-from span_lm.kernels import splash_sparse
+from span_lm.kernels.sparse import block_sparse
+from span_lm.kernels.sparse import door as sparse_door
+from span_lm.kernels.sparse import splash_sparse
 from span_lm.kernels import target
 from span_lm.model import sparse
 
@@ -19,41 +19,45 @@ def _heads(pattern, combine, layer, n_heads, stride, c):
   return sparse.layer_heads(pattern, combine, n_heads, layer, stride, c)
 
 
+def _spec(impl, heads=None, n=None, head_dim=None):
+  return sparse_door.SparseSpec(impl=impl, heads=heads, n=n, head_dim=head_dim)
+
+
 def test_rows_and_auto_by_platform():
   assert set(sparse_door.SPARSE_IMPLS) >= {"jnp", "dense", "splash", "splash_interpret",
                                            "pallas", "pallas_interpret"}
   heads = _heads("fixed", "merged", 0, 2, 32, 8)
   with target.compiling_for("cpu"):
-    assert sparse_door.select("auto", heads, 256, 64).name == "jnp"
+    assert sparse_door.select(_spec("auto", heads, 256, 64)).name == "jnp"
   with target.compiling_for("tpu", kind="TPU v5p"):
-    assert sparse_door.select("auto", heads, 256, 64).name == "splash"
+    assert sparse_door.select(_spec("auto", heads, 256, 64)).name == "splash"
   with target.compiling_for("gpu", 9.0):  # Hopper, and Ampere: the Triton block-sparse kernel
-    assert sparse_door.select("auto", heads, 256, 64).name == "pallas"
+    assert sparse_door.select(_spec("auto", heads, 256, 64)).name == "pallas"
   with target.compiling_for("gpu", 8.0):
-    assert sparse_door.select("auto", heads, 256, 64).name == "pallas"
+    assert sparse_door.select(_spec("auto", heads, 256, 64)).name == "pallas"
   with target.compiling_for("gpu", 7.0):  # V100: no Triton kernel
-    assert sparse_door.select("auto", heads, 256, 64).name == "jnp"
-  assert sparse_door.select("dense", heads, 256, 64).fn == "dense_attention"
+    assert sparse_door.select(_spec("auto", heads, 256, 64)).name == "jnp"
+  assert sparse_door.select(_spec("dense", heads, 256, 64)).fn == "dense_attention"
 
 
 def test_fast_is_an_alias_with_a_warning():
   heads = _heads("strided", "merged", 0, 2, 8, 2)
   with pytest.warns(FutureWarning, match="'fast' is now 'jnp'"):
-    assert sparse_door.select("fast", heads, 64, 16).name == "jnp"
+    assert sparse_door.select(_spec("fast", heads, 64, 16)).name == "jnp"
 
 
 def test_explicit_choices_refused_in_one_line():
   with pytest.raises(ValueError, match=r"sparse.impl='nope': choose one of"):
-    sparse_door.check("nope")
+    sparse_door.check(_spec("nope"))
   with pytest.raises(ValueError, match=r"sparse.impl='splash' runs jax's splash.*cpu devices"):
-    sparse_door.check("splash", backend="cpu")
-  sparse_door.check("splash", backend="tpu")
-  sparse_door.check("splash_interpret", backend="cpu")
+    sparse_door.check(_spec("splash"), backend="cpu")
+  sparse_door.check(_spec("splash"), backend="tpu")
+  sparse_door.check(_spec("splash_interpret"), backend="cpu")
   with pytest.raises(ValueError, match=r"sparse.impl='pallas' runs a Triton.*cpu devices"):
-    sparse_door.check("pallas", backend="cpu")
-  sparse_door.check("pallas_interpret", backend="cpu")
+    sparse_door.check(_spec("pallas"), backend="cpu")
+  sparse_door.check(_spec("pallas_interpret"), backend="cpu")
   with pytest.raises(ValueError, match="head size 12"):
-    sparse_door.check("splash", _heads("fixed", "merged", 0, 2, 8, 2), 64, 12)
+    sparse_door.check(_spec("splash", _heads("fixed", "merged", 0, 2, 8, 2), 64, 12))
 
 
 def test_config_takes_the_table_names():
@@ -183,7 +187,7 @@ def test_flops_count_the_blocks_the_chosen_kernel_computes():
   """The FLOPs accounting counts what runs: the jnp path's parts, or a kernel's non-empty tiles
   times their area (here the Triton kernel's 64 x 32 bf16 tiles on an H100), which
   block_sparse.computed_fraction relates to the dense causal tiles."""
-  from span_lm.kernels import block_sparse  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import block_sparse  # pylint: disable=g-import-not-at-top
   from model_helpers import build  # pylint: disable=g-import-not-at-top
   from span_lm.model import macs  # pylint: disable=g-import-not-at-top
   n = 1024

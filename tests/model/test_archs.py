@@ -64,7 +64,7 @@ def test_the_sparse_record_fixes_the_span_and_refuses_what_it_lacks():
     ("gpu", 7.0, "", "jnp")])
 def test_the_attention_named_is_the_one_each_architecture_runs(platform, cc, kind, want):
   """The compile report and the step log name what the layers run: the sparse model's choice of
-  kernels/sparse_door.py (they once named the span door's choice, which the sparse model never
+  kernels/sparse/door.py (they once named the span door's choice, which the sparse model never
   calls), the span model's kernels.choose."""
   from span_lm import kernels  # pylint: disable=g-import-not-at-top
   from span_lm.kernels import target  # pylint: disable=g-import-not-at-top
@@ -77,4 +77,4 @@ def test_the_attention_named_is_the_one_each_architecture_runs(platform, cc, kin
       assert ARCHS["sparse"].attention(make_cfg(**SPARSE, d_model=36, n_heads=2), 64, 64) == (
           "sparse jnp", "head size 18: splash needs a multiple of 8")
     span_cfg = make_cfg()
-    assert ARCHS["span"].attention(span_cfg, 16, 16)[0] == kernels.choose(span_cfg, 16, 16)
+    assert ARCHS["span"].attention(span_cfg, 16, 16)[0] == kernels.choose(span_cfg.attn_spec, 16, 16)

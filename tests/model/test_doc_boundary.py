@@ -200,7 +200,7 @@ def test_implementations_agree_with_segments(impl):
   cfg, params, rng = setup(9, **kw)
   other = make_cfg(**kw, **{"span.mode": "adaptive", "span.ramp": 4, "attention.impl": impl},
                    doc_boundary=SEP)
-  assert kernels.choose(other, 16, 32) == impl
+  assert kernels.choose(other.attn_spec, 16, 32) == impl
   tokens = doc_tokens(rng, 32, [3, 20, 21])
   a, ca = run_blocks(cfg, params, tokens, 16)
   b, cb = run_blocks(other, params, tokens, 16)

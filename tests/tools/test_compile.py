@@ -15,7 +15,8 @@ import pytest
 from model_helpers import build, replaced
 from span_lm import kernels
 from span_lm.kernels import chips
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import cost as kernel_cost
+from span_lm.kernels.span import gpu_tiles
 from span_lm.kernels import target as target_lib
 from span_lm.tools import compile as compile_lib
 
@@ -128,16 +129,16 @@ def test_one_table_of_peaks_for_the_gpu_suite_and_the_rooflines():
 
 
 def test_fused_kernel_tiles_per_target_fit_the_block():
-  assert pallas_gpu.tiles(None, 64, "float32", 64) == (64, 4, 2)  # interpret mode: the block
+  assert gpu_tiles.tiles(None, 64, "float32", 64) == (64, 4, 2)  # interpret mode: the block
   for cc in (8.0, 9.0):
     for dh in (64, 96):
       for dtype in ("bfloat16", "float32"):
-        tile, warps, stages = pallas_gpu.tiles(cc, dh, dtype, 64)
+        tile, warps, stages = gpu_tiles.tiles(cc, dh, dtype, 64)
         # 64-row tiles in bf16 (float32 on the A100: 32, registers), pipelined, key tiles dividing
         assert tile == (64 if dtype == "bfloat16" or cc >= 9 else 32), (cc, dh, dtype)
         assert warps in (4, 8) and stages >= 2
-        assert tile % pallas_gpu.key_tile(cc, dh, dtype, tile) == 0
-  assert pallas_gpu.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
+        assert tile % gpu_tiles.key_tile(cc, dh, dtype, tile) == 0
+  assert gpu_tiles.tiles(9.0, 64, "bfloat16", 16)[0] == 16  # never above attn_block
 
 
 def test_gpu_kernel_roofline_counts_the_visited_tiles():
@@ -147,7 +148,7 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
   import numpy as np  # pylint: disable=g-import-not-at-top
   b, h, m, w, dh, t = 2, 4, 256, 1024, 64, 32
   for span, win in ((None, w), (100.0, 100 + 32 + 1)):
-    cost = pallas_gpu.schedule_cost(b, h, m, w, dh, "bfloat16", t, span=span, ramp=32)
+    cost = kernel_cost.schedule_cost(b, h, m, w, dh, "bfloat16", t, span=span, ramp=32)
     tiles = 0
     for i0 in range(0, m, t):
       for t0 in range(0, w + m, t):
@@ -161,14 +162,14 @@ def test_gpu_kernel_roofline_counts_the_visited_tiles():
   with target_lib.compiling_for("cuda", 9.0):
     rows = compile_lib.kernel_roofline(
         chips.get("h100"), cfg,
-        lambda span: kernels.IMPLS["pallas"].schedule_cost(cfg, 8, 512, 8192, span))
+        lambda span: kernels.IMPLS["pallas"].schedule_cost(cfg.attn_spec, 8, 512, 8192, span))
   assert [(r["spans"], r["kernel"]) for r in rows][:4] == [
       ("span 8192", "fwd"), ("span 8192", "bwd_q"), ("span 8192", "bwd_kv"),
       ("span 8192", "position")]
   assert len(rows) == 8 and rows[4]["flops"] < rows[0]["flops"] / 10
   assert rows[7]["flops"] == rows[3]["flops"]  # the position matmuls span the whole window
   assert all(r["bound"] in ("compute", "HBM", "either") for r in rows)
-  assert kernels.IMPLS["reference"].schedule_cost(cfg, 8, 512, 8192, None) is None
+  assert kernels.IMPLS["reference"].schedule_cost(cfg.attn_spec, 8, 512, 8192, None) is None
 
 
 def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():
@@ -177,15 +178,17 @@ def test_steps_lift_ptxas_register_cap_only_where_the_fused_gpu_kernel_runs():
   cfg = build({"vocab_size": 11, "d_model": 128, "n_heads": 2, "span.size": 128,
                "attention.block": 64, "plan.granularity": 64})
   with target_lib.compiling_for("cuda", 8.0):
-    assert kernels.compiler_options(replaced(cfg, **{"attention.impl": "pallas"})) == {
+    with_impl = lambda impl: replaced(cfg, **{"attention.impl": impl}).attn_spec
+    assert kernels.compiler_options(with_impl("pallas")) == {
         "xla_gpu_ptx_compiler_extra_flags": "--minnctapersm=1"}
-    assert kernels.compiler_options(replaced(cfg, **{"attention.impl": "reference"})) == {}
-    assert kernels.compiler_options(cfg) == {}  # auto: the XLA path while the kernel is untimed
+    assert kernels.compiler_options(with_impl("reference")) == {}
+    # auto: the XLA path while the kernel is untimed
+    assert kernels.compiler_options(cfg.attn_spec) == {}
   with target_lib.compiling_for("gpu", 7.0):  # V100: the reference path
-    assert kernels.compiler_options(cfg) == {}
+    assert kernels.compiler_options(cfg.attn_spec) == {}
   with target_lib.compiling_for("tpu", kind="TPU v5"):
-    assert kernels.compiler_options(cfg) == {}
-  assert kernels.compiler_options(cfg) == {}
+    assert kernels.compiler_options(cfg.attn_spec) == {}
+  assert kernels.compiler_options(cfg.attn_spec) == {}
 
 
 @pytest.mark.skipif(HAS_TPU and HAS_CUDA, reason="both toolchains installed")
@@ -284,7 +287,7 @@ def test_compile_mode_for_an_h100(tmp_path):
 @pytest.mark.skipif(not HAS_CUDA, reason="needs the CUDA plugin: pip install -e .[gpu-compile]")
 @pytest.mark.parametrize("target", ["h100", "a100_80"])
 def test_fused_kernel_fits_shared_memory_for_every_head_size_and_dtype(target):
-  """The tiles the door picks (pallas_gpu.TILES) compile within the target's shared memory; with
+  """The tiles the door picks (gpu_tiles.TILES) compile within the target's shared memory; with
   the single 64/4/2 tile of before, head size 128 (the large models' 96) and float32 did not."""
   r = subprocess.run([sys.executable, "-m", "bench.kernel_sweep", "--targets", target, "--dtypes",
                       "bfloat16", "float32", "--head_dims", "64", "128", "--tiles", "0"],
@@ -327,7 +330,7 @@ def test_splash_masks_compile_in_the_kernel_for_a_tpu(pattern, combine):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
-  from span_lm.kernels import splash_sparse  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse import splash_sparse  # pylint: disable=g-import-not-at-top
   from span_lm.model import sparse  # pylint: disable=g-import-not-at-top
   heads = sparse.layer_heads(pattern, combine, 4, 0, 96, 8)
   topo = topologies.get_topology_desc(topology_name="v5e:2x2", platform="tpu")

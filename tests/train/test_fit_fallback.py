@@ -1,9 +1,9 @@
 """The step compiler's memory fallback on a GPU target, for every architecture and every config.
 
 When the device's capacity is known (a GPU run, the compile mode), a step that does not fit is
-compiled again with the fused kernel (`kernels.fit_fallback`). That applies only to the span
-model with `attention.impl=auto`: for the sparse model (which has its own attention) the decision
-once built a fused config the config check refuses, so no sparse config compiled for an Ampere or
+compiled again with the fused kernel (model/attention_rules.fit_fallback: the door's
+kernels.fit_fallback under the model's rules). That applies only to the span model with
+`attention.impl=auto`: for the sparse model (which has its own attention) the decision once built a fused config the config check refuses, so no sparse config compiled for an Ampere or
 Hopper GPU. These tests need no CUDA toolchain: they ask the decision on a GPU target, and compile
 a sparse step on the CPU's devices while tracing for an H100 with a capacity nothing fits in.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from span_lm import config as config_lib
-from span_lm import kernels
+from span_lm.model import attention_rules
 from span_lm.kernels import target
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
@@ -61,12 +61,12 @@ def test_fallback_is_a_config_that_runs_or_none(spec):
   cfg = ModelConfig.from_config(config.model, vocab_size=config.model.vocab_size or vocab)
   for platform, cc in GPUS:
     with target.compiling_for(platform, cc):
-      alt = kernels.fit_fallback(cfg)
+      alt = attention_rules.fit_fallback(cfg)
       if alt is None:
         continue
       assert cfg.arch == "span" and cfg.attention.impl == "auto" and cc >= 8.0, spec
       assert alt.attention.impl == "pallas" and alt.arch == "span"
-      kernels.check(alt, block=config.data.block)  # raises where it cannot run
+      attention_rules.check(alt, block=config.data.block)  # raises where it cannot run
 
 
 def _tiny(arch: str) -> ModelConfig:
@@ -82,15 +82,15 @@ def _tiny(arch: str) -> ModelConfig:
 def test_span_auto_falls_back_to_the_kernel_on_triton_gpus_only():
   cfg = _tiny("span")
   with target.compiling_for("gpu", 9.0):
-    assert kernels.fit_fallback(cfg).attention.impl == "pallas"
+    assert attention_rules.fit_fallback(cfg).attention.impl == "pallas"
   with target.compiling_for("gpu", 7.0):
-    assert kernels.fit_fallback(cfg) is None
+    assert attention_rules.fit_fallback(cfg) is None
   with target.compiling_for("gpu", 9.0):  # an explicit choice is the user's
     explicit = cfg.replace(attention=cfg.attention.replace(impl="reference"))
-    assert kernels.fit_fallback(explicit) is None
+    assert attention_rules.fit_fallback(explicit) is None
     # sizes the kernel cannot tile: nothing to fall back to (not a config the check refuses)
     untileable = cfg.replace(pers_mem=5)
-    assert kernels.fit_fallback(untileable) is None
+    assert attention_rules.fit_fallback(untileable) is None
 
 
 def test_sparse_step_compiles_on_a_gpu_target_that_it_does_not_fit():

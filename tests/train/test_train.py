@@ -445,9 +445,9 @@ def test_adaptive_steps_read_from_the_device_only_on_log_eval_checkpoint_steps(t
 def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, monkeypatch,
                                                                        capsys):
   """StepCompiler's fit rule: a step whose compiled peak exceeds the device's memory is compiled
-  again with kernels.fit_fallback's implementation (on a GPU: `auto`'s XLA path -> the fused
+  again with attention_rules.fit_fallback's implementation (on a GPU: `auto`'s XLA path -> the fused
   kernel), which the log names, and trains; with memory to spare nothing is recompiled."""
-  from span_lm import kernels  # pylint: disable=g-import-not-at-top
+  from span_lm.model import attention_rules  # pylint: disable=g-import-not-at-top
   from span_lm.train import sharding as sharding_lib  # pylint: disable=g-import-not-at-top
   asked = []
 
@@ -455,7 +455,7 @@ def test_a_step_that_does_not_fit_is_compiled_again_with_the_fallback(tmp_path, 
     asked.append(cfg.attention.impl)
     return replaced(cfg, **{"attention.impl": "reference"}) if cfg.attention.impl == "cpu" else None
 
-  monkeypatch.setattr(kernels, "fit_fallback", fallback)
+  monkeypatch.setattr(attention_rules, "fit_fallback", fallback)
   for capacity, recompiled in ((1, True), (1 << 40, False)):
     monkeypatch.setattr(run_lib, "_device_memory", lambda c=capacity: c)
     work = tmp_path / str(capacity)

@@ -18,11 +18,11 @@ import numpy as np
 from span_lm import kernels
 from span_lm.kernels import cpu_matmul
 from span_lm.kernels import matmul
-from span_lm.kernels import span_mask
-from span_lm.kernels.banded_reference import choose_chunk
-from span_lm.kernels.banded_reference import skew as _skew_pad
-from span_lm.kernels.banded_reference import split_kv as _split_kv_rows
-from span_lm.kernels.banded_reference import unskew as _unskew_pad
+from span_lm.kernels.span import span_mask
+from span_lm.kernels.span.banded_reference import choose_chunk
+from span_lm.kernels.span.banded_reference import skew as _skew_pad
+from span_lm.kernels.span.banded_reference import split_kv as _split_kv_rows
+from span_lm.kernels.span.banded_reference import unskew as _unskew_pad
 
 
 def _skew_take(x):

@@ -1,5 +1,6 @@
 """What the fused kernels (pallas_gpu, pallas_tpu) share: the span maths of one tile in
-FlashAttention-2's names, the checks at their entry, and running them per device under a mesh.
+FlashAttention-2's names and the checks at their entry (running them per device under a mesh:
+kernels/pallas_common.py).
 
 One tile is a block of query rows against a block of keys. S is its scaled logits, m the running
 row maximum, P = exp(S - m) and l the running row sum of P. The soft span mask adds a second
@@ -12,13 +13,9 @@ bq, bk the tiles, ...) and the row statistics' layouts: docs/kernels.md, "What t
 share". These helpers are traced into each kernel's body, so sharing them costs nothing at run
 time.
 """
-import math
-
-import jax
 import jax.numpy as jnp
 
-from span_lm.kernels import hashed_dropout
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import span_mask
 
 PRECISIONS = ("default", "highest")
 
@@ -68,36 +65,3 @@ def check_inputs(pers_k, pers_v, dropout_rate: float, dropout_seed, precision: s
     raise ValueError("fused attention: dropout_rate > 0 needs a dropout_seed")
   if precision not in PRECISIONS:
     raise ValueError(f"fused attention: precision={precision!r}: choose one of {PRECISIONS}")
-
-
-def seed_array(dropout_seed):
-  """The dropout seed as the (1,) uint32 array the kernels read (0 without dropout)."""
-  if dropout_seed is None:
-    return jnp.zeros((1,), jnp.uint32)
-  return jnp.asarray(dropout_seed, jnp.uint32).reshape(1)
-
-
-def per_device(kernel, args, batched, seed_at: int):
-  """kernel(*args) on each device's own batch rows under the current mesh.
-
-  A pallas_call is opaque to XLA's partitioner, which would gather the whole batch onto every
-  device. Under a mesh (the trainer sets one and shards batches over all of its axes) each
-  device runs the kernel on its rows, with its own dropout seed (`hashed_dropout.shard_seed`).
-  Axes already manual (inside a shard_map: the train step with batch_split > 1) hold this
-  device's rows already; with none left, the kernel runs as it is.
-  batched: per argument, whether it has the batch as its leading axis (else it is replicated);
-  seed_at: the index of the (1,) uint32 seed in args. None arguments stay None."""
-  mesh = jax.sharding.get_abstract_mesh()
-  axes = () if mesh.empty else tuple(ax for ax in mesh.axis_names if ax not in mesh.manual_axes)
-  if math.prod(mesh.shape[ax] for ax in axes) == 1:
-    return kernel(*args)
-
-  def local(*xs):
-    xs = list(xs)
-    xs[seed_at] = hashed_dropout.shard_seed(xs[seed_at], axes)
-    return kernel(*xs)
-
-  rows, rep = jax.sharding.PartitionSpec(axes), jax.sharding.PartitionSpec()
-  in_specs = tuple(None if x is None else rows if b else rep for x, b in zip(args, batched))
-  return jax.shard_map(local, mesh=mesh, out_specs=rows, check_vma=False, in_specs=in_specs,
-                       axis_names=frozenset(axes))(*args)

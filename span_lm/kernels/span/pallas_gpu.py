@@ -11,7 +11,7 @@ unsegmented kernel traces none of it.
 
 Why each choice (tiles and windows, the rel-shift view, segment masking and skipping, head
 padding, the normaliser, dropout, GQA): docs/kernels.md, "The GPU kernel's design". Interpret
-mode (`interpret=True`) runs the kernels on CPU for tests; names as in kernels/fused.py's.
+mode (`interpret=True`) runs the kernels on CPU for tests; names as in kernels/span/fused.py's.
 """
 import functools
 import math
@@ -23,9 +23,11 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.kernels import fused
+from span_lm.kernels.span import fused
 from span_lm.kernels import hashed_dropout
-from span_lm.kernels import span_mask
+from span_lm.kernels import pallas_common
+from span_lm.kernels.span import span_mask
+from span_lm.kernels.span.gpu_tiles import padded_head_dim
 from span_lm.kernels import target
 
 plt = target.pallas_triton()  # jax.experimental.pallas.triton
@@ -41,16 +43,7 @@ VERSION = "relshift-1"
 PRECISIONS = fused.PRECISIONS
 
 
-def _dot(a, b, trans_a=False, trans_b=False, *, exact: bool):
-  """f32-accumulating matmul. exact (precision='highest'): float32 operands as exact float32,
-  which Triton runs as scalar FMAs (no tensor cores; docs/kernels.md); else float32 dots may use
-  TF32 tensor cores (sm_80+), as XLA does for float32 matmuls by default."""
-  if trans_a:
-    a = a.T
-  if trans_b:
-    b = b.T
-  prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 and exact else None
-  return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=prec)
+_dot = pallas_common.dot  # f32-accumulating (shared with the block-sparse kernel)
 
 
 def _xla_precision(precision: str, dtype):
@@ -853,128 +846,14 @@ def span_attention(q_BxHxMxD, k_BxHxTxD, v_BxHxTxD, key_pe_DxW, z_BxHxM=None, *,
               precision=precision, a=a)
   args = _pad_head_dim(padded_head_dim(dh), q_BxHxMxD, k, v, key_pe_DxW, pers_k_HxDxN,
                        pers_v_HxNxD, pe_a)
-  args = (*args[:4], z_BxHxM, fused.seed_array(dropout_seed), *args[4:], z_a, q_seg, kv_seg)
+  args = (*args[:4], z_BxHxM, pallas_common.seed_array(dropout_seed), *args[4:], z_a, q_seg,
+          kv_seg)
   # q, k, v, z (and the spans ahead, the segment ids) by batch rows; key_pe, the seed and the
   # persistent vectors replicated
-  return fused.per_device(lambda *xs: _span_attention(*xs, s), args,
-                          (True, True, True, False, True, False, False, False, False, True, True,
-                           True), seed_at=5)[..., :dh]
+  return pallas_common.per_device(lambda *xs: _span_attention(*xs, s), args,
+                                  (True, True, True, False, True, False, False, False, False,
+                                   True, True, True), seed_at=5)[..., :dh]
 
-
-
-# Tiles per target: (compute capability major, padded head size, dtype) -> (query tile, key tile,
-# warps, stages), from a deviceless ptxas sweep (bench/kernel_sweep.py; docs/kernels.md): 64-row
-# query tiles with no spills in bf16 on Hopper and Ampere (A100's mma.sync keeps its accumulators
-# in registers: 32-key tiles there; at head size 128 64-key tiles spilled in bwd_q with
-# persistent memory), the fewest spills in float32. Hopper bf16 at head size 128 takes 32-key
-# tiles too: at 64 x 64 bwd_kv sat at 255 registers and spilled 8+8 B in enwik8_large's step
-# (B=4, H=8, M=512, W=8192, dropout 0.4; 2-4 stages alike; not at the PTX test's B=1, H=2):
-# 64 x 32 compiles at most 203 registers, no spills, wgmma in fwd and bwd_q (bwd_kv's 32-row
-# dk/dv products run as mma.sync). Hopper bf16 at head size 64 likewise: at 64 x 64 bwd_q sat at
-# 255 registers and spilled 4+4 B at enwik8_pers' shapes (B=4, H=8, M=512, W=8192, 2,048
-# persistent vectors, dropout 0.4); 64 x 32 (the two-sided kernels' launch) at most 219, no
-# spills at every paper config's shape tried. Untimed on a
-# device: `attention.tiles=tune` measures the candidates on the GPU at hand (kernels/autotune.py).
-TILES = {
-    (9, 64, "bfloat16"): (64, 32, 4, 3), (9, 128, "bfloat16"): (64, 32, 8, 3),
-    (9, 64, "float32"): (64, 32, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),
-    (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (64, 32, 8, 2),
-    (8, 64, "float32"): (32, 32, 4, 2), (8, 128, "float32"): (32, 16, 8, 2),
-}
-# Two-sided kernels (windows ahead: the two-sided visit test, the mask's x = |dist - 1|, spans
-# ahead learned apart) hold more per tile: at the table above bwd_q spilled in bf16 (A100, head
-# size 128: 52 B with one span, 204 B with spans apart; H100 with spans apart: 140-200 B). From a
-# deviceless sweep of both (segment ids, persistent memory, dropout; docs/kernels.md): no bf16
-# spills, the fewest in float32 while Hopper keeps wgmma (64-row tiles).
-TILES_TWO_SIDED = {
-    (9, 64, "bfloat16"): (64, 32, 4, 3), (9, 128, "bfloat16"): (64, 32, 8, 3),
-    (9, 64, "float32"): (64, 16, 4, 2), (9, 128, "float32"): (64, 16, 8, 2),
-    (8, 64, "bfloat16"): (64, 32, 4, 2), (8, 128, "bfloat16"): (32, 32, 8, 2),
-    (8, 64, "float32"): (32, 32, 4, 2), (8, 128, "float32"): (16, 16, 4, 2),
-}
-DEFAULT_TILES = (64, 4, 2)  # elsewhere (interpret mode, unknown targets): the attn_block itself
-
-
-def _entry(compute_capability, head_dim, dtype, two_sided=False):
-  dp = padded_head_dim(head_dim)
-  key = (None if compute_capability is None else int(compute_capability), min(dp, 128),
-         jnp.dtype(dtype).name)
-  return (TILES_TWO_SIDED if two_sided else TILES).get(key)
-
-
-def tiles(compute_capability: float | None, head_dim: int, dtype, block: int,
-          two_sided: bool = False):
-  """(tile, num_warps, num_stages) for a target (None: not a GPU) and an attn_block; two_sided:
-  the kernels with windows ahead (TILES_TWO_SIDED)."""
-  entry = _entry(compute_capability, head_dim, dtype, two_sided)
-  tile, warps, stages = (entry[0], *entry[2:]) if entry else (block, *DEFAULT_TILES[1:])
-  return min(tile, block), warps, stages
-
-
-def key_tile(compute_capability: float | None, head_dim: int, dtype, tile: int,
-             two_sided: bool = False) -> int:
-  """The key tile that goes with a query tile on a target: the table's, at most the tile."""
-  entry = _entry(compute_capability, head_dim, dtype, two_sided)
-  return min(entry[1], tile) if entry else tile
-
-
-def schedule_cost(b: int, h: int, n_rows: int, w: int, head_dim: int, dtype, tile: int,
-                  span: float | None = None, ramp: int = 32, n_pers: int = 0,
-                  key_tile: int | None = None, ahead: int = 0) -> dict:
-  """FLOPs and HBM bytes of one call's kernels (B=b, H=h, a block of n_rows queries, window w behind
-  and `ahead` in front), every row at `span` on both sides (None: a fixed span, every distance of
-  both windows visited), as {kernel: {"flops", "bytes", "bytes_min"}}: the three Triton kernels'
-  tile schedules, and "position", the XLA matmuls around them (G = q [pe | pe_ahead] forward and
-  again backward, dq += dG pe^T, d pe = q^T dG over the whole band: their cost does not fall with
-  the spans). "bytes" counts every block a program loads or stores (keys, values and position
-  tiles once per query block that visits them), so re-reads that L2 catches count in full: an
-  upper bound; "bytes_min" each input read and each output written once: the lower bound.
-  Segment ids are not counted (one segment: no tile skipped for them). The compile mode's
-  per-kernel roofline (tools/compile.py) reads it; cost_analysis has none for a Triton call."""
-  dp, isz = padded_head_dim(head_dim), jnp.dtype(dtype).itemsize
-  bq, bk = tile, key_tile or tile
-  a_rows = -(-ahead // bk) * bk  # the rows ahead in whole key tiles
-  band = w + a_rows  # G's row: the band's columns (and one zero column)
-  win = w if span is None else max(1, min(w, int(math.floor(span)) + ramp + 1))
-  wa = ahead if span is None else max(0, min(ahead, int(math.floor(span)) + ramp))
-  tiles = 0  # visited (query block, key block) pairs: the kernels' range per query block
-  for i0 in range(0, n_rows, bq):
-    lo, hi = (w + i0 - win) // bk, (w + i0 + bq - 2 + wa) // bk + 1
-    tiles += hi - lo
-  tiles *= b * h
-  progs_q, progs_k = b * h * (n_rows // bq), b * h * ((w + n_rows + a_rows) // bk)
-  qk = 2 * bq * bk * dp
-  rows, keys, s_pos_tile = bq * dp * isz, bk * dp * isz, bq * bk * isz
-  pers_mm, pers_io = 2 * bq * n_pers * dp, 2 * n_pers * dp * isz
-  keys_read = ((w + n_rows - 2 + wa) // bk + 1 - (w - win) // bk) * bk  # the spans' keys, in tiles
-  q_all, kv_all = b * h * n_rows * dp * isz, b * h * keys_read * dp * isz
-  s_pos_all = b * h * n_rows * (band + 1) * isz
-  s_pos_read, stat = b * h * n_rows * keys_read * isz, b * h * n_rows * 4
-  minimum = {"fwd": 2 * q_all + 2 * kv_all + s_pos_read + 3 * stat + pers_io * h,
-             "bwd_q": 2 * q_all + q_all * 4 // isz + 2 * kv_all + 2 * s_pos_read + 4 * stat
-                      + pers_io * h * 3,
-             "bwd_kv": 2 * q_all + 4 * kv_all + s_pos_read + 4 * stat,
-             "position": 4 * q_all + 3 * s_pos_all + (band + 1) * dp * (isz + 4)}
-  cost = {
-      "fwd": {"flops": tiles * 2 * qk + progs_q * 2 * pers_mm,
-              "bytes": tiles * (2 * keys + s_pos_tile)
-                       + progs_q * (2 * rows + 3 * bq * 4 + pers_io)},
-      "bwd_q": {"flops": tiles * 3 * qk + progs_q * 5 * pers_mm,
-                "bytes": tiles * (2 * keys + 2 * s_pos_tile)
-                         + progs_q * (2 * rows + bq * dp * 4 + 4 * bq * 4 + pers_io
-                                      + 4 * n_pers * dp * 4)},
-      "bwd_kv": {"flops": tiles * 4 * qk,
-                 "bytes": tiles * (2 * rows + 4 * bq * 4 + s_pos_tile) + progs_k * 4 * keys},
-      "position": {"flops": 4 * 2 * b * h * n_rows * (band + 1) * dp,
-                   "bytes": 4 * q_all + 4 * s_pos_all + (band + 1) * dp * (isz + 4)},
-  }
-  return {k: dict(v, bytes_min=minimum[k]) for k, v in cost.items()}
-
-
-def padded_head_dim(dh: int) -> int:
-  """The head size the kernels run with: the next power of two >= 16 (Triton's tiles are powers
-  of two), e.g. 128 for the large paper models' 96."""
-  return max(16, 1 << (dh - 1).bit_length())
 
 
 def _pad_head_dim(dp, q, k, v, pe, pk, pv, pe_a=None):

@@ -1,5 +1,5 @@
-"""The 'splash' rows of kernels/sparse_door.py: jax's splash attention (TPU) with each head's
-Sparse Transformer pattern as a computable mask (kernels/block_sparse.py `allowed` on the
+"""The 'splash' rows of kernels/sparse/door.py: jax's splash attention (TPU) with each head's
+Sparse Transformer pattern as a computable mask (kernels/sparse/block_sparse.py `allowed` on the
 kernel's index tiles), one call per run of heads that share a pattern (`runs`). Splash's
 MaskInfo skips the all-zero blocks in the forward and both backward passes and evaluates the
 mask in the kernel, only in partial blocks.
@@ -15,7 +15,7 @@ import functools
 
 import numpy as np
 
-from span_lm.kernels.block_sparse import HeadPattern, allowed, allowed_in_kernel, first_query
+from span_lm.kernels.sparse.block_sparse import HeadPattern, allowed, allowed_in_kernel, first_query
 
 LANES = 128
 
@@ -33,7 +33,7 @@ def block_size(n: int) -> int:
 def computed_pairs(head: HeadPattern, n: int) -> int:
   """(query, key) pairs the kernel computes for one head over n positions: its non-empty blocks
   (block_sparse.block_map) times the block area, partial blocks computed whole."""
-  from span_lm.kernels.block_sparse import EMPTY, block_map  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels.sparse.block_sparse import EMPTY, block_map  # pylint: disable=g-import-not-at-top
   b = block_size(n)
   return int((block_map(head, n, b, b) != EMPTY).sum()) * b * b
 
@@ -109,15 +109,15 @@ def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret=
   padded = -(-n // block) * block
   pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, padded - n), (0, 0)))
   q, k, v = pad(q_BxHxNxD), pad(k_BxHxNxD), pad(v_BxHxNxE)
-  from span_lm.kernels import fused  # pylint: disable=g-import-not-at-top
+  from span_lm.kernels import pallas_common  # pylint: disable=g-import-not-at-top
   outs = []
   for start, stop in runs(heads):
     kernel = _kernel(heads[start], stop - start, padded, block, interpret)
     # A Mosaic call is not partitioned by XLA: each device runs it on its own batch rows.
     run = lambda q, k, v, seed, kernel=kernel: jax.vmap(kernel)(q, k, v)
     part = lambda x, start=start, stop=stop: x[:, start:stop]
-    outs.append(fused.per_device(run, (part(q), part(k), part(v), fused.seed_array(None)),
-                                 (True, True, True, False), seed_at=3))
+    args = (part(q), part(k), part(v), pallas_common.seed_array(None))
+    outs.append(pallas_common.per_device(run, args, (True, True, True, False), seed_at=3))
   o = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
   # Splash's masked score is finite, so a query with no key would average the values: zero them.
   first = np.array([first_query(h) for h in heads])

@@ -1,9 +1,9 @@
-"""`cpu` behind the door (span_lm/kernels/__init__.py): banded_cpu, the reference's maths laid
+"""`cpu` behind the door (span_lm/kernels/span/door.py): banded_cpu, the reference's maths laid
 out for XLA:CPU. Its own key/value layout, `CpuKV`, may lie positions last."""
 from typing import Any, NamedTuple
 
-from span_lm.kernels import banded_cpu
-from span_lm.kernels import impl_reference
+from span_lm.kernels.span import banded_cpu
+from span_lm.kernels.span import impl_reference
 
 
 class CpuKV(NamedTuple):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from span_lm.kernels import matmul
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import span_mask
 from span_lm.kernels.heads import kv_group
 
 

@@ -1,4 +1,4 @@
-"""`pallas_tpu` and `pallas_tpu_interpret` behind the door (span_lm/kernels/__init__.py):
+"""`pallas_tpu` and `pallas_tpu_interpret` behind the door (span_lm/kernels/span/door.py):
 pallas_tpu's fused Mosaic kernel. Its own key/value layout, `TpuKV`, positions last as XLA:TPU's
 projection writes them. Imported only where one of them is chosen: it loads Pallas."""
 from typing import Any, NamedTuple
@@ -6,8 +6,10 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from span_lm import kernels
-from span_lm.kernels import impl_reference
-from span_lm.kernels import pallas_tpu
+from span_lm.kernels.span import impl_reference
+from span_lm.kernels.span import cost
+from span_lm.kernels.span import tpu_tiles
+from span_lm.kernels.span import pallas_tpu
 
 
 class TpuKV(NamedTuple):
@@ -50,7 +52,7 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
   if segments is not None:
     extra.update(q_seg_BxM=segments.q, kv_seg_BxT=segments.kv)
   cached = kv.cached.shape[-1] if laid_out else cached_rows(impl, key_pe_DxW.shape[-1])
-  bq, bk = pallas_tpu.tiles(spec.attention.block, m, cached,
+  bq, bk = tpu_tiles.tiles(spec.attention.block, m, cached,
                             0 if pers_k_GxDxN is None else pers_k_GxDxN.shape[-1])
   fused = pallas_tpu.span_attention_kv if laid_out else pallas_tpu.span_attention
   return fused(  # float32 parameters go in as such: their gradients stay float32
@@ -61,9 +63,9 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
 
 
 def cached_rows(impl, w: int) -> int:
-  """The cache part is laid out in whole 128-lane tiles (pallas_tpu.layout_window)."""
+  """The cache part is laid out in whole 128-lane tiles (tpu_tiles.layout_window)."""
   del impl
-  return pallas_tpu.layout_window(w)
+  return tpu_tiles.layout_window(w)
 
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
@@ -72,10 +74,10 @@ def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bo
   del train
   rows = cached_rows(impl, w)
   if spec.ahead:
-    bk = pallas_tpu.tiles(spec.attention.block, m, rows, spec.pers_mem)[1]
+    bk = tpu_tiles.tiles(spec.attention.block, m, rows, spec.pers_mem)[1]
     rows += -(-spec.ahead // bk) * bk
-  return impl_reference.grouped_kv_bytes(spec, kernels.fused_residual_bytes(
-      batch, m, heads, rows, pallas_tpu.padded_head_dim(spec.head_dim),
+  return impl_reference.grouped_kv_bytes(spec, cost.fused_residual_bytes(
+      batch, m, heads, rows, tpu_tiles.padded_head_dim(spec.head_dim),
       jnp.dtype(spec.dtype).itemsize))
 
 
@@ -94,4 +96,4 @@ def misfit(impl, spec, m, w) -> str:
   tiles), so they add no rule."""
   if impl.interpret or m is None or w is None:
     return ""
-  return pallas_tpu.misfit(spec.attention.block, m, w, spec.pers_mem)
+  return tpu_tiles.misfit(spec.attention.block, m, w, spec.pers_mem)

@@ -1,8 +1,8 @@
-"""`reference` behind the door (span_lm/kernels/__init__.py): banded_reference's readable maths,
+"""`reference` behind the door (span_lm/kernels/span/door.py): banded_reference's readable maths,
 keys and values as rows (kernels.KV). The functions every implementation module offers, the
 implementation (a kernels.Impl) first."""
 from span_lm.kernels import KV
-from span_lm.kernels import banded_reference
+from span_lm.kernels.span import banded_reference
 
 
 def project_kv(impl, spec, cache_BxLxD, h_BxMxD, w_kv_Dx2Z, *, window: int, heads: int) -> KV:

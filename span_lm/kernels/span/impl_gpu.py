@@ -1,11 +1,13 @@
-"""`pallas` and `pallas_interpret` behind the door (span_lm/kernels/__init__.py): pallas_gpu's
+"""`pallas` and `pallas_interpret` behind the door (span_lm/kernels/span/door.py): pallas_gpu's
 fused Triton kernel, keys and values as rows (kernels.KV, projected as the reference's).
 Imported only where one of them is chosen: it loads Pallas."""
 import jax.numpy as jnp
 
 from span_lm import kernels
-from span_lm.kernels import impl_reference
-from span_lm.kernels import pallas_gpu
+from span_lm.kernels.span import impl_reference
+from span_lm.kernels.span import cost
+from span_lm.kernels.span import gpu_tiles
+from span_lm.kernels.span import pallas_gpu
 from span_lm.kernels import target
 
 project_kv = impl_reference.project_kv
@@ -24,13 +26,13 @@ def tiles(impl, spec, dtype) -> tuple[int, int, int]:
   explicit = kernels.parse_tiles(spec.attention.tiles)
   if explicit is not None:
     return explicit
-  return pallas_gpu.tiles(_cc(impl), spec.head_dim, dtype, spec.attention.block,
+  return gpu_tiles.tiles(_cc(impl), spec.head_dim, dtype, spec.attention.block,
                          two_sided=spec.ahead > 0)
 
 
 def key_tile(impl, spec, dtype, tile: int) -> int:
-  """The kernel's key tile for a query tile (pallas_gpu.TILES; interpreted: the tile)."""
-  return pallas_gpu.key_tile(_cc(impl), spec.head_dim, dtype, tile, two_sided=spec.ahead > 0)
+  """The kernel's key tile for a query tile (gpu_tiles.TILES; interpreted: the tile)."""
+  return gpu_tiles.key_tile(_cc(impl), spec.head_dim, dtype, tile, two_sided=spec.ahead > 0)
 
 
 def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span_z=None,
@@ -57,14 +59,14 @@ def attend(impl, spec, q_BxGxMxD, kv, key_pe_DxW, *, key_pe_ahead_DxA=None, span
 
 def residual_bytes(impl, spec, batch: int, m: int, heads: int, w: int, train: bool) -> dict:
   del train
-  return impl_reference.grouped_kv_bytes(spec, kernels.fused_residual_bytes(
+  return impl_reference.grouped_kv_bytes(spec, cost.fused_residual_bytes(
       batch, m, heads, cached_rows(impl, w) + spec.ahead,
-      pallas_gpu.padded_head_dim(spec.head_dim), jnp.dtype(spec.dtype).itemsize))
+      gpu_tiles.padded_head_dim(spec.head_dim), jnp.dtype(spec.dtype).itemsize))
 
 
 def schedule_cost(impl, spec, batch: int, m: int, w: int, span) -> dict:
   tile = tiles(impl, spec, spec.dtype)[0]
-  return pallas_gpu.schedule_cost(batch, spec.heads, m, w, spec.head_dim, spec.dtype, tile,
+  return cost.schedule_cost(batch, spec.heads, m, w, spec.head_dim, spec.dtype, tile,
                                   span=span, ramp=spec.ramp, n_pers=spec.pers_mem,
                                   key_tile=key_tile(impl, spec, spec.dtype, tile),
                                   ahead=spec.ahead)

@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from span_lm.kernels import span_mask
+from span_lm.kernels.span import span_mask
 from span_lm.kernels import matmul
 
 

@@ -1,7 +1,7 @@
 """Block-sparse attention for the Sparse Transformer's patterns on GPUs (Pallas; Triton).
 
 A flash-attention kernel that visits only the non-empty (query block, key block) tiles of each
-head's connectivity (span_lm/kernels/block_sparse.py): strided and fixed patterns, merged,
+head's connectivity (span_lm/kernels/sparse/block_sparse.py): strided and fixed patterns, merged,
 split or interleaved, dense causal heads too. Per head and row an int32 table built at trace
 time lists the FULL tiles (run without an element mask) and the PARTIAL ones (masked by the
 pattern formula); tiles outside the list are never read. Softmax in float32; a query with no key
@@ -21,11 +21,10 @@ from jax.experimental import pallas as pl
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.kernels import block_sparse
-from span_lm.kernels import fused
+from span_lm.kernels.sparse import block_sparse
+from span_lm.kernels import pallas_common
 from span_lm.kernels import target
-from span_lm.kernels.pallas_gpu import _dot  # the span kernel's f32-accumulating dot
-from span_lm.kernels.block_sparse import HeadPattern
+from span_lm.kernels.sparse.block_sparse import HeadPattern
 
 plt = target.pallas_triton()  # jax.experimental.pallas.triton
 
@@ -174,7 +173,7 @@ def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, head, n, bq, bk
     t0 = tab_ref[3 + t] * bk
     k = k_ref[pl.ds(t0, bk), :]
     v = v_ref[pl.ds(t0, bk), :]
-    logits = _dot(q, k, trans_b=True, exact=exact)
+    logits = pallas_common.dot(q, k, trans_b=True, exact=exact)
     if masked:
       mask = _mask(head, offset, i0, t0, n=n, bq=bq, bk=bk)
       logits = jnp.where(mask, logits, NEG)
@@ -183,7 +182,7 @@ def _fwd_kernel(tab_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, head, n, bq, bk
     p = jnp.exp(logits - m_new[:, None])
     if masked:
       p = jnp.where(mask, p, 0.0)
-    acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v, exact=exact)
+    acc = acc * corr[:, None] + pallas_common.dot(p.astype(v.dtype), v, exact=exact)
     return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
   e = o_ref.shape[-1]
@@ -206,12 +205,12 @@ def _bwd_q_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_r
     t0 = tab_ref[3 + t] * bk
     k = k_ref[pl.ds(t0, bk), :]
     v = v_ref[pl.ds(t0, bk), :]
-    p = jnp.exp(_dot(q, k, trans_b=True, exact=exact) - lse[:, None])
+    p = jnp.exp(pallas_common.dot(q, k, trans_b=True, exact=exact) - lse[:, None])
     if masked:
       p = jnp.where(_mask(head, offset, i0, t0, n=n, bq=bq, bk=bk), p, 0.0)
-    dp = _dot(do, v, trans_b=True, exact=exact)
+    dp = pallas_common.dot(do, v, trans_b=True, exact=exact)
     ds = p * (dp - delta[:, None])
-    return dq + _dot(ds.astype(k.dtype), k, exact=exact)
+    return dq + pallas_common.dot(ds.astype(k.dtype), k, exact=exact)
 
   dq = _loops(tab_ref, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = dq.astype(dq_ref.dtype)
@@ -229,13 +228,13 @@ def _bwd_kv_kernel(tab_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_
     rows = pl.ds(i0, bq)
     q, do = q_ref[rows, :], do_ref[rows, :]
     lse, delta = lse_ref[rows], delta_ref[rows]
-    p = jnp.exp(_dot(q, k, trans_b=True, exact=exact) - lse[:, None])
+    p = jnp.exp(pallas_common.dot(q, k, trans_b=True, exact=exact) - lse[:, None])
     if masked:
       p = jnp.where(_mask(head, offset, i0, t0, n=n, bq=bq, bk=bk), p, 0.0)
-    dv_t = dv_t + _dot(do, p.astype(do.dtype), trans_a=True, exact=exact)
-    dp = _dot(do, v, trans_b=True, exact=exact)
+    dv_t = dv_t + pallas_common.dot(do, p.astype(do.dtype), trans_a=True, exact=exact)
+    dp = pallas_common.dot(do, v, trans_b=True, exact=exact)
     ds = p * (dp - delta[:, None])
-    return dk_t + _dot(q, ds.astype(q.dtype), trans_a=True, exact=exact), dv_t
+    return dk_t + pallas_common.dot(q, ds.astype(q.dtype), trans_a=True, exact=exact), dv_t
 
   # dK and dV accumulate transposed, (head size, bk): the dots' rows are the head size (64 or
   # more), so a 32-key tile still runs Hopper's wgmma (64-row operands), not mma.sync.
@@ -363,8 +362,8 @@ def block_sparse_attention(q_BxHxNxD, k_BxHxNxD, v_BxHxNxE, heads, *, interpret:
   # Under a mesh each device runs the kernels on its own batch rows (a pallas_call is opaque to
   # the partitioner, which would gather the batch); the placeholder seed is unused.
   run = lambda q, k, v, _: _heads_attention(q, k, v, heads, n, cfg)
-  o = fused.per_device(run, (q, k, v, fused.seed_array(None)), (True, True, True, False),
-                       seed_at=3)
+  o = pallas_common.per_device(run, (q, k, v, pallas_common.seed_array(None)),
+                               (True, True, True, False), seed_at=3)
   return o[:, :, :n, :e]
 
 

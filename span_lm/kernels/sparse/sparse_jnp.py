@@ -1,4 +1,4 @@
-"""The 'jnp' and 'dense' rows of kernels/sparse_door.py: the factorized attention without an
+"""The 'jnp' and 'dense' rows of kernels/sparse/door.py: the factorized attention without an
 (n, n) matrix (model/sparse.py's docstring has the parts) and its masked O(n^2) reference (any
 backend, any shape). Scores and softmax are float32 whatever the input dtype; a query with no key
 outputs zeros."""
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from span_lm.kernels.block_sparse import HeadPattern, connectivity
+from span_lm.kernels.sparse.block_sparse import HeadPattern, connectivity
 
 _NEG = -1e30  # finite: an all-masked part gives exp(0) * 0 = 0, never a NaN
 

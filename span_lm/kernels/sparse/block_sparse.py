@@ -1,6 +1,6 @@
 """The Sparse Transformer's head patterns as masks: one formula per pattern, read by the dense
 reference (`connectivity`), by the block maps the kernels skip by (`block_map`), and inside the
-kernels on iota tiles (`allowed`). span_lm/model/sparse.py builds a layer's heads, kernels/sparse_jnp.py
+kernels on iota tiles (`allowed`). span_lm/model/sparse.py builds a layer's heads, kernels/sparse/sparse_jnp.py
 holds the jnp fast path; nothing here imports jax, so the config and the selection table load without it.
 
 Positions are 0-based; query i may see key j only if j <= i. With stride l and summary width c:
