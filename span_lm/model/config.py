@@ -296,8 +296,8 @@ class ModelConfig(_Section):
   def attn_spec(self) -> kernels.Spec:
     """What the attention door reads of this model: causal windows of up to S, segmented (segment
     ids: documents) when doc_boundary is set."""
-    return kernels.Spec(heads=self.n_heads, head_dim=self.head_dim, window=self.span.size,
-                        ramp=self.span.ramp, mode=self.span.mode, dtype=self.dtype,
+    return kernels.Spec(heads=self.n_heads, head_dim=self.head_dim, window=self.context,
+                        ramp=self.span.ramp, mode=self.spans, dtype=self.dtype,
                         dropout=self.dropout, pers_mem=self.pers_mem,
                         segmented=self.doc_boundary >= 0, attention=self.attention)
 

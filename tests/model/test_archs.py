@@ -69,6 +69,7 @@ def test_the_sparse_model_reads_no_span_and_records_the_fixed_one():
           jax.random.key(0), jnp.zeros((1, 4), jnp.int32),
           caches_lib.init_caches(c, plan_lib.full_plan(c), 1)))["params"])
   assert shapes(cfg) == shapes(other)
+  assert (cfg.attn_spec.window, cfg.attn_spec.mode) == (64, "fixed")  # what the span door sees
   recorded = model_config.saved(cfg)
   assert recorded == model_config.saved(other)
   assert recorded["span"] == {**dataclasses.asdict(model_config.Span()), "size": 64,
