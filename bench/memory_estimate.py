@@ -110,7 +110,7 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
           "remat": cfg.remat if cfg.remat == "none" else f"{cfg.remat}/{cfg.remat_policy}",
           "plan": plan, "attention_keys": span_plan.attention_keys(),
           "params_M": n_params / 1e6, "batch_per_device": batch,
-          "batch_split": config.optim.batch_split, "block": d.block, "span": cfg.span.size,
+          "batch_split": config.optim.batch_split, "block": d.block, "span": cfg.context,
           "layers": cfg.n_layers, "d_model": cfg.d_model,
           "arguments_GiB": arg / GIB, "outputs_GiB": out / GIB, "aliased_GiB": alias / GIB,
           "temp_GiB": temp / GIB, "peak_GiB": mem["total"] / GIB,

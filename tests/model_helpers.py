@@ -41,7 +41,7 @@ def build(base, **kw):
   dotted = {}
   for k, v in [*base.items(), *kw.items()]:
     if k == "context":
-      k = archs.ARCHS[arch].context_field
+      k = model_config.moved_to("span", arch)  # where the old flat context went
     if k in model_config.SECTIONS and not _moved(k, v):
       dotted.update({f"{k}.{f}": x for f, x in _as_dict(v).items()})
     else:

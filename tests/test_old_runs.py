@@ -161,7 +161,10 @@ def test_flat_and_sectioned_configs_are_the_same_model():
                                     "sparse_stride": 8, "sparse_c": 2, "scan_layers": True,
                                     "n_layers": 2})
   assert sparse.sparse.context == 48 and sparse.sparse.scan_layers
-  assert sparse.span.mode == "fixed" and sparse.span.size == 48  # what span-reading code sees
+  assert (sparse.context, sparse.spans) == (48, "fixed")  # what plans, counts and reports see
+  # and what its checkpoints record, as when the sparse config carried a fixed span of n
+  assert model_config.saved(sparse)["span"] == {**dataclasses.asdict(model_config.Span()),
+                                                "size": 48, "mode": "fixed", "loss": 0.0}
 
 
 def test_the_test_helpers_take_the_old_names_only_for_the_shim():

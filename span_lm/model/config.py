@@ -221,7 +221,7 @@ class ModelConfig(_Section):
   # starts with, which are therefore not attended): blocks carried through the caches give the
   # outputs of one long block (model/caches.py, transformer.py).
   doc_boundary: int = -1
-  # arch='sparse' ignores what is set here: its span is fixed at sparse.context.
+  # arch='sparse' reads none of it: every head sees its whole context, sparse.context.
   span: Span = dataclasses.field(default_factory=Span)
   plan: Plan = dataclasses.field(default_factory=Plan)
   attention: kernels.Attention = dataclasses.field(default_factory=kernels.Attention)
@@ -262,8 +262,6 @@ class ModelConfig(_Section):
       bad("doc_boundary", f"must be -1 (off) or a token id in [0, vocab_size={self.vocab_size})")
     if self.doc_boundary >= 0 and not arch.documents:
       bad("doc_boundary", "document boundaries are for arch='span' (the sparse model has none)")
-    for field, value in arch.settle(self).items():  # e.g. the sparse model's fixed span of n
-      object.__setattr__(self, field, value)
     attention_rules.check(self)  # an explicit fused kernel's tiling of these sizes
     arch.check(self, bad)  # its own section against the rest
     if self.adapt_io.enabled:
@@ -281,6 +279,12 @@ class ModelConfig(_Section):
     return archs.ARCHS[self.arch].context(self)
 
   @property
+  def spans(self) -> str:
+    """How its heads' spans behave: span.mode for the span model; 'fixed' for the sparse model,
+    whose every head sees its whole context."""
+    return archs.ARCHS[self.arch].spans(self)
+
+  @property
   def d_qk(self) -> int:
     """Query/key width (all heads); the paper's half-size q/k is sparse.qk_ratio=0.5."""
     return int(round(self.d_model * self.sparse.qk_ratio))
@@ -293,8 +297,8 @@ class ModelConfig(_Section):
   def attn_spec(self) -> kernels.Spec:
     """What the attention door reads of this model: causal windows of up to S, segmented (segment
     ids: documents) when doc_boundary is set."""
-    return kernels.Spec(heads=self.n_heads, head_dim=self.head_dim, window=self.span.size,
-                        ramp=self.span.ramp, mode=self.span.mode, dtype=self.dtype,
+    return kernels.Spec(heads=self.n_heads, head_dim=self.head_dim, window=self.context,
+                        ramp=self.span.ramp, mode=self.spans, dtype=self.dtype,
                         dropout=self.dropout, pers_mem=self.pers_mem,
                         segmented=self.doc_boundary >= 0, attention=self.attention)
 
@@ -327,8 +331,7 @@ def _section(cls, name: str, value: Any):
   return cls(**d)
 
 
-# The flat fields of config.model before its sections, and where each lives now. `span` is the
-# span model's S, or the sparse model's context length where arch='sparse'.
+# The flat fields of config.model before its sections, and where each lives now.
 MOVED = {
     "span_mode": "span.mode", "ramp": "span.ramp", "span_init": "span.init",
     "span_loss": "span.loss", "span_cache": "span.cache",
@@ -348,10 +351,14 @@ MOVED = {
 }
 
 
+# The old flat `span`: the architecture's context length, S or n (an unknown one: the default's).
+SPAN_MOVED = {"span": "span.size", "sparse": "sparse.context"}
+
+
 def moved_to(name: str, arch: str = archs.DEFAULT) -> str | None:
   """Where an old flat field of config.model lives now ('span.mode'), or None if it did not move."""
-  if name == "span":  # the architecture's context length (an unknown one: the default's)
-    return archs.ARCHS.get(arch, archs.ARCHS[archs.DEFAULT]).context_field
+  if name == "span":
+    return SPAN_MOVED.get(arch, SPAN_MOVED[archs.DEFAULT])
   if name == "adapt_io":
     return "adapt_io.enabled"
   return MOVED.get(name)
@@ -381,6 +388,12 @@ def upgrade(d: dict) -> dict:
       section, field = moved_to(k, arch).split(".")
       out[section] = {**_as_dict(out.get(section, {})), field: v}
   return out
+
+
+def saved(cfg: ModelConfig) -> dict:
+  """config.model as checkpoints and exports record it (their metadata's 'model_cfg'): the
+  architecture's `recorded` form, read back by `ModelConfig.from_config`."""
+  return archs.ARCHS[cfg.arch].recorded(cfg)
 
 
 def updated(cfg: ModelConfig, **changes) -> ModelConfig:

@@ -51,12 +51,14 @@ class SpanPlan:
 
 
 def full_plan(cfg: ModelConfig) -> SpanPlan:
-  """No trimming: every head sees all S distances and every cache holds S states.
+  """No trimming: every head sees its whole context (S; the sparse model: n) and every cache
+  holds S states.
 
   arch='sparse' carries no hidden states between blocks: its caches hold one unused state
   (cache_len 1, not 0: Orbax refuses to save zero-size arrays).
   """
-  lp = LayerPlan(cache_len=ARCHS[cfg.arch].cache_len(cfg), groups=((tuple(range(cfg.n_heads)), cfg.span.size),))
+  lp = LayerPlan(cache_len=ARCHS[cfg.arch].cache_len(cfg),
+                 groups=((tuple(range(cfg.n_heads)), cfg.context),))
   return SpanPlan(layers=(lp,) * cfg.n_layers)
 
 
@@ -103,7 +105,7 @@ def windows_for(cfg: ModelConfig, need: np.ndarray, growth: float = 1.0) -> list
 
 def plan_from_ratios(cfg: ModelConfig, ratios: Sequence[np.ndarray], growth: float = 1.0) -> SpanPlan:
   """The tightest plan for these spans; growth > 1 leaves that much headroom per head."""
-  if cfg.span.mode != "adaptive":
+  if cfg.spans != "adaptive":
     return full_plan(cfg)
   return SpanPlan(layers=tuple(
       layer_plan_from_windows(cfg, windows_for(cfg, needed_tokens(cfg, z), growth))
@@ -118,7 +120,7 @@ def initial_plan(cfg: ModelConfig) -> SpanPlan:
 
 def plan_from_params(cfg: ModelConfig, params) -> SpanPlan:
   """The tightest exact plan for the current span parameters (read on the host)."""
-  if cfg.span.mode != "adaptive":
+  if cfg.spans != "adaptive":
     return full_plan(cfg)
   return plan_from_ratios(cfg, span_ratios(params))
 
@@ -127,21 +129,21 @@ def check_plan(cfg: ModelConfig, params, plan: SpanPlan) -> None:
   """Refuses a plan that would silently truncate attention."""
   if len(plan.layers) != cfg.n_layers:
     raise ValueError(f"span plan has {len(plan.layers)} layers, the model {cfg.n_layers}")
-  ratios = span_ratios(params) if cfg.span.mode == "adaptive" else None
+  ratios = span_ratios(params) if cfg.spans == "adaptive" else None
   for i, lp in enumerate(plan.layers):
     windows = lp.head_windows(cfg.n_heads)
     seen = sorted(h for hs, _ in lp.groups for h in hs)
     if seen != list(range(cfg.n_heads)):
       raise ValueError(f"span plan layer {i}: groups must cover each head once, got {lp.groups}")
     if ratios is None:
-      need = np.full(cfg.n_heads, cfg.span.size)
+      need = np.full(cfg.n_heads, cfg.context)
     else:
       need = needed_tokens(cfg, ratios[i])
     for h in range(cfg.n_heads):
-      if windows[h] < need[h] or windows[h] > cfg.span.size:
+      if windows[h] < need[h] or windows[h] > cfg.context:
         raise ValueError(
             f"span plan layer {i} head {h}: window {windows[h]} does not cover the span plus ramp "
-            f"({int(need[h])} tokens, max {cfg.span.size}); re-derive the plan "
+            f"({int(need[h])} tokens, max {cfg.context}); re-derive the plan "
             "(plan.plan_from_params) instead of truncating attention")
     if lp.cache_len < max(windows) and ARCHS[cfg.arch].cache:  # sparse: no cache by design
       raise ValueError(f"span plan layer {i}: cache_len {lp.cache_len} < window {max(windows)}")

@@ -355,11 +355,11 @@ def _compile_steps(config, chip, cfg, tx, plan, compiler, devices, per_chip, log
   with target_lib.compiling_for(chip.platform, chip.cc, chip.device_kind,
                                device=devices[0] if chip.platform == "gpu" else None):
     spec = cfg.attn_spec
-    impl = kernels.select(spec, d.block, max(cfg.span.size, d.block))
+    impl = kernels.select(spec, d.block, max(cfg.context, d.block))
     row["attention"], row["attention_why"] = ARCHS[cfg.arch].attention(
-        cfg, d.block, max(cfg.span.size, d.block))
+        cfg, d.block, max(cfg.context, d.block))
     row["kernels_roofline"] = kernel_roofline(
-        chip, cfg, lambda span: impl.schedule_cost(spec, d.batch // n, d.block, cfg.span.size, span))
+        chip, cfg, lambda span: impl.schedule_cost(spec, d.batch // n, d.block, cfg.context, span))
     abstract = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, d.batch, d.eval_batch,
                                                            config.seed, loss_scale=loss_scale))
     state = sharding_lib.with_shardings(abstract, layout.state_shardings(abstract))
@@ -401,8 +401,8 @@ def kernel_roofline(chip: chips.Chip, cfg, cost_at) -> list[dict]:
   HBM times at the chip's peaks, and which binds ('either' when the time in between depends on
   the cache). [] where no such kernel runs (TPU: XLA's cost analysis sees its kernel)."""
   out = []
-  spans = [(f"span {cfg.span.size}", None)]  # None: every distance up to the window
-  if cfg.span.mode != "fixed":
+  spans = [(f"span {cfg.context}", None)]  # None: every distance up to the window
+  if cfg.spans != "fixed":
     spans.append((f"learned span {LEARNED_SPAN}", LEARNED_SPAN))
   for label, span in spans:
     cost = cost_at(span)

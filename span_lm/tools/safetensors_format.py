@@ -28,7 +28,6 @@ adaptive input/softmax (adapt_io): in_emb.emb.{c} (V_c, D/div^c), in_emb.proj.{c
   out_emb; with sparse.scan_layers the blocks stack under layers.block.{k}.* with a leading
   n_layers axis. examples/read_safetensors.py computes a span model's log-probabilities from these.
 """
-import dataclasses
 import datetime
 import importlib.metadata
 import json
@@ -38,6 +37,7 @@ import shutil
 import numpy as np
 
 from span_lm.layers import safetensors_io as sio
+from span_lm.model import config as model_config
 from span_lm.train.from_export import (CONFIG_NAME, FORMAT, FORMAT_VERSION, check_fits,
                                        check_vocabulary, export_dir, params_like, plain,
                                        read_checked, read_config)
@@ -164,6 +164,7 @@ def export(config) -> str:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from span_lm.tools import restore as restore_lib  # pylint: disable=g-import-not-at-top
+  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
   sio.library()
   dest = os.fspath(config.export_to)
   if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
@@ -188,7 +189,7 @@ def export(config) -> str:
   data = {
       "format": FORMAT, "format_version": FORMAT_VERSION, "span_lm_version": version(),
       "architecture": cfg.arch, "model_type": f"span_lm-{cfg.arch}",
-      "model": plain(dataclasses.asdict(cfg)), "dtype": tensor_dtype,
+      "model": plain(model_config.saved(cfg)), "dtype": tensor_dtype,
       "trained_dtype": sorted({np.asarray(v).dtype.name for v in jax.tree.leaves(params)})[0],
       "n_parameters": int(sum(v.size for v in flat.values())),
       "vocabulary": _vocabulary(restored.codec), "dataset": restored.splits.name,
@@ -353,6 +354,7 @@ def import_export(config) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
   from span_lm.data import batching  # pylint: disable=g-import-not-at-top
+  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import planner as planner_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
@@ -388,7 +390,7 @@ def import_export(config) -> dict:
     meta = {"step": step, "planner": planner.state_dict(),
             "data": {"train": batching.StreamState().to_dict(),
                      "valid": batching.StreamState().to_dict()},
-            "model_cfg": dataclasses.asdict(cfg), "config": config.to_dict(),
+            "model_cfg": model_config.saved(cfg), "config": config.to_dict(),
             "loss_scale": "loss_scale" in abstract,
             "imported_from": {"path": os.path.abspath(directory), "format": FORMAT,
                               "dtype": data["dtype"], "fingerprints": data.get("fingerprints")}}

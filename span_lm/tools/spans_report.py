@@ -39,18 +39,18 @@ def _save(fig, path: str) -> str:
 
 def head_windows(cfg: ModelConfig, params) -> np.ndarray:
   """(layers, heads) windows in tokens, min(S, ceil(z' S) + R), of an adaptive model."""
-  if cfg.span.mode != "adaptive":
+  if cfg.spans != "adaptive":
     raise ValueError(f"per-head learned spans exist for span.mode='adaptive', not "
-                     f"{cfg.span.mode!r}")
+                     f"{cfg.spans!r}")
   return np.stack([plan_lib.needed_tokens(cfg, z) for z in plan_lib.span_ratios(params)])
 
 
 def head_spans(cfg: ModelConfig, params) -> np.ndarray:
   """(layers, heads) learned spans z = z' S in tokens (z' clipped to [0, 1]), of an adaptive
   model: the number span_lm.layers.learned_spans reports for the drop-in layer."""
-  if cfg.span.mode != "adaptive":
+  if cfg.spans != "adaptive":
     raise ValueError(f"per-head learned spans exist for span.mode='adaptive', not "
-                     f"{cfg.span.mode!r}")
+                     f"{cfg.spans!r}")
   return np.stack([np.clip(np.asarray(z, np.float32), 0.0, 1.0) * np.float32(cfg.span.size)
                    for z in plan_lib.span_ratios(params)])
 
@@ -139,8 +139,8 @@ def dynamic_windows(cfg: ModelConfig, params, plan, ids: np.ndarray, block: int)
   The text runs as one stream in blocks of `block` tokens with carried caches (zeros before it),
   as in evaluation, so position t sees the t previous tokens of the text.
   """
-  if cfg.span.mode != "dynamic":
-    raise ValueError(f"dynamic spans need span.mode='dynamic', not {cfg.span.mode!r}")
+  if cfg.spans != "dynamic":
+    raise ValueError(f"dynamic spans need span.mode='dynamic', not {cfg.spans!r}")
   model = SpanTransformer(cfg, plan)
 
   @jax.jit
@@ -185,10 +185,10 @@ def report(config) -> dict:
   r = restore_lib.restore(config, restore_lib.tools_field(config, "step"))
   cfg = r.model_cfg
   out = {"step": r.step, "plots": {}}
-  print(f"checkpoint step {r.step} in {config.workdir} ({cfg.span.mode} span, S={cfg.span.size}, "
+  print(f"checkpoint step {r.step} in {config.workdir} ({cfg.spans} span, S={cfg.context}, "
         f"R={cfg.span.ramp})")
   print(f"span plan: {r.plan.describe()}")
-  if cfg.span.mode == "adaptive":
+  if cfg.spans == "adaptive":
     windows = head_windows(cfg, r.params)
     out["windows"] = windows.tolist()
     out["spans"] = head_spans(cfg, r.params).tolist()
@@ -199,8 +199,8 @@ def report(config) -> dict:
   history = window_history(config.workdir)
   if history is not None:
     out["plots"]["history"], _ = plot_window_history(
-        history, restore_lib.out_path(config, "span_history.png"), cfg.span.size)
-  if cfg.span.mode == "dynamic":
+        history, restore_lib.out_path(config, "span_history.png"), cfg.context)
+  if cfg.spans == "dynamic":
     text = restore_lib.tools_field(config, "text")
     ids = (r.codec.encode(text) if text else np.asarray(r.splits.valid[:256], np.int32))
     windows_T = dynamic_windows(cfg, r.params, r.tight_plan, ids, config.data.block)

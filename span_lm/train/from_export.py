@@ -5,7 +5,6 @@ before a tensor is read, and made the start of a run: `init_from` for train.init
 It lives in train/ because the run loop needs it (train.init_from); the import mode
 (safetensors_format.import_export) reads exports through it too.
 """
-import dataclasses
 import json
 import os
 
@@ -131,13 +130,14 @@ def plain(x):
 def check_fits(run_cfg, data: dict, directory: str) -> None:
   """The run's model must be the export's (identity fields, and what changes its outputs)."""
   from span_lm import run_dir  # pylint: disable=g-import-not-at-top
+  from span_lm.model.config import saved  # pylint: disable=g-import-not-at-top
   from span_lm.train import restore as train_restore  # pylint: disable=g-import-not-at-top
   try:
     train_restore.check_meta(run_cfg, {"model_cfg": data["model"]}, directory)
     diff = []
   except ValueError as e:  # its fields, one per line after the first
     diff = [l.strip().replace(": checkpoint ", ": export ") for l in str(e).splitlines()[1:]]
-  mine = run_dir.flatten(plain(dataclasses.asdict(run_cfg)))
+  mine = run_dir.flatten(plain(saved(run_cfg)))
   theirs = run_dir.flatten(data["model"])
   diff += [f"{k}: export {theirs.get(k)!r}, config {mine[k]!r}"
            for k in ("span.size", "span.ramp", "doc_boundary")

@@ -24,7 +24,6 @@ are read at those steps. A step whose span plan the spans outgrew in the meantim
 headroom alone could not be trusted: Adagrad moves z' by up to lr per step (its accumulator holds
 g^2, so |g| / sqrt(acc) <= 1), lr x S tokens, e.g. 573 at the paper's lr 0.07 and S 8192.
 """
-import dataclasses
 import logging
 import math
 import os
@@ -35,6 +34,7 @@ import jax
 import numpy as np
 
 from span_lm.model import caches as caches_lib
+from span_lm.model import config as model_config
 from span_lm.model import plan as plan_lib
 from span_lm.train import distributed as dist_lib
 from span_lm.train import evaluation
@@ -170,8 +170,8 @@ class _Training:
       else:
         state = restore_lib.init_from(run, self.planner, state, self.t.init_from)
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    _echo(f"model: {n_params / 1e6:.2f}M parameters; {cfg.n_layers} layers, span {cfg.span.size} "
-          f"({cfg.span.mode}); data {run.splits.name}: {len(run.splits.train):,} train tokens, "
+    _echo(f"model: {n_params / 1e6:.2f}M parameters; {cfg.n_layers} layers, span {cfg.context} "
+          f"({cfg.spans}); data {run.splits.name}: {len(run.splits.train):,} train tokens, "
           f"vocab {run.splits.vocab_size}")
     # Never lose the config that produced a run.
     if jax.process_index() == 0:
@@ -184,7 +184,7 @@ class _Training:
     return {"step": step, "planner": self.planner.state_dict(),
             "data": {"train": self.train_batcher.state.to_dict(),
                      "valid": self.valid_batcher.state.to_dict()},
-            "model_cfg": dataclasses.asdict(self.run.model_cfg), "config": self.config.to_dict(),
+            "model_cfg": model_config.saved(self.run.model_cfg), "config": self.config.to_dict(),
             "compilations": len(self.run.compiler.compilations),
             "nonfinite_skipped": self.skipped, "loss_scale": self.run.loss_scale is not None}
 

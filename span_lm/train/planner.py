@@ -39,7 +39,7 @@ class SpanPlanner:
 
   def update(self, ratios: Sequence[np.ndarray] | None, step: int) -> bool:
     """Takes the post-update z' of every layer; returns True when the plan changed."""
-    if self.cfg.span.mode != "adaptive" or ratios is None:
+    if self.cfg.spans != "adaptive" or ratios is None:
       return False
     need = [needed_tokens(self.cfg, z) for z in ratios]
     current = self._windows(self.plan)

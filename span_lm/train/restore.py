@@ -9,7 +9,6 @@ starts a new phase from another run's checkpoint.
 `run` is a run.Run: what these read of it is its checkpointer, model config, abstract state and
 layout (they never build one, so train/run.py imports this module, not the other way round).
 """
-import dataclasses
 import json
 import os
 
@@ -35,8 +34,9 @@ def check_meta(model_cfg, meta: dict, directory: str) -> None:
   not this config's: restoring it would give numbers for another model."""
   # Checkpoints written before config.model's sections hold its flat fields: upgraded first.
   saved = run_dir.flatten(model_config.upgrade(meta.get("model_cfg", {})))
-  mine = run_dir.flatten(json.loads(json.dumps(dataclasses.asdict(model_cfg))))  # lists
-  keys = [k for k in mine if archs.is_identity(k)] + list(archs.ARCHS[model_cfg.arch].identity)
+  mine = run_dir.flatten(json.loads(json.dumps(model_config.saved(model_cfg))))  # lists
+  keys = [k for k in mine if archs.is_identity(k)] + list(archs.ARCHS[model_cfg.arch].identity(
+      model_cfg))
   diff = [f"{k}: checkpoint {saved.get(k)!r}, config {mine[k]!r}" for k in keys
           if k in saved and saved[k] != mine[k]]
   if diff:

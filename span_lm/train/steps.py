@@ -92,7 +92,7 @@ def _plan_covers(cfg: ModelConfig, plan: SpanPlan, params) -> jax.Array | None:
   """Whether every head's window covers its span plus ramp (plan.needed_tokens, in float32 as the
   host computes it), or None for fixed spans. The host reads span ratios late, so a step may be
   dispatched with a plan the spans have outgrown; such a step must not be applied."""
-  if cfg.span.mode != "adaptive":
+  if cfg.spans != "adaptive":
     return None
   ok = jnp.asarray(True)
   for lp, z in zip(plan.layers, plan_lib.span_ratio_leaves(params), strict=True):
@@ -253,7 +253,7 @@ def train_step(state: State, batch: dict[str, jax.Array], *, cfg: ModelConfig, p
                      metrics)
   if covered is not None:
     metrics["short"] = (~covered).astype(jnp.int32)
-  if cfg.span.mode == "adaptive":
+  if cfg.spans == "adaptive":
     # Post-update z' per layer: the host re-derives the span plan from these.
     metrics["span_ratio"] = jnp.stack(plan_lib.span_ratio_leaves(params))
   return new_state, metrics

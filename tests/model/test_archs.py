@@ -1,16 +1,22 @@
 """span_lm.model.ARCHS: each record answers for its architecture what callers used to ask by name."""
 import dataclasses
+import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from model_helpers import make_cfg
 from span_lm import run_dir
 from span_lm.model import ARCHS, build_model
+from span_lm.model import caches as caches_lib
+from span_lm.model import config as model_config
 from span_lm.model import costs
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.sparse_transformer import SparseTransformer
 from span_lm.model.transformer import SpanTransformer
+from span_lm.train import restore
 
 SPARSE = {"arch": "sparse", "sparse.context": 64, "sparse.stride": 8, "sparse.c": 2,
           "span.loss": 0.0}
@@ -32,6 +38,8 @@ def test_a_record_builds_its_model_and_states_its_lengths(name):
   assert arch.name == cfg.arch == name
   assert isinstance(build_model(cfg, plan_lib.full_plan(cfg)), model)
   assert cfg.context == arch.context(cfg) == context
+  section, field = model_config.moved_to("span", name).split(".")  # the old flat `span` went
+  assert getattr(getattr(cfg, section), field) == context  # to the context, S or n
   assert [lp.cache_len for lp in plan_lib.full_plan(cfg).layers] == (
       [cfg.context] * cfg.n_layers if arch.cache else [1] * cfg.n_layers)
   full = plan_lib.full_plan(cfg)
@@ -40,13 +48,41 @@ def test_a_record_builds_its_model_and_states_its_lengths(name):
   assert costs.peak_activation_bytes(cfg, None, 2, 16) == sum(
       arch.activation_bytes(cfg, full, 2, 16, True).values()) + 16 * arch.widest_scores(
           cfg, full, 16) > 0
-  flat = run_dir.flatten(dataclasses.asdict(cfg))
-  assert all(k in flat for k in arch.identity), arch.identity
+  flat = run_dir.flatten(model_config.saved(cfg))
+  assert arch.identity(cfg).items() <= flat.items(), arch.identity(cfg)
 
 
-def test_the_sparse_record_fixes_the_span_and_refuses_what_it_lacks():
+def test_the_sparse_model_reads_no_span_and_records_the_fixed_one():
+  """config.model.span is the span model's: the sparse model keeps it as set and reads none of
+  it (plans, counts, parameters); its checkpoints record the fixed span of n, as they did when
+  its config carried one, so checkpoints written before and after restore either way."""
   cfg = make_cfg(**SPARSE, **{"span.mode": "adaptive"})
-  assert (cfg.span.size, cfg.span.mode, cfg.span.loss) == (64, "fixed", 0.0)
+  other = make_cfg(**{**SPARSE, "span.mode": "dynamic", "span.size": 512, "span.loss": 0.5})
+  assert (cfg.span.mode, cfg.span.size) == ("adaptive", 1024)  # as set (the default S)
+  assert (cfg.context, cfg.spans) == (other.context, other.spans) == (64, "fixed")
+  for plan in (plan_lib.full_plan, plan_lib.initial_plan):
+    assert plan(cfg) == plan(other) == plan_lib.full_plan(make_cfg(**SPARSE))
+  assert costs.peak_activation_bytes(cfg, None, 2, 16) == costs.peak_activation_bytes(
+      other, None, 2, 16)
+  shapes = lambda c: jax.tree.map(jnp.shape, jax.eval_shape(
+      lambda: build_model(c, plan_lib.full_plan(c)).init(
+          jax.random.key(0), jnp.zeros((1, 4), jnp.int32),
+          caches_lib.init_caches(c, plan_lib.full_plan(c), 1)))["params"])
+  assert shapes(cfg) == shapes(other)
+  assert (cfg.attn_spec.window, cfg.attn_spec.mode) == (64, "fixed")  # what the span door sees
+  recorded = model_config.saved(cfg)
+  assert recorded == model_config.saved(other)
+  assert recorded["span"] == {**dataclasses.asdict(model_config.Span()), "size": 64,
+                              "mode": "fixed", "loss": 0.0, "ramp": 4}
+  assert ModelConfig.from_config(recorded).sparse == cfg.sparse
+  meta = {"model_cfg": json.loads(json.dumps(recorded))}  # as a checkpoint holds it
+  restore.check_meta(cfg, meta, "d")  # written now or before: one record
+  with pytest.raises(ValueError, match="sparse.context: checkpoint 64, config 32"):
+    restore.check_meta(make_cfg(**{**SPARSE, "sparse.context": 32}), meta, "d")
+
+
+def test_the_sparse_record_refuses_what_it_lacks():
+  cfg = make_cfg(**SPARSE)
   with pytest.raises(ValueError, match="kv_cache applies to the span Transformer only"):
     build_model(cfg, None, kv_cache=True)
   with pytest.raises(ValueError, match="no persistent memory"):
