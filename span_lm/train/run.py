@@ -96,12 +96,11 @@ class Run:
     self.fsdp = config.dist.fsdp
     self.tx, self.schedule = optimizer_lib.make_optimizer(config.optim)
     # attention.tiles='tune' is timed here (tune_block), before any step compiles
-    self.compiler = steps_lib.build(
-        self.model_cfg, self.tx, batch=d.batch, eval_batch=d.eval_batch,
-        batch_split=config.optim.batch_split, fsdp=self.fsdp, num_devices=num_devices,
-        processes=self.process_count, tune_block=d.block, log=_echo,
-        capacity=_device_memory(), debug_nan_at_step=config.train.debug_nan_at_step,
-        loss_scale_period=config.train.loss_scale_period)
+    self.compiler = steps_lib.build(self.model_cfg, self.tx, steps_lib.StepOptions(
+        batch=d.batch, eval_batch=d.eval_batch, batch_split=config.optim.batch_split,
+        fsdp=self.fsdp, num_devices=num_devices, processes=self.process_count, tune_block=d.block,
+        log=_echo, capacity=_device_memory(), debug_nan_at_step=config.train.debug_nan_at_step,
+        loss_scale_period=config.train.loss_scale_period))
     self.model_cfg, self.layout = self.compiler.cfg, self.compiler.layout
     self.mesh, self.replicated = self.layout.mesh, self.layout.replicated
     self.batch_sharding, self.cache_sharding = self.layout.rows, self.layout.cache_rows
