@@ -40,7 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
     elif f.name in run_config.SECTIONS:
       c[f.name] = ml_collections.ConfigDict(
           {s.name: _default(s) for s in dataclasses.fields(f.default_factory)})
-    elif f.name != "vocab_from_data":
+    elif f.name not in ("vocab_from_data", "source"):
       c[f.name] = _default(f)
   return c
 
@@ -117,6 +117,11 @@ def validate(config: ml_collections.ConfigDict) -> RunConfig:
     raise
   except ValueError as e:  # ModelConfig's and the optimizer's own checks, which name the field
     raise ConfigError(str(e)) from None
+
+
+def checked(config: Any) -> RunConfig:
+  """A RunConfig as it is, a ConfigDict validated: what the trainer's entry points take."""
+  return config if isinstance(config, RunConfig) else validate(config)
 
 
 def _import_folder_package(file: pathlib.Path) -> None:

@@ -8,8 +8,10 @@ order the fields were always checked, so a bad config's first error is the one i
 Plain Python below the trainer: train/optimizer.py and train/loss_scale.py read the optim and
 loss-scale names from here (tests/test_import_graph.py).
 """
+import copy
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 from typing import Any
@@ -455,6 +457,31 @@ class RunConfig:
   compile: Compile = dataclasses.field(default_factory=Compile)
   sample: Sample = dataclasses.field(default_factory=Sample)
   vocab_from_data: bool = True  # config.model.vocab_size was 0: the dataset's settles it (Run)
+  # The config as given (plain dicts, its fields in the order they were set): config.model as
+  # written, for what a run directory's config.json and a checkpoint's metadata record.
+  source: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
+
+  def _as_given(self) -> dict[str, Any]:
+    """The fields in the given order, the sections' and top-level values from this RunConfig."""
+    out = copy.deepcopy(self.source)
+    for name in out:
+      if name in SECTIONS:
+        section = getattr(self, name)
+        out[name] = {k: getattr(section, k, v) for k, v in out[name].items()}
+      elif name != "model" and hasattr(self, name):
+        out[name] = getattr(self, name)
+    return out
+
+  def to_dict(self) -> dict[str, Any]:
+    """The nested dict a ConfigDict's to_dict gives (fields sorted by name, tuples kept): what a
+    checkpoint's metadata records, so old and new runs read each other."""
+    def ordered(d):
+      return {k: ordered(d[k]) if isinstance(d[k], dict) else d[k] for k in sorted(d)}
+    return ordered(self._as_given())
+
+  def to_json_best_effort(self, **kwargs) -> str:
+    """The JSON a ConfigDict writes (fields in the order set, tuples as lists): config.json."""
+    return json.dumps(self._as_given(), default=str, **kwargs)
 
   @classmethod
   def from_config(cls, config: Any, modes: tuple[str, ...] = MODES) -> "RunConfig":
@@ -468,9 +495,10 @@ class RunConfig:
     vocab = get("model.vocab_size")
     model = ModelConfig.from_config(get("model"), vocab_size=None if vocab else 1)
     sections = {name: _section(cls_, config, name) for name, cls_ in SECTIONS.items()}
+    source = _in_given_order(config)
     run = cls(workdir=workdir, seed=get("seed"), mode=mode, import_from=get("import_from"),
               export_to=get("export_to"), export_format=get("export_format"), model=model,
-              vocab_from_data=not vocab, **sections)
+              vocab_from_data=not vocab, source=source, **sections)
     run.check()
     return run
 
@@ -488,7 +516,6 @@ class RunConfig:
       for field, b in per_step_batches(self).items():
         if b % n_cpu:
           _bad("dist.cpu_devices", n_cpu, f"must divide the per-step batch of config.{field} ({b})")
-
 
   def check_kernels(self, backend: str | None = None) -> None:
     """An explicit fused kernel's tiling of the model and the block length; with `backend` (jax's,
@@ -534,6 +561,20 @@ def _get(config: Any, name: str) -> Any:
 def _section(cls, config: Any, name: str):
   """A section of a ConfigDict as its dataclass (values as given: its check judges them)."""
   return cls(**{f.name: _get(config, f"{name}.{f.name}") for f in dataclasses.fields(cls)})
+
+
+def _in_given_order(config: Any) -> dict[str, Any]:
+  """A ConfigDict (or mapping) as nested plain dicts: its values as to_dict gives them (tuples
+  kept), its fields in the order they were set (as its JSON has them; to_dict sorts them)."""
+  values = config.to_dict() if hasattr(config, "to_dict") else copy.deepcopy(dict(config))
+  if not hasattr(config, "to_json_best_effort"):
+    return values
+  def order(value, like):
+    if not isinstance(value, dict) or not isinstance(like, dict):
+      return value
+    keys = [k for k in like if k in value] + [k for k in value if k not in like]
+    return {k: order(value[k], like.get(k)) for k in keys}
+  return order(values, json.loads(config.to_json_best_effort()))
 
 
 def per_step_batches(config) -> dict[str, int]:
