@@ -496,7 +496,8 @@ SECTION_BAD = [
     ("Optim", {"name": "lion"}, (),
      "config.optim.name='lion': unknown optimizer; choose one of ('adagrad', 'sgd', 'momentum', "
      "'adam')"),
-    ("Train", {"max_to_keep": 0}, ("train",), "config.train.max_to_keep=0: must be an integer >= 1"),
+    ("Train", {"max_to_keep": 0}, ("train",),
+     "config.train.max_to_keep=0: must be an integer >= 1"),
     ("Train", {"loss_scale_period": 0}, ("train",), "config.train.loss_scale_period=0: must be an "
      "integer >= 1 (finite steps in a row before the scale doubles)"),
     ("Train", {"profile_start": 3}, ("train",), "config.train.profile_start=3: profiling needs "
