@@ -520,3 +520,23 @@ def test_each_section_refuses_its_bad_values_in_one_line(section, bad, context, 
   with pytest.raises(ValueError) as e:
     cls(**bad).check(*context)
   assert str(e.value) == message and "\n" not in str(e.value)
+
+
+def test_a_run_takes_the_checked_config_as_it_is(tmp_path, monkeypatch):
+  """Run(RunConfig) checks nothing again, and its model is validate's, the vocabulary settled by
+  the dataset: the one ModelConfig of the run."""
+  from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  c = _load("configs/synthetic.py", tmp_path, **{
+      "train.steps": 0, "train.tensorboard": False, "train.compilation_cache": "",
+      "data.synthetic_length": 4000, "data.block": 8, "data.batch": 8, "data.eval_batch": 8,
+      "model.n_layers": 1, "model.d_model": 16, "model.d_ff": 16, "model.span.size": 16,
+      "model.span.ramp": 4})
+  checked = config_lib.validate(c)
+  monkeypatch.setattr(config_lib, "validate", lambda _: pytest.fail("checked a second time"))
+  run = run_lib.Run(checked)
+  try:
+    assert run.config is checked and checked.vocab_from_data and checked.model.vocab_size == 1
+    assert run.model_cfg == dataclasses.replace(checked.model,
+                                                vocab_size=run.splits.vocab_size)
+  finally:
+    run.ckpt.close()
