@@ -142,8 +142,9 @@ def main():
   if a.step:
     del restored, state
     b = a.step_batch or batch  # a paper config's batch may not fit a CPU host: scaled below
-    compiler = steps_lib.build(cfg, tx, batch=b, eval_batch=jax.device_count(),
-                               num_devices=jax.device_count(), log=lambda _: None)
+    compiler = steps_lib.build(cfg, tx, steps_lib.StepOptions(
+        batch=b, eval_batch=jax.device_count(), num_devices=jax.device_count(),
+        log=lambda _: None))
     init_b = lambda: steps_lib.init_state(cfg, tx, plan, b, jax.device_count(), 0)
     state_b = jax.jit(init_b, out_shardings=compiler.layout.state_shardings(
         jax.eval_shape(init_b)))()

@@ -197,8 +197,8 @@ def _time_step(jax, np, cfg, tx, init, batch, block, split, plan_name, spec):
     plan = plan_lib.full_plan(cfg)
   plan_lib.check_plan(cfg, params, plan)
   # the trainer's builder: its mesh (every device), state rule, batch sharding and checks
-  compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=jax.device_count(),
-                             batch_split=split, log=lambda _: None)
+  compiler = steps_lib.build(cfg, tx, steps_lib.StepOptions(
+      batch=batch, eval_batch=jax.device_count(), batch_split=split, log=lambda _: None))
   layout = compiler.layout
   rng = np.random.default_rng(0)
   state = {"step": init["step"], "params": params, "opt_state": jax.jit(tx.init)(params),

@@ -95,9 +95,9 @@ def estimate(name: str, devices: int = 8, dtype: str | None = None, remat: str |
                   "reset": jax.ShapeDtypeStruct((), jnp.bool_)}
     t0 = time.perf_counter()
     # The step as a run compiles it (mesh, shardings, donation, the kernel's compiler options).
-    compiler = steps.build(cfg, tx, batch=batch, eval_batch=eval_batch,
-                           batch_split=config.optim.batch_split,
-                           num_devices=None if chip else 1, devices=[chip] if chip else None)
+    compiler = steps.build(cfg, tx, steps.StepOptions(
+        batch=batch, eval_batch=eval_batch, batch_split=config.optim.batch_split,
+        num_devices=None if chip else 1, devices=[chip] if chip else None))
     compiled = compiler.train(span_plan, state, host_batch)
     secs = time.perf_counter() - t0
     kept = sum(costs.activation_bytes(cfg, span_plan, piece, d.block).values())

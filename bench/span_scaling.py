@@ -92,7 +92,8 @@ def run_case(case: dict) -> dict:
   tokens = rng.integers(0, cfg.vocab_size, (case["batch"], case["block"] + 1))
   batch = steps_lib.host_batch(tokens[:, :-1], tokens[:, 1:], False)
   # The step as a run compiles it (train.steps.build: mesh, shardings, donated state).
-  compiler = steps_lib.build(cfg, tx, batch=case["batch"], eval_batch=1, num_devices=1)
+  compiler = steps_lib.build(cfg, tx, steps_lib.StepOptions(batch=case["batch"], eval_batch=1,
+                                                            num_devices=1))
   t0 = time.perf_counter()
   compiled = compiler.train(plan, state, batch)
   compile_s = time.perf_counter() - t0

@@ -99,8 +99,9 @@ def worker(spec: dict) -> dict:
       pass  # a bare string
     cfg = model_config.updated(cfg, **{key: value})
   tx, _ = optimizer_lib.make_optimizer(optim)
-  compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=jax.device_count(),
-                             log=lambda _: None)
+  compiler = steps_lib.build(cfg, tx, steps_lib.StepOptions(batch=batch,
+                                                            eval_batch=jax.device_count(),
+                                                            log=lambda _: None))
   layout = compiler.layout
 
   # The plan first (from span ratios), then the state at that plan.

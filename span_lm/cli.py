@@ -28,8 +28,8 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (checkpointed after the first, not after a seco
 
 def run(config):
   if config.mode == "train":
-    return loop.train(config)
-  if config.mode == "eval":
+    return loop.train(config_lib.checked(config))  # checked here, once: the trainer takes it
+  if config.mode == "eval":  # checked by its Run, after the checkpoint directory is found
     return loop.evaluate(config)
   if config.mode in ("import", "export"):
     # A directory holding model.safetensors (import) or export_format / a path not ending in .pt

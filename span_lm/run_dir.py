@@ -52,18 +52,28 @@ def load_saved(workdir: str) -> ml_collections.ConfigDict:
                      "with the run's overrides instead") from None
   if not isinstance(data, dict) or "model" not in data:
     raise ValueError(f"{path} is not a span_lm run config; pass --config=configs/FILE.py instead")
-  if isinstance(data["model"], dict) and model_config.is_flat(data["model"]):
-    data["model"] = model_config.upgrade(data["model"])  # written before config.model's sections
-  config = ml_collections.ConfigDict(_tuples(data))
-  filled = [n for n in _fill_missing(config, config_lib.base_config())
-            if not n.startswith(QUIET_DEFAULTS)]
+  config, filled = upgrade(data)
+  filled = [n for n in filled if not n.startswith(QUIET_DEFAULTS)]
   if filled:  # fields that can change results: say which defaults stand in
     print(f"note: {path} predates config field(s) {', '.join(filled)}; their defaults are used "
           "(pass them as --config.FIELD=V if the run used other values)", file=sys.stderr)
-  typed_placeholders(config, config_lib.base_config())
   config.workdir = workdir  # the directory as given now (the run may have moved)
   config.lock()
   return config
+
+
+def upgrade(saved: dict) -> tuple[ml_collections.ConfigDict, list[str]]:
+  """A run config saved by any span_lm (a run directory's config.json, an export's run_config) in
+  today's schema: config.model's old flat fields in their sections, JSON's lists as tuples, fields
+  added since at their defaults (returned: their dotted names), nulls as typed placeholders.
+  The one place old run configs are brought up to date."""
+  if isinstance(saved.get("model"), dict) and model_config.is_flat(saved["model"]):
+    saved = {**saved, "model": model_config.upgrade(saved["model"])}  # before the sections
+  config = ml_collections.ConfigDict(_tuples(saved))
+  defaults = config_lib.base_config()
+  filled = _fill_missing(config, defaults)
+  typed_placeholders(config, defaults)
+  return config, filled
 
 
 def typed_placeholders(config: ml_collections.ConfigDict,

@@ -2,6 +2,7 @@
 bad values fail early with a message naming the field, and the absl --config path works."""
 import dataclasses
 import importlib
+import json
 import math
 import os
 import pathlib
@@ -414,3 +415,128 @@ def test_text8_configs_are_enwik8_s_with_another_dataset(text8, enwik8):
   b = flat(config_lib.load_config(f"configs/{enwik8}.py", {}).to_dict())
   assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} <= {"data.dataset",
                                                                        "train.steps"}
+
+
+def _specs_that_validate(tmp_path):
+  for spec in ALL_SPECS:
+    c = _load(spec, tmp_path, mode="eval")
+    if c.data.path is None or pathlib.Path(c.data.path).exists():
+      yield spec, c
+
+
+def test_base_config_is_the_sections_defaults():
+  """base_config() is generated from RunConfig's fields: each section's dataclass defaults, a
+  typed placeholder where the default is None, config.model from ModelConfig, in field order."""
+  from span_lm import run_config  # pylint: disable=g-import-not-at-top
+  from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
+  base = config_lib.base_config()
+  top = [f for f in dataclasses.fields(run_config.RunConfig)
+         if f.name not in ("vocab_from_data", "source")]
+  assert list(json.loads(base.to_json())) == [f.name for f in top]
+  assert base.model.to_dict() == model_config.config_defaults()
+  for f in top:
+    if f.name == "model":
+      continue
+    if f.name not in run_config.SECTIONS:
+      assert base[f.name] == f.default, f.name
+      continue
+    fields = dataclasses.fields(run_config.SECTIONS[f.name])
+    assert list(json.loads(base[f.name].to_json())) == [s.name for s in fields]
+    for s in fields:
+      assert base[f.name][s.name] == s.default, f"{f.name}.{s.name}"
+      if s.default is None:  # a placeholder: --config.FIELD=V parses V as the field's type
+        assert base[f.name].get_ref(s.name).get_type() in (str, int), f"{f.name}.{s.name}"
+  assert base.get_ref("workdir").get_type() is str and base.get_ref("export_to").get_type() is str
+
+
+def test_validate_returns_the_typed_config_that_records_as_given(tmp_path):
+  """validate(ConfigDict) is the RunConfig: the same values, typed; what a run directory's
+  config.json and a checkpoint's metadata record is byte for byte what the ConfigDict wrote."""
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  n = 0
+  for spec, c in _specs_that_validate(tmp_path):
+    rc = config_lib.validate(c)
+    assert isinstance(rc, config_lib.RunConfig) and isinstance(rc.model, ModelConfig)
+    assert (rc.data.block, rc.optim.lr, rc.train.steps, rc.seed) == (
+        c.data.block, c.optim.lr, c.train.steps, c.seed)
+    assert rc.to_json_best_effort(indent=2) == c.to_json_best_effort(indent=2), spec
+    assert rc.to_dict() == c.to_dict() and list(rc.to_dict()) == list(c.to_dict()), spec
+    assert config_lib.checked(rc) is rc  # checked once: a RunConfig is not checked again
+    n += 1
+  assert n > 20
+
+
+def test_the_model_is_built_once_and_settled_by_the_data(tmp_path):
+  """validate builds the ModelConfig (vocab_size 1 standing in for the dataset's); the run
+  settles the vocabulary on that one: the same model as building it from config.model with the
+  dataset's vocabulary, and the same refusal where that vocabulary does not fit."""
+  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  for spec, c in _specs_that_validate(tmp_path):
+    rc = config_lib.validate(c)
+    assert rc.vocab_from_data == (not c.model.vocab_size)
+    for vocab in (16, 205, 267_735):
+      try:
+        want = ModelConfig.from_config(c.model, vocab_size=vocab)
+      except ValueError as e:
+        want = str(e)
+      try:
+        got = (dataclasses.replace(rc.model, vocab_size=vocab) if rc.vocab_from_data
+               else rc.model)
+      except ValueError as e:
+        got = str(e)
+      assert got == want, (spec, vocab)
+
+
+SECTION_BAD = [
+    ("Data", {"block": 0}, (1,), "config.data.block=0: must be an integer >= 1"),
+    ("Data", {"batch": 65}, (2,),
+     "config.data.batch=65: must be divisible by config.optim.batch_split=2"),
+    ("Data", {"data_dir": ""}, (1,), "config.data.data_dir='': must be a non-empty directory path"),
+    ("Optim", {"lr": 0.0}, (), "config.optim.lr=0.0: must be > 0"),
+    ("Optim", {"name": "lion"}, (),
+     "config.optim.name='lion': unknown optimizer; choose one of ('adagrad', 'sgd', 'momentum', "
+     "'adam')"),
+    ("Train", {"max_to_keep": 0}, ("train",),
+     "config.train.max_to_keep=0: must be an integer >= 1"),
+    ("Train", {"loss_scale_period": 0}, ("train",), "config.train.loss_scale_period=0: must be an "
+     "integer >= 1 (finite steps in a row before the scale doubles)"),
+    ("Train", {"profile_start": 3}, ("train",), "config.train.profile_start=3: profiling needs "
+     "both: set --config.train.profile_steps too (the first step to trace, 1-based, and how many "
+     "steps; 0 and 0: off)"),
+    ("Dist", {"fsdp": 0}, (), "config.dist.fsdp=0: must be an integer >= 1"),
+    ("Dist", {"coordinator": "host"}, (),
+     "config.dist.coordinator='host': must be '' or host:port of process 0"),
+    ("Compile", {"plan": "most"}, (),
+     "config.compile.plan='most': choose one of ('full', 'initial')"),
+]
+
+
+@pytest.mark.parametrize("section, bad, context, message", SECTION_BAD,
+                         ids=[f"{s}.{next(iter(b))}" for s, b, _, _ in SECTION_BAD])
+def test_each_section_refuses_its_bad_values_in_one_line(section, bad, context, message):
+  from span_lm import run_config  # pylint: disable=g-import-not-at-top
+  cls = getattr(run_config, section)
+  cls().check(*context)  # the defaults pass
+  with pytest.raises(ValueError) as e:
+    cls(**bad).check(*context)
+  assert str(e.value) == message and "\n" not in str(e.value)
+
+
+def test_a_run_takes_the_checked_config_as_it_is(tmp_path, monkeypatch):
+  """Run(RunConfig) checks nothing again, and its model is validate's, the vocabulary settled by
+  the dataset: the one ModelConfig of the run."""
+  from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  c = _load("configs/synthetic.py", tmp_path, **{
+      "train.steps": 0, "train.tensorboard": False, "train.compilation_cache": "",
+      "data.synthetic_length": 4000, "data.block": 8, "data.batch": 8, "data.eval_batch": 8,
+      "model.n_layers": 1, "model.d_model": 16, "model.d_ff": 16, "model.span.size": 16,
+      "model.span.ramp": 4})
+  checked = config_lib.validate(c)
+  monkeypatch.setattr(config_lib, "validate", lambda _: pytest.fail("checked a second time"))
+  run = run_lib.Run(checked)
+  try:
+    assert run.config is checked and checked.vocab_from_data and checked.model.vocab_size == 1
+    assert run.model_cfg == dataclasses.replace(checked.model,
+                                                vocab_size=run.splits.vocab_size)
+  finally:
+    run.ckpt.close()

@@ -95,11 +95,11 @@ def test_no_import_cycles():
 
 def test_run_config_imports_nothing_above_it():
   """span_lm/config.py (the schema and validate) sits below the trainer and the tools: it checks
-  the optim fields with span_lm/optim_config.py, which train/optimizer.py imports too, and reaches
+  the sections with span_lm/run_config.py, which train/optimizer.py imports too, and reaches
   nothing in span_lm/train, span_lm/tools or span_lm/cli, directly or through another module."""
   graph = _graph()
-  assert "span_lm.optim_config" in graph["span_lm.config"]
-  assert "span_lm.optim_config" in graph["span_lm.train.optimizer"]
+  assert "span_lm.run_config" in graph["span_lm.config"]
+  assert "span_lm.run_config" in graph["span_lm.train.optimizer"]
   reached, todo = set(), ["span_lm.config"]
   while todo:
     for target in graph[todo.pop()] - reached:

@@ -407,3 +407,17 @@ def updated(cfg: ModelConfig, **changes) -> ModelConfig:
   for k, v in upgrade({"arch": changes.get("arch", cfg.arch), **changes}).items():
     merged[k] = {**merged[k], **_as_dict(v)} if k in SECTIONS else v
   return ModelConfig.from_config(merged)
+
+
+def config_defaults() -> dict[str, Any]:
+  """config.model's defaults in a run config: ModelConfig's fields, its sections as dicts, and
+  vocab_size 0 (the dataset's vocabulary)."""
+  def defaults(cls) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+      if f.default is not dataclasses.MISSING:
+        out[f.name] = f.default
+      elif f.default_factory is not dataclasses.MISSING:
+        out[f.name] = defaults(f.default_factory)
+    return out
+  return {"vocab_size": 0, **defaults(ModelConfig)}

@@ -302,11 +302,11 @@ def compile_target(config, tgt: Target) -> dict:
   row["attention_keys"] = plan.attention_keys()
   log = []
   try:  # train's own builder: its mesh, state rule, batch sharding and checks
-    compiler = steps_lib.build(cfg, tx, batch=d.batch, eval_batch=d.eval_batch, batch_split=split,
-                               fsdp=config.dist.fsdp, devices=devices, whole_pieces=True,
-                               log=log.append,
-                               capacity=row["device_memory"],
-                               loss_scale_period=config.train.loss_scale_period)
+    options = steps_lib.StepOptions(
+        batch=d.batch, eval_batch=d.eval_batch, batch_split=split, fsdp=config.dist.fsdp,
+        devices=devices, whole_pieces=True, log=log.append, capacity=row["device_memory"],
+        loss_scale_period=config.train.loss_scale_period)
+    compiler = steps_lib.build(cfg, tx, options)
   except ValueError as e:  # a batch (or fsdp) that does not split over the devices
     row["error"] = str(e)
     return row

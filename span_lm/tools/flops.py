@@ -46,9 +46,9 @@ def compile_train_step(cfg: ModelConfig, plan: SpanPlan | None, batch: int, bloc
   state = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, batch, 1, 0))
   tokens = jax.ShapeDtypeStruct((batch, block), jnp.int32)
   batch_spec = {"x": tokens, "y": tokens, "reset": jax.ShapeDtypeStruct((), jnp.bool_)}
-  compiler = steps_lib.build(cfg, tx, batch=batch, eval_batch=1,
-                             num_devices=None if devices else 1, devices=devices,
-                             log=logging.getLogger("span_lm").debug)
+  options = steps_lib.StepOptions(batch=batch, eval_batch=1, num_devices=None if devices else 1,
+                                  devices=devices, log=logging.getLogger("span_lm").debug)
+  compiler = steps_lib.build(cfg, tx, options)
   return compiler.train(plan, state, batch_spec)
 
 

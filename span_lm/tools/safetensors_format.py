@@ -413,8 +413,6 @@ def import_export(config) -> dict:
 def get_config(arg: str | None = None):
   """The run config an export was trained with (config.json's run_config), set to import it:
   what main.py uses for --config.mode=import --config.import_from=DIR without --config."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   from span_lm import run_dir  # pylint: disable=g-import-not-at-top
   directory = export_dir(arg or "")
   if directory is None:
@@ -424,10 +422,7 @@ def get_config(arg: str | None = None):
   if not isinstance(run_config, dict) or "model" not in run_config:
     raise ValueError(f"{os.path.join(directory, CONFIG_NAME)} holds no run_config; pass "
                      "--config=configs/FILE.py with the model's settings")
-  # pylint: disable-next=protected-access
-  config = ml_collections.ConfigDict(run_dir._tuples(run_config))
-  run_dir._fill_missing(config, config_lib.base_config())  # pylint: disable=protected-access
-  run_dir.typed_placeholders(config, config_lib.base_config())
+  config, _ = run_dir.upgrade(run_config)
   config.mode = "import"
   config.import_from = directory
   config.lock()

@@ -180,8 +180,8 @@ def keeps_one_cpu_device(config) -> bool:
   whose matmuls run multi-threaded on XLA:CPU (kernels/matmul.py), so splitting the host only
   halves each device's threads; one device measured faster for them, float32 slower
   (docs/benchmarks.md)."""
-  arch = archs.ARCHS.get(config.model.get("arch", archs.DEFAULT))
-  return (str(config.model.get("dtype", "float32")) == "bfloat16"
+  arch = archs.ARCHS.get(getattr(config.model, "arch", archs.DEFAULT))
+  return (str(getattr(config.model, "dtype", "float32")) == "bfloat16"
           and arch is not None and arch.banded)
 
 

@@ -33,7 +33,10 @@ import jax
 import jax.numpy as jnp
 
 # the config's names and check, below span_lm/config.py (re-exported here)
-from span_lm.precision_config import MAX_SCALE, MIN_SCALE, MODES, check, enabled  # pylint: disable=unused-import
+from span_lm.run_config import LOSS_SCALE_MODES as MODES  # pylint: disable=unused-import
+from span_lm.run_config import MAX_SCALE, MIN_SCALE
+from span_lm.run_config import check_loss_scale as check  # pylint: disable=unused-import
+from span_lm.run_config import loss_scale_enabled as enabled
 
 
 def init(initial: float) -> dict[str, jax.Array]:

@@ -15,7 +15,8 @@ import optax
 from span_lm.train import sharding
 
 # the accepted names and the field check, below span_lm/config.py (re-exported here)
-from span_lm.optim_config import OPTIMIZERS, SCHEDULES, check_config  # pylint: disable=unused-import
+from span_lm.run_config import OPTIMIZERS, SCHEDULES  # pylint: disable=unused-import
+from span_lm.run_config import check_optim
 
 
 # The reference's fixed guard in the clip scale c / (||g|| + 1e-10); not the Adagrad eps.
@@ -116,7 +117,7 @@ def make_optimizer(optim_cfg: Any) -> tuple[optax.GradientTransformation, optax.
   before it is incremented), for logging. batch_split is only validated: gradient accumulation
   happens inside the train step, so the optimizer sees one (mean) gradient per step.
   """
-  f = check_config(optim_cfg)
+  f = check_optim(optim_cfg)
   if f["schedule"] == "cosine":
     schedule = cosine_schedule(float(f["lr"]), f["warmup"], f["decay_steps"])
   else:

@@ -1,11 +1,13 @@
 """A run: everything training and evaluation need, built and checked before anything compiles.
 
-`Run(config)` validates the config, sets the host up (CPU devices, several processes), takes the
+`Run(config)` takes the checked RunConfig (a ConfigDict is checked first: span_lm/config.py
+`validate`), sets the host up (CPU devices, several processes), takes the
 run directory's lock when asked (train/run_lock.py: one training process per directory), loads the
 data, checks the kernels and the batch split, and builds the step compiler (train/steps.build) and
 the checkpointer. Every check that can fail on the user's input runs here, before the first
 compilation. Restoring goes through train/restore.py.
 """
+import dataclasses
 import os
 
 import jax
@@ -13,8 +15,6 @@ import numpy as np
 
 from span_lm import config as config_lib
 from span_lm.data import batching, sources
-from span_lm.model import attention_rules
-from span_lm.model.config import ModelConfig
 from span_lm.train import checkpoint as ckpt_lib
 from span_lm.train import cpu_host
 from span_lm.train import distributed as dist_lib
@@ -49,10 +49,11 @@ class Run:
 
   def __init__(self, config, *, need_workdir: bool = True, num_devices: int | None = None,
                lock: bool = False):
-    """num_devices: build the mesh over the first N devices (default: all of them).
+    """config: a RunConfig, or a ConfigDict (a notebook's), checked here.
+    num_devices: build the mesh over the first N devices (default: all of them).
     lock: take the run directory's lock first (training: one writer per directory); released
     by `release`."""
-    config_lib.validate(config)
+    config = config_lib.checked(config)
     n_cpu, why = cpu_host.setup(config)  # before any backend use, as initialize
     dist_lib.initialize(config)  # before any backend use; a no-op for a lone process
     # before anything is written
@@ -75,7 +76,7 @@ class Run:
     if cpu_host.huge_pages_active() and jax.default_backend() == "cpu":
       _echo(f"CPU host: malloc with transparent huge pages ({cpu_host.HUGE_PAGES_TUNABLE})")
     self.where = "before training (data, kernels)"  # what the run is doing (out-of-memory line)
-    attention_rules.check(config.model, backend=jax.default_backend())  # a kernel it can run
+    config.check_kernels(backend=jax.default_backend())  # a kernel this host can run
     self.config = config
     self.process_index, self.process_count = jax.process_index(), jax.process_count()
     if config.train.compilation_cache:
@@ -87,7 +88,9 @@ class Run:
     if need_workdir and not self.workdir:
       raise ValueError("config.workdir is required: pass --config.workdir=DIR")
     self.splits = sources.load_splits(config.data)
-    self.model_cfg = ModelConfig.from_config(config.model, vocab_size=self.splits.vocab_size)
+    self.model_cfg = config.model  # checked once, by validate; the dataset's vocabulary settles
+    if config.vocab_from_data:  # a vocab_size of 0 (validate checked it with 1 standing in)
+      self.model_cfg = dataclasses.replace(self.model_cfg, vocab_size=self.splits.vocab_size)
     if self.model_cfg.vocab_size < self.splits.vocab_size:
       raise ValueError(f"config.model.vocab_size={self.model_cfg.vocab_size} is smaller than the "
                        f"dataset's vocabulary ({self.splits.vocab_size})")
@@ -96,12 +99,11 @@ class Run:
     self.fsdp = config.dist.fsdp
     self.tx, self.schedule = optimizer_lib.make_optimizer(config.optim)
     # attention.tiles='tune' is timed here (tune_block), before any step compiles
-    self.compiler = steps_lib.build(
-        self.model_cfg, self.tx, batch=d.batch, eval_batch=d.eval_batch,
-        batch_split=config.optim.batch_split, fsdp=self.fsdp, num_devices=num_devices,
-        processes=self.process_count, tune_block=d.block, log=_echo,
-        capacity=_device_memory(), debug_nan_at_step=config.train.debug_nan_at_step,
-        loss_scale_period=config.train.loss_scale_period)
+    self.compiler = steps_lib.build(self.model_cfg, self.tx, steps_lib.StepOptions(
+        batch=d.batch, eval_batch=d.eval_batch, batch_split=config.optim.batch_split,
+        fsdp=self.fsdp, num_devices=num_devices, processes=self.process_count, tune_block=d.block,
+        log=_echo, capacity=_device_memory(), debug_nan_at_step=config.train.debug_nan_at_step,
+        loss_scale_period=config.train.loss_scale_period))
     self.model_cfg, self.layout = self.compiler.cfg, self.compiler.layout
     self.mesh, self.replicated = self.layout.mesh, self.layout.replicated
     self.batch_sharding, self.cache_sharding = self.layout.rows, self.layout.cache_rows

@@ -6,6 +6,7 @@ The training state is a plain dict pytree (what Orbax saves):
 The span plan is static: each plan is its own compiled program, cached by `StepCompiler`, which
 logs every compilation with its wall time so the cost of a plan change is visible.
 """
+import dataclasses
 import functools
 import logging
 import time
@@ -473,30 +474,46 @@ class StepCompiler:
                          (self._replicated, c_sh), (1,))
 
 
-def build(cfg: ModelConfig, tx, *, batch: int, eval_batch: int, batch_split: int = 1,
-          fsdp: int = 1, num_devices: int | None = None, devices=None, processes: int = 1,
-          whole_pieces: bool = False, tune_block: int | None = None,
-          log: Callable[[str], None] | None = None,
-          capacity: int | None = None, debug_nan_at_step: int = 0,
-          loss_scale_period: int = 2000) -> StepCompiler:
-  """The mesh, state rule and batch sharding (sharding.Layout) and the step compiler of a run:
-  the one way the loop, the compile mode and the benchmarks build a step, so they compile the
-  same thing. Refuses batches that do not split over the devices and processes.
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """How a run's steps are laid out and compiled, besides the model and the optimizer: what
+  `build` reads (the loop fills it from the run config, the compile mode and benchmarks by hand).
 
   devices: lay the mesh over these (a deviceless topology's), else the first num_devices (all).
   whole_pieces: each batch_split piece must split over the devices (sharding.Layout).
   tune_block: resolve attention.tiles='tune' by timing the kernel at this block length and this
   run's rows per device (kernels/span/autotune.py); None: the config as it is.
+  capacity: one device's memory in bytes (StepCompiler's fit rule); None: unchecked."""
+  batch: int
+  eval_batch: int
+  batch_split: int = 1
+  fsdp: int = 1
+  num_devices: int | None = None
+  devices: Any = None
+  processes: int = 1
+  whole_pieces: bool = False
+  tune_block: int | None = None
+  log: Callable[[str], None] | None = None
+  capacity: int | None = None
+  debug_nan_at_step: int = 0
+  loss_scale_period: int = 2000
+
+
+def build(cfg: ModelConfig, tx, options: StepOptions) -> StepCompiler:
+  """The mesh, state rule and batch sharding (sharding.Layout) and the step compiler of a run:
+  the one way the loop, the compile mode and the benchmarks build a step, so they compile the
+  same thing. Refuses batches that do not split over the devices and processes.
   The compiler's `cfg` is the model config as resolved, its `layout` the arrays' layout."""
-  layout = sharding_lib.Layout.make(fsdp, num_devices, devices)
-  layout.check_batches(batch, eval_batch, batch_split, processes, whole_pieces)
-  if tune_block is not None:
-    spec = autotune.resolve(cfg.attn_spec, batch=batch // layout.num_devices // batch_split,
-                            m=tune_block, echo=log or logging.info)
+  o = options
+  layout = sharding_lib.Layout.make(o.fsdp, o.num_devices, o.devices)
+  layout.check_batches(o.batch, o.eval_batch, o.batch_split, o.processes, o.whole_pieces)
+  if o.tune_block is not None:
+    spec = autotune.resolve(cfg.attn_spec, batch=o.batch // layout.num_devices // o.batch_split,
+                            m=o.tune_block, echo=o.log or logging.info)
     cfg = cfg if spec.attention == cfg.attention else cfg.replace(attention=spec.attention)
-  return StepCompiler(cfg, tx, layout, batch_split=batch_split, log=log,
-                      debug_nan_at_step=debug_nan_at_step, capacity=capacity,
-                      loss_scale_period=loss_scale_period)
+  return StepCompiler(cfg, tx, layout, batch_split=o.batch_split, log=o.log,
+                      debug_nan_at_step=o.debug_nan_at_step, capacity=o.capacity,
+                      loss_scale_period=o.loss_scale_period)
 
 
 def host_batch(x: np.ndarray, y: np.ndarray, reset: bool, w: np.ndarray | None = None):

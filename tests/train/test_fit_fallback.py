@@ -106,8 +106,8 @@ def test_sparse_step_compiles_on_a_gpu_target_that_it_does_not_fit():
   logged = []
   b, m = 2, 64
   with target.compiling_for("gpu", 9.0):
-    compiler = steps_lib.build(cfg, tx, batch=b, eval_batch=b, num_devices=1,
-                               log=logged.append, capacity=1024)
+    compiler = steps_lib.build(cfg, tx, steps_lib.StepOptions(
+        batch=b, eval_batch=b, num_devices=1, log=logged.append, capacity=1024))
     plan = plan_lib.initial_plan(cfg)
     state = jax.eval_shape(lambda: steps_lib.init_state(cfg, tx, plan, b, b, 0))
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
