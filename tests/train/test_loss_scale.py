@@ -243,15 +243,18 @@ def test_init_from_a_float32_run_into_float16_and_back(tmp_path):
 
 @pytest.mark.slow
 def test_float16_tracks_float32_within_the_seed_spread(enwik8_head, tmp_path):
-  """configs/tiny.py:smoke on the enwik8 head, 300 steps: float32 with seeds 0, 1, 2 gives the
-  seed-to-seed spread (R = max - min of the final training-window bpc and of the validation bpc);
-  float16 with loss scaling, seed 0, must end no further from float32 seed 0 than another seed
-  would: within 1.64 R. (Were float16 one more draw of the seeds' distribution, of deviation s,
-  the gap would have deviation sqrt(2) s and a 95% bound of 2.77 s; the range of three draws
-  is 1.69 s on average, so the bound is 1.64 R. A bound of R alone fails about one time in four.)
-  The final values depend on the CPU's matmul kernels, so they differ between machines. Its
-  caches stay finite and far inside float16's range. The seeds share one compilation (the
-  persistent cache: a seed changes values, not programs)."""
+  """configs/tiny.py:smoke on the enwik8 head, 300 steps, seeds 0, 1, 2 in float32 and in float16
+  with loss scaling: float16's mean final training-window bpc and validation bpc must be within
+  reach of float32's, given the seeds' own scatter (a pooled two-sample t bound: the gap of the
+  means under 4.6 pooled standard deviations x sqrt(2/3), t's two-sided 99% point with 4 degrees
+  of freedom). float16's own rounding is one more source of scatter, so one draw per dtype is not
+  enough: measured on a 2-core machine (10 seeds per dtype, at 1 and 8 XLA host devices), a
+  float16 run's validation bpc scattered ~0.035 around a mean ~0.02 above float32's; one float16
+  draw against float32 seed 0 failed a bound of 1.64 x the float32 seeds' range at seed 0 (8
+  devices: 3.780 against 3.692) and passed at seeds 1-3.
+  The final values depend on the CPU's matmul kernels and on XLA's device count, so they differ
+  between machines. Its caches stay finite and far inside float16's range. The seeds of one dtype
+  share one compilation (the persistent cache: a seed changes values, not programs)."""
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
 
   def run(dtype, seed):
@@ -267,17 +270,19 @@ def test_float16_tracks_float32_within_the_seed_spread(enwik8_head, tmp_path):
         x.dtype == np.float32 for x in _leaves(result["state"]["params"]))
     return result
 
-  fp32 = {seed: run("float32", seed) for seed in (0, 1, 2)}
-  fp16 = run("float16", 0)
-  caches = _leaves(fp16["state"]["caches"])
+  seeds = (0, 1, 2)
+  fp32 = [run("float32", seed) for seed in seeds]
+  fp16 = [run("float16", seed) for seed in seeds]
+  caches = [c for r in fp16 for c in _leaves(r["state"]["caches"])]
   assert all(c.dtype == np.float16 and np.all(np.isfinite(c)) for c in caches)
   cache_max = max(float(np.max(np.abs(c.astype(np.float32)))) for c in caches)
-  report = {k: ([fp32[s][k] for s in (0, 1, 2)], fp16[k]) for k in ("bpc", "valid_bpc")}
-  print(f"float32 seeds 0,1,2 / float16 seed 0: {report}; float16 loss scale "
-        f"{fp16['loss_scale']} after {fp16['loss_scale_skips']} overflows; largest |cache| "
-        f"{cache_max:.1f}")
+  report = {k: ([r[k] for r in fp32], [r[k] for r in fp16]) for k in ("bpc", "valid_bpc")}
+  print(f"float32 / float16, seeds {seeds}: {report}; float16 loss scales "
+        f"{[(r['loss_scale'], r['loss_scale_skips']) for r in fp16]} (scale, overflows); "
+        f"largest |cache| {cache_max:.1f}")
   assert cache_max < 1000  # layer inputs: far below float16's 65504
-  assert fp32[0]["valid_bpc"] < 4.0  # it learned (uniform over the vocabulary: 7.6 bpc)
-  for key, (runs, half) in report.items():
-    spread = max(runs) - min(runs)
-    assert abs(half - runs[0]) <= 1.64 * spread, (key, half, runs, spread)
+  assert max(report["valid_bpc"][0]) < 4.0  # it learned (uniform over the vocabulary: 7.6 bpc)
+  for key, (full, half) in report.items():
+    pooled_sd = np.sqrt((np.var(full, ddof=1) + np.var(half, ddof=1)) / 2)
+    gap = np.mean(half) - np.mean(full)
+    assert abs(gap) <= 4.6 * pooled_sd * np.sqrt(2 / len(seeds)), (key, full, half, pooled_sd)
