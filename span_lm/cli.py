@@ -27,16 +27,19 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (checkpointed after the first, not after a seco
 
 
 def run(config):
-  if config.mode == "train":
-    return loop.train(config_lib.checked(config))  # checked here, once: the trainer takes it
-  if config.mode == "eval":  # checked by its Run, after the checkpoint directory is found
+  """Runs config.mode. The ConfigDict of the command line stops here: every mode but eval gets
+  the checked RunConfig (checked once, here); eval's Run checks it after finding the checkpoint
+  directory."""
+  if config.mode == "eval":
     return loop.evaluate(config)
+  config = config_lib.checked(config)
+  if config.mode == "train":
+    return loop.train(config)
   if config.mode in ("import", "export"):
     # A directory holding model.safetensors (import) or export_format / a path not ending in .pt
     # (export) is the safetensors format; a .pt file the reference's.
     from span_lm.tools import reference_checkpoint  # pylint: disable=g-import-not-at-top
     from span_lm.tools import safetensors_format  # pylint: disable=g-import-not-at-top
-    config_lib.validate(config)
     if config.mode == "import":
       if safetensors_format.import_source(config.import_from) == "safetensors":
         return safetensors_format.import_export(config)
@@ -49,10 +52,9 @@ def run(config):
     return verify.report(config)
   if config.mode == "compile":
     from span_lm.tools import compile as compile_lib  # pylint: disable=g-import-not-at-top
-    config_lib.validate(config)
     result = compile_lib.report(config)
     failed = compile_lib.failures(result)
-    if failed and config.compile.get("strict", False):
+    if failed and config.compile.strict:
       raise ValueError(f"--config.compile.strict: {'; '.join(failed)}")
     return 0
   if config.mode in config_lib.TOOL_MODES:

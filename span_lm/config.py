@@ -25,7 +25,7 @@ from span_lm.model import config as model_config
 from span_lm.run_config import (  # pylint: disable=unused-import  (names users import from here)
     COMPILE_PLANS, COMPILE_STEPS, DIST_MODES, MODES, TOOL_MODES, ConfigError, ConfigPathError,
     RunConfig, per_step_batches)
-from span_lm.run_config import _bad, _get
+from span_lm.run_config import _bad
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -58,11 +58,14 @@ def _check_unknown_fields(config):
   unknown = sorted(set(config.keys()) - set(schema.keys()))
   if unknown:
     raise ConfigError(f"config has unknown top-level fields {unknown} (schema: span_lm/config.py)")
-  def check(schema_node, prefix):
+  def check(schema_node, node, prefix):
     for name in schema_node.keys():
       if not isinstance(schema_node[name], ml_collections.ConfigDict):
         continue
-      section = _get(config, prefix + name)
+      if name not in node:
+        raise ConfigError(
+            f"config.{prefix}{name} is missing (the schema: span_lm.config.base_config)")
+      section = node[name]
       if not isinstance(section, ml_collections.ConfigDict):
         _bad(prefix + name, section, "is a section: set its fields (config." + prefix + name
              + ".FIELD), not the section")
@@ -70,8 +73,8 @@ def _check_unknown_fields(config):
       if extra:
         raise ConfigError(f"config.{prefix}{name} has unknown fields {extra}" + _moved_hint(
             prefix + name, extra, config) + " (schema: span_lm/config.py)")
-      check(schema_node[name], prefix + name + ".")
-  check(schema, "")
+      check(schema_node[name], section, prefix + name + ".")
+  check(schema, config, "")
 
 
 def moved_override(name: str, value: Any = None) -> str | None:

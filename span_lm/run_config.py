@@ -461,6 +461,18 @@ class RunConfig:
   # written, for what a run directory's config.json and a checkpoint's metadata record.
   source: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
+  @property
+  def vocab_size(self) -> int | None:
+    """config.model.vocab_size as configured, or None where it was 0 (the dataset's)."""
+    return None if self.vocab_from_data else self.model.vocab_size
+
+  def model_for(self, vocab_size: int) -> ModelConfig:
+    """config.model with its vocabulary settled: `vocab_size` (the dataset's, a checkpoint's)
+    where config.model.vocab_size was 0, else as configured."""
+    if not self.vocab_from_data:
+      return self.model
+    return dataclasses.replace(self.model, vocab_size=vocab_size)
+
   def _as_given(self) -> dict[str, Any]:
     """The fields in the given order, the sections' and top-level values from this RunConfig."""
     out = copy.deepcopy(self.source)

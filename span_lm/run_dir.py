@@ -67,13 +67,19 @@ def upgrade(saved: dict) -> tuple[ml_collections.ConfigDict, list[str]]:
   today's schema: config.model's old flat fields in their sections, JSON's lists as tuples, fields
   added since at their defaults (returned: their dotted names), nulls as typed placeholders.
   The one place old run configs are brought up to date."""
-  if isinstance(saved.get("model"), dict) and model_config.is_flat(saved["model"]):
-    saved = {**saved, "model": model_config.upgrade(saved["model"])}  # before the sections
+  if isinstance(saved.get("model"), dict):
+    saved = {**saved, "model": upgrade_model(saved["model"])}  # before the sections
   config = ml_collections.ConfigDict(_tuples(saved))
   defaults = config_lib.base_config()
   filled = _fill_missing(config, defaults)
   typed_placeholders(config, defaults)
   return config, filled
+
+
+def upgrade_model(saved_model: dict) -> dict:
+  """A saved config.model (a run's config.json, a checkpoint's metadata 'model_cfg') in today's
+  sections: its old flat fields moved (model/config.py's `upgrade`), the rest as it was."""
+  return model_config.upgrade(saved_model)
 
 
 def typed_placeholders(config: ml_collections.ConfigDict,

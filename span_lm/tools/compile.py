@@ -149,8 +149,8 @@ def parse_ptxas(log: str) -> list[dict]:
 # --------------------------------------------------------------------------- the child's work
 
 def _vocab(config) -> tuple[int, str]:
-  if config.model.vocab_size:
-    return int(config.model.vocab_size), "config"
+  if config.vocab_size is not None:
+    return config.vocab_size, "config"
   from span_lm.data import sources  # pylint: disable=g-import-not-at-top
   try:
     return sources.load_splits(config.data, allow_download=False).vocab_size, "local data"
@@ -280,19 +280,21 @@ def _compile_step(kind: str, compiler, plan, state, batch, *, cfg, data, n: int,
 
 
 def compile_target(config, tgt: Target) -> dict:
-  """Compiles the train and eval steps for one target in this process (the child)."""
+  """Compiles the train and eval steps for one target in this process (the child).
+  config: a RunConfig (a ConfigDict is checked first)."""
+  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
-  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
   from span_lm.train import optimizer as optimizer_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import steps as steps_lib  # pylint: disable=g-import-not-at-top
 
+  config = config_lib.checked(config)
   chip = tgt.chip
   row: dict[str, Any] = {"target": tgt.spec, "chip": chip.name, "platform": chip.platform,
                          "topology": tgt.topology, "chips": tgt.chips}
   t0 = time.perf_counter()
   devices, per_chip = _topology_devices(tgt, row)
   vocab, vocab_from = _vocab(config)
-  cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
+  cfg = config.model_for(vocab)
   row.update(vocab=vocab, vocab_from=vocab_from, dtype=cfg.dtype)
   d = config.data
   split = config.optim.batch_split
@@ -428,14 +430,16 @@ def _suggest(row: dict) -> str:
 
 def report(config) -> dict:
   """The compile mode: every target in its own child process; JSON and markdown written to
-  config.compile.out (default: config.workdir, else ./compile_report)."""
+  config.compile.out (default: config.workdir, else ./compile_report). config: a RunConfig (a
+  ConfigDict is checked first)."""
+  from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   from span_lm import run_dir  # pylint: disable=g-import-not-at-top
-  from span_lm.model import ARCHS  # pylint: disable=g-import-not-at-top
+  config = config_lib.checked(config)
   targets = parse_targets(config.compile.targets)
   missing = {missing_toolchain(t.chip.platform) for t in targets} - {""}
   if missing:
     raise ValueError(" ; ".join(sorted(missing)))
-  out_dir = config.compile.out or config.get("workdir") or "compile_report"
+  out_dir = config.compile.out or config.workdir or "compile_report"
   os.makedirs(out_dir, exist_ok=True)
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
@@ -445,9 +449,9 @@ def report(config) -> dict:
       row = _child_row(config, tgt, tmp, out_dir)
       rows.append(row)
       print(format_row(row), flush=True)
-  result = {"config": config.get("config_name", ""), "rows": rows,
+  result = {"config": config.source.get("config_name", ""), "rows": rows,
             "model": {"n_layers": config.model.n_layers, "d_model": config.model.d_model,
-                      "span": ARCHS[config.model.arch].context(config.model),
+                      "span": config.model.context,
                       "dtype": config.model.dtype,
                       "batch": config.data.batch, "block": config.data.block,
                       "batch_split": config.optim.batch_split, "remat": config.model.remat}}

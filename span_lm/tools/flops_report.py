@@ -64,8 +64,8 @@ def flops_ratio_table(rows: list[tuple[str, dict]]) -> str:
 def _run_vocab(config, meta) -> tuple[int, str]:
   if meta is not None:
     return int(meta["model_cfg"]["vocab_size"]), "checkpoint"
-  if config.model.vocab_size:
-    return int(config.model.vocab_size), "config"
+  if config.vocab_size is not None:
+    return config.vocab_size, "config"
   from span_lm.data import sources  # pylint: disable=g-import-not-at-top
   try:
     return sources.load_splits(config.data, allow_download=False).vocab_size, "data"
@@ -98,7 +98,7 @@ def report(config) -> dict:
   from span_lm.tools import restore as restore_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import checkpoint as ckpt_lib  # pylint: disable=g-import-not-at-top
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
-  config_lib.validate(config)  # the one mode that builds no run.Run (which validates)
+  config = config_lib.checked(config)  # builds no run.Run
   meta = None
   ckpt_dir = os.path.join(config.workdir or "", "checkpoints")
   if config.workdir and os.path.isdir(ckpt_dir):
@@ -106,7 +106,7 @@ def report(config) -> dict:
       if ckpt.latest_step() is not None:
         meta = ckpt.restore_meta(restore_lib.tools_field(config, "step"))
   vocab, vocab_from = _run_vocab(config, meta)
-  cfg = ModelConfig.from_config(config.model, vocab_size=vocab)
+  cfg = config.model_for(vocab)
   if not ARCHS[cfg.arch].banded:  # no spans, no plan: factorized attention against the dense one
     plan = gen_plan = plan_lib.full_plan(cfg)
     source = f"{cfg.sparse.combine} heads, stride {cfg.sparse.stride}"

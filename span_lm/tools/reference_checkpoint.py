@@ -30,6 +30,7 @@ import jax
 import numpy as np
 import optax
 
+from span_lm import config as config_lib
 from span_lm.model import adaptive_io
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
@@ -425,6 +426,7 @@ def import_reference(config) -> dict[str, Any]:
   `<workdir>/checkpoints`. Returns a summary dict.
   """
   from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.checked(config)
   src, workdir = config.import_from, config.workdir
   ckpt_dir = os.path.join(workdir, "checkpoints")
   if os.path.exists(ckpt_dir) and (not os.path.isdir(ckpt_dir) or os.listdir(ckpt_dir)):
@@ -432,7 +434,7 @@ def import_reference(config) -> dict[str, Any]:
                           "config.workdir (existing checkpoints are never overwritten)")
   sd, opt_sd, rest = read(src)
   found = infer_model(sd)
-  check_fits(sd, ModelConfig.from_config(config.model, vocab_size=found["vocab_size"]))
+  check_fits(sd, config.model_for(found["vocab_size"]))
   run = run_lib.Run(config)  # loads the dataset: its vocabulary must be the checkpoint's
   try:
     cfg = run.model_cfg
@@ -499,6 +501,7 @@ def export_reference(config, use_torch: bool | None = None) -> str:
   writer; both load with torch.load. Never overwrites an existing file.
   """
   from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.checked(config)
   dest = config.export_to
   if os.path.exists(dest):
     raise FileExistsError(f"{dest} already exists; choose another config.export_to")

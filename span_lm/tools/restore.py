@@ -107,7 +107,7 @@ class Restored:
 
 
 def restore(config, step: int | None = None) -> Restored:
-  """The checkpoint at `step` (latest by default) of the run in config.workdir."""
+  """The checkpoint at `step` (latest by default) of the run in config.workdir (a RunConfig)."""
   from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
   run = run_lib.Run(config)
   try:
@@ -131,9 +131,6 @@ def out_path(config, name: str) -> str:
 
 
 def tools_field(config, name: str, default=None):
-  """config.tools.<name>, tolerating configs built before the section existed."""
-  section = config.get("tools") if hasattr(config, "get") else None
-  if section is None or name not in section:
-    return default
-  value = section[name]
+  """config.tools.<name> of a RunConfig, `default` where it is None."""
+  value = getattr(config.tools, name)
   return default if value is None else value

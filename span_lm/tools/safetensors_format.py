@@ -36,6 +36,7 @@ import shutil
 
 import numpy as np
 
+from span_lm import config as config_lib
 from span_lm.layers import safetensors_io as sio
 from span_lm.model import config as model_config
 from span_lm.train.from_export import (CONFIG_NAME, FORMAT, FORMAT_VERSION, check_fits,
@@ -58,7 +59,7 @@ def version() -> str:
 
 def export_format(config) -> str:
   """'pt' or 'safetensors' for mode=export: config.export_format, else by export_to's suffix."""
-  fmt = config.get("export_format") or ""
+  fmt = config.export_format or ""
   dest = str(config.export_to)
   if not fmt:
     return "pt" if dest.endswith(".pt") else "safetensors"
@@ -166,6 +167,7 @@ def export(config) -> str:
   from span_lm.tools import restore as restore_lib  # pylint: disable=g-import-not-at-top
   from span_lm.model import config as model_config  # pylint: disable=g-import-not-at-top
   sio.library()
+  config = config_lib.checked(config)
   dest = os.fspath(config.export_to)
   if os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):
     raise FileExistsError(f"{dest} already exists; choose another config.export_to (an export "
@@ -358,15 +360,14 @@ def import_export(config) -> dict:
   from span_lm.model import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import planner as planner_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import run as run_lib  # pylint: disable=g-import-not-at-top
+  config = config_lib.checked(config)
   directory = export_dir(config.import_from)
   ckpt_dir = os.path.join(config.workdir, "checkpoints")
   if os.path.exists(ckpt_dir) and (not os.path.isdir(ckpt_dir) or os.listdir(ckpt_dir)):
     raise FileExistsError(f"{ckpt_dir} already exists and is not empty; import into a new "
                           "config.workdir (existing checkpoints are never overwritten)")
   data, file_cfg, tensors = read_checked(directory)  # before the run builds anything
-  from span_lm.model.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  check_fits(ModelConfig.from_config(config.model, vocab_size=file_cfg.vocab_size), data,
-             directory)
+  check_fits(config.model_for(file_cfg.vocab_size), data, directory)
   run = run_lib.Run(config)
   try:
     cfg = run.model_cfg

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm import config as config_lib
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
@@ -107,7 +108,9 @@ def generate(cfg: ModelConfig, params, plan: SpanPlan | None, prompt_ids, length
 
 
 def sample(config) -> dict:
-  """The `sample` mode: text from the checkpoint in config.workdir, printed and returned."""
+  """The `sample` mode: text from the checkpoint in config.workdir, printed and returned.
+  config: a RunConfig (a ConfigDict is checked first)."""
+  config = config_lib.checked(config)
   s = config.sample
   r = restore_lib.restore(config, restore_lib.tools_field(config, "step"))
   check_args(s.length, s.temperature, s.top_k, r.model_cfg.vocab_size)

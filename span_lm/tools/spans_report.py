@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from span_lm import config as config_lib
 from span_lm.model import caches as caches_lib
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
@@ -181,7 +182,9 @@ def plot_dynamic_windows(labels: list[str], windows_T: np.ndarray, path: str,
 
 
 def report(config) -> dict:
-  """The `spans` mode: table and plots for the checkpoint in config.workdir; returns paths."""
+  """The `spans` mode: table and plots for the checkpoint in config.workdir; returns paths.
+  config: a RunConfig (a ConfigDict is checked first)."""
+  config = config_lib.checked(config)
   r = restore_lib.restore(config, restore_lib.tools_field(config, "step"))
   cfg = r.model_cfg
   out = {"step": r.step, "plots": {}}

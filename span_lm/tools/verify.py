@@ -37,7 +37,7 @@ def report(config) -> dict:
   import os  # pylint: disable=g-import-not-at-top
   from span_lm import config as config_lib  # pylint: disable=g-import-not-at-top
   from span_lm.train import distributed as dist_lib  # pylint: disable=g-import-not-at-top
-  config_lib.validate(config)  # builds no run.Run (which validates)
+  config = config_lib.checked(config)  # builds no run.Run
   dist_lib.initialize(config)  # a no-op for a lone process
   directory = os.path.join(config.workdir, "checkpoints")
   if not os.path.isdir(directory):

@@ -33,7 +33,7 @@ def check_meta(model_cfg, meta: dict, directory: str) -> None:
   """Raises a ValueError listing the fields where the checkpoint's model (meta['model_cfg']) is
   not this config's: restoring it would give numbers for another model."""
   # Checkpoints written before config.model's sections hold its flat fields: upgraded first.
-  saved = run_dir.flatten(model_config.upgrade(meta.get("model_cfg", {})))
+  saved = run_dir.flatten(run_dir.upgrade_model(meta.get("model_cfg", {})))
   mine = run_dir.flatten(json.loads(json.dumps(model_config.saved(model_cfg))))  # lists
   keys = [k for k in mine if archs.is_identity(k)] + list(archs.ARCHS[model_cfg.arch].identity(
       model_cfg))

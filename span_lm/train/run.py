@@ -7,7 +7,6 @@ data, checks the kernels and the batch split, and builds the step compiler (trai
 the checkpointer. Every check that can fail on the user's input runs here, before the first
 compilation. Restoring goes through train/restore.py.
 """
-import dataclasses
 import os
 
 import jax
@@ -88,9 +87,8 @@ class Run:
     if need_workdir and not self.workdir:
       raise ValueError("config.workdir is required: pass --config.workdir=DIR")
     self.splits = sources.load_splits(config.data)
-    self.model_cfg = config.model  # checked once, by validate; the dataset's vocabulary settles
-    if config.vocab_from_data:  # a vocab_size of 0 (validate checked it with 1 standing in)
-      self.model_cfg = dataclasses.replace(self.model_cfg, vocab_size=self.splits.vocab_size)
+    # checked once, by validate; the dataset's vocabulary settles a vocab_size of 0
+    self.model_cfg = config.model_for(self.splits.vocab_size)
     if self.model_cfg.vocab_size < self.splits.vocab_size:
       raise ValueError(f"config.model.vocab_size={self.model_cfg.vocab_size} is smaller than the "
                        f"dataset's vocabulary ({self.splits.vocab_size})")
