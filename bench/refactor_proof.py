@@ -602,10 +602,30 @@ def part_hlo(tree: str, out: str) -> dict:
 # ---- part: compile -------------------------------------------------------------------------------
 
 
+def _sorted_kernels(text: str) -> str:
+  """The report with each target's GPU kernels in one order (by name; ptxas logs them as its
+  threads finish, so two compiles of one program list them differently): the JSON's 'kernels'
+  lists sorted, the markdown's kernel table rows sorted."""
+  try:
+    report = json.loads(text)
+  except ValueError:  # the markdown: sort the rows of its GPU kernel table
+    blocks = text.split("\n\n")
+    for i, b in enumerate(blocks):
+      if b.startswith("| target | kernel | arch |"):
+        lines = b.rstrip("\n").split("\n")
+        blocks[i] = "\n".join(lines[:2] + sorted(lines[2:])) + b[len(b.rstrip("\n")):]
+    return "\n\n".join(blocks)
+  for row in report.get("rows", []):
+    if "kernels" in row:
+      row["kernels"] = sorted(row["kernels"], key=lambda k: json.dumps(k, sort_keys=True))
+  return json.dumps(report, indent=1)
+
+
 def _strip_report(text: str, tree: str, workdir: str) -> str:
   """A compile report (span_lm/tools/compile.py) without its timings and paths: the seconds of
-  each compile, target and report in the JSON, the markdown's 'compile s' column."""
-  text = text.replace(workdir, "<WORKDIR>")
+  each compile, target and report in the JSON, the markdown's 'compile s' column; its GPU
+  kernels in one order."""
+  text = _sorted_kernels(text.replace(workdir, "<WORKDIR>"))
   text = re.sub(r'"(compile_s|total_s|wall_s)": [0-9.eE+-]+', r'"\1": "<time>"', text)
   text = re.sub(r"^(\|.*\| (train|eval) \|.*\| )\d+ \|$", r"\1<time> |", text, flags=re.M)
   return _normalize(text, tree)

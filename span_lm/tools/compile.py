@@ -495,8 +495,9 @@ def _child_row(config, tgt: Target, tmp: str, out_dir: str) -> dict:
   row["batch_split"] = config.optim.batch_split
   if tgt.chip.platform == "gpu":
     facts = {f["kernel"]: f for f in ptx_lib.dumped_kernels(dump, "span_attention")}
-    row["kernels"] = [dict(k, ptx=facts[k["kernel"]]) if k["kernel"] in facts else k
-                      for k in parse_ptxas(text)]
+    row["kernels"] = sorted(  # by name: ptxas logs them in the order its threads finish
+        [dict(k, ptx=facts[k["kernel"]]) if k["kernel"] in facts else k for k in parse_ptxas(text)],
+        key=lambda k: (k["kernel"], json.dumps(k, sort_keys=True, default=str)))
     shutil.rmtree(dump, ignore_errors=True)
   return row
 
