@@ -4,6 +4,10 @@ import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Deviceless TPU compiles load libtpu in the test process; two pytest-xdist workers doing so at
+# once collide on libtpu's lockfile ("Internal error when accessing libtpu multi-process
+# lockfile", seen here) unless told that several loads are meant (no TPU is opened: they compile).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # One persistent XLA cache for every test process (pytest-xdist workers, the training processes the
 # fault and distributed tests start, later runs): the suite compiles the same small steps in many
 # processes. A key is the program, the jax version and the flags, so a hit is the same executable.

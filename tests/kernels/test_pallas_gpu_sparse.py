@@ -393,7 +393,8 @@ def attention(q, k, v, heads, impl="fast"):
 sparse.attention = attention
 for combine in ("merged", "interleaved"):
   config = config_lib.load_config("configs/enwik8_sparse_fixed.py:small", {
-      "compile.steps": "train", "data.batch": 1, "model.sparse.combine": combine})
+      "mode": "compile", "compile.steps": "train", "data.batch": 1,
+      "model.sparse.combine": combine})  # the compile mode's run config, as its child gets it
   row = compile_lib.compile_target(config, compile_lib.parse_target(sys.argv[1] + ":1"))
   train = row.get("train") or {}
   print("STEP " + json.dumps([combine, len(routed), row.get("error"), train.get("compiled"),
