@@ -346,6 +346,24 @@ def check_lengths(splits: Splits, block: int, batch: int, eval_batch: int) -> No
           f"use a longer file, other split sizes, or a smaller block/batch")
 
 
+# The corpora's vocabulary sizes, known without their files (enwik8: bytes, an upper bound).
+KNOWN_VOCAB = {"enwik8": 256, "text8": 28, "wikitext103": 267735}
+
+
+def vocab_size_offline(data_cfg) -> tuple[int, str]:
+  """The vocabulary config.data gives, found without downloading (for the tools that size a model
+  before or without its data: the compile mode, the flops report): the local data's, else the
+  corpus's known size, else bytes' 256; with where it came from."""
+  try:
+    return load_splits(data_cfg, allow_download=False).vocab_size, "local data"
+  except (OSError, ValueError, RuntimeError):
+    pass
+  dataset = _get(data_cfg, "dataset", "enwik8")
+  if dataset in KNOWN_VOCAB:
+    return KNOWN_VOCAB[dataset], f"{dataset} (known size)"
+  return 256, "assumed (bytes)"
+
+
 def load_splits(data_cfg, *, allow_download: bool = True) -> Splits:
   """The trainer's entry point: config.data -> Splits (a local file wins when path is set)."""
   path = _get(data_cfg, "path", None)

@@ -577,3 +577,19 @@ def test_tfds_builders_import():
   pytest.importorskip("tensorflow_datasets")
   from span_lm.data import tfds_builders  # pylint: disable=import-outside-toplevel
   assert tfds_builders.Enwik8.name == "enwik8" and tfds_builders.Text8.name == "text8"
+
+
+def test_vocab_size_offline_reads_local_data_else_the_corpus_known_size(tmp_path):
+  """The vocabulary the compile mode and the flops report size a model with when config.model
+  says 0: the local data's (no download), else the corpus's known size (text8's 28 symbols,
+  wikitext103's 267,735 words, not bytes' 256), else 256."""
+  cfg = get_base_config().data
+  cfg.dataset = "enwik8_head"
+  assert sources.vocab_size_offline(cfg) == (200, "local data")
+  cfg.data_dir = str(tmp_path)  # no corpus here, and nothing is downloaded
+  for name, size in (("text8", 28), ("wikitext103", 267_735), ("enwik8", 256)):
+    cfg.dataset = name
+    assert sources.vocab_size_offline(cfg) == (size, f"{name} (known size)")
+    assert not list(tmp_path.iterdir())
+  cfg.dataset = "file"  # no path: nothing to read, nothing known
+  assert sources.vocab_size_offline(cfg) == (256, "assumed (bytes)")

@@ -18,7 +18,7 @@ from span_lm.model import costs
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
 from span_lm.model.transformer import SpanTransformer
-from span_lm.tools import flops, hlo, paper, restore, sample, spans_report
+from span_lm.tools import flops, flops_report, hlo, paper, restore, sample, spans_report
 
 
 @functools.cache
@@ -504,3 +504,24 @@ def test_flops_and_sample_modes(trained, capsys):
   prompt = r.codec.encode("3 4 5")
   np.testing.assert_array_equal(res["ids"], greedy_matches_forward(
       r.model_cfg, r.params, r.tight_plan, prompt, 7)[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config_file, vocab", [("configs/text8.py", 28),
+                                                ("configs/wiki103_pers.py", 267_735)])
+def test_flops_without_data_or_checkpoint_counts_the_corpus_vocabulary(config_file, vocab,
+                                                                       tmp_path, capsys,
+                                                                       monkeypatch):
+  """The flops mode with no checkpoint and no local corpus sizes the embedding and the softmax
+  with the corpus's known vocabulary, as the compile mode does, not bytes' 256."""
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  config = config_lib.load_config(config_file, {
+      "mode": "flops", "tools.xla": False, "workdir": str(tmp_path / "run"),
+      "data.data_dir": str(tmp_path / "no_corpus")})
+  out = flops_report.report(config)
+  assert f"vocabulary {vocab} (" in capsys.readouterr().out
+  assert not (tmp_path / "no_corpus").exists() or not list((tmp_path / "no_corpus").iterdir())
+  configured = flops_report.report(config_lib.load_config(config_file, {
+      "mode": "flops", "tools.xla": False, "workdir": str(tmp_path / "configured"),
+      "model.vocab_size": vocab}))
+  assert out["runs"] == configured["runs"]  # the counts of a model configured at that vocabulary

@@ -22,7 +22,7 @@ from span_lm.model import attention_rules
 from span_lm.kernels import target
 from span_lm.model import plan as plan_lib
 from span_lm.model.config import ModelConfig
-from span_lm.tools.compile import KNOWN_VOCAB
+from span_lm.data.sources import KNOWN_VOCAB
 from span_lm.train import optimizer as optimizer_lib
 from span_lm.train import steps as steps_lib
 
